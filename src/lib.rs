@@ -1,0 +1,15 @@
+//! kiln: a runtime for decoder-only language models.
+//!
+//! The pipeline runs one way: [`model`] reads files into a [`model::ModelConfig`] and
+//! [`model::Weights`]; [`graph`] builds a typed IR per architecture and fuses it; [`plan`] lowers
+//! the graph to an [`plan::ExecutionPlan`] per phase (prefill, decode) with buffers reused by
+//! liveness; [`backend`] executes plans; [`engine`] drives generation over a [`kv::KvCache`].
+
+pub mod backend;
+pub mod engine;
+pub mod graph;
+pub mod kv;
+pub mod model;
+pub mod plan;
+pub mod sample;
+pub mod tokenizer;

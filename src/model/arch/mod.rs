@@ -1,0 +1,1 @@
+//! One graph builder per architecture family.

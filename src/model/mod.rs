@@ -1,0 +1,39 @@
+//! Reading models from disk: Hugging Face directories and GGUF files.
+
+pub mod arch;
+mod config;
+mod error;
+pub mod gguf;
+pub mod hf;
+mod tensor;
+
+use std::path::{Path, PathBuf};
+
+pub use config::{Architecture, ModelConfig, RopeScaling, RopeStyle};
+pub use error::LoadError;
+pub use tensor::{DType, Tensor, TensorBytes, Weights};
+
+use crate::tokenizer::Tokenizer;
+
+/// A model ready to be compiled: what it is, its weights, and how to talk to it.
+pub struct Model {
+    pub path: PathBuf,
+    pub config: ModelConfig,
+    pub weights: Weights,
+    pub tokenizer: Tokenizer,
+    /// How the file stored its weights, for reports (`"bf16"`, `"Q4_1"`, ...).
+    pub weight_type: String,
+}
+
+impl Model {
+    /// Loads a Hugging Face model directory or a `.gguf` file, chosen by what `path` is.
+    pub fn load(path: impl AsRef<Path>) -> Result<Model, LoadError> {
+        let path = path.as_ref();
+        let meta = std::fs::metadata(path).map_err(|e| LoadError::io(path, e))?;
+        if meta.is_dir() {
+            hf::load(path)
+        } else {
+            gguf::load(path)
+        }
+    }
+}

@@ -1,0 +1,130 @@
+//! Text in, token ids out, and back: a thin layer over the `tokenizers` crate that adds what a
+//! runtime needs around it — the model's special tokens, its chat template, and a streaming
+//! decoder that never splits a UTF-8 character across two printed pieces.
+
+mod chat;
+pub mod gguf;
+mod stream;
+
+use std::path::{Path, PathBuf};
+
+pub use chat::ChatMessage;
+pub use stream::StreamDecoder;
+
+use crate::model::LoadError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("tokenizer ({source_file}): {reason}")]
+    Encode { source_file: PathBuf, reason: String },
+    #[error("token id {id} is outside the vocabulary of {vocab} tokens")]
+    BadId { id: u32, vocab: usize },
+    #[error("model has no chat template (pass a plain prompt without --chat)")]
+    NoChatTemplate,
+    #[error("chat template: {0}")]
+    Template(String),
+}
+
+/// Special-token facts that live beside the vocabulary (tokenizer_config.json, GGUF metadata).
+#[derive(Clone, Debug, Default)]
+pub struct SpecialTokens {
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    /// Prepend BOS when encoding a prompt (Llama 2 style); SmolLM2 and Llama 3 templates add it themselves.
+    pub add_bos_token: bool,
+    pub chat_template: Option<String>,
+}
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    source: PathBuf,
+    pub specials: SpecialTokens,
+}
+
+impl Tokenizer {
+    /// Parses a `tokenizer.json` document.
+    pub fn from_json(
+        json: &[u8],
+        source: &Path,
+        specials: SpecialTokens,
+    ) -> Result<Tokenizer, LoadError> {
+        let inner = tokenizers::Tokenizer::from_bytes(json).map_err(|e| LoadError::Tokenizer {
+            path: source.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        Ok(Tokenizer {
+            inner,
+            source: source.to_path_buf(),
+            specials,
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// Encodes text; special-token strings in it (e.g. `<|im_start|>`) become their ids, as in
+    /// Hugging Face's tokenizers. BOS is prepended only when the model asks for it.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| TokenizerError::Encode {
+                source_file: self.source.clone(),
+                reason: e.to_string(),
+            })?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if self.specials.add_bos_token {
+            if let Some(bos) = self.specials.bos_token_id {
+                if enc.get_ids().first() != Some(&bos) {
+                    ids.push(bos);
+                }
+            }
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// Decodes ids to text, special tokens included (as their literal text).
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        let vocab = self.vocab_size();
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(TokenizerError::BadId { id, vocab });
+        }
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| TokenizerError::Encode {
+                source_file: self.source.clone(),
+                reason: e.to_string(),
+            })
+    }
+
+    /// Renders messages through the model's chat template.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
+        let template = self
+            .specials
+            .chat_template
+            .as_deref()
+            .ok_or(TokenizerError::NoChatTemplate)?;
+        let token_text = |id: Option<u32>| id.and_then(|i| self.id_to_token(i)).unwrap_or_default();
+        chat::render(
+            template,
+            messages,
+            add_generation_prompt,
+            &token_text(self.specials.bos_token_id),
+            &token_text(self.specials.eos_token_ids.first().copied()),
+        )
+    }
+}
