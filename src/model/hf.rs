@@ -1,8 +1,400 @@
-//! Hugging Face model directories.
+//! Hugging Face model directories: `config.json`, `model.safetensors` (or a sharded
+//! `model.safetensors.index.json`), `tokenizer.json`, `tokenizer_config.json` and
+//! `generation_config.json`. Weights stay memory-mapped.
+
+use std::collections::BTreeMap;
+use std::fs::File;
 use std::path::Path;
+use std::sync::Arc;
 
-use super::{LoadError, Model};
+use memmap2::Mmap;
+use serde_json::Value;
 
-pub fn load(path: &Path) -> Result<Model, LoadError> {
-    Err(LoadError::format(path, "not yet"))
+use super::{
+    Architecture, DType, LoadError, Model, ModelConfig, RopeScaling, RopeStyle, Tensor,
+    TensorBytes, Weights,
+};
+use crate::tokenizer::{SpecialTokens, Tokenizer};
+
+pub fn load(dir: &Path) -> Result<Model, LoadError> {
+    let config_path = dir.join("config.json");
+    let config_json = read_json(&config_path)?;
+    let gen_path = dir.join("generation_config.json");
+    let gen_json = if gen_path.exists() {
+        Some(read_json(&gen_path)?)
+    } else {
+        None
+    };
+    let config = parse_config(&config_path, &config_json, gen_json.as_ref())?;
+    let weights = load_safetensors_dir(dir)?;
+    let tokenizer = load_tokenizer(dir, &config)?;
+    let weight_type = dominant_dtype(&weights);
+    Ok(Model {
+        path: dir.to_path_buf(),
+        config,
+        weights,
+        tokenizer,
+        weight_type,
+    })
 }
+
+fn read_json(path: &Path) -> Result<Value, LoadError> {
+    let bytes = std::fs::read(path).map_err(|e| LoadError::io(path, e))?;
+    serde_json::from_slice(&bytes).map_err(|source| LoadError::Json {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Typed access to config fields with errors that name the field.
+struct Fields<'a> {
+    path: &'a Path,
+    json: &'a Value,
+}
+
+impl Fields<'_> {
+    fn usize(&self, key: &str) -> Result<usize, LoadError> {
+        self.opt_usize(key)?
+            .ok_or_else(|| LoadError::config(self.path, key, "missing"))
+    }
+
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>, LoadError> {
+        match self.json.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .filter(|&n| n > 0)
+                .map(|n| Some(n as usize))
+                .ok_or_else(|| {
+                    LoadError::config(self.path, key, format!("expected a positive integer, found {v}"))
+                }),
+        }
+    }
+
+    fn opt_f32(&self, key: &str) -> Result<Option<f32>, LoadError> {
+        opt_f32_in(self.path, self.json, key)
+    }
+
+    fn opt_bool(&self, key: &str) -> Result<Option<bool>, LoadError> {
+        match self.json.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(LoadError::config(
+                self.path,
+                key,
+                format!("expected true or false, found {v}"),
+            )),
+        }
+    }
+}
+
+fn opt_f32_in(path: &Path, json: &Value, key: &str) -> Result<Option<f32>, LoadError> {
+    match json.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(|x| Some(x as f32))
+            .ok_or_else(|| LoadError::config(path, key, format!("expected a number, found {v}"))),
+    }
+}
+
+/// `eos_token_id` may be an integer or a list of them.
+fn token_ids(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+        _ => Vec::new(),
+    }
+}
+
+const SUPPORTED: &str = "llama, mistral, qwen2, nanochat";
+
+pub(crate) fn parse_config(
+    path: &Path,
+    json: &Value,
+    generation: Option<&Value>,
+) -> Result<ModelConfig, LoadError> {
+    let f = Fields { path, json };
+    let model_type = json
+        .get("model_type")
+        .and_then(Value::as_str)
+        .ok_or_else(|| LoadError::config(path, "model_type", "missing"))?;
+    let architecture = match model_type {
+        "llama" | "mistral" | "qwen2" => Architecture::Llama,
+        "nanochat" => Architecture::NanoChat,
+        other => {
+            return Err(LoadError::UnknownArchitecture {
+                path: path.to_path_buf(),
+                found: other.to_string(),
+                supported: SUPPORTED,
+            })
+        }
+    };
+    let hidden_size = f.usize("hidden_size")?;
+    let num_heads = f.usize("num_attention_heads")?;
+    let num_kv_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_heads);
+    if num_heads % num_kv_heads != 0 {
+        return Err(LoadError::config(
+            path,
+            "num_key_value_heads",
+            format!("{num_kv_heads} does not divide num_attention_heads {num_heads}"),
+        ));
+    }
+    let head_dim = match f.opt_usize("head_dim")? {
+        Some(d) => d,
+        None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+        None => {
+            return Err(LoadError::config(
+                path,
+                "head_dim",
+                format!("missing, and hidden_size {hidden_size} is not a multiple of {num_heads} heads"),
+            ))
+        }
+    };
+    if head_dim % 2 != 0 {
+        return Err(LoadError::config(path, "head_dim", format!("{head_dim} is odd; RoPE needs pairs")));
+    }
+    // transformers 5 folds rope_theta and rope_scaling into `rope_parameters`.
+    let rope_params = json.get("rope_parameters").filter(|v| v.is_object());
+    let rope_theta = match rope_params {
+        Some(p) => opt_f32_in(path, p, "rope_theta")?,
+        None => None,
+    }
+    .or(f.opt_f32("rope_theta")?)
+    .unwrap_or(10000.0);
+    let scaling_json = rope_params.or(json.get("rope_scaling").filter(|v| v.is_object()));
+    let rope_scaling = match scaling_json {
+        Some(s) => parse_rope_scaling(path, s)?,
+        None => None,
+    };
+    let (rope_style, default_tie, default_bias) = match (architecture, model_type) {
+        (Architecture::NanoChat, _) => (RopeStyle::HalfSplitNegated, false, false),
+        (_, "qwen2") => (RopeStyle::HalfSplit, false, true),
+        _ => (RopeStyle::HalfSplit, false, false),
+    };
+    let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(default_bias);
+    let final_logit_softcap = match architecture {
+        Architecture::NanoChat => f.opt_f32("final_logit_softcapping")?,
+        Architecture::Llama => None,
+    };
+    let mut eos_token_ids = token_ids(json.get("eos_token_id"));
+    let mut bos_token_id = token_ids(json.get("bos_token_id")).first().copied();
+    if let Some(g) = generation {
+        // generation_config.json is what `generate` stops on; it may list several ids.
+        let gen_eos = token_ids(g.get("eos_token_id"));
+        if !gen_eos.is_empty() {
+            eos_token_ids = gen_eos;
+        }
+        if let Some(b) = token_ids(g.get("bos_token_id")).first() {
+            bos_token_id = Some(*b);
+        }
+    }
+    Ok(ModelConfig {
+        architecture,
+        vocab_size: f.usize("vocab_size")?,
+        hidden_size,
+        num_layers: f.usize("num_hidden_layers")?,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        intermediate_size: f.usize("intermediate_size")?,
+        rms_norm_eps: f.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
+        rope_theta,
+        rope_scaling,
+        rope_style,
+        max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(2048),
+        tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(default_tie),
+        attention_bias,
+        final_logit_softcap,
+        bos_token_id,
+        eos_token_ids,
+    })
+}
+
+fn parse_rope_scaling(path: &Path, s: &Value) -> Result<Option<RopeScaling>, LoadError> {
+    let kind = s
+        .get("rope_type")
+        .or_else(|| s.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let num = |key: &str| -> Result<f32, LoadError> {
+        opt_f32_in(path, s, key)?
+            .ok_or_else(|| LoadError::config(path, &format!("rope_scaling.{key}"), "missing"))
+    };
+    match kind {
+        "default" => Ok(None),
+        "linear" => Ok(Some(RopeScaling::Linear {
+            factor: num("factor")?,
+        })),
+        "llama3" => Ok(Some(RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position_embeddings: num("original_max_position_embeddings")?,
+        })),
+        other => Err(LoadError::config(
+            path,
+            "rope_scaling.rope_type",
+            format!("`{other}` is not supported (kiln supports default, linear, llama3)"),
+        )),
+    }
+}
+
+fn load_safetensors_dir(dir: &Path) -> Result<Weights, LoadError> {
+    let index = dir.join("model.safetensors.index.json");
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        let mut w = Weights::new(&single);
+        add_safetensors_file(&single, &mut w)?;
+        return Ok(w);
+    }
+    if !index.exists() {
+        return Err(LoadError::format(
+            dir,
+            "no model.safetensors or model.safetensors.index.json in this directory",
+        ));
+    }
+    let json = read_json(&index)?;
+    let map = json
+        .get("weight_map")
+        .and_then(Value::as_object)
+        .ok_or_else(|| LoadError::config(&index, "weight_map", "missing or not an object"))?;
+    let mut files: Vec<&str> = map.values().filter_map(Value::as_str).collect();
+    files.sort_unstable();
+    files.dedup();
+    let mut w = Weights::new(&index);
+    for file in files {
+        if file.contains('/') || file.contains("..") {
+            return Err(LoadError::config(&index, "weight_map", format!("shard path `{file}` leaves the model directory")));
+        }
+        add_safetensors_file(&dir.join(file), &mut w)?;
+    }
+    for (name, file) in map {
+        if !w.contains(name) {
+            return Err(LoadError::tensor(
+                &index,
+                name,
+                format!("listed in weight_map under {file} but not found in that shard"),
+            ));
+        }
+    }
+    Ok(w)
+}
+
+fn add_safetensors_file(path: &Path, weights: &mut Weights) -> Result<(), LoadError> {
+    let file = File::open(path).map_err(|e| LoadError::io(path, e))?;
+    // SAFETY: the map is read-only; a file truncated underneath a running process is the one
+    // hazard of mmap, the same contract every mmap-based loader accepts.
+    let map = Arc::new(unsafe { Mmap::map(&file) }.map_err(|e| LoadError::io(path, e))?);
+    let (header_len, meta) = safetensors::SafeTensors::read_metadata(&map[..])
+        .map_err(|e| LoadError::format(path, format!("not a valid safetensors file: {e}")))?;
+    let data_start = 8 + header_len;
+    for (name, info) in meta.tensors() {
+        let dtype = match info.dtype {
+            safetensors::Dtype::F32 => DType::F32,
+            safetensors::Dtype::F16 => DType::F16,
+            safetensors::Dtype::BF16 => DType::BF16,
+            other => {
+                return Err(LoadError::DType {
+                    path: path.to_path_buf(),
+                    name,
+                    dtype: format!("{other:?}"),
+                })
+            }
+        };
+        let (start, end) = info.data_offsets;
+        let expected = info.shape.iter().product::<usize>() * dtype.size();
+        if end < start || end - start != expected || data_start + end > map.len() {
+            return Err(LoadError::tensor(
+                path,
+                &name,
+                format!(
+                    "data range {start}..{end} does not hold {expected} bytes of {dtype} {:?} within the file",
+                    info.shape
+                ),
+            ));
+        }
+        weights.insert(Tensor {
+            name: name.clone(),
+            shape: info.shape.clone(),
+            dtype,
+            bytes: TensorBytes::Mapped {
+                map: map.clone(),
+                offset: data_start + start,
+                len: end - start,
+            },
+        });
+    }
+    Ok(())
+}
+
+fn load_tokenizer(dir: &Path, config: &ModelConfig) -> Result<Tokenizer, LoadError> {
+    let tok_path = dir.join("tokenizer.json");
+    let json = std::fs::read(&tok_path).map_err(|e| LoadError::io(&tok_path, e))?;
+    let mut specials = SpecialTokens {
+        bos_token_id: config.bos_token_id,
+        eos_token_ids: config.eos_token_ids.clone(),
+        add_bos_token: false,
+        chat_template: None,
+    };
+    let cfg_path = dir.join("tokenizer_config.json");
+    let mut bos_text = None;
+    let mut eos_text = None;
+    if cfg_path.exists() {
+        let cfg = read_json(&cfg_path)?;
+        specials.add_bos_token = cfg.get("add_bos_token").and_then(Value::as_bool).unwrap_or(false);
+        specials.chat_template = chat_template_field(cfg.get("chat_template"));
+        let text = |v: Option<&Value>| -> Option<String> {
+            match v? {
+                Value::String(s) => Some(s.clone()),
+                Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_string),
+                _ => None,
+            }
+        };
+        bos_text = text(cfg.get("bos_token"));
+        eos_text = text(cfg.get("eos_token"));
+    }
+    // transformers 5 writes the template to its own file.
+    let jinja = dir.join("chat_template.jinja");
+    if specials.chat_template.is_none() && jinja.exists() {
+        specials.chat_template =
+            Some(std::fs::read_to_string(&jinja).map_err(|e| LoadError::io(&jinja, e))?);
+    }
+    let mut tok = Tokenizer::from_json(&json, &tok_path, specials)?;
+    if tok.specials.bos_token_id.is_none() {
+        tok.specials.bos_token_id = bos_text.and_then(|t| tok.token_to_id(&t));
+    }
+    if tok.specials.eos_token_ids.is_empty() {
+        if let Some(id) = eos_text.and_then(|t| tok.token_to_id(&t)) {
+            tok.specials.eos_token_ids.push(id);
+        }
+    }
+    Ok(tok)
+}
+
+/// `chat_template` is a string, or a list of `{name, template}` of which "default" is the one.
+fn chat_template_field(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(list) => list
+            .iter()
+            .find(|e| e.get("name").and_then(Value::as_str) == Some("default"))
+            .and_then(|e| e.get("template"))
+            .and_then(Value::as_str)
+            .map(str::to_string),
+        _ => None,
+    }
+}
+
+pub(crate) fn dominant_dtype(weights: &Weights) -> String {
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for t in weights.tensors.values().filter(|t| t.shape.len() == 2) {
+        *counts.entry(t.dtype.to_string()).or_default() += t.numel();
+    }
+    counts
+        .into_iter()
+        .max_by_key(|(_, n)| *n)
+        .map(|(k, _)| k)
+        .unwrap_or_else(|| "none".into())
+}
+

@@ -1,4 +1,310 @@
-//! The CPU backend: executes an execution plan with SIMD kernels on a rayon pool.
+//! The CPU backend: executes execution plans with SIMD kernels on its own rayon pool.
+//!
+//! Weights are packed once at construction (linears that a pass merged become one matrix; bf16
+//! stays bf16) and shared by every plan and every session; all per-step memory lives in a
+//! [`Workspace`] the caller owns, so one backend serves many concurrent sessions.
 
+mod attention;
+mod elementwise;
+mod exec;
 pub mod matmul;
+mod norm;
+mod rope;
 pub mod simd;
+
+use std::collections::HashMap;
+
+pub use attention::TokenRow;
+pub use exec::Workspace;
+
+use crate::graph::{passes, Graph, Linear, Op};
+use crate::kv::{KvCache, KvError};
+use crate::model::arch::{build_graph, LogitRows};
+use crate::model::{DType, LoadError, ModelConfig, Weights};
+use crate::plan::{ExecutionPlan, Phase};
+use matmul::{PackedMatrix, WeightData};
+
+/// How linear weights are held in memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightFormat {
+    /// bf16 stays bf16, f32 stays f32, f16 and dequantized types widen to f32 (exact).
+    #[default]
+    AsStored,
+    F32,
+    /// Rounded to bf16: half the bytes per token, at bf16 precision.
+    BF16,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuOptions {
+    /// Worker threads; 0 uses every core.
+    pub threads: usize,
+    pub weights: WeightFormat,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    #[error("could not start {threads} CPU worker threads: {reason}")]
+    Threads { threads: usize, reason: String },
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ExecError {
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    #[error("token id {id} is outside the model's vocabulary of {vocab}")]
+    BadToken { id: u32, vocab: usize },
+    #[error("slot {slot}: token at position {found} but the cache expects position {expected}")]
+    BadPosition {
+        slot: usize,
+        expected: usize,
+        found: usize,
+    },
+    #[error("a step needs at least one token and one row per token ({tokens} tokens, {rows} rows)")]
+    BadStep { tokens: usize, rows: usize },
+}
+
+/// Which compiled plan a step runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlanKind {
+    /// Many tokens, logits for the last one of each sequence.
+    Prefill,
+    /// One token per sequence.
+    Decode,
+    /// Logits for every token (scoring, reference checks).
+    AllLogits,
+}
+
+pub struct CpuBackend {
+    config: ModelConfig,
+    pool: rayon::ThreadPool,
+    threads: usize,
+    prefill: ExecutionPlan,
+    decode: ExecutionPlan,
+    all_logits: ExecutionPlan,
+    matrices: HashMap<String, PackedMatrix>,
+    vectors: HashMap<String, Vec<f32>>,
+    inv_freq: Vec<f32>,
+}
+
+/// The optimised graph every CPU plan is lowered from.
+pub fn compile_graph(
+    config: &ModelConfig,
+    weights: &Weights,
+    logits: LogitRows,
+) -> Result<Graph, LoadError> {
+    let mut g = build_graph(config, weights, logits)?;
+    passes::optimize(&mut g);
+    Ok(g)
+}
+
+fn matrix_key(linears: &[Linear]) -> String {
+    linears.iter().map(|l| l.weight.as_str()).collect::<Vec<_>>().join("|")
+}
+
+impl CpuBackend {
+    pub fn new(
+        config: &ModelConfig,
+        weights: &Weights,
+        opts: CpuOptions,
+    ) -> Result<CpuBackend, BackendError> {
+        let threads = if opts.threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            opts.threads
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("kiln-cpu-{i}"))
+            .build()
+            .map_err(|e| BackendError::Threads {
+                threads,
+                reason: e.to_string(),
+            })?;
+        let last = compile_graph(config, weights, LogitRows::Last)?;
+        let all = compile_graph(config, weights, LogitRows::All)?;
+        let prefill = ExecutionPlan::lower(last.clone(), Phase::Prefill);
+        let decode = ExecutionPlan::lower(last, Phase::Decode);
+        let all_logits = ExecutionPlan::lower(all, Phase::Prefill);
+        let inv_freq = rope::inv_freq(&prefill.graph.rope);
+
+        let mut matrices = HashMap::new();
+        let mut vectors = HashMap::new();
+        for plan in [&prefill, &all_logits] {
+            for node in &plan.graph.nodes {
+                match &node.op {
+                    Op::Embed { table, .. } => {
+                        if !matrices.contains_key(table) {
+                            let m = pack(weights, &[(table.clone(), None)], opts.weights)?;
+                            matrices.insert(table.clone(), m);
+                        }
+                    }
+                    Op::MatMul { linears, norm, .. } => {
+                        let key = matrix_key(linears);
+                        if !matrices.contains_key(&key) {
+                            let parts: Vec<(String, Option<String>)> =
+                                linears.iter().map(|l| (l.weight.clone(), l.bias.clone())).collect();
+                            matrices.insert(key, pack(weights, &parts, opts.weights)?);
+                        }
+                        if let Some(w) = norm.as_ref().and_then(|n| n.weight.as_ref()) {
+                            vectors.insert(w.clone(), weights.get(w)?.to_f32_vec());
+                        }
+                    }
+                    Op::RmsNorm(n) => {
+                        if let Some(w) = &n.weight {
+                            vectors.insert(w.clone(), weights.get(w)?.to_f32_vec());
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        Ok(CpuBackend {
+            config: config.clone(),
+            pool,
+            threads,
+            prefill,
+            decode,
+            all_logits,
+            matrices,
+            vectors,
+            inv_freq,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    pub fn plan(&self, kind: PlanKind) -> &ExecutionPlan {
+        match kind {
+            PlanKind::Prefill => &self.prefill,
+            PlanKind::Decode => &self.decode,
+            PlanKind::AllLogits => &self.all_logits,
+        }
+    }
+
+    /// Bytes of packed weights (what a decode step streams from memory).
+    pub fn weight_bytes(&self) -> usize {
+        self.matrices.values().map(PackedMatrix::bytes).sum::<usize>()
+            + self.vectors.values().map(|v| v.len() * 4).sum::<usize>()
+    }
+
+    /// A KV cache shaped for this model.
+    pub fn new_cache(&self, slots: usize, capacity: usize) -> KvCache {
+        KvCache::new(self.prefill.graph.kv, slots, capacity)
+    }
+
+    /// Runs one step: appends `tokens` (placed by `rows`) to the cache and writes logits, one
+    /// row of `vocab_size` per sequence (or per token for [`PlanKind::AllLogits`]), to `logits`.
+    /// Returns the number of logit rows.
+    pub fn forward(
+        &self,
+        kind: PlanKind,
+        ws: &mut Workspace,
+        kv: &mut KvCache,
+        tokens: &[u32],
+        rows: &[TokenRow],
+        logits: &mut Vec<f32>,
+    ) -> Result<usize, ExecError> {
+        if tokens.is_empty() || tokens.len() != rows.len() {
+            return Err(ExecError::BadStep {
+                tokens: tokens.len(),
+                rows: rows.len(),
+            });
+        }
+        let vocab = self.config.vocab_size;
+        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
+            return Err(ExecError::BadToken { id, vocab });
+        }
+        // Each slot's tokens must continue its cache contiguously, and fit.
+        let mut next: HashMap<usize, usize> = HashMap::new();
+        for r in rows {
+            if r.slot >= kv.slots() {
+                return Err(KvError::NoSlot {
+                    slot: r.slot,
+                    slots: kv.slots(),
+                }
+                .into());
+            }
+            let expected = next.entry(r.slot).or_insert(kv.len(r.slot));
+            if r.pos != *expected {
+                return Err(ExecError::BadPosition {
+                    slot: r.slot,
+                    expected: *expected,
+                    found: r.pos,
+                });
+            }
+            *expected += 1;
+        }
+        for (&slot, &end) in &next {
+            kv.reserve(slot, end - kv.len(slot))?;
+        }
+        let plan = self.plan(kind);
+        let n = self
+            .pool
+            .install(|| exec::run(self, plan, ws, kv, tokens, rows, logits));
+        for (&slot, &end) in &next {
+            let len = kv.len(slot);
+            kv.advance(slot, end - len);
+        }
+        Ok(n)
+    }
+}
+
+/// Packs one or more linears (rows concatenated) into the backend's matrix format.
+fn pack(
+    weights: &Weights,
+    parts: &[(String, Option<String>)],
+    format: WeightFormat,
+) -> Result<PackedMatrix, LoadError> {
+    let tensors = parts
+        .iter()
+        .map(|(w, _)| weights.get(w))
+        .collect::<Result<Vec<_>, _>>()?;
+    let cols = tensors[0].shape.last().copied().unwrap_or(0);
+    for t in &tensors {
+        if t.shape.len() != 2 || t.shape[1] != cols {
+            return Err(LoadError::tensor(
+                &weights.source,
+                &t.name,
+                format!("expected a matrix with {cols} columns, found shape {:?}", t.shape),
+            ));
+        }
+    }
+    let rows: usize = tensors.iter().map(|t| t.shape[0]).sum();
+    let use_bf16 = match format {
+        WeightFormat::BF16 => true,
+        WeightFormat::F32 => false,
+        WeightFormat::AsStored => tensors.iter().all(|t| t.dtype == DType::BF16),
+    };
+    let data = if use_bf16 {
+        WeightData::BF16(tensors.iter().flat_map(|t| t.to_bf16_vec()).collect())
+    } else {
+        WeightData::F32(tensors.iter().flat_map(|t| t.to_f32_vec()).collect())
+    };
+    let bias = if parts.iter().any(|(_, b)| b.is_some()) {
+        let mut v = Vec::with_capacity(rows);
+        for ((_, b), t) in parts.iter().zip(&tensors) {
+            match b {
+                Some(name) => v.extend(weights.get(name)?.to_f32_vec()),
+                None => v.extend(std::iter::repeat_n(0.0, t.shape[0])),
+            }
+        }
+        Some(v)
+    } else {
+        None
+    };
+    Ok(PackedMatrix {
+        rows,
+        cols,
+        data,
+        bias,
+    })
+}

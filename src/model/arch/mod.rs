@@ -1,1 +1,136 @@
-//! One graph builder per architecture family.
+//! One graph builder per architecture family. Builders check every weight they reference
+//! against the shape the config implies, so a wrong file fails at load with the tensor's name.
+
+mod llama;
+mod nanochat;
+
+use crate::graph::{Graph, KvSpec, Linear, Norm, Op, RopeSpec, Value};
+use crate::model::{Architecture, LoadError, ModelConfig, Weights};
+
+/// Which token rows get logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitRows {
+    /// Only the last token of each sequence (what generation needs).
+    Last,
+    /// Every token (for scoring and for checking against a reference).
+    All,
+}
+
+/// Builds the unoptimised graph of one forward step.
+pub fn build_graph(
+    config: &ModelConfig,
+    weights: &Weights,
+    logits: LogitRows,
+) -> Result<Graph, LoadError> {
+    match config.architecture {
+        Architecture::Llama => llama::build(config, weights, logits),
+        Architecture::NanoChat => nanochat::build(config, weights, logits),
+    }
+}
+
+/// Helpers shared by the builders.
+pub(crate) struct Builder<'a> {
+    pub g: Graph,
+    pub config: &'a ModelConfig,
+    pub weights: &'a Weights,
+}
+
+impl<'a> Builder<'a> {
+    pub fn new(config: &'a ModelConfig, weights: &'a Weights) -> Builder<'a> {
+        let g = Graph::new(
+            RopeSpec {
+                theta: config.rope_theta,
+                head_dim: config.head_dim,
+                style: config.rope_style,
+                scaling: config.rope_scaling,
+            },
+            KvSpec {
+                layers: config.num_layers,
+                kv_heads: config.num_kv_heads,
+                head_dim: config.head_dim,
+            },
+            config.vocab_size,
+        );
+        Builder { g, config, weights }
+    }
+
+    /// A linear layer `name.weight` of shape `[out, inp]`, with `name.bias` when present.
+    pub fn linear(&self, name: &str, out: usize, inp: usize) -> Result<Linear, LoadError> {
+        let wname = format!("{name}.weight");
+        let w = self.weights.get_shaped(&wname, &[out, inp])?;
+        let bname = format!("{name}.bias");
+        let bias = if self.weights.contains(&bname) {
+            self.weights.get_shaped(&bname, &[out])?;
+            Some(bname)
+        } else {
+            None
+        };
+        Ok(Linear {
+            weight: wname,
+            bias,
+            out,
+            inp,
+            elem_bytes: w.dtype.size(),
+        })
+    }
+
+    pub fn matmul(&mut self, x: Value, l: Linear, label: String) -> Value {
+        let cols = l.out;
+        self.g.push1(
+            Op::MatMul {
+                linears: vec![l],
+                norm: None,
+                epilogue: crate::graph::Epilogue::None,
+            },
+            vec![x],
+            cols,
+            label,
+        )
+    }
+
+    pub fn rms_norm(&mut self, x: Value, weight: Option<&str>, label: String) -> Result<Value, LoadError> {
+        let cols = self.g.shape(x).cols;
+        let weight = match weight {
+            Some(w) => {
+                self.weights.get_shaped(w, &[cols])?;
+                Some(w.to_string())
+            }
+            None => None,
+        };
+        Ok(self.g.push1(
+            Op::RmsNorm(Norm {
+                weight,
+                eps: self.config.rms_norm_eps,
+            }),
+            vec![x],
+            cols,
+            label,
+        ))
+    }
+
+    pub fn embed(&mut self, table: &str) -> Result<Value, LoadError> {
+        let c = self.config;
+        let t = self.weights.get_shaped(table, &[c.vocab_size, c.hidden_size])?;
+        let ids = self.g.token_ids();
+        Ok(self.g.push1(
+            Op::Embed {
+                table: table.to_string(),
+                dim: c.hidden_size,
+                elem_bytes: t.dtype.size(),
+            },
+            vec![ids],
+            c.hidden_size,
+            "embed",
+        ))
+    }
+
+    pub fn op1(&mut self, op: Op, inputs: Vec<Value>, label: String) -> Value {
+        let cols = self.g.shape(inputs[0]).cols;
+        self.g.push1(op, inputs, cols, label)
+    }
+
+    pub fn finish(mut self, output: Value) -> Graph {
+        self.g.output = output;
+        self.g
+    }
+}

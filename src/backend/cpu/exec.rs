@@ -1,0 +1,261 @@
+//! The plan interpreter: one match arm per op, reading and writing column slots of the
+//! workspace's buffers.
+
+use super::attention::{self, AttentionShape, TokenRow};
+use super::matmul::{self, PackedMatrix, WeightData};
+use super::{elementwise, norm, rope, CpuBackend};
+use crate::graph::{Epilogue, Op, Rows};
+use crate::kv::KvCache;
+use crate::plan::{ExecutionPlan, Operand, Slot};
+
+/// Per-session scratch memory: the plan's buffers plus kernel temporaries. Grows to the largest
+/// step seen and is reused after that, so steady-state decode allocates nothing here.
+#[derive(Default)]
+pub struct Workspace {
+    buffers: Vec<Vec<f32>>,
+    normed: Vec<f32>,
+    gated: Vec<f32>,
+    angles: Vec<(f32, f32)>,
+}
+
+impl Workspace {
+    pub fn new() -> Workspace {
+        Workspace::default()
+    }
+}
+
+/// A read-only row view of a slot.
+#[derive(Clone, Copy)]
+struct View<'a> {
+    data: &'a [f32],
+    stride: usize,
+    col: usize,
+    cols: usize,
+}
+
+impl<'a> View<'a> {
+    fn row(&self, t: usize) -> &'a [f32] {
+        let at = t * self.stride + self.col;
+        &self.data[at..at + self.cols]
+    }
+}
+
+fn row_mut(data: &mut [f32], stride: usize, s: Slot, t: usize) -> &mut [f32] {
+    let at = t * stride + s.col;
+    &mut data[at..at + s.cols]
+}
+
+pub(super) fn run(
+    be: &CpuBackend,
+    plan: &ExecutionPlan,
+    ws: &mut Workspace,
+    kv: &mut KvCache,
+    tokens: &[u32],
+    rows: &[TokenRow],
+    logits: &mut Vec<f32>,
+) -> usize {
+    let n_tok = tokens.len();
+    // The last token of each run of same-slot tokens ends a sequence.
+    let seq_last: Vec<usize> = (0..n_tok)
+        .filter(|&t| t + 1 == n_tok || rows[t + 1].slot != rows[t].slot)
+        .collect();
+    let n_rows = |r: Rows| match r {
+        Rows::Tokens => n_tok,
+        Rows::Sequences => seq_last.len(),
+    };
+    ws.buffers.resize_with(plan.buffers.len(), Vec::new);
+    for (b, desc) in ws.buffers.iter_mut().zip(&plan.buffers) {
+        let need = n_rows(desc.rows) * desc.cols;
+        if b.len() < need {
+            b.resize(need, 0.0);
+        }
+    }
+    let half = plan.graph.rope.head_dim / 2;
+    ws.angles.clear();
+    for r in rows {
+        rope::push_angles(&be.inv_freq, r.pos, &mut ws.angles);
+    }
+
+    for ins in &plan.instrs {
+        let out_slot = ins.outputs[0];
+        let ob = out_slot.buffer;
+        let stride = plan.buffers[ob].cols;
+        let rows_out = n_rows(plan.buffers[ob].rows);
+        let mut out = std::mem::take(&mut ws.buffers[ob]);
+        {
+            let bufs = &ws.buffers;
+            let view = |o: &Operand| -> View<'_> {
+                let s = o.slot().expect("token ids read as activations");
+                let data: &[f32] = if s.buffer == ob { &[] } else { &bufs[s.buffer] };
+                View {
+                    data,
+                    stride: plan.buffers[s.buffer].cols,
+                    col: s.col,
+                    cols: s.cols,
+                }
+            };
+            match &ins.op {
+                Op::TokenIds => unreachable!("the plan has no instruction for the input"),
+                Op::Embed { table, dim, .. } => {
+                    let m = &be.matrices[table];
+                    for (t, &id) in tokens.iter().enumerate() {
+                        let dst = row_mut(&mut out, stride, out_slot, t);
+                        let at = id as usize * dim;
+                        match &m.data {
+                            WeightData::F32(w) => dst.copy_from_slice(&w[at..at + dim]),
+                            WeightData::BF16(w) => {
+                                for (d, s) in dst.iter_mut().zip(&w[at..at + dim]) {
+                                    *d = s.to_f32();
+                                }
+                            }
+                        }
+                    }
+                }
+                Op::RmsNorm(n) => {
+                    let x = view(&ins.inputs[0]);
+                    let w = n.weight.as_ref().map(|w| be.vectors[w].as_slice());
+                    for t in 0..rows_out {
+                        norm::rms_norm(x.row(t), w, n.eps, row_mut(&mut out, stride, out_slot, t));
+                    }
+                }
+                Op::MatMul {
+                    linears,
+                    norm: pre,
+                    epilogue,
+                } => {
+                    let m: &PackedMatrix = &be.matrices[&super::matrix_key(linears)];
+                    let x = view(&ins.inputs[0]);
+                    let k = x.cols;
+                    // The prologue normalises the input rows into scratch.
+                    let (xs, ldx, xoff): (&[f32], usize, usize) = match pre {
+                        Some(n) => {
+                            ws.normed.resize(rows_out * k, 0.0);
+                            let w = n.weight.as_ref().map(|w| be.vectors[w].as_slice());
+                            for t in 0..rows_out {
+                                norm::rms_norm(x.row(t), w, n.eps, &mut ws.normed[t * k..(t + 1) * k]);
+                            }
+                            (&ws.normed, k, 0)
+                        }
+                        None => (x.data, x.stride, x.col),
+                    };
+                    let xs = &xs[xoff..];
+                    match epilogue {
+                        Epilogue::None => {
+                            matmul::matmul(m, xs, ldx, rows_out, &mut out[out_slot.col..], stride, false)
+                        }
+                        Epilogue::Activation(a) => {
+                            matmul::matmul(m, xs, ldx, rows_out, &mut out[out_slot.col..], stride, false);
+                            for t in 0..rows_out {
+                                elementwise::act_inplace(row_mut(&mut out, stride, out_slot, t), *a);
+                            }
+                        }
+                        Epilogue::ResidualAdd => {
+                            if !ins.in_place {
+                                let r = view(&ins.inputs[1]);
+                                for t in 0..rows_out {
+                                    row_mut(&mut out, stride, out_slot, t).copy_from_slice(r.row(t));
+                                }
+                            }
+                            matmul::matmul(m, xs, ldx, rows_out, &mut out[out_slot.col..], stride, true)
+                        }
+                        Epilogue::Gated(a) => {
+                            let f = m.rows / 2;
+                            ws.gated.resize(rows_out * m.rows, 0.0);
+                            matmul::matmul(m, xs, ldx, rows_out, &mut ws.gated, m.rows, false);
+                            for t in 0..rows_out {
+                                let g = &ws.gated[t * m.rows..(t + 1) * m.rows];
+                                elementwise::gated(&g[..f], &g[f..], *a, row_mut(&mut out, stride, out_slot, t));
+                            }
+                        }
+                    }
+                }
+                Op::HeadNorm { head_dim, eps, .. } => {
+                    let x = view(&ins.inputs[0]);
+                    for t in 0..rows_out {
+                        let dst = row_mut(&mut out, stride, out_slot, t);
+                        dst.copy_from_slice(x.row(t));
+                        norm::head_norm_inplace(dst, *head_dim, *eps);
+                    }
+                }
+                Op::Rope { head_dim, .. } => {
+                    let x = view(&ins.inputs[0]);
+                    for t in 0..rows_out {
+                        let dst = row_mut(&mut out, stride, out_slot, t);
+                        dst.copy_from_slice(x.row(t));
+                        rope::apply(dst, *head_dim, plan.graph.rope.style, &ws.angles[t * half..(t + 1) * half]);
+                    }
+                }
+                Op::Attention {
+                    layer,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    scale,
+                } => {
+                    let (q, k, v) = (view(&ins.inputs[0]), view(&ins.inputs[1]), view(&ins.inputs[2]));
+                    let shape = AttentionShape {
+                        layer: *layer,
+                        heads: *heads,
+                        kv_heads: *kv_heads,
+                        head_dim: *head_dim,
+                        scale: *scale,
+                        window: None,
+                    };
+                    attention::attention(
+                        &shape,
+                        rows,
+                        (q.data, q.stride, q.col),
+                        (k.data, k.stride, k.col),
+                        (v.data, v.stride, v.col),
+                        kv,
+                        (&mut out, stride, out_slot.col),
+                    );
+                }
+                Op::Add | Op::Mul => {
+                    let (a, b) = (view(&ins.inputs[0]), view(&ins.inputs[1]));
+                    for t in 0..rows_out {
+                        let dst = row_mut(&mut out, stride, out_slot, t);
+                        if ins.op == Op::Add {
+                            elementwise::add(a.row(t), b.row(t), dst);
+                        } else {
+                            elementwise::mul(a.row(t), b.row(t), dst);
+                        }
+                    }
+                }
+                Op::Act(a) => {
+                    let x = view(&ins.inputs[0]);
+                    for t in 0..rows_out {
+                        let dst = row_mut(&mut out, stride, out_slot, t);
+                        dst.copy_from_slice(x.row(t));
+                        elementwise::act_inplace(dst, *a);
+                    }
+                }
+                Op::Softcap { cap } => {
+                    let x = view(&ins.inputs[0]);
+                    for t in 0..rows_out {
+                        let dst = row_mut(&mut out, stride, out_slot, t);
+                        dst.copy_from_slice(x.row(t));
+                        elementwise::softcap_inplace(dst, *cap);
+                    }
+                }
+                Op::LastRow => {
+                    let x = view(&ins.inputs[0]);
+                    for (s, &t) in seq_last.iter().enumerate() {
+                        row_mut(&mut out, stride, out_slot, s).copy_from_slice(x.row(t));
+                    }
+                }
+            }
+        }
+        ws.buffers[ob] = out;
+    }
+
+    let o = plan.output;
+    let stride = plan.buffers[o.buffer].cols;
+    let n = n_rows(plan.buffers[o.buffer].rows);
+    logits.clear();
+    for t in 0..n {
+        let at = t * stride + o.col;
+        logits.extend_from_slice(&ws.buffers[o.buffer][at..at + o.cols]);
+    }
+    n
+}

@@ -1,0 +1,96 @@
+//! The canonical text form of a graph: one line per node, stable across runs (no addresses,
+//! no hash order), so two compiler versions can be diffed.
+
+use std::fmt::{self, Write};
+
+use super::{Epilogue, Graph, Node, Op, Rows, Shape};
+
+fn shape(s: &Shape) -> String {
+    match s.rows {
+        Rows::Tokens => format!("[T,{}]", s.cols),
+        Rows::Sequences => format!("[S,{}]", s.cols),
+    }
+}
+
+/// The op with its parameters, e.g. `matmul(norm, q+k+v)`.
+pub fn op_text(n: &Node) -> String {
+    let mut s = String::from(n.op.name());
+    match &n.op {
+        Op::Embed { table, .. } => {
+            let _ = write!(s, "({table})");
+        }
+        Op::RmsNorm(norm) => {
+            let _ = write!(s, "(eps={:e}{})", norm.eps, if norm.weight.is_some() { ", w" } else { "" });
+        }
+        Op::MatMul { linears, norm, epilogue } => {
+            let names: Vec<String> = linears
+                .iter()
+                .map(|l| format!("{}[{}x{}]{}", l.weight, l.out, l.inp, if l.bias.is_some() { "+b" } else { "" }))
+                .collect();
+            let _ = write!(s, "({}", names.join(" | "));
+            if let Some(nm) = norm {
+                let _ = write!(s, "; norm eps={:e}{}", nm.eps, if nm.weight.is_some() { " w" } else { "" });
+            }
+            match epilogue {
+                Epilogue::None => {}
+                Epilogue::ResidualAdd => s.push_str("; +residual"),
+                Epilogue::Activation(a) => {
+                    let _ = write!(s, "; {a:?}");
+                }
+                Epilogue::Gated(a) => {
+                    let _ = write!(s, "; gated {a:?}");
+                }
+            }
+            s.push(')');
+        }
+        Op::HeadNorm { heads, head_dim, eps } => {
+            let _ = write!(s, "({heads}x{head_dim}, eps={eps:e})");
+        }
+        Op::Rope { heads, head_dim } => {
+            let _ = write!(s, "({heads}x{head_dim})");
+        }
+        Op::Attention {
+            layer,
+            heads,
+            kv_heads,
+            head_dim,
+            scale,
+        } => {
+            let _ = write!(s, "(layer={layer}, heads={heads}, kv_heads={kv_heads}, head_dim={head_dim}, scale={scale})");
+        }
+        Op::Act(a) => {
+            let _ = write!(s, "({a:?})");
+        }
+        Op::Softcap { cap } => {
+            let _ = write!(s, "({cap})");
+        }
+        Op::TokenIds | Op::Add | Op::Mul | Op::LastRow => {}
+    }
+    s
+}
+
+pub(super) fn write_text(g: &Graph, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    writeln!(
+        f,
+        "graph: {} nodes, rope theta={} style={:?}, kv {}x{}x{}",
+        g.nodes.len(),
+        g.rope.theta,
+        g.rope.style,
+        g.kv.layers,
+        g.kv.kv_heads,
+        g.kv.head_dim
+    )?;
+    for (id, n) in g.nodes.iter().enumerate() {
+        let ins: Vec<String> = n.inputs.iter().map(|v| format!("%{}.{}", v.node, v.port)).collect();
+        let outs: Vec<String> = n.outputs.iter().map(shape).collect();
+        writeln!(
+            f,
+            "%{id:<4} {:<40} = {} ({})  # {}",
+            outs.join(" "),
+            op_text(n),
+            ins.join(", "),
+            n.label
+        )?;
+    }
+    writeln!(f, "output %{}.{}", g.output.node, g.output.port)
+}
