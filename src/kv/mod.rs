@@ -153,9 +153,10 @@ mod tests {
         let (k, v) = c.head(1, 0, 1, 2);
         assert_eq!(k, &[3.0, 4.0, 5.0, 13.0, 14.0, 15.0]);
         assert_eq!(v, &[-3.0, -4.0, -5.0, -13.0, -14.0, -15.0]);
+        let k = k.to_vec();
         c.copy_slot(0, 1, 2);
         assert_eq!(c.len(1), 2);
-        assert_eq!(c.head(1, 1, 1, 2).0, k.to_vec().as_slice());
+        assert_eq!(c.head(1, 1, 1, 2).0, k.as_slice());
     }
 
     #[test]
