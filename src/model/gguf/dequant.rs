@@ -48,10 +48,13 @@ fn block_q4_1(b: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Decodes one block into its 32 outputs.
+type BlockFn = fn(&[u8], &mut [f32]);
+
 /// Dequantizes `data` (whole blocks of `ty`) to f32, or returns `None` when `ty` is not one of
 /// the formats handled here. The caller has checked that `data` holds exactly `numel / 32` blocks.
 pub fn dequantize(ty: GgmlType, data: &[u8], numel: usize) -> Option<Vec<f32>> {
-    let (block_bytes, f): (usize, fn(&[u8], &mut [f32])) = match ty {
+    let (block_bytes, f): (usize, BlockFn) = match ty {
         GgmlType::Q8_0 => (2 + QK, block_q8_0),
         GgmlType::Q4_0 => (2 + QK / 2, block_q4_0),
         GgmlType::Q4_1 => (4 + QK / 2, block_q4_1),

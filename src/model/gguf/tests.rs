@@ -520,7 +520,8 @@ fn demo_model_facts() {
         (1536, 49152, 8192)
     );
     assert_eq!(c.rope_theta, 100000.0);
-    assert_eq!(c.rms_norm_eps, 9.999999747e-06);
+    // Stored as 9.999999747e-06: the f32 nearest to 1e-5.
+    assert_eq!(c.rms_norm_eps, 1e-5);
     assert_eq!(c.rope_scaling, None);
     assert!(c.tie_word_embeddings);
     assert!(!c.attention_bias);
