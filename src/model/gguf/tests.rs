@@ -325,6 +325,9 @@ fn every_truncation_is_an_error() {
     let e = err_of(GgufFile::open(tmp.path()));
     assert!(e.contains("truncated"), "{e}");
     assert!(e.contains(&tmp.path().display().to_string()), "{e}");
+    std::fs::write(tmp.path(), b"").unwrap();
+    let e = err_of(GgufFile::open(tmp.path()));
+    assert!(e.contains(&tmp.path().display().to_string()), "{e}");
     std::fs::write(tmp.path(), &bytes[..bytes.len() - 1]).unwrap();
     let e = err_of(GgufFile::open(tmp.path()));
     assert!(
@@ -532,9 +535,19 @@ fn demo_model_facts() {
     assert_eq!(m.weights.tensors.len(), 272);
     let embd = m.weights.get("model.embed_tokens.weight").unwrap();
     assert_eq!(embd.shape, vec![49152, 576]);
-    m.weights
+    let down = m
+        .weights
         .get_shaped("model.layers.29.mlp.down_proj.weight", &[576, 1536])
         .unwrap();
+    // Dequantized values match the block definitions applied to the raw bytes.
+    let info = f.tensor("token_embd.weight").unwrap();
+    assert_eq!(info.ggml_type, GgmlType::Q8_0);
+    assert_eq!(embd.to_f32_vec(), expect_q8_0(f.tensor_data(info)));
+    let info = f.tensor("blk.29.ffn_down.weight").unwrap();
+    assert_eq!(info.ggml_type, GgmlType::Q4_1);
+    assert_eq!(down.to_f32_vec(), expect_q4(f.tensor_data(info), true));
+    let norm = m.weights.get("model.norm.weight").unwrap();
+    assert!(matches!(norm.bytes, TensorBytes::Mapped { .. }));
 
     let tok = &m.tokenizer;
     assert!(!tok.specials.add_bos_token);
