@@ -1,8 +1,0 @@
-//! GGUF files (llama.cpp's format).
-use std::path::Path;
-
-use super::{LoadError, Model};
-
-pub fn load(path: &Path) -> Result<Model, LoadError> {
-    Err(LoadError::format(path, "not yet"))
-}
