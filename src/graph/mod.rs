@@ -248,10 +248,13 @@ impl Graph {
 
     /// Appends a single-output node with the rows of its first input.
     pub fn push1(&mut self, op: Op, inputs: Vec<Value>, cols: usize, label: impl Into<String>) -> Value {
-        let rows = inputs
-            .first()
-            .map(|&v| self.shape(v).rows)
-            .unwrap_or(Rows::Tokens);
+        let rows = match op {
+            Op::LastRow => Rows::Sequences,
+            _ => inputs
+                .first()
+                .map(|&v| self.shape(v).rows)
+                .unwrap_or(Rows::Tokens),
+        };
         let id = self.push(op, inputs, vec![Shape { rows, cols }], label);
         Value::new(id, 0)
     }

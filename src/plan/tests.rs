@@ -61,8 +61,7 @@ fn tiny_graph() -> Graph {
         x = g.push1(Op::Add, vec![x, d], 8, "residual");
     }
     let last = g.push1(Op::LastRow, vec![x], 8, "last");
-    let _ = Shape { rows: Rows::Sequences, cols: 8 };
-    g.nodes[last.node].outputs[0].rows = Rows::Sequences;
+    assert_eq!(g.shape(last), Shape { rows: Rows::Sequences, cols: 8 });
     g.output = last;
     g
 }
@@ -100,8 +99,8 @@ fn buffers_are_reused_and_never_clobbered() {
     let mut g = tiny_graph();
     let unfused = ExecutionPlan::lower(g.clone(), Phase::Prefill);
     check_no_clobber(&unfused);
-    // 13 instructions but far fewer buffers thanks to reuse.
-    assert!(unfused.buffers.len() <= 6, "{unfused}");
+    // 16 instructions, at most 5 values live at once: reuse keeps buffers near that.
+    assert!(unfused.buffers.len() <= 7, "{unfused}");
 
     crate::graph::passes::optimize(&mut g);
     let plan = ExecutionPlan::lower(g, Phase::Decode);

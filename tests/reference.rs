@@ -1,0 +1,110 @@
+//! Every fixture model, in every file format, against the logits transformers computed for it
+//! (`tests/fixtures`, made by `scripts/make_fixtures.py`): prefill logits at every prompt
+//! position, then 16 greedy decode steps through the KV cache, each within 1e-4 relative error
+//! and picking the same token.
+
+mod common;
+
+use common::{fixtures, rel_err, Reference};
+use kiln::backend::cpu::{CpuBackend, CpuOptions, PlanKind, TokenRow, Workspace};
+use kiln::model::Model;
+use kiln::sample::argmax;
+
+const TOLERANCE: f32 = 1e-4;
+
+fn check(model_path: &str, reference: &str) {
+    let model = Model::load(fixtures().join(model_path)).unwrap_or_else(|e| panic!("{model_path}: {e}"));
+    let r = Reference::load(&fixtures().join(reference));
+    let vocab = model.config.vocab_size;
+    let backend = CpuBackend::new(&model.config, &model.weights, CpuOptions { threads: 2, ..Default::default() })
+        .unwrap_or_else(|e| panic!("{model_path}: {e}"));
+    let p = r.prompt_ids.len();
+    let rows: Vec<TokenRow> = (0..p).map(|pos| TokenRow { slot: 0, pos }).collect();
+
+    // Prefill, logits for every position.
+    let mut ws = Workspace::new();
+    let mut kv = backend.new_cache(1, p + 17);
+    let mut logits = Vec::new();
+    let n = backend
+        .forward(PlanKind::AllLogits, &mut ws, &mut kv, &r.prompt_ids, &rows, &mut logits)
+        .unwrap();
+    assert_eq!(n, p);
+    for (i, want) in r.prefill_logits.iter().enumerate() {
+        let e = rel_err(&logits[i * vocab..(i + 1) * vocab], want);
+        assert!(e < TOLERANCE, "{model_path}: prefill position {i}: relative error {e:e}");
+    }
+
+    // Prefill for generation (last row only), then greedy decode through the cache.
+    let mut kv = backend.new_cache(1, p + 17);
+    backend
+        .forward(PlanKind::Prefill, &mut ws, &mut kv, &r.prompt_ids, &rows, &mut logits)
+        .unwrap();
+    let e = rel_err(&logits, &r.prefill_logits[p - 1]);
+    assert!(e < TOLERANCE, "{model_path}: prefill (last row): relative error {e:e}");
+    assert_eq!(argmax(&logits), r.generated_ids[0], "{model_path}: first token");
+    for (step, want) in r.decode_logits.iter().enumerate() {
+        let tok = r.generated_ids[step];
+        backend
+            .forward(PlanKind::Decode, &mut ws, &mut kv, &[tok], &[TokenRow { slot: 0, pos: p + step }], &mut logits)
+            .unwrap();
+        let e = rel_err(&logits, want);
+        assert!(e < TOLERANCE, "{model_path}: decode step {step}: relative error {e:e}");
+        assert_eq!(argmax(&logits), r.generated_ids[step + 1], "{model_path}: decode step {step} token");
+    }
+    assert_eq!(kv.len(0), p + 16);
+}
+
+#[test]
+fn llama_tied() {
+    check("llama_tied", "llama_tied/reference.safetensors");
+}
+
+#[test]
+fn llama_untied_mqa_llama3_rope_scaling() {
+    check("llama_untied", "llama_untied/reference.safetensors");
+}
+
+#[test]
+fn llama_sharded_checkpoint() {
+    check("llama_untied_sharded", "llama_untied_sharded/reference.safetensors");
+}
+
+#[test]
+fn llama_with_attention_bias() {
+    check("llama_bias", "llama_bias/reference.safetensors");
+}
+
+#[test]
+fn qwen2_qkv_bias() {
+    check("qwen2", "qwen2/reference.safetensors");
+}
+
+#[test]
+fn nanochat_published_form() {
+    check("nanochat", "nanochat/reference.safetensors");
+}
+
+#[test]
+fn gguf_f32() {
+    check("llama_tied.f32.gguf", "llama_tied.f32.reference.safetensors");
+}
+
+#[test]
+fn gguf_bf16() {
+    check("llama_tied.bf16.gguf", "llama_tied.bf16.reference.safetensors");
+}
+
+#[test]
+fn gguf_q8_0() {
+    check("llama_tied.q8_0.gguf", "llama_tied.q8_0.reference.safetensors");
+}
+
+#[test]
+fn gguf_q4_0() {
+    check("llama_tied.q4_0.gguf", "llama_tied.q4_0.reference.safetensors");
+}
+
+#[test]
+fn gguf_q4_1() {
+    check("llama_tied.q4_1.gguf", "llama_tied.q4_1.reference.safetensors");
+}
