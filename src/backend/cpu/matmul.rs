@@ -232,6 +232,8 @@ unsafe fn rows_scalar(job: &Job, dot: impl Fn(usize, usize) -> f32) {
 }
 
 #[cfg(target_arch = "x86_64")]
+// The AVX-512 intrinsics are stable since Rust 1.89, above the workspace `rust-version` (1.85).
+#[allow(clippy::incompatible_msrv)]
 mod x86 {
     use std::arch::x86_64::*;
 
