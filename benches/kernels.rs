@@ -1,1 +1,147 @@
-fn main(){}
+//! Kernel micro-benchmarks: single-thread GEMV (decode) throughput in weight bytes/s, prefill
+//! GEMM, and dot products, at every SIMD level worth comparing on this CPU.
+//!
+//! `cargo bench --bench kernels -- gemv` runs only the GEMV group.
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use half::bf16;
+use kiln::backend::cpu::matmul::{matmul_rows_at, PackedMatrix, WeightData};
+use kiln::backend::cpu::simd::{self, Level};
+
+fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn matrix(rows: usize, cols: usize, bf: bool) -> PackedMatrix {
+    let v = rand_vec(rows * cols, (rows ^ cols) as u64);
+    let data = if bf {
+        WeightData::BF16(v.iter().map(|&x| bf16::from_f32(x)).collect())
+    } else {
+        WeightData::F32(v)
+    };
+    PackedMatrix {
+        rows,
+        cols,
+        data,
+        bias: None,
+    }
+}
+
+fn weight_bytes(w: &PackedMatrix) -> u64 {
+    w.bytes() as u64
+}
+
+/// SIMD levels worth benchmarking here (the scalar path only on small shapes).
+fn levels(include_scalar: bool) -> Vec<Level> {
+    simd::available_levels()
+        .into_iter()
+        .filter(|&l| include_scalar || l != Level::Scalar)
+        .collect()
+}
+
+fn run(level: Level, w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
+    // SAFETY: `out` holds `tokens × rows` contiguous outputs.
+    unsafe {
+        matmul_rows_at(
+            level,
+            w,
+            x,
+            w.cols,
+            tokens,
+            0..w.rows,
+            out.as_mut_ptr(),
+            w.rows,
+            false,
+        )
+    };
+}
+
+fn gemv(c: &mut Criterion) {
+    let mut g = c.benchmark_group("gemv");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1));
+    for (rows, cols) in [(576, 1536), (1536, 576), (49152, 576), (2048, 8192)] {
+        for bf in [false, true] {
+            let w = matrix(rows, cols, bf);
+            let x = rand_vec(cols, 1);
+            let mut out = vec![0f32; rows];
+            g.throughput(Throughput::Bytes(weight_bytes(&w)));
+            let dt = if bf { "bf16" } else { "f32" };
+            // Level::Avx512Bf16 uses the same GEMV as Avx512, so skip it.
+            for level in levels(rows * cols <= 1 << 20)
+                .into_iter()
+                .filter(|&l| l != Level::Avx512Bf16)
+            {
+                let id = BenchmarkId::new(format!("{dt}/{rows}x{cols}"), level.name());
+                g.bench_function(id, |b| {
+                    b.iter(|| run(level, &w, black_box(&x), 1, &mut out))
+                });
+            }
+        }
+    }
+    g.finish();
+}
+
+fn gemm(c: &mut Criterion) {
+    let mut g = c.benchmark_group("gemm");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1));
+    let (rows, cols, tokens) = (576, 1536, 64);
+    for bf in [false, true] {
+        let w = matrix(rows, cols, bf);
+        let x = rand_vec(tokens * cols, 2);
+        let mut out = vec![0f32; tokens * rows];
+        // Report FLOP-ish work as "elements": multiply-adds.
+        g.throughput(Throughput::Elements((rows * cols * tokens) as u64));
+        let dt = if bf { "bf16" } else { "f32" };
+        // Level::Avx512Bf16 runs the same FMA kernel as Avx512 (see matmul.rs), so skip it.
+        for level in levels(false)
+            .into_iter()
+            .filter(|&l| l != Level::Avx512Bf16)
+        {
+            let id = BenchmarkId::new(format!("{dt}/{rows}x{cols}x{tokens}"), level.name());
+            g.bench_function(id, |b| {
+                b.iter(|| run(level, &w, black_box(&x), tokens, &mut out))
+            });
+        }
+    }
+    g.finish();
+}
+
+fn dots(c: &mut Criterion) {
+    let mut g = c.benchmark_group("dot");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(200))
+        .measurement_time(Duration::from_millis(500));
+    for n in [64usize, 576, 4096] {
+        let a = rand_vec(n, 3);
+        let b = rand_vec(n, 4);
+        let ab: Vec<bf16> = a.iter().map(|&v| bf16::from_f32(v)).collect();
+        g.throughput(Throughput::Elements(n as u64));
+        for level in levels(true) {
+            g.bench_function(BenchmarkId::new(format!("f32/{n}"), level.name()), |bn| {
+                bn.iter(|| simd::dot_f32_at(level, black_box(&a), black_box(&b)))
+            });
+            g.bench_function(BenchmarkId::new(format!("bf16/{n}"), level.name()), |bn| {
+                bn.iter(|| simd::dot_bf16_at(level, black_box(&ab), black_box(&b)))
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, gemv, gemm, dots);
+criterion_main!(benches);

@@ -149,10 +149,12 @@ impl Weights {
     }
 
     pub fn get(&self, name: &str) -> Result<&Tensor, LoadError> {
-        self.tensors.get(name).ok_or_else(|| LoadError::MissingTensor {
-            path: self.source.clone(),
-            name: name.to_string(),
-        })
+        self.tensors
+            .get(name)
+            .ok_or_else(|| LoadError::MissingTensor {
+                path: self.source.clone(),
+                name: name.to_string(),
+            })
     }
 
     /// The tensor, checked against the shape the architecture requires.

@@ -16,7 +16,10 @@ use crate::model::LoadError;
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
     #[error("tokenizer ({source_file}): {reason}")]
-    Encode { source_file: PathBuf, reason: String },
+    Encode {
+        source_file: PathBuf,
+        reason: String,
+    },
     #[error("token id {id} is outside the vocabulary of {vocab} tokens")]
     BadId { id: u32, vocab: usize },
     #[error("model has no chat template (pass a plain prompt without --chat)")]

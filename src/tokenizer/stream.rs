@@ -27,7 +27,8 @@ impl StreamDecoder {
         self.ids.push(id);
         let before = tok.decode(&self.ids[self.prefix..self.read])?;
         let after = tok.decode(&self.ids[self.prefix..])?;
-        if after.len() > before.len() && !after.ends_with('\u{FFFD}') && after.starts_with(&before) {
+        if after.len() > before.len() && !after.ends_with('\u{FFFD}') && after.starts_with(&before)
+        {
             let text = after[before.len()..].to_string();
             self.read = self.ids.len();
             self.prefix = self.read.saturating_sub(CONTEXT_TOKENS);

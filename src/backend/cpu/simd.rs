@@ -1,44 +1,656 @@
 //! Vector primitives with runtime CPU feature detection. Every function has a portable scalar
 //! path, so results exist on any machine; the SIMD paths must agree with it to f32 rounding.
+//!
+//! The level used is detected once ([`detected`]) and may be capped with the environment
+//! variable `KILN_SIMD=scalar|avx2|avx512|avx512bf16` (read once, see [`level`]). The `*_at`
+//! variants take an explicit [`Level`] (clamped to what the CPU supports) so tests can compare
+//! every level against the scalar path in one process.
+
+use std::sync::OnceLock;
 
 use half::bf16;
 
-pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
-    // Eight partial sums, like the SIMD paths, so scalar and vector results stay close.
-    let mut acc = [0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
-        for l in 0..8 {
-            acc[l] += a[c * 8 + l] * b[c * 8 + l];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for i in chunks * 8..a.len() {
-        s += a[i] * b[i];
-    }
-    s
+/// An instruction-set level, ordered from least to most capable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Level {
+    /// Portable Rust, any target.
+    Scalar,
+    /// x86-64 AVX2 + FMA (8-wide).
+    Avx2,
+    /// x86-64 AVX-512 F/BW/VL (16-wide).
+    Avx512,
+    /// AVX-512 plus the BF16 dot-product instructions.
+    Avx512Bf16,
 }
 
-pub fn dot_bf16(a: &[bf16], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
-    let mut acc = [0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
-        for l in 0..8 {
-            acc[l] += a[c * 8 + l].to_f32() * b[c * 8 + l];
+impl Level {
+    pub const ALL: [Level; 4] = [Level::Scalar, Level::Avx2, Level::Avx512, Level::Avx512Bf16];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Level::Scalar => "scalar",
+            Level::Avx2 => "avx2",
+            Level::Avx512 => "avx512",
+            Level::Avx512Bf16 => "avx512bf16",
         }
     }
-    let mut s: f32 = acc.iter().sum();
-    for i in chunks * 8..a.len() {
-        s += a[i].to_f32() * b[i];
+
+    pub fn parse(s: &str) -> Option<Level> {
+        Level::ALL
+            .into_iter()
+            .find(|l| l.name().eq_ignore_ascii_case(s.trim()))
     }
-    s
+}
+
+/// The most capable level this CPU supports (detected once).
+pub fn detected() -> Level {
+    static DETECTED: OnceLock<Level> = OnceLock::new();
+    *DETECTED.get_or_init(detect)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect() -> Level {
+    let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+    let avx512 = avx2
+        && is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl");
+    if avx512 && is_x86_feature_detected!("avx512bf16") {
+        Level::Avx512Bf16
+    } else if avx512 {
+        Level::Avx512
+    } else if avx2 {
+        Level::Avx2
+    } else {
+        Level::Scalar
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect() -> Level {
+    Level::Scalar
+}
+
+/// The level the kernels use: [`detected`], capped by `KILN_SIMD` if set (read once).
+pub fn level() -> Level {
+    static LEVEL: OnceLock<Level> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        let cap = std::env::var("KILN_SIMD")
+            .ok()
+            .and_then(|s| Level::parse(&s));
+        cap.map_or(detected(), |c| c.min(detected()))
+    })
+}
+
+/// Every level this CPU can run, scalar first (for tests and benches).
+pub fn available_levels() -> Vec<Level> {
+    Level::ALL
+        .into_iter()
+        .filter(|&l| l <= detected())
+        .collect()
+}
+
+/// Clamp a requested level to what the CPU supports, so `*_at` functions are always safe.
+#[inline]
+pub fn clamp(l: Level) -> Level {
+    l.min(detected())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Public entry points (use the process-wide level).
+
+/// `Σ a[i]·b[i]`
+#[inline]
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    dot_f32_at(level(), a, b)
+}
+
+/// `Σ a[i]·b[i]` with bf16 `a` read directly (widened in registers only).
+#[inline]
+pub fn dot_bf16(a: &[bf16], b: &[f32]) -> f32 {
+    dot_bf16_at(level(), a, b)
 }
 
 /// `y += a · x`
+#[inline]
 pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    for (yi, xi) in y.iter_mut().zip(x) {
-        *yi += a * xi;
+    axpy_at(level(), a, x, y)
+}
+
+/// `x *= a`
+#[inline]
+pub fn scale(x: &mut [f32], a: f32) {
+    scale_at(level(), x, a)
+}
+
+/// `Σ x[i]²` (for RMSNorm).
+#[inline]
+pub fn sum_sq(x: &[f32]) -> f32 {
+    sum_sq_at(level(), x)
+}
+
+/// The largest element (`-inf` for an empty slice; NaN handling unspecified).
+#[inline]
+pub fn max(x: &[f32]) -> f32 {
+    max_at(level(), x)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Explicit-level entry points.
+
+pub fn dot_f32_at(l: Level, a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    match clamp(l) {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 | Level::Avx512Bf16 => unsafe { x86::dot_f32_512(a, b) },
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { x86::dot_f32_256(a, b) },
+        _ => scalar::dot_f32(a, b),
+    }
+}
+
+pub fn dot_bf16_at(l: Level, a: &[bf16], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    match clamp(l) {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 | Level::Avx512Bf16 => unsafe { x86::dot_bf16_512(a, b) },
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { x86::dot_bf16_256(a, b) },
+        _ => scalar::dot_bf16(a, b),
+    }
+}
+
+pub fn axpy_at(l: Level, a: f32, x: &[f32], y: &mut [f32]) {
+    assert_eq!(x.len(), y.len());
+    match clamp(l) {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 | Level::Avx512Bf16 => unsafe { x86::axpy_512(a, x, y) },
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { x86::axpy_256(a, x, y) },
+        _ => scalar::axpy(a, x, y),
+    }
+}
+
+pub fn scale_at(l: Level, x: &mut [f32], a: f32) {
+    match clamp(l) {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 | Level::Avx512Bf16 => unsafe { x86::scale_512(x, a) },
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { x86::scale_256(x, a) },
+        _ => scalar::scale(x, a),
+    }
+}
+
+pub fn sum_sq_at(l: Level, x: &[f32]) -> f32 {
+    match clamp(l) {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 | Level::Avx512Bf16 => unsafe { x86::dot_f32_512(x, x) },
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { x86::dot_f32_256(x, x) },
+        _ => scalar::dot_f32(x, x),
+    }
+}
+
+pub fn max_at(l: Level, x: &[f32]) -> f32 {
+    match clamp(l) {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 | Level::Avx512Bf16 => unsafe { x86::max_512(x) },
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { x86::max_256(x) },
+        _ => scalar::max(x),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+/// The portable reference paths.
+pub mod scalar {
+    use half::bf16;
+
+    pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+        debug_assert_eq!(a.len(), b.len());
+        // Eight partial sums, like the SIMD paths, so scalar and vector results stay close.
+        let mut acc = [0f32; 8];
+        let mut ca = a.chunks_exact(8);
+        let mut cb = b.chunks_exact(8);
+        for (x, y) in (&mut ca).zip(&mut cb) {
+            for l in 0..8 {
+                acc[l] += x[l] * y[l];
+            }
+        }
+        let mut s: f32 = acc.iter().sum();
+        for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
+            s += x * y;
+        }
+        s
+    }
+
+    pub fn dot_bf16(a: &[bf16], b: &[f32]) -> f32 {
+        debug_assert_eq!(a.len(), b.len());
+        let mut acc = [0f32; 8];
+        let mut ca = a.chunks_exact(8);
+        let mut cb = b.chunks_exact(8);
+        for (x, y) in (&mut ca).zip(&mut cb) {
+            for l in 0..8 {
+                acc[l] += x[l].to_f32() * y[l];
+            }
+        }
+        let mut s: f32 = acc.iter().sum();
+        for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
+            s += x.to_f32() * y;
+        }
+        s
+    }
+
+    pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+        for (yi, xi) in y.iter_mut().zip(x) {
+            *yi += a * xi;
+        }
+    }
+
+    pub fn scale(x: &mut [f32], a: f32) {
+        for v in x {
+            *v *= a;
+        }
+    }
+
+    pub fn max(x: &[f32]) -> f32 {
+        x.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+// The AVX-512 intrinsics are stable since Rust 1.89, above the workspace `rust-version` (1.85).
+#[allow(clippy::incompatible_msrv)]
+pub(crate) mod x86 {
+    use half::bf16;
+    use std::arch::x86_64::*;
+
+    // ----- AVX-512 (16 lanes, masked tails) -----
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(crate) unsafe fn tail_mask16(n: usize) -> __mmask16 {
+        ((1u32 << n) - 1) as __mmask16
+    }
+
+    /// 16 bf16 at `p` widened to f32 (zero-extend, shift into the high half).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(crate) unsafe fn load_bf16_512(p: *const bf16) -> __m512 {
+        let h = _mm256_loadu_si256(p as *const __m256i);
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(crate) unsafe fn load_bf16_512_mask(p: *const bf16, m: __mmask16) -> __m512 {
+        let h = _mm256_maskz_loadu_epi16(m, p as *const i16);
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(crate) unsafe fn dot_f32_512(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len();
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 64 <= n {
+            for (u, acc) in acc.iter_mut().enumerate() {
+                let o = i + 16 * u;
+                *acc =
+                    _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(o)), _mm512_loadu_ps(pb.add(o)), *acc);
+            }
+            i += 64;
+        }
+        while i + 16 <= n {
+            acc[0] = _mm512_fmadd_ps(
+                _mm512_loadu_ps(pa.add(i)),
+                _mm512_loadu_ps(pb.add(i)),
+                acc[0],
+            );
+            i += 16;
+        }
+        if i < n {
+            let m = tail_mask16(n - i);
+            let va = _mm512_maskz_loadu_ps(m, pa.add(i));
+            let vb = _mm512_maskz_loadu_ps(m, pb.add(i));
+            acc[1] = _mm512_fmadd_ps(va, vb, acc[1]);
+        }
+        let s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+        _mm512_reduce_add_ps(s)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(crate) unsafe fn dot_bf16_512(a: &[bf16], b: &[f32]) -> f32 {
+        let n = a.len();
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 64 <= n {
+            for (u, acc) in acc.iter_mut().enumerate() {
+                let o = i + 16 * u;
+                *acc = _mm512_fmadd_ps(load_bf16_512(pa.add(o)), _mm512_loadu_ps(pb.add(o)), *acc);
+            }
+            i += 64;
+        }
+        while i + 16 <= n {
+            acc[0] = _mm512_fmadd_ps(load_bf16_512(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc[0]);
+            i += 16;
+        }
+        if i < n {
+            let m = tail_mask16(n - i);
+            let va = load_bf16_512_mask(pa.add(i), m);
+            let vb = _mm512_maskz_loadu_ps(m, pb.add(i));
+            acc[1] = _mm512_fmadd_ps(va, vb, acc[1]);
+        }
+        let s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+        _mm512_reduce_add_ps(s)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(crate) unsafe fn axpy_512(a: f32, x: &[f32], y: &mut [f32]) {
+        let n = x.len();
+        let (px, py) = (x.as_ptr(), y.as_mut_ptr());
+        let va = _mm512_set1_ps(a);
+        let mut i = 0;
+        while i + 32 <= n {
+            let y0 = _mm512_fmadd_ps(va, _mm512_loadu_ps(px.add(i)), _mm512_loadu_ps(py.add(i)));
+            let y1 = _mm512_fmadd_ps(
+                va,
+                _mm512_loadu_ps(px.add(i + 16)),
+                _mm512_loadu_ps(py.add(i + 16)),
+            );
+            _mm512_storeu_ps(py.add(i), y0);
+            _mm512_storeu_ps(py.add(i + 16), y1);
+            i += 32;
+        }
+        while i < n {
+            let m = tail_mask16((n - i).min(16));
+            let v = _mm512_fmadd_ps(
+                va,
+                _mm512_maskz_loadu_ps(m, px.add(i)),
+                _mm512_maskz_loadu_ps(m, py.add(i)),
+            );
+            _mm512_mask_storeu_ps(py.add(i), m, v);
+            i += 16;
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(crate) unsafe fn scale_512(x: &mut [f32], a: f32) {
+        let n = x.len();
+        let p = x.as_mut_ptr();
+        let va = _mm512_set1_ps(a);
+        let mut i = 0;
+        while i + 16 <= n {
+            _mm512_storeu_ps(p.add(i), _mm512_mul_ps(va, _mm512_loadu_ps(p.add(i))));
+            i += 16;
+        }
+        if i < n {
+            let m = tail_mask16(n - i);
+            _mm512_mask_storeu_ps(
+                p.add(i),
+                m,
+                _mm512_mul_ps(va, _mm512_maskz_loadu_ps(m, p.add(i))),
+            );
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(crate) unsafe fn max_512(x: &[f32]) -> f32 {
+        let n = x.len();
+        let p = x.as_ptr();
+        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let (mut m0, mut m1) = (ninf, ninf);
+        let mut i = 0;
+        while i + 32 <= n {
+            m0 = _mm512_max_ps(m0, _mm512_loadu_ps(p.add(i)));
+            m1 = _mm512_max_ps(m1, _mm512_loadu_ps(p.add(i + 16)));
+            i += 32;
+        }
+        while i < n {
+            let m = tail_mask16((n - i).min(16));
+            m0 = _mm512_max_ps(m0, _mm512_mask_loadu_ps(ninf, m, p.add(i)));
+            i += 16;
+        }
+        _mm512_reduce_max_ps(_mm512_max_ps(m0, m1))
+    }
+
+    // ----- AVX2 + FMA (8 lanes, scalar tails) -----
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn hsum256(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn load_bf16_256(p: *const bf16) -> __m256 {
+        let h = _mm_loadu_si128(p as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn dot_f32_256(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len();
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= n {
+            for (u, acc) in acc.iter_mut().enumerate() {
+                let o = i + 8 * u;
+                *acc =
+                    _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(o)), _mm256_loadu_ps(pb.add(o)), *acc);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            acc[0] = _mm256_fmadd_ps(
+                _mm256_loadu_ps(pa.add(i)),
+                _mm256_loadu_ps(pb.add(i)),
+                acc[0],
+            );
+            i += 8;
+        }
+        let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let mut s = hsum256(s);
+        while i < n {
+            s += *pa.add(i) * *pb.add(i);
+            i += 1;
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn dot_bf16_256(a: &[bf16], b: &[f32]) -> f32 {
+        let n = a.len();
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= n {
+            for (u, acc) in acc.iter_mut().enumerate() {
+                let o = i + 8 * u;
+                *acc = _mm256_fmadd_ps(load_bf16_256(pa.add(o)), _mm256_loadu_ps(pb.add(o)), *acc);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            acc[0] = _mm256_fmadd_ps(load_bf16_256(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc[0]);
+            i += 8;
+        }
+        let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let mut s = hsum256(s);
+        while i < n {
+            s += (*pa.add(i)).to_f32() * *pb.add(i);
+            i += 1;
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn axpy_256(a: f32, x: &[f32], y: &mut [f32]) {
+        let n = x.len();
+        let (px, py) = (x.as_ptr(), y.as_mut_ptr());
+        let va = _mm256_set1_ps(a);
+        let mut i = 0;
+        while i + 8 <= n {
+            let v = _mm256_fmadd_ps(va, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i)));
+            _mm256_storeu_ps(py.add(i), v);
+            i += 8;
+        }
+        while i < n {
+            *py.add(i) += a * *px.add(i);
+            i += 1;
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn scale_256(x: &mut [f32], a: f32) {
+        let n = x.len();
+        let p = x.as_mut_ptr();
+        let va = _mm256_set1_ps(a);
+        let mut i = 0;
+        while i + 8 <= n {
+            _mm256_storeu_ps(p.add(i), _mm256_mul_ps(va, _mm256_loadu_ps(p.add(i))));
+            i += 8;
+        }
+        while i < n {
+            *p.add(i) *= a;
+            i += 1;
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn max_256(x: &[f32]) -> f32 {
+        let n = x.len();
+        let p = x.as_ptr();
+        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+        let mut i = 0;
+        while i + 8 <= n {
+            m = _mm256_max_ps(m, _mm256_loadu_ps(p.add(i)));
+            i += 8;
+        }
+        let h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        let h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        let mut r = _mm_cvtss_f32(h);
+        while i < n {
+            r = r.max(*p.add(i));
+            i += 1;
+        }
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic pseudo-random values in [-1, 1).
+    fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn close(got: f32, want: f64, scale: f64) -> bool {
+        ((got as f64) - want).abs() <= 1e-5 * scale.max(1e-30)
+    }
+
+    #[test]
+    fn dots_match_reference_every_level() {
+        for l in available_levels() {
+            for n in 0..=1000usize {
+                let a = rand_vec(n, n as u64 + 1);
+                let b = rand_vec(n, n as u64 + 7777);
+                let ab: Vec<bf16> = a.iter().map(|&v| bf16::from_f32(v)).collect();
+                let want: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
+                let mag: f64 = a
+                    .iter()
+                    .zip(&b)
+                    .map(|(&x, &y)| (x as f64 * y as f64).abs())
+                    .sum();
+                let got = dot_f32_at(l, &a, &b);
+                assert!(
+                    close(got, want, mag),
+                    "dot_f32 {l:?} n={n}: {got} vs {want}"
+                );
+                let wantb: f64 = ab
+                    .iter()
+                    .zip(&b)
+                    .map(|(&x, &y)| x.to_f64() * y as f64)
+                    .sum();
+                let magb: f64 = ab
+                    .iter()
+                    .zip(&b)
+                    .map(|(&x, &y)| (x.to_f64() * y as f64).abs())
+                    .sum();
+                let got = dot_bf16_at(l, &ab, &b);
+                assert!(
+                    close(got, wantb, magb),
+                    "dot_bf16 {l:?} n={n}: {got} vs {wantb}"
+                );
+                let want: f64 = a.iter().map(|&x| x as f64 * x as f64).sum();
+                let got = sum_sq_at(l, &a);
+                assert!(
+                    close(got, want, want),
+                    "sum_sq {l:?} n={n}: {got} vs {want}"
+                );
+                assert_eq!(max_at(l, &a), scalar::max(&a), "max {l:?} n={n}");
+            }
+        }
+    }
+
+    #[test]
+    fn elementwise_match_reference_every_level() {
+        for l in available_levels() {
+            for n in 0..=300usize {
+                let x = rand_vec(n, n as u64 + 3);
+                let y0 = rand_vec(n, n as u64 + 5);
+                let mut y = y0.clone();
+                axpy_at(l, 0.37, &x, &mut y);
+                for i in 0..n {
+                    let want = y0[i] as f64 + 0.37f32 as f64 * x[i] as f64;
+                    let mag = y0[i].abs() as f64 + (0.37 * x[i]).abs() as f64;
+                    assert!(close(y[i], want, mag), "axpy {l:?} n={n} i={i}");
+                }
+                let mut s = x.clone();
+                scale_at(l, &mut s, -1.5);
+                for i in 0..n {
+                    assert_eq!(s[i], x[i] * -1.5, "scale {l:?} n={n} i={i}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn max_finds_the_tail() {
+        for l in available_levels() {
+            for n in 1..=100usize {
+                let mut x = vec![-1.0f32; n];
+                x[n - 1] = 5.0;
+                assert_eq!(max_at(l, &x), 5.0, "{l:?} n={n}");
+            }
+            assert_eq!(max_at(l, &[]), f32::NEG_INFINITY);
+        }
+    }
+
+    #[test]
+    fn level_parsing_and_clamping() {
+        assert_eq!(Level::parse("AVX512"), Some(Level::Avx512));
+        assert_eq!(Level::parse("nope"), None);
+        assert!(level() <= detected());
+        assert_eq!(available_levels()[0], Level::Scalar);
     }
 }
