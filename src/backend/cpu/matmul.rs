@@ -232,8 +232,7 @@ unsafe fn rows_scalar(job: &Job, dot: impl Fn(usize, usize) -> f32) {
 }
 
 #[cfg(target_arch = "x86_64")]
-// The AVX-512 intrinsics are stable since Rust 1.89, above the workspace `rust-version` (1.85).
-#[allow(clippy::incompatible_msrv)]
+// The AVX-512 intrinsics are stable since Rust 1.89, the workspace's `rust-version`.
 mod x86 {
     use std::arch::x86_64::*;
 

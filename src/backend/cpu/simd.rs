@@ -260,8 +260,7 @@ pub mod scalar {
 }
 
 #[cfg(target_arch = "x86_64")]
-// The AVX-512 intrinsics are stable since Rust 1.89, above the workspace `rust-version` (1.85).
-#[allow(clippy::incompatible_msrv)]
+// The AVX-512 intrinsics are stable since Rust 1.89, the workspace's `rust-version`.
 pub(crate) mod x86 {
     use half::bf16;
     use std::arch::x86_64::*;
