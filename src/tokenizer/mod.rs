@@ -40,6 +40,8 @@ pub struct SpecialTokens {
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// Cached: `tokenizers` rebuilds its whole vocabulary map to count it.
+    vocab_size: usize,
     source: PathBuf,
     pub specials: SpecialTokens,
 }
@@ -56,6 +58,7 @@ impl Tokenizer {
             reason: e.to_string(),
         })?;
         Ok(Tokenizer {
+            vocab_size: inner.get_vocab_size(true),
             inner,
             source: source.to_path_buf(),
             specials,
@@ -63,7 +66,7 @@ impl Tokenizer {
     }
 
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        self.vocab_size
     }
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {

@@ -135,18 +135,17 @@ impl CpuBackend {
         for plan in [&prefill, &all_logits] {
             for node in &plan.graph.nodes {
                 match &node.op {
-                    Op::Embed { table, .. } => {
-                        if !matrices.contains_key(table) {
+                    Op::Embed { table, .. }
+                        if !matrices.contains_key(table) => {
                             let m = pack(weights, &[(table.clone(), None)], opts.weights)?;
                             matrices.insert(table.clone(), m);
                         }
-                    }
                     Op::MatMul { linears, norm, .. } => {
                         let key = matrix_key(linears);
-                        if !matrices.contains_key(&key) {
+                        if let std::collections::hash_map::Entry::Vacant(e) = matrices.entry(key) {
                             let parts: Vec<(String, Option<String>)> =
                                 linears.iter().map(|l| (l.weight.clone(), l.bias.clone())).collect();
-                            matrices.insert(key, pack(weights, &parts, opts.weights)?);
+                            e.insert(pack(weights, &parts, opts.weights)?);
                         }
                         if let Some(w) = norm.as_ref().and_then(|n| n.weight.as_ref()) {
                             vectors.insert(w.clone(), weights.get(w)?.to_f32_vec());

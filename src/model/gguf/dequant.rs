@@ -60,7 +60,7 @@ pub fn dequantize(ty: GgmlType, data: &[u8], numel: usize) -> Option<Vec<f32>> {
         GgmlType::Q4_1 => (4 + QK / 2, block_q4_1),
         _ => return None,
     };
-    if numel % QK != 0 || data.len() != numel / QK * block_bytes {
+    if !numel.is_multiple_of(QK) || data.len() != numel / QK * block_bytes {
         return None;
     }
     let mut out = vec![0f32; numel];

@@ -647,7 +647,7 @@ fn check_tensor(
             "rows of {row} elements are not a multiple of the {ggml_type} block size {block_elems}"
         )));
     }
-    if offset % alignment != 0 {
+    if !offset.is_multiple_of(alignment) {
         return Err(err(format!(
             "data offset {offset} is not a multiple of the alignment {alignment}"
         )));
