@@ -9,7 +9,10 @@ use common::{fixtures, Reference};
 use serde_json::Value;
 
 fn kiln(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).output().unwrap()
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .output()
+        .unwrap()
 }
 
 #[test]
@@ -17,7 +20,10 @@ fn json_output_reproduces_reference_greedy_tokens() {
     for (model, reference) in [
         ("llama_tied", "llama_tied/reference.safetensors"),
         ("nanochat", "nanochat/reference.safetensors"),
-        ("llama_tied.q4_1.gguf", "llama_tied.q4_1.reference.safetensors"),
+        (
+            "llama_tied.q4_1.gguf",
+            "llama_tied.q4_1.reference.safetensors",
+        ),
     ] {
         let r = Reference::load(&fixtures().join(reference));
         let ids: Vec<String> = r.prompt_ids.iter().map(u32::to_string).collect();
@@ -32,11 +38,25 @@ fn json_output_reproduces_reference_greedy_tokens() {
             "--ignore-eos",
             "--json",
         ]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-        let got: Vec<u32> = v["generated_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+        let got: Vec<u32> = v["generated_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
         assert_eq!(got, r.generated_ids, "{model}");
-        let prompt: Vec<u32> = v["prompt_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+        let prompt: Vec<u32> = v["prompt_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
         assert_eq!(prompt, r.prompt_ids);
         assert_eq!(v["finish_reason"], "max_tokens");
         assert!(v["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
@@ -47,13 +67,45 @@ fn json_output_reproduces_reference_greedy_tokens() {
 #[test]
 fn text_prompt_streams_and_reports_speed() {
     let model = fixtures().join("llama_tied");
-    let out = kiln(&["-m", model.to_str().unwrap(), "-p", "The 3 cats", "-n", "8", "--ignore-eos"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = kiln(&[
+        "-m",
+        model.to_str().unwrap(),
+        "-p",
+        "The 3 cats",
+        "-n",
+        "8",
+        "--ignore-eos",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(!out.stdout.is_empty());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("decode: 7 tokens") && err.contains("tok/s"), "{err}");
-    let out = kiln(&["-m", model.to_str().unwrap(), "--chat", "-p", "Hi", "-n", "4", "--json", "--temp", "0.8", "--seed", "3"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        err.contains("decode: 7 tokens") && err.contains("tok/s"),
+        "{err}"
+    );
+    let out = kiln(&[
+        "-m",
+        model.to_str().unwrap(),
+        "--chat",
+        "-p",
+        "Hi",
+        "-n",
+        "4",
+        "--json",
+        "--temp",
+        "0.8",
+        "--seed",
+        "3",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     // ChatML: <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n
     assert_eq!(v["prompt_ids"][0], 1);

@@ -30,7 +30,8 @@ fn load_err(path: &Path) -> String {
 
 fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
     let p = dir.join("config.json");
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
     f(&mut v);
     std::fs::write(&p, serde_json::to_string(&v).unwrap()).unwrap();
 }
@@ -40,7 +41,10 @@ fn missing_tensor_is_named() {
     let d = copy_fixture("llama_tied", "missing");
     edit_config(&d, |c| c["num_hidden_layers"] = 3.into());
     let e = load_err(&d);
-    assert!(e.contains("missing tensor `model.layers.2.input_layernorm.weight`"), "{e}");
+    assert!(
+        e.contains("missing tensor `model.layers.2.input_layernorm.weight`"),
+        "{e}"
+    );
     assert!(e.contains("model.safetensors"), "{e}");
 }
 
@@ -68,20 +72,27 @@ fn unknown_architecture_is_named() {
     let d = copy_fixture("llama_tied", "arch");
     edit_config(&d, |c| c["model_type"] = "gpt2".into());
     let e = load_err(&d);
-    assert!(e.contains("unsupported architecture `gpt2`") && e.contains("config.json"), "{e}");
+    assert!(
+        e.contains("unsupported architecture `gpt2`") && e.contains("config.json"),
+        "{e}"
+    );
 }
 
 #[test]
 fn unsupported_dtype_is_named() {
     let d = copy_fixture("llama_tied", "dtype");
     // A valid safetensors file holding one i32 tensor.
-    let header = br#"{"model.embed_tokens.weight":{"dtype":"I32","shape":[2],"data_offsets":[0,8]}}"#;
+    let header =
+        br#"{"model.embed_tokens.weight":{"dtype":"I32","shape":[2],"data_offsets":[0,8]}}"#;
     let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
     bytes.extend_from_slice(header);
     bytes.extend_from_slice(&[0u8; 8]);
     std::fs::write(d.join("model.safetensors"), bytes).unwrap();
     let e = load_err(&d);
-    assert!(e.contains("model.embed_tokens.weight") && e.contains("I32"), "{e}");
+    assert!(
+        e.contains("model.embed_tokens.weight") && e.contains("I32"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -89,10 +100,16 @@ fn bad_config_field_is_named() {
     let d = copy_fixture("llama_tied", "field");
     edit_config(&d, |c| c["num_key_value_heads"] = 3.into());
     let e = load_err(&d);
-    assert!(e.contains("num_key_value_heads") && e.contains("does not divide"), "{e}");
+    assert!(
+        e.contains("num_key_value_heads") && e.contains("does not divide"),
+        "{e}"
+    );
     edit_config(&d, |c| c["hidden_size"] = "wide".into());
     let e = load_err(&d);
-    assert!(e.contains("hidden_size") && e.contains("positive integer"), "{e}");
+    assert!(
+        e.contains("hidden_size") && e.contains("positive integer"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -13,11 +13,19 @@ use kiln::sample::argmax;
 const TOLERANCE: f32 = 1e-4;
 
 fn check(model_path: &str, reference: &str) {
-    let model = Model::load(fixtures().join(model_path)).unwrap_or_else(|e| panic!("{model_path}: {e}"));
+    let model =
+        Model::load(fixtures().join(model_path)).unwrap_or_else(|e| panic!("{model_path}: {e}"));
     let r = Reference::load(&fixtures().join(reference));
     let vocab = model.config.vocab_size;
-    let backend = CpuBackend::new(&model.config, &model.weights, CpuOptions { threads: 2, ..Default::default() })
-        .unwrap_or_else(|e| panic!("{model_path}: {e}"));
+    let backend = CpuBackend::new(
+        &model.config,
+        &model.weights,
+        CpuOptions {
+            threads: 2,
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{model_path}: {e}"));
     let p = r.prompt_ids.len();
     let rows: Vec<TokenRow> = (0..p).map(|pos| TokenRow { slot: 0, pos }).collect();
 
@@ -26,30 +34,71 @@ fn check(model_path: &str, reference: &str) {
     let mut kv = backend.new_cache(1, p + 17);
     let mut logits = Vec::new();
     let n = backend
-        .forward(PlanKind::AllLogits, &mut ws, &mut kv, &r.prompt_ids, &rows, &mut logits)
+        .forward(
+            PlanKind::AllLogits,
+            &mut ws,
+            &mut kv,
+            &r.prompt_ids,
+            &rows,
+            &mut logits,
+        )
         .unwrap();
     assert_eq!(n, p);
     for (i, want) in r.prefill_logits.iter().enumerate() {
         let e = rel_err(&logits[i * vocab..(i + 1) * vocab], want);
-        assert!(e < TOLERANCE, "{model_path}: prefill position {i}: relative error {e:e}");
+        assert!(
+            e < TOLERANCE,
+            "{model_path}: prefill position {i}: relative error {e:e}"
+        );
     }
 
     // Prefill for generation (last row only), then greedy decode through the cache.
     let mut kv = backend.new_cache(1, p + 17);
     backend
-        .forward(PlanKind::Prefill, &mut ws, &mut kv, &r.prompt_ids, &rows, &mut logits)
+        .forward(
+            PlanKind::Prefill,
+            &mut ws,
+            &mut kv,
+            &r.prompt_ids,
+            &rows,
+            &mut logits,
+        )
         .unwrap();
     let e = rel_err(&logits, &r.prefill_logits[p - 1]);
-    assert!(e < TOLERANCE, "{model_path}: prefill (last row): relative error {e:e}");
-    assert_eq!(argmax(&logits), r.generated_ids[0], "{model_path}: first token");
+    assert!(
+        e < TOLERANCE,
+        "{model_path}: prefill (last row): relative error {e:e}"
+    );
+    assert_eq!(
+        argmax(&logits),
+        r.generated_ids[0],
+        "{model_path}: first token"
+    );
     for (step, want) in r.decode_logits.iter().enumerate() {
         let tok = r.generated_ids[step];
         backend
-            .forward(PlanKind::Decode, &mut ws, &mut kv, &[tok], &[TokenRow { slot: 0, pos: p + step }], &mut logits)
+            .forward(
+                PlanKind::Decode,
+                &mut ws,
+                &mut kv,
+                &[tok],
+                &[TokenRow {
+                    slot: 0,
+                    pos: p + step,
+                }],
+                &mut logits,
+            )
             .unwrap();
         let e = rel_err(&logits, want);
-        assert!(e < TOLERANCE, "{model_path}: decode step {step}: relative error {e:e}");
-        assert_eq!(argmax(&logits), r.generated_ids[step + 1], "{model_path}: decode step {step} token");
+        assert!(
+            e < TOLERANCE,
+            "{model_path}: decode step {step}: relative error {e:e}"
+        );
+        assert_eq!(
+            argmax(&logits),
+            r.generated_ids[step + 1],
+            "{model_path}: decode step {step} token"
+        );
     }
     assert_eq!(kv.len(0), p + 16);
 }
@@ -66,7 +115,10 @@ fn llama_untied_mqa_llama3_rope_scaling() {
 
 #[test]
 fn llama_sharded_checkpoint() {
-    check("llama_untied_sharded", "llama_untied_sharded/reference.safetensors");
+    check(
+        "llama_untied_sharded",
+        "llama_untied_sharded/reference.safetensors",
+    );
 }
 
 #[test]
@@ -86,25 +138,40 @@ fn nanochat_published_form() {
 
 #[test]
 fn gguf_f32() {
-    check("llama_tied.f32.gguf", "llama_tied.f32.reference.safetensors");
+    check(
+        "llama_tied.f32.gguf",
+        "llama_tied.f32.reference.safetensors",
+    );
 }
 
 #[test]
 fn gguf_bf16() {
-    check("llama_tied.bf16.gguf", "llama_tied.bf16.reference.safetensors");
+    check(
+        "llama_tied.bf16.gguf",
+        "llama_tied.bf16.reference.safetensors",
+    );
 }
 
 #[test]
 fn gguf_q8_0() {
-    check("llama_tied.q8_0.gguf", "llama_tied.q8_0.reference.safetensors");
+    check(
+        "llama_tied.q8_0.gguf",
+        "llama_tied.q8_0.reference.safetensors",
+    );
 }
 
 #[test]
 fn gguf_q4_0() {
-    check("llama_tied.q4_0.gguf", "llama_tied.q4_0.reference.safetensors");
+    check(
+        "llama_tied.q4_0.gguf",
+        "llama_tied.q4_0.reference.safetensors",
+    );
 }
 
 #[test]
 fn gguf_q4_1() {
-    check("llama_tied.q4_1.gguf", "llama_tied.q4_1.reference.safetensors");
+    check(
+        "llama_tied.q4_1.gguf",
+        "llama_tied.q4_1.reference.safetensors",
+    );
 }

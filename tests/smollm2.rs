@@ -15,7 +15,11 @@ use kiln::tokenizer::ChatMessage;
 use serde_json::Value;
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 #[test]
@@ -30,24 +34,37 @@ fn smollm2_greedy_matches_transformers() {
     let tok = engine.tokenizer();
     for check in r["tokenizer_checks"].as_array().unwrap() {
         let text = check["text"].as_str().unwrap();
-        assert_eq!(tok.encode(text).unwrap(), ids(&check["ids"]), "encode {text:?}");
+        assert_eq!(
+            tok.encode(text).unwrap(),
+            ids(&check["ids"]),
+            "encode {text:?}"
+        );
     }
     for p in r["prompts"].as_array().unwrap() {
         let user = p["user"].as_str().unwrap();
-        let rendered = tok.apply_chat_template(&[ChatMessage::new("user", user)], true).unwrap();
+        let rendered = tok
+            .apply_chat_template(&[ChatMessage::new("user", user)], true)
+            .unwrap();
         assert_eq!(rendered, p["rendered_prompt"].as_str().unwrap(), "{user}");
         let prompt = tok.encode(&rendered).unwrap();
         assert_eq!(prompt, ids(&p["prompt_ids"]), "{user}: prompt ids");
         let want = ids(&p["generated_ids"]);
         let opts = GenerateOptions {
-            max_tokens: want.len(),
+            max_tokens: Some(want.len()),
             sampling: SamplingParams::default(),
-            stop_tokens: vec![],
+            stop_tokens: Some(vec![]),
+            ..GenerateOptions::default()
         };
         let mut session = engine.session(prompt.len() + want.len());
-        let gen = session.generate(&prompt, &opts, |_| true).unwrap();
-        assert_eq!(gen.tokens, want, "{user}: generated {:?}", tok.decode(&gen.tokens));
-        assert_eq!(gen.finish_reason, FinishReason::MaxTokens);
-        assert_eq!(tok.decode(&gen.tokens).unwrap(), p["generated_text"].as_str().unwrap());
+        let gen = session.generate_batch(&prompt, &opts).unwrap();
+        let row = &gen.rows[0];
+        assert_eq!(
+            row.generated,
+            want,
+            "{user}: generated {:?}",
+            tok.decode(&row.generated)
+        );
+        assert_eq!(row.finish_reason, FinishReason::MaxTokens);
+        assert_eq!(row.text, p["generated_text"].as_str().unwrap());
     }
 }

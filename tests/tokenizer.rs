@@ -15,17 +15,32 @@ fn reference() -> Value {
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn check_encodings(tok: &Tokenizer, what: &str) {
     let r = reference();
     for case in r["encode"].as_array().unwrap() {
         let text = case["text"].as_str().unwrap();
-        assert_eq!(tok.encode(text).unwrap(), ids(&case["ids"]), "{what}: encode {text:?}");
-        assert_eq!(tok.decode(&ids(&case["ids"])).unwrap(), case["decoded"].as_str().unwrap(), "{what}: decode {text:?}");
+        assert_eq!(
+            tok.encode(text).unwrap(),
+            ids(&case["ids"]),
+            "{what}: encode {text:?}"
+        );
+        assert_eq!(
+            tok.decode(&ids(&case["ids"])).unwrap(),
+            case["decoded"].as_str().unwrap(),
+            "{what}: decode {text:?}"
+        );
     }
-    assert_eq!(tok.encode(r["prompt_text"].as_str().unwrap()).unwrap(), ids(&r["prompt_ids"]));
+    assert_eq!(
+        tok.encode(r["prompt_text"].as_str().unwrap()).unwrap(),
+        ids(&r["prompt_ids"])
+    );
 }
 
 #[test]
@@ -56,7 +71,11 @@ fn chat_template_renders_like_transformers() {
         let m = Model::load(fixtures().join(path)).unwrap();
         let rendered = m.tokenizer.apply_chat_template(&messages, true).unwrap();
         assert_eq!(rendered, chat["rendered"].as_str().unwrap(), "{path}");
-        assert_eq!(m.tokenizer.encode(&rendered).unwrap(), ids(&chat["ids"]), "{path}");
+        assert_eq!(
+            m.tokenizer.encode(&rendered).unwrap(),
+            ids(&chat["ids"]),
+            "{path}"
+        );
     }
 }
 
@@ -66,13 +85,20 @@ fn chat_template_renders_like_transformers() {
 fn stream_decoder_never_splits_a_character() {
     let m = Model::load(fixtures().join("llama_tied")).unwrap();
     let tok = &m.tokenizer;
-    for text in ["Emoji: 🦀🔥 and 👍🏽!", "日本語のテキスト、中文文本。", "plain ascii, 42"] {
+    for text in [
+        "Emoji: 🦀🔥 and 👍🏽!",
+        "日本語のテキスト、中文文本。",
+        "plain ascii, 42",
+    ] {
         let ids = tok.encode(text).unwrap();
         let mut dec = StreamDecoder::new();
         let mut out = String::new();
         for &id in &ids {
             let piece = dec.push(tok, id).unwrap();
-            assert!(!piece.contains('\u{FFFD}'), "{text:?}: piece {piece:?} splits a character");
+            assert!(
+                !piece.contains('\u{FFFD}'),
+                "{text:?}: piece {piece:?} splits a character"
+            );
             out.push_str(&piece);
         }
         out.push_str(&dec.finish(tok).unwrap());

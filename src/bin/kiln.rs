@@ -1,46 +1,41 @@
-//! `kiln`: generate from a model on the command line.
+//! `kiln`: generate from a model on the command line, or chat with it.
 //!
 //! ```text
 //! kiln -m models/SmolLM2-135M-Instruct.Q4_1.gguf --chat -p "What is the capital of France?"
+//! kiln chat -m models/SmolLM2-135M-Instruct.Q4_1.gguf
 //! ```
 
-use std::io::Write;
+use std::io::{BufRead, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use clap::{Parser, ValueEnum};
+use clap::{Args, Parser, ValueEnum};
 use serde::Serialize;
 
 use kiln::backend::cpu::{CpuOptions, WeightFormat};
-use kiln::engine::{Engine, FinishReason, GenerateOptions, Timings};
+use kiln::engine::{Engine, FinishReason, GenerateOptions, Session, Timings, Usage};
 use kiln::sample::SamplingParams;
-use kiln::tokenizer::{ChatMessage, StreamDecoder};
+use kiln::tokenizer::ChatMessage;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Weights {
-    /// bf16 stays bf16; f32, f16 and quantized types run as f32 (exact).
+    /// bf16 stays bf16; f32, f16 and quantized types run exactly.
     Auto,
     F32,
-    /// Round weights to bf16: half the memory traffic per token.
+    /// Round weights to bf16: half the memory traffic per token of f32.
     Bf16,
 }
 
-#[derive(Parser, Debug)]
-#[command(name = "kiln", version, about = "Generate text with a decoder-only language model")]
-struct Args {
+/// Options shared by one-shot generation and chat.
+#[derive(Args, Debug)]
+struct Common {
     /// Model: a Hugging Face directory or a .gguf file.
     #[arg(short, long)]
     model: PathBuf,
-    /// Prompt text.
-    #[arg(short, long, conflicts_with = "prompt_ids")]
-    prompt: Option<String>,
-    /// Prompt as comma-separated token ids instead of text.
-    #[arg(long, value_delimiter = ',')]
-    prompt_ids: Option<Vec<u32>>,
-    /// Tokens to generate at most.
-    #[arg(short = 'n', long, default_value_t = 64)]
+    /// Tokens to generate at most (per reply in chat).
+    #[arg(short = 'n', long, default_value_t = 256)]
     n_predict: usize,
     /// Sampling temperature; 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
@@ -49,63 +44,99 @@ struct Args {
     top_k: Option<usize>,
     #[arg(long)]
     top_p: Option<f32>,
+    #[arg(long)]
+    min_p: Option<f32>,
+    /// Penalty (> 1) on tokens already in the context.
+    #[arg(long)]
+    repeat_penalty: Option<f32>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Wrap the prompt in the model's chat template as a user message.
-    #[arg(long)]
-    chat: bool,
-    /// System message for --chat (else the template's default, if any).
-    #[arg(long, requires = "chat")]
-    system: Option<String>,
+    /// Stop when the text contains this string (repeatable); the match is not printed.
+    #[arg(long = "stop")]
+    stop: Vec<String>,
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
     ignore_eos: bool,
+    /// System message (chat).
+    #[arg(long)]
+    system: Option<String>,
     /// CPU threads (0 = all cores).
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
     /// How weights are held in memory.
     #[arg(long, value_enum, default_value_t = Weights::Auto)]
     weights: Weights,
-    /// Print one JSON object (ids, text, timings) instead of streaming text.
+}
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "kiln",
+    version,
+    about = "Generate text with a decoder-only language model",
+    after_help = "Interactive multi-turn chat: kiln chat -m MODEL"
+)]
+struct GenerateArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Prompt text.
+    #[arg(short, long, conflicts_with = "prompt_ids")]
+    prompt: Option<String>,
+    /// Prompt as comma-separated token ids instead of text.
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    /// Wrap the prompt in the model's chat template as a user message.
+    #[arg(long)]
+    chat: bool,
+    /// Independent samples of the prompt from one prefill.
+    #[arg(long, default_value_t = 1)]
+    samples: usize,
+    /// Print one JSON object (ids, masks, text, finish reasons, timings) instead of streaming.
     #[arg(long)]
     json: bool,
 }
 
-#[derive(Serialize)]
-struct JsonOut<'a> {
-    model: String,
-    prompt_ids: &'a [u32],
-    generated_ids: &'a [u32],
-    text: String,
-    finish_reason: FinishReason,
-    timings: &'a Timings,
-    prefill_tokens_per_s: f64,
-    decode_tokens_per_s: f64,
+#[derive(Parser, Debug)]
+#[command(
+    name = "kiln chat",
+    version,
+    about = "Chat with a model; the conversation's cache is reused across turns"
+)]
+struct ChatArgs {
+    #[command(flatten)]
+    common: Common,
 }
 
 fn main() {
-    if let Err(e) = run() {
+    let argv: Vec<String> = std::env::args().collect();
+    let res = if argv.get(1).map(String::as_str) == Some("chat") {
+        let mut rest = vec![format!("{} chat", argv[0])];
+        rest.extend(argv[2..].iter().cloned());
+        chat(ChatArgs::parse_from(rest))
+    } else {
+        generate(GenerateArgs::parse())
+    };
+    if let Err(e) = res {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
 }
 
-fn run() -> Result<()> {
-    let args = Args::parse();
+fn load(c: &Common) -> Result<Arc<Engine>> {
     let opts = CpuOptions {
-        threads: args.threads,
-        weights: match args.weights {
+        threads: c.threads,
+        weights: match c.weights {
             Weights::Auto => WeightFormat::AsStored,
             Weights::F32 => WeightFormat::F32,
             Weights::Bf16 => WeightFormat::BF16,
         },
     };
     let t0 = Instant::now();
-    let engine = Arc::new(Engine::load(&args.model, opts).with_context(|| format!("loading {}", args.model.display()))?);
+    let engine =
+        Engine::load(&c.model, opts).with_context(|| format!("loading {}", c.model.display()))?;
     let cfg = engine.config();
     eprintln!(
         "kiln: {} ({}, {} layers, {} params, {} weights) loaded in {:.2} s, {} threads",
-        args.model.display(),
+        c.model.display(),
         cfg.architecture.name(),
         cfg.num_layers,
         cfg.num_params(),
@@ -113,17 +144,79 @@ fn run() -> Result<()> {
         t0.elapsed().as_secs_f64(),
         engine.backend().threads()
     );
+    Ok(Arc::new(engine))
+}
+
+fn options(c: &Common, engine: &Engine, samples: usize) -> GenerateOptions {
+    GenerateOptions {
+        max_tokens: Some(c.n_predict),
+        sampling: SamplingParams {
+            temperature: c.temp,
+            top_k: c.top_k,
+            top_p: c.top_p,
+            min_p: c.min_p,
+            repetition_penalty: c.repeat_penalty,
+            seed: c.seed,
+        },
+        num_samples: samples,
+        stop_tokens: Some(if c.ignore_eos {
+            vec![]
+        } else {
+            engine.default_stop_tokens()
+        }),
+        stop_strings: c.stop.clone(),
+    }
+}
+
+fn report(t: &Timings, reason: FinishReason) {
+    eprintln!(
+        "\nprefill: {} tokens in {:.1} ms ({:.1} tok/s) | decode: {} tokens in {:.1} ms ({:.1} tok/s) | finish: {:?}",
+        t.prefill_tokens,
+        t.prefill.as_secs_f64() * 1e3,
+        t.prefill_tokens_per_s(),
+        t.decode_steps,
+        t.decode.as_secs_f64() * 1e3,
+        t.decode_tokens_per_s(),
+        reason
+    );
+}
+
+#[derive(Serialize)]
+struct JsonRow<'a> {
+    generated_ids: &'a [u32],
+    masks: &'a [u8],
+    text: &'a str,
+    finish_reason: FinishReason,
+}
+
+#[derive(Serialize)]
+struct JsonOut<'a> {
+    model: String,
+    prompt_ids: &'a [u32],
+    /// Row 0's fields, for single-sample callers.
+    generated_ids: &'a [u32],
+    text: &'a str,
+    finish_reason: FinishReason,
+    rows: Vec<JsonRow<'a>>,
+    usage: Usage,
+    timings: &'a Timings,
+    prefill_tokens_per_s: f64,
+    decode_tokens_per_s: f64,
+}
+
+fn generate(args: GenerateArgs) -> Result<()> {
+    let c = &args.common;
+    let engine = load(c)?;
     let tok = engine.tokenizer();
     let prompt_ids = match (&args.prompt_ids, &args.prompt) {
         (Some(ids), _) => ids.clone(),
         (None, Some(text)) if args.chat => {
             let mut messages = Vec::new();
-            if let Some(s) = &args.system {
+            if let Some(s) = &c.system {
                 messages.push(ChatMessage::new("system", s));
             }
             messages.push(ChatMessage::new("user", text));
-            let rendered = tok.apply_chat_template(&messages, true)?;
-            tok.encode(&rendered)?
+            tok.encode(&tok.apply_chat_template(&messages, true)?)?
         }
         (None, Some(text)) => tok.encode(text)?,
         (None, None) => bail!("give a prompt with -p TEXT or --prompt-ids 1,2,3"),
@@ -131,71 +224,115 @@ fn run() -> Result<()> {
     if prompt_ids.is_empty() {
         bail!("the prompt encodes to no tokens");
     }
-    let gen_opts = GenerateOptions {
-        max_tokens: args.n_predict,
-        sampling: SamplingParams {
-            temperature: args.temp,
-            top_k: args.top_k,
-            top_p: args.top_p,
-            seed: args.seed,
-        },
-        stop_tokens: if args.ignore_eos { vec![] } else { engine.default_stop_tokens() },
-    };
-    let mut session = engine.session(prompt_ids.len() + args.n_predict);
+    if args.samples == 0 {
+        bail!("--samples must be at least 1");
+    }
+    let opts = options(c, &engine, args.samples);
+    let mut session = Session::new(engine.clone(), prompt_ids.len() + c.n_predict, args.samples);
     let mut stdout = std::io::stdout().lock();
-    let mut decoder = StreamDecoder::new();
-    let mut stream_err = None;
-    let stream = !args.json;
-    let gen = session.generate(&prompt_ids, &gen_opts, |id| {
-        if stream && !gen_opts.stop_tokens.contains(&id) {
-            match decoder.push(tok, id) {
-                Ok(piece) => {
-                    let _ = stdout.write_all(piece.as_bytes());
-                    let _ = stdout.flush();
-                }
-                Err(e) => {
-                    stream_err = Some(e);
-                    return false;
-                }
+    let stream_text = !args.json && args.samples == 1;
+    let result = session.generate(&prompt_ids, &opts, |step| {
+        if stream_text {
+            if let Some(Some(row)) = step.rows.first() {
+                let _ = stdout.write_all(row.text.as_bytes());
+                let _ = stdout.flush();
             }
         }
         true
     })?;
-    if let Some(e) = stream_err {
-        return Err(e.into());
-    }
-    let t = &gen.timings;
+    let t = &result.timings;
+    let first = &result.rows[0];
     if args.json {
-        let text_ids: Vec<u32> = gen
-            .tokens
-            .iter()
-            .copied()
-            .filter(|id| !gen_opts.stop_tokens.contains(id))
-            .collect();
         let out = JsonOut {
-            model: args.model.display().to_string(),
+            model: c.model.display().to_string(),
             prompt_ids: &prompt_ids,
-            generated_ids: &gen.tokens,
-            text: tok.decode(&text_ids)?,
-            finish_reason: gen.finish_reason,
+            generated_ids: &first.generated,
+            text: &first.text,
+            finish_reason: first.finish_reason,
+            rows: result
+                .rows
+                .iter()
+                .map(|r| JsonRow {
+                    generated_ids: &r.generated,
+                    masks: &r.masks[prompt_ids.len()..],
+                    text: &r.text,
+                    finish_reason: r.finish_reason,
+                })
+                .collect(),
+            usage: result.usage,
             timings: t,
             prefill_tokens_per_s: t.prefill_tokens_per_s(),
             decode_tokens_per_s: t.decode_tokens_per_s(),
         };
         writeln!(stdout, "{}", serde_json::to_string(&out)?)?;
+        return Ok(());
+    }
+    if args.samples > 1 {
+        for (i, r) in result.rows.iter().enumerate() {
+            writeln!(stdout, "--- sample {i} ({:?})\n{}", r.finish_reason, r.text)?;
+        }
     } else {
-        let rest = decoder.finish(tok)?;
-        writeln!(stdout, "{rest}")?;
-        eprintln!(
-            "\nprefill: {} tokens in {:.1} ms ({:.1} tok/s) | decode: {} tokens in {:.1} ms ({:.1} tok/s) | finish: {:?}",
-            t.prefill_tokens,
-            t.prefill.as_secs_f64() * 1e3,
-            t.prefill_tokens_per_s(),
-            t.decode_tokens,
-            t.decode.as_secs_f64() * 1e3,
-            t.decode_tokens_per_s(),
-            gen.finish_reason
-        );
+        writeln!(stdout)?;
+    }
+    report(t, first.finish_reason);
+    Ok(())
+}
+
+fn chat(args: ChatArgs) -> Result<()> {
+    let c = &args.common;
+    let engine = load(c)?;
+    let tok = engine.tokenizer();
+    if tok.specials.chat_template.is_none() {
+        bail!("{} has no chat template", c.model.display());
+    }
+    let opts = options(c, &engine, 1);
+    let mut session = engine.session(engine.max_context());
+    let mut messages: Vec<ChatMessage> = c
+        .system
+        .iter()
+        .map(|s| ChatMessage::new("system", s))
+        .collect();
+    let stdin = std::io::stdin();
+    let mut stdout = std::io::stdout();
+    eprintln!("kiln chat: type a message; /reset starts over, /exit or end of input quits.");
+    loop {
+        write!(stdout, "\n> ")?;
+        stdout.flush()?;
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            break;
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        match line.trim() {
+            "" => continue,
+            "/exit" | "/quit" => break,
+            "/reset" => {
+                messages.retain(|m| m.role == "system");
+                session.truncate(0);
+                continue;
+            }
+            _ => {}
+        }
+        messages.push(ChatMessage::new("user", line));
+        let prompt = tok.encode(&tok.apply_chat_template(&messages, true)?)?;
+        let result = session.generate(&prompt, &opts, |step| {
+            if let Some(Some(row)) = step.rows.first() {
+                let _ = stdout.write_all(row.text.as_bytes());
+                let _ = stdout.flush();
+            }
+            true
+        });
+        let result = match result {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("\nerror: {e}");
+                messages.pop();
+                continue;
+            }
+        };
+        let row = &result.rows[0];
+        messages.push(ChatMessage::new("assistant", row.text.clone()));
+        report(&result.timings, row.finish_reason);
     }
     Ok(())
 }

@@ -1,17 +1,27 @@
-//! The engine: what services embed and the binaries call. An [`Engine`] holds one compiled
-//! model (weights shared, `Send + Sync`); a [`Session`] owns one KV cache and workspace and
-//! generates from it.
+//! The engine: what services embed and the binaries call, with nanochat's `Engine` as its
+//! contract (spec §5–§7).
+//!
+//! An [`Engine`] is one compiled model, `Send + Sync`, shared by any number of [`Session`]s.
+//! A session owns a KV cache (one slot per sample row) and streams [`Step`]s: per step, the
+//! token column (one token per row) and the mask column (1 sampled, 0 forced by the tool).
 
-use std::path::Path;
+mod session;
+mod stop;
+mod stream;
+
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::backend::cpu::{BackendError, CpuBackend, CpuOptions, ExecError, PlanKind, TokenRow, Workspace};
-use crate::kv::KvCache;
+pub use session::Session;
+pub use stream::Stream;
+
+use crate::backend::cpu::{BackendError, CpuBackend, CpuOptions, ExecError};
+use crate::kv::KvError;
 use crate::model::{LoadError, Model, ModelConfig};
-use crate::sample::{self, SampleError, SamplingParams};
+use crate::sample::{SampleError, SamplingParams};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
 #[derive(Debug, thiserror::Error)]
@@ -23,6 +33,8 @@ pub enum EngineError {
     #[error(transparent)]
     Exec(#[from] ExecError),
     #[error(transparent)]
+    Kv(#[from] KvError),
+    #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]
     Sampling(#[from] SampleError),
@@ -30,11 +42,15 @@ pub enum EngineError {
     EmptyPrompt,
     #[error("the prompt has {len} tokens but the context holds {capacity}")]
     PromptTooLong { len: usize, capacity: usize },
+    #[error("num_samples must be ≥ 1")]
+    NoSamples,
+    #[error("{requested} samples asked of a session with {slots} cache slots")]
+    TooManySamples { requested: usize, slots: usize },
 }
 
 /// A loaded, compiled model.
 pub struct Engine {
-    model_path: std::path::PathBuf,
+    model_path: PathBuf,
     weight_type: String,
     tokenizer: Tokenizer,
     backend: CpuBackend,
@@ -77,58 +93,139 @@ impl Engine {
         &self.weight_type
     }
 
-    /// Token ids generation stops on by default: the model's EOS ids.
+    /// What generation stops on unless told otherwise: the model's EOS ids, plus, as nanochat
+    /// does, `<|assistant_end|>` and BOS.
     pub fn default_stop_tokens(&self) -> Vec<u32> {
         let mut ids = self.tokenizer.specials.eos_token_ids.clone();
-        for id in &self.config().eos_token_ids {
-            if !ids.contains(id) {
-                ids.push(*id);
-            }
-        }
+        ids.extend(self.config().eos_token_ids.iter().copied());
+        ids.extend(self.tokenizer.token_to_id("<|assistant_end|>"));
+        ids.extend(self.tokenizer.specials.bos_token_id);
+        let mut seen = Vec::new();
+        ids.retain(|id| {
+            let new = !seen.contains(id);
+            seen.push(*id);
+            new
+        });
         ids
     }
 
-    /// A session whose cache holds `capacity` positions (capped at the model's context).
+    /// The most positions a cache can usefully hold.
+    pub fn max_context(&self) -> usize {
+        self.config().max_position_embeddings
+    }
+
+    /// A session with one cache slot of `capacity` positions (capped at the model's context).
     pub fn session(self: &Arc<Self>, capacity: usize) -> Session {
-        let capacity = capacity.min(self.config().max_position_embeddings).max(1);
-        Session {
-            kv: self.backend.new_cache(1, capacity),
-            engine: Arc::clone(self),
-            ws: Workspace::new(),
-            logits: Vec::new(),
-            tokens: Vec::new(),
-            pending: Vec::new(),
-        }
+        Session::new(Arc::clone(self), capacity, 1)
+    }
+
+    /// Runs `prompt` to completion for `opts.num_samples` rows: the prompt is prefilled once and
+    /// its cache copied to every row.
+    pub fn generate_batch(
+        self: &Arc<Self>,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+    ) -> Result<BatchResult, EngineError> {
+        let capacity = opts
+            .max_tokens
+            .map_or(self.max_context(), |m| prompt.len() + m);
+        let mut session = Session::new(Arc::clone(self), capacity, opts.num_samples.max(1));
+        session.generate_batch(prompt, opts)
     }
 }
 
-/// Why generation ended.
+/// Why a row stopped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
+    /// It produced one of the stop tokens.
     StopToken,
+    /// Its text matched a stop string.
+    StopString,
+    /// It produced `max_tokens` tokens.
     MaxTokens,
-    /// The cache or the model's context is full.
+    /// Its cache (or the model's context) is full.
     ContextFull,
-    /// The caller's callback asked to stop.
+    /// The caller stopped it.
     Cancelled,
 }
 
 #[derive(Clone, Debug)]
 pub struct GenerateOptions {
-    pub max_tokens: usize,
+    /// Tokens to generate per row (forced tool tokens count); `None` runs to the context limit.
+    pub max_tokens: Option<usize>,
     pub sampling: SamplingParams,
-    /// Generation ends after emitting one of these (the stop token is reported, not hidden).
-    pub stop_tokens: Vec<u32>,
+    /// Rows sampled independently from one prefill.
+    pub num_samples: usize,
+    /// `None` uses [`Engine::default_stop_tokens`].
+    pub stop_tokens: Option<Vec<u32>>,
+    /// Text that ends a row; the match itself is not emitted.
+    pub stop_strings: Vec<String>,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions {
+            max_tokens: Some(256),
+            sampling: SamplingParams::default(),
+            num_samples: 1,
+            stop_tokens: None,
+            stop_strings: Vec::new(),
+        }
+    }
+}
+
+/// One row's share of a step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RowStep {
+    pub token: u32,
+    /// 1 sampled, 0 forced.
+    pub mask: u8,
+    /// Text this token completes (stop-string matches and stop tokens excluded).
+    pub text: String,
+    /// Set on the row's last step.
+    pub finished: Option<FinishReason>,
+}
+
+/// One decoding step: an entry per row, `None` for rows that finished earlier.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Step {
+    pub rows: Vec<Option<RowStep>>,
+}
+
+impl Step {
+    /// The token column (nanochat's `token_column`), `None` for finished rows.
+    pub fn tokens(&self) -> Vec<Option<u32>> {
+        self.rows
+            .iter()
+            .map(|r| r.as_ref().map(|r| r.token))
+            .collect()
+    }
+
+    /// The mask column: 1 sampled, 0 forced (and 0 for finished rows).
+    pub fn masks(&self) -> Vec<u8> {
+        self.rows
+            .iter()
+            .map(|r| r.as_ref().map_or(0, |r| r.mask))
+            .collect()
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    /// Tokens produced over all rows (forced ones included).
+    pub completion_tokens: usize,
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct Timings {
+    /// Tokens the prefill had to run (a reused cache prefix is not counted).
     pub prefill_tokens: usize,
     #[serde(serialize_with = "ser_ms")]
     pub prefill: Duration,
-    /// Forward passes after the prefill (each produces one more token).
-    pub decode_tokens: usize,
+    /// Decode forward passes (each advances every live row by one token).
+    pub decode_steps: usize,
     #[serde(serialize_with = "ser_ms")]
     pub decode: Duration,
 }
@@ -150,137 +247,28 @@ impl Timings {
         rate(self.prefill_tokens, self.prefill)
     }
 
+    /// Decode passes per second (tokens per second per row).
     pub fn decode_tokens_per_s(&self) -> f64 {
-        rate(self.decode_tokens, self.decode)
+        rate(self.decode_steps, self.decode)
     }
 }
 
-#[derive(Clone, Debug)]
-pub struct Generation {
+/// One row of a finished batch.
+#[derive(Clone, Debug, Serialize)]
+pub struct RowResult {
+    /// Prompt + generated tokens, without a terminal stop token (nanochat's `generate_batch`).
     pub tokens: Vec<u32>,
+    /// 0 for the prompt and forced tokens, 1 for sampled ones; aligned with `tokens`.
+    pub masks: Vec<u8>,
+    /// Generated tokens only (terminal stop token included, if any).
+    pub generated: Vec<u32>,
+    pub text: String,
     pub finish_reason: FinishReason,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct BatchResult {
+    pub rows: Vec<RowResult>,
+    pub usage: Usage,
     pub timings: Timings,
-}
-
-/// One conversation's state: its KV cache, workspace and the tokens it holds.
-pub struct Session {
-    engine: Arc<Engine>,
-    kv: KvCache,
-    ws: Workspace,
-    logits: Vec<f32>,
-    tokens: Vec<u32>,
-    /// Generated tokens not yet in the cache (the last one of each generation).
-    pending: Vec<u32>,
-}
-
-impl Session {
-    pub fn engine(&self) -> &Arc<Engine> {
-        &self.engine
-    }
-
-    /// Tokens in the cache.
-    pub fn position(&self) -> usize {
-        self.kv.len(0)
-    }
-
-    pub fn capacity(&self) -> usize {
-        self.kv.capacity()
-    }
-
-    pub fn tokens(&self) -> &[u32] {
-        &self.tokens
-    }
-
-    /// Logits of the last step.
-    pub fn logits(&self) -> &[f32] {
-        &self.logits
-    }
-
-    /// Forgets everything after `len` tokens (rollback); the next step continues from there.
-    pub fn truncate(&mut self, len: usize) {
-        self.kv.truncate(0, len);
-        self.tokens.truncate(len);
-        self.pending.clear();
-    }
-
-    /// Appends tokens (one forward pass) and returns the logits after the last one.
-    pub fn feed(&mut self, ids: &[u32]) -> Result<&[f32], EngineError> {
-        if ids.is_empty() {
-            return Err(EngineError::EmptyPrompt);
-        }
-        let start = self.kv.len(0);
-        let rows: Vec<TokenRow> = (0..ids.len()).map(|i| TokenRow { slot: 0, pos: start + i }).collect();
-        let kind = if ids.len() == 1 { PlanKind::Decode } else { PlanKind::Prefill };
-        self.engine
-            .backend
-            .forward(kind, &mut self.ws, &mut self.kv, ids, &rows, &mut self.logits)?;
-        self.tokens.extend_from_slice(ids);
-        Ok(&self.logits)
-    }
-
-    /// Generates after `prompt` (appended to whatever the session holds). `on_token` sees each
-    /// token as it is chosen and may return `false` to stop.
-    pub fn generate(
-        &mut self,
-        prompt: &[u32],
-        opts: &GenerateOptions,
-        mut on_token: impl FnMut(u32) -> bool,
-    ) -> Result<Generation, EngineError> {
-        opts.sampling.validate()?;
-        if prompt.is_empty() {
-            return Err(EngineError::EmptyPrompt);
-        }
-        let mut input = std::mem::take(&mut self.pending);
-        input.extend_from_slice(prompt);
-        let room = self.kv.capacity() - self.kv.len(0);
-        if input.len() > room {
-            return Err(EngineError::PromptTooLong {
-                len: self.kv.len(0) + input.len(),
-                capacity: self.kv.capacity(),
-            });
-        }
-        let mut timings = Timings {
-            prefill_tokens: input.len(),
-            ..Default::default()
-        };
-        let t0 = Instant::now();
-        self.feed(&input)?;
-        timings.prefill = t0.elapsed();
-
-        let mut out = Vec::new();
-        let t1 = Instant::now();
-        let finish_reason = loop {
-            if out.len() >= opts.max_tokens {
-                break FinishReason::MaxTokens;
-            }
-            let pos = self.kv.len(0);
-            let tok = sample::sample(&self.logits, &opts.sampling, 0, pos as u64);
-            out.push(tok);
-            if !on_token(tok) {
-                break FinishReason::Cancelled;
-            }
-            if opts.stop_tokens.contains(&tok) {
-                break FinishReason::StopToken;
-            }
-            if out.len() >= opts.max_tokens {
-                break FinishReason::MaxTokens;
-            }
-            if self.kv.len(0) >= self.kv.capacity() {
-                break FinishReason::ContextFull;
-            }
-            self.feed(&[tok])?;
-            timings.decode_tokens += 1;
-        };
-        timings.decode = t1.elapsed();
-        // Every break above leaves the last chosen token unfed; it joins the cache with the
-        // next input, so a follow-up turn continues the same sequence without a wasted pass.
-        if let Some(&last) = out.last() {
-            self.pending.push(last);
-        }
-        Ok(Generation {
-            tokens: out,
-            finish_reason,
-            timings,
-        })
-    }
 }

@@ -89,10 +89,15 @@ impl Node {
                 flops: 0,
             },
             Op::RmsNorm(n) => Cost {
-                bytes: (in_elems(0) + out_elems) * F32 + n.weight.as_ref().map_or(0, |_| cols_in(0) * F32),
+                bytes: (in_elems(0) + out_elems) * F32
+                    + n.weight.as_ref().map_or(0, |_| cols_in(0) * F32),
                 flops: 3 * in_elems(0),
             },
-            Op::MatMul { linears, norm, epilogue } => {
+            Op::MatMul {
+                linears,
+                norm,
+                epilogue,
+            } => {
                 let rows = rows_in(0);
                 let weights: u64 = linears
                     .iter()
@@ -102,7 +107,11 @@ impl Node {
                     })
                     .sum();
                 let mac: u64 = linears.iter().map(|l| (l.out * l.inp) as u64).sum();
-                let residual = if *epilogue == Epilogue::ResidualAdd { in_elems(1) } else { 0 };
+                let residual = if *epilogue == Epilogue::ResidualAdd {
+                    in_elems(1)
+                } else {
+                    0
+                };
                 let norm_bytes = norm
                     .as_ref()
                     .and_then(|n| n.weight.as_ref())

@@ -20,16 +20,38 @@ pub fn op_text(n: &Node) -> String {
             let _ = write!(s, "({table})");
         }
         Op::RmsNorm(norm) => {
-            let _ = write!(s, "(eps={:e}{})", norm.eps, if norm.weight.is_some() { ", w" } else { "" });
+            let _ = write!(
+                s,
+                "(eps={:e}{})",
+                norm.eps,
+                if norm.weight.is_some() { ", w" } else { "" }
+            );
         }
-        Op::MatMul { linears, norm, epilogue } => {
+        Op::MatMul {
+            linears,
+            norm,
+            epilogue,
+        } => {
             let names: Vec<String> = linears
                 .iter()
-                .map(|l| format!("{}[{}x{}]{}", l.weight, l.out, l.inp, if l.bias.is_some() { "+b" } else { "" }))
+                .map(|l| {
+                    format!(
+                        "{}[{}x{}]{}",
+                        l.weight,
+                        l.out,
+                        l.inp,
+                        if l.bias.is_some() { "+b" } else { "" }
+                    )
+                })
                 .collect();
             let _ = write!(s, "({}", names.join(" | "));
             if let Some(nm) = norm {
-                let _ = write!(s, "; norm eps={:e}{}", nm.eps, if nm.weight.is_some() { " w" } else { "" });
+                let _ = write!(
+                    s,
+                    "; norm eps={:e}{}",
+                    nm.eps,
+                    if nm.weight.is_some() { " w" } else { "" }
+                );
             }
             match epilogue {
                 Epilogue::None => {}
@@ -43,7 +65,11 @@ pub fn op_text(n: &Node) -> String {
             }
             s.push(')');
         }
-        Op::HeadNorm { heads, head_dim, eps } => {
+        Op::HeadNorm {
+            heads,
+            head_dim,
+            eps,
+        } => {
             let _ = write!(s, "({heads}x{head_dim}, eps={eps:e})");
         }
         Op::Rope { heads, head_dim } => {
@@ -81,7 +107,11 @@ pub(super) fn write_text(g: &Graph, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         g.kv.head_dim
     )?;
     for (id, n) in g.nodes.iter().enumerate() {
-        let ins: Vec<String> = n.inputs.iter().map(|v| format!("%{}.{}", v.node, v.port)).collect();
+        let ins: Vec<String> = n
+            .inputs
+            .iter()
+            .map(|v| format!("%{}.{}", v.node, v.port))
+            .collect();
         let outs: Vec<String> = n.outputs.iter().map(shape).collect();
         writeln!(
             f,

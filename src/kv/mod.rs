@@ -93,13 +93,19 @@ impl KvCache {
     }
 
     fn base(&self, layer: usize, slot: usize, head: usize) -> usize {
-        ((layer * self.slots + slot) * self.spec.kv_heads + head) * self.capacity * self.spec.head_dim
+        ((layer * self.slots + slot) * self.spec.kv_heads + head)
+            * self.capacity
+            * self.spec.head_dim
     }
 
     /// Writes one position's keys and values (`kv_heads × head_dim` each).
     pub fn write(&mut self, layer: usize, slot: usize, pos: usize, k: &[f32], v: &[f32]) {
         let d = self.spec.head_dim;
-        assert!(pos < self.capacity, "KV write at {pos} past capacity {}", self.capacity);
+        assert!(
+            pos < self.capacity,
+            "KV write at {pos} past capacity {}",
+            self.capacity
+        );
         for h in 0..self.spec.kv_heads {
             let at = self.base(layer, slot, h) + pos * d;
             self.k[at..at + d].copy_from_slice(&k[h * d..(h + 1) * d]);

@@ -108,7 +108,11 @@ impl ExecutionPlan {
                 continue;
             }
             let idx = instrs.len();
-            let inputs: Vec<Operand> = node.inputs.iter().map(|&v| slot_of(&node_buf, &graph, v)).collect();
+            let inputs: Vec<Operand> = node
+                .inputs
+                .iter()
+                .map(|&v| slot_of(&node_buf, &graph, v))
+                .collect();
             let width: usize = node.outputs.iter().map(|s| s.cols).sum();
             let rows = node.outputs[0].rows;
 
@@ -198,7 +202,9 @@ impl ExecutionPlan {
             Operand::Tokens => panic!("graph output is its input"),
         };
         let last = instrs.len().saturating_sub(1);
-        buffers[output.buffer].live_ranges.push((def_at[graph.output.node], last));
+        buffers[output.buffer]
+            .live_ranges
+            .push((def_at[graph.output.node], last));
         for b in &mut buffers {
             b.live_ranges.sort_unstable();
         }

@@ -45,7 +45,11 @@ impl Display for ExecutionPlan {
                 Rows::Tokens => "T",
                 Rows::Sequences => "S",
             };
-            let ranges: Vec<String> = b.live_ranges.iter().map(|(a, z)| format!("{a}-{z}")).collect();
+            let ranges: Vec<String> = b
+                .live_ranges
+                .iter()
+                .map(|(a, z)| format!("{a}-{z}"))
+                .collect();
             writeln!(f, "  b{i}: [{rows},{}] live {}", b.cols, ranges.join(" "))?;
         }
         writeln!(f, "output {}", slot(&self.output))

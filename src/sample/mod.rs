@@ -15,6 +15,10 @@ pub enum SampleError {
     TopP(f32),
     #[error("top-k must be ≥ 1, got 0 (leave it unset to disable)")]
     TopK,
+    #[error("min-p must be in [0, 1], got {0}")]
+    MinP(f32),
+    #[error("repetition penalty must be a finite number > 0, got {0}")]
+    RepetitionPenalty(f32),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -23,6 +27,11 @@ pub struct SamplingParams {
     pub temperature: f32,
     pub top_k: Option<usize>,
     pub top_p: Option<f32>,
+    /// Drops tokens whose probability is below `min_p` times the most likely one's.
+    pub min_p: Option<f32>,
+    /// CTRL-style penalty on tokens already in the context (> 1 discourages repeats); applied
+    /// by [`apply_repetition_penalty`] before sampling, greedy included.
+    pub repetition_penalty: Option<f32>,
     pub seed: u64,
 }
 
@@ -32,6 +41,8 @@ impl Default for SamplingParams {
             temperature: 0.0,
             top_k: None,
             top_p: None,
+            min_p: None,
+            repetition_penalty: None,
             seed: 0,
         }
     }
@@ -50,7 +61,33 @@ impl SamplingParams {
         if self.top_k == Some(0) {
             return Err(SampleError::TopK);
         }
+        if let Some(p) = self.min_p {
+            if !(0.0..=1.0).contains(&p) {
+                return Err(SampleError::MinP(p));
+            }
+        }
+        if let Some(r) = self.repetition_penalty {
+            if !(r.is_finite() && r > 0.0) {
+                return Err(SampleError::RepetitionPenalty(r));
+            }
+        }
         Ok(())
+    }
+}
+
+/// Divides positive logits (multiplies negative ones) of every token in `context` by `penalty`,
+/// once per distinct token, as Hugging Face's `RepetitionPenaltyLogitsProcessor` does.
+pub fn apply_repetition_penalty(logits: &mut [f32], context: &[u32], penalty: f32) {
+    if penalty == 1.0 {
+        return;
+    }
+    let mut seen = std::collections::HashSet::with_capacity(context.len());
+    for &t in context {
+        if let Some(l) = logits.get_mut(t as usize) {
+            if seen.insert(t) {
+                *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
+            }
+        }
     }
 }
 
@@ -90,18 +127,25 @@ pub fn sample(logits: &[f32], params: &SamplingParams, row: u32, position: u64) 
         .iter()
         .map(|&i| ((logits[i as usize] - max) * inv_t).exp())
         .collect();
-    let total: f32 = probs.iter().sum();
-    let mut keep = probs.len();
-    if let Some(p) = params.top_p {
-        let mut cum = 0.0;
-        for (n, q) in probs.iter().enumerate() {
-            cum += q / total;
-            if cum >= p {
-                keep = n + 1;
-                break;
-            }
-        }
+    // Filters in the order Hugging Face applies them: min-p, then top-p on what is left.
+    if let Some(mp) = params.min_p {
+        // probs[0] is the most likely token (weight 1 after the max shift).
+        let keep = probs
+            .iter()
+            .take_while(|&&q| q >= mp * probs[0])
+            .count()
+            .max(1);
         probs.truncate(keep);
+    }
+    if let Some(p) = params.top_p {
+        let total: f32 = probs.iter().sum();
+        let mut cum = 0.0;
+        if let Some(n) = probs.iter().position(|q| {
+            cum += q / total;
+            cum >= p
+        }) {
+            probs.truncate(n + 1);
+        }
     }
     let kept: f32 = probs.iter().sum();
     let target = uniform(params.seed, row, position) * kept;
@@ -112,7 +156,7 @@ pub fn sample(logits: &[f32], params: &SamplingParams, row: u32, position: u64) 
             return idx[n];
         }
     }
-    idx[keep - 1]
+    idx[probs.len() - 1]
 }
 
 #[cfg(test)]
@@ -133,8 +177,8 @@ mod tests {
         let p = SamplingParams {
             temperature: 1.0,
             top_k: Some(1),
-            top_p: None,
             seed: 7,
+            ..SamplingParams::default()
         };
         assert_eq!(sample(&logits, &p, 0, 3), argmax(&logits));
         let p = SamplingParams { top_k: None, ..p };
@@ -146,7 +190,10 @@ mod tests {
             .collect();
         assert_ne!(a, c, "different seeds gave identical 50-token draws");
         let rows: Vec<u32> = (0..50).map(|r| sample(&logits, &p, r, 0)).collect();
-        assert!(rows.iter().any(|&t| t != rows[0]), "rows are not independent");
+        assert!(
+            rows.iter().any(|&t| t != rows[0]),
+            "rows are not independent"
+        );
     }
 
     #[test]
@@ -155,9 +202,8 @@ mod tests {
         let logits = [6f32.ln(), 3f32.ln(), 0.0];
         let p = SamplingParams {
             temperature: 1.0,
-            top_k: None,
-            top_p: None,
             seed: 1,
+            ..SamplingParams::default()
         };
         let n = 20000;
         let mut counts = [0usize; 3];
@@ -168,8 +214,26 @@ mod tests {
         for (f, want) in freq.iter().zip([0.6, 0.3, 0.1]) {
             assert!((f - want).abs() < 0.015, "{freq:?}");
         }
-        let p = SamplingParams { top_p: Some(0.85), ..p };
+        let p = SamplingParams {
+            top_p: Some(0.85),
+            ..p
+        };
         assert!((0..2000).all(|pos| sample(&logits, &p, 0, pos) != 2));
+        // min-p 0.4: 0.1/0.6 and 0.3/0.6=0.5 → only token 2 (ratio 1/6) is dropped.
+        let p = SamplingParams {
+            top_p: None,
+            min_p: Some(0.4),
+            ..p
+        };
+        let draws: Vec<u32> = (0..2000).map(|pos| sample(&logits, &p, 0, pos)).collect();
+        assert!(draws.iter().all(|&t| t != 2) && draws.contains(&1));
+    }
+
+    #[test]
+    fn repetition_penalty_shrinks_seen_tokens_once() {
+        let mut l = [2.0f32, -1.0, 3.0];
+        apply_repetition_penalty(&mut l, &[0, 1, 0, 0], 2.0);
+        assert_eq!(l, [1.0, -2.0, 3.0]);
     }
 
     #[test]
@@ -177,11 +241,44 @@ mod tests {
         let ok = SamplingParams::default();
         assert!(ok.validate().is_ok());
         assert_eq!(
-            SamplingParams { temperature: -1.0, ..ok }.validate(),
+            SamplingParams {
+                temperature: -1.0,
+                ..ok
+            }
+            .validate(),
             Err(SampleError::Temperature(-1.0))
         );
-        assert!(SamplingParams { top_p: Some(0.0), ..ok }.validate().is_err());
-        assert!(SamplingParams { top_p: Some(1.5), ..ok }.validate().is_err());
-        assert_eq!(SamplingParams { top_k: Some(0), ..ok }.validate(), Err(SampleError::TopK));
+        assert!(SamplingParams {
+            top_p: Some(0.0),
+            ..ok
+        }
+        .validate()
+        .is_err());
+        assert!(SamplingParams {
+            top_p: Some(1.5),
+            ..ok
+        }
+        .validate()
+        .is_err());
+        assert_eq!(
+            SamplingParams {
+                top_k: Some(0),
+                ..ok
+            }
+            .validate(),
+            Err(SampleError::TopK)
+        );
+        assert!(SamplingParams {
+            min_p: Some(1.5),
+            ..ok
+        }
+        .validate()
+        .is_err());
+        assert!(SamplingParams {
+            repetition_penalty: Some(0.0),
+            ..ok
+        }
+        .validate()
+        .is_err());
     }
 }

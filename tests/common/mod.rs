@@ -13,7 +13,9 @@ pub fn fixtures() -> PathBuf {
 pub fn demo_model() -> Option<PathBuf> {
     let p = std::env::var_os("KILN_DEMO_MODEL")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
     p.exists().then_some(p)
 }
 
@@ -67,6 +69,9 @@ impl Reference {
 pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-    let diff = got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    let diff = got
+        .iter()
+        .zip(want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
     diff / scale
 }

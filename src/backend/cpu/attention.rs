@@ -53,7 +53,9 @@ pub fn attention(
     let kv = &*kv;
     let group = s.heads / s.kv_heads;
     let (out_data, out_stride, out_col) = out;
-    assert!(rows.is_empty() || out_data.len() >= (rows.len() - 1) * out_stride + out_col + s.heads * d);
+    assert!(
+        rows.is_empty() || out_data.len() >= (rows.len() - 1) * out_stride + out_col + s.heads * d
+    );
     let ptr = OutPtr(out_data.as_mut_ptr());
     (0..rows.len() * s.heads).into_par_iter().for_each(|task| {
         let (t, h) = (task / s.heads, task % s.heads);
@@ -100,8 +102,12 @@ mod tests {
         };
         let mut kv = KvCache::new(spec, 1, 8);
         let t = 3;
-        let q: Vec<f32> = (0..t * heads * d).map(|i| ((i * 7) % 5) as f32 * 0.3 - 0.5).collect();
-        let k: Vec<f32> = (0..t * kv_heads * d).map(|i| ((i * 3) % 7) as f32 * 0.2 - 0.4).collect();
+        let q: Vec<f32> = (0..t * heads * d)
+            .map(|i| ((i * 7) % 5) as f32 * 0.3 - 0.5)
+            .collect();
+        let k: Vec<f32> = (0..t * kv_heads * d)
+            .map(|i| ((i * 3) % 7) as f32 * 0.2 - 0.4)
+            .collect();
         let v: Vec<f32> = (0..t * kv_heads * d).map(|i| i as f32 * 0.1).collect();
         let rows: Vec<TokenRow> = (0..t).map(|pos| TokenRow { slot: 0, pos }).collect();
         let mut out = vec![0.0; t * heads * d];
@@ -136,9 +142,14 @@ mod tests {
                 let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
                 let z: f64 = e.iter().sum();
                 for c in 0..d {
-                    let want: f64 = (0..=ti).map(|j| e[j] / z * v[j * kv_heads * d + g * d + c] as f64).sum();
+                    let want: f64 = (0..=ti)
+                        .map(|j| e[j] / z * v[j * kv_heads * d + g * d + c] as f64)
+                        .sum();
                     let got = out[ti * heads * d + h * d + c] as f64;
-                    assert!((want - got).abs() < 1e-6, "t={ti} h={h} c={c}: {got} vs {want}");
+                    assert!(
+                        (want - got).abs() < 1e-6,
+                        "t={ti} h={h} c={c}: {got} vs {want}"
+                    );
                 }
             }
         }

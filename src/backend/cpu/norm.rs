@@ -44,7 +44,10 @@ mod tests {
         assert!((ms - 1.0).abs() < 1e-6);
         let mut w_out = [0.0; 4];
         rms_norm(&x, Some(&[2.0, 2.0, 2.0, 2.0]), 0.0, &mut w_out);
-        assert!(w_out.iter().zip(out).all(|(a, b)| (a - 2.0 * b).abs() < 1e-6));
+        assert!(w_out
+            .iter()
+            .zip(out)
+            .all(|(a, b)| (a - 2.0 * b).abs() < 1e-6));
         let mut h = [1.0f32, 1.0, 2.0, 0.0];
         head_norm_inplace(&mut h, 2, 0.0);
         assert_eq!(h, [1.0, 1.0, 2f32.sqrt(), 0.0]);

@@ -31,7 +31,8 @@ pub fn inv_freq(spec: &RopeSpec) -> Vec<f32> {
                     } else if wavelen > low_wavelen {
                         f / factor
                     } else {
-                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        let smooth = (old / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
                         (1.0 - smooth) * f / factor + smooth * f
                     }
                 })
@@ -94,7 +95,11 @@ mod tests {
     /// The attention score between positions depends only on their distance, for every style.
     #[test]
     fn dot_products_depend_on_relative_position_only() {
-        for style in [RopeStyle::HalfSplit, RopeStyle::HalfSplitNegated, RopeStyle::Interleaved] {
+        for style in [
+            RopeStyle::HalfSplit,
+            RopeStyle::HalfSplitNegated,
+            RopeStyle::Interleaved,
+        ] {
             let f = inv_freq(&spec(style));
             let q: Vec<f32> = (0..8).map(|i| (i as f32 * 0.7).sin()).collect();
             let k: Vec<f32> = (0..8).map(|i| (i as f32 * 1.3).cos()).collect();

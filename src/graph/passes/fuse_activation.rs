@@ -14,7 +14,9 @@ impl Pass for FuseActivation {
     fn run(&self, g: &mut Graph) -> bool {
         let mut changed = false;
         for id in 0..g.nodes.len() {
-            let Op::Act(act) = g.nodes[id].op else { continue };
+            let Op::Act(act) = g.nodes[id].op else {
+                continue;
+            };
             let src = g.nodes[id].inputs[0];
             let ok = matches!(&g.nodes[src.node].op, Op::MatMul { linears, epilogue: Epilogue::None, .. } if linears.len() == 1)
                 && g.uses(src).len() == 1

@@ -18,7 +18,9 @@ impl Pass for FuseGatedActivation {
                 continue;
             }
             let (a, b) = (g.nodes[mul].inputs[0], g.nodes[mul].inputs[1]);
-            let Op::Act(act) = g.nodes[a.node].op else { continue };
+            let Op::Act(act) = g.nodes[a.node].op else {
+                continue;
+            };
             let gate = g.nodes[a.node].inputs[0];
             let mm = gate.node;
             let ok = gate.port == 0

@@ -14,7 +14,9 @@ impl Pass for FuseNormIntoMatMul {
     fn run(&self, g: &mut Graph) -> bool {
         let mut changed = false;
         for id in 0..g.nodes.len() {
-            let Op::RmsNorm(norm) = &g.nodes[id].op else { continue };
+            let Op::RmsNorm(norm) = &g.nodes[id].op else {
+                continue;
+            };
             let norm = norm.clone();
             let out = Value::new(id, 0);
             if g.output == out {

@@ -14,7 +14,9 @@ impl Pass for MergeSiblingMatMuls {
     fn run(&self, g: &mut Graph) -> bool {
         let mut changed = false;
         for first in 0..g.nodes.len() {
-            let Some(key) = merge_key(g, first) else { continue };
+            let Some(key) = merge_key(g, first) else {
+                continue;
+            };
             let siblings: Vec<usize> = ((first + 1)..g.nodes.len())
                 .filter(|&s| merge_key(g, s).as_ref() == Some(&key))
                 .collect();
@@ -30,7 +32,9 @@ impl Pass for MergeSiblingMatMuls {
                         epilogue: Epilogue::None,
                     },
                 );
-                let Op::MatMul { linears, .. } = moved else { unreachable!() };
+                let Op::MatMul { linears, .. } = moved else {
+                    unreachable!()
+                };
                 let base = g.nodes[first].outputs.len();
                 let outs = std::mem::take(&mut g.nodes[s].outputs);
                 for port in 0..outs.len() {
@@ -40,7 +44,11 @@ impl Pass for MergeSiblingMatMuls {
                 if let Op::MatMul { linears: l, .. } = &mut g.nodes[first].op {
                     l.extend(linears);
                 }
-                let label = format!("{}+{}", g.nodes[first].label, short_label(&g.nodes[s].label));
+                let label = format!(
+                    "{}+{}",
+                    g.nodes[first].label,
+                    short_label(&g.nodes[s].label)
+                );
                 g.nodes[first].label = label;
                 g.nodes[s].inputs.clear();
             }

@@ -43,7 +43,12 @@ pub fn run_pipeline(
         if p.run(g) {
             g.remove_dead();
         }
-        debug_assert!(g.validate().is_ok(), "pass {} broke the graph: {:?}", p.name(), g.validate());
+        debug_assert!(
+            g.validate().is_ok(),
+            "pass {} broke the graph: {:?}",
+            p.name(),
+            g.validate()
+        );
         observe(p.name(), g);
     }
 }

@@ -17,15 +17,33 @@ pub(super) fn build(
     for i in 0..c.num_layers {
         let p = format!("model.layers.{i}");
         let l = format!("layers.{i}");
-        let h = b.rms_norm(x, Some(&format!("{p}.input_layernorm.weight")), format!("{l}.attn_norm"))?;
+        let h = b.rms_norm(
+            x,
+            Some(&format!("{p}.input_layernorm.weight")),
+            format!("{l}.attn_norm"),
+        )?;
         let q = b.linear(&format!("{p}.self_attn.q_proj"), q_dim, c.hidden_size)?;
         let k = b.linear(&format!("{p}.self_attn.k_proj"), kv_dim, c.hidden_size)?;
         let v = b.linear(&format!("{p}.self_attn.v_proj"), kv_dim, c.hidden_size)?;
         let q = b.matmul(h, q, format!("{l}.attn.q"));
         let k = b.matmul(h, k, format!("{l}.attn.k"));
         let v = b.matmul(h, v, format!("{l}.attn.v"));
-        let q = b.op1(Op::Rope { heads: c.num_heads, head_dim: hd }, vec![q], format!("{l}.attn.rope_q"));
-        let k = b.op1(Op::Rope { heads: c.num_kv_heads, head_dim: hd }, vec![k], format!("{l}.attn.rope_k"));
+        let q = b.op1(
+            Op::Rope {
+                heads: c.num_heads,
+                head_dim: hd,
+            },
+            vec![q],
+            format!("{l}.attn.rope_q"),
+        );
+        let k = b.op1(
+            Op::Rope {
+                heads: c.num_kv_heads,
+                head_dim: hd,
+            },
+            vec![k],
+            format!("{l}.attn.rope_k"),
+        );
         let a = b.op1(
             Op::Attention {
                 layer: i,
@@ -40,14 +58,34 @@ pub(super) fn build(
         let o = b.linear(&format!("{p}.self_attn.o_proj"), c.hidden_size, q_dim)?;
         let o = b.matmul(a, o, format!("{l}.attn.o"));
         x = b.op1(Op::Add, vec![x, o], format!("{l}.attn_residual"));
-        let h = b.rms_norm(x, Some(&format!("{p}.post_attention_layernorm.weight")), format!("{l}.mlp_norm"))?;
-        let gate = b.linear(&format!("{p}.mlp.gate_proj"), c.intermediate_size, c.hidden_size)?;
-        let up = b.linear(&format!("{p}.mlp.up_proj"), c.intermediate_size, c.hidden_size)?;
+        let h = b.rms_norm(
+            x,
+            Some(&format!("{p}.post_attention_layernorm.weight")),
+            format!("{l}.mlp_norm"),
+        )?;
+        let gate = b.linear(
+            &format!("{p}.mlp.gate_proj"),
+            c.intermediate_size,
+            c.hidden_size,
+        )?;
+        let up = b.linear(
+            &format!("{p}.mlp.up_proj"),
+            c.intermediate_size,
+            c.hidden_size,
+        )?;
         let gate = b.matmul(h, gate, format!("{l}.mlp.gate"));
         let up = b.matmul(h, up, format!("{l}.mlp.up"));
-        let act = b.op1(Op::Act(Activation::Silu), vec![gate], format!("{l}.mlp.silu"));
+        let act = b.op1(
+            Op::Act(Activation::Silu),
+            vec![gate],
+            format!("{l}.mlp.silu"),
+        );
         let m = b.op1(Op::Mul, vec![act, up], format!("{l}.mlp.mul"));
-        let down = b.linear(&format!("{p}.mlp.down_proj"), c.hidden_size, c.intermediate_size)?;
+        let down = b.linear(
+            &format!("{p}.mlp.down_proj"),
+            c.hidden_size,
+            c.intermediate_size,
+        )?;
         let d = b.matmul(m, down, format!("{l}.mlp.down"));
         x = b.op1(Op::Add, vec![x, d], format!("{l}.mlp_residual"));
     }

@@ -26,11 +26,41 @@ pub(super) fn build(
         let q = b.matmul(h, q, format!("{l}.attn.q"));
         let k = b.matmul(h, k, format!("{l}.attn.k"));
         let v = b.matmul(h, v, format!("{l}.attn.v"));
-        let q = b.op1(Op::Rope { heads: c.num_heads, head_dim: hd }, vec![q], format!("{l}.attn.rope_q"));
-        let k = b.op1(Op::Rope { heads: c.num_kv_heads, head_dim: hd }, vec![k], format!("{l}.attn.rope_k"));
+        let q = b.op1(
+            Op::Rope {
+                heads: c.num_heads,
+                head_dim: hd,
+            },
+            vec![q],
+            format!("{l}.attn.rope_q"),
+        );
+        let k = b.op1(
+            Op::Rope {
+                heads: c.num_kv_heads,
+                head_dim: hd,
+            },
+            vec![k],
+            format!("{l}.attn.rope_k"),
+        );
         let eps = c.rms_norm_eps;
-        let q = b.op1(Op::HeadNorm { heads: c.num_heads, head_dim: hd, eps }, vec![q], format!("{l}.attn.q_norm"));
-        let k = b.op1(Op::HeadNorm { heads: c.num_kv_heads, head_dim: hd, eps }, vec![k], format!("{l}.attn.k_norm"));
+        let q = b.op1(
+            Op::HeadNorm {
+                heads: c.num_heads,
+                head_dim: hd,
+                eps,
+            },
+            vec![q],
+            format!("{l}.attn.q_norm"),
+        );
+        let k = b.op1(
+            Op::HeadNorm {
+                heads: c.num_kv_heads,
+                head_dim: hd,
+                eps,
+            },
+            vec![k],
+            format!("{l}.attn.k_norm"),
+        );
         let a = b.op1(
             Op::Attention {
                 layer: i,
@@ -48,7 +78,11 @@ pub(super) fn build(
         let h = b.rms_norm(x, None, format!("{l}.mlp_norm"))?;
         let fc1 = b.linear(&format!("{p}.mlp.fc1"), c.intermediate_size, c.hidden_size)?;
         let f = b.matmul(h, fc1, format!("{l}.mlp.fc1"));
-        let f = b.op1(Op::Act(Activation::ReluSquared), vec![f], format!("{l}.mlp.relu2"));
+        let f = b.op1(
+            Op::Act(Activation::ReluSquared),
+            vec![f],
+            format!("{l}.mlp.relu2"),
+        );
         let fc2 = b.linear(&format!("{p}.mlp.fc2"), c.hidden_size, c.intermediate_size)?;
         let d = b.matmul(f, fc2, format!("{l}.mlp.fc2"));
         x = b.op1(Op::Add, vec![x, d], format!("{l}.mlp_residual"));

@@ -1,0 +1,228 @@
+//! A session: one KV cache (a slot per sample row), the tokens each slot holds, and the scratch
+//! memory its steps reuse. Sessions are independent; many run at once over one shared engine.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::stream::Stream;
+use super::{BatchResult, Engine, EngineError, GenerateOptions, RowResult, Step, Usage};
+use crate::backend::cpu::{PlanKind, TokenRow, Workspace};
+use crate::kv::KvCache;
+
+pub struct Session {
+    pub(super) engine: Arc<Engine>,
+    pub(super) kv: KvCache,
+    pub(super) ws: Workspace,
+    pub(super) logits: Vec<f32>,
+    /// What each slot's cache holds.
+    pub(super) tokens: Vec<Vec<u32>>,
+}
+
+impl Session {
+    /// `capacity` positions per slot, capped at the model's context.
+    pub fn new(engine: Arc<Engine>, capacity: usize, slots: usize) -> Session {
+        let capacity = capacity.min(engine.max_context()).max(1);
+        let slots = slots.max(1);
+        Session {
+            kv: engine.backend().new_cache(slots, capacity),
+            engine,
+            ws: Workspace::new(),
+            logits: Vec::new(),
+            tokens: vec![Vec::new(); slots],
+        }
+    }
+
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.kv.capacity()
+    }
+
+    pub fn slots(&self) -> usize {
+        self.kv.slots()
+    }
+
+    /// Tokens in the first slot's cache.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens[0]
+    }
+
+    /// Logits after the last token fed to the first slot.
+    pub fn logits(&self) -> &[f32] {
+        &self.logits
+    }
+
+    /// Forgets everything after `len` tokens in every slot.
+    pub fn truncate(&mut self, len: usize) {
+        for (slot, t) in self.tokens.iter_mut().enumerate() {
+            self.kv.truncate(slot, len);
+            t.truncate(len);
+        }
+    }
+
+    /// Appends tokens to the first slot (one forward pass) and returns the logits after the last.
+    pub fn feed(&mut self, ids: &[u32]) -> Result<&[f32], EngineError> {
+        if ids.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let start = self.kv.len(0);
+        if start + ids.len() > self.kv.capacity() {
+            return Err(EngineError::PromptTooLong {
+                len: start + ids.len(),
+                capacity: self.kv.capacity(),
+            });
+        }
+        let rows: Vec<TokenRow> = (0..ids.len())
+            .map(|i| TokenRow {
+                slot: 0,
+                pos: start + i,
+            })
+            .collect();
+        let kind = if ids.len() == 1 {
+            PlanKind::Decode
+        } else {
+            PlanKind::Prefill
+        };
+        self.engine.backend().forward(
+            kind,
+            &mut self.ws,
+            &mut self.kv,
+            ids,
+            &rows,
+            &mut self.logits,
+        )?;
+        self.tokens[0].extend_from_slice(ids);
+        Ok(&self.logits)
+    }
+
+    /// Makes the first slot hold exactly `prompt`, reusing the longest prefix already cached
+    /// (a multi-turn chat re-renders the whole conversation; only the new turn is computed).
+    /// Returns how many tokens had to be run.
+    pub fn prefill(&mut self, prompt: &[u32]) -> Result<usize, EngineError> {
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if prompt.len() > self.kv.capacity() {
+            return Err(EngineError::PromptTooLong {
+                len: prompt.len(),
+                capacity: self.kv.capacity(),
+            });
+        }
+        let cached = &self.tokens[0];
+        let mut common = cached
+            .iter()
+            .zip(prompt)
+            .take_while(|(a, b)| a == b)
+            .count();
+        // The last prompt token must run to produce the logits that follow it.
+        common = common.min(prompt.len() - 1);
+        self.kv.truncate(0, common);
+        self.tokens[0].truncate(common);
+        self.feed(&prompt[common..])?;
+        Ok(prompt.len() - common)
+    }
+
+    /// Starts generating after `prompt`: prefills once, copies the cache to every sample row,
+    /// and returns an iterator over steps.
+    pub fn stream(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+    ) -> Result<Stream<'_>, EngineError> {
+        opts.sampling.validate()?;
+        if opts.num_samples == 0 {
+            return Err(EngineError::NoSamples);
+        }
+        if opts.num_samples > self.slots() {
+            return Err(EngineError::TooManySamples {
+                requested: opts.num_samples,
+                slots: self.slots(),
+            });
+        }
+        let t0 = Instant::now();
+        let ran = self.prefill(prompt)?;
+        let len = self.kv.len(0);
+        for row in 1..opts.num_samples {
+            self.kv.copy_slot(0, row, len);
+            self.tokens[row] = self.tokens[0].clone();
+        }
+        Ok(Stream::new(self, prompt.len(), ran, t0.elapsed(), opts))
+    }
+
+    /// Generates to completion, calling `on_step` after each step (return `false` to stop).
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        mut on_step: impl FnMut(&Step) -> bool,
+    ) -> Result<BatchResult, EngineError> {
+        let n = opts.num_samples;
+        let mut generated: Vec<Vec<u32>> = vec![Vec::new(); n];
+        let mut masks: Vec<Vec<u8>> = vec![Vec::new(); n];
+        let mut texts: Vec<String> = vec![String::new(); n];
+        let mut reasons = vec![None; n];
+        let mut stream = self.stream(prompt, opts)?;
+        while let Some(step) = stream.next() {
+            let step = step?;
+            for (r, row) in step.rows.iter().enumerate() {
+                if let Some(row) = row {
+                    generated[r].push(row.token);
+                    masks[r].push(row.mask);
+                    texts[r].push_str(&row.text);
+                    reasons[r] = row.finished;
+                }
+            }
+            if !on_step(&step) {
+                stream.cancel();
+            }
+        }
+        for (r, reason) in stream.cancelled_rows() {
+            reasons[r] = Some(reason);
+        }
+        let (usage, timings) = (stream.usage(), stream.timings());
+        let stop = stream.stop_tokens().to_vec();
+        let rows = (0..n)
+            .map(|r| {
+                let finish_reason = reasons[r].unwrap_or(super::FinishReason::Cancelled);
+                let mut tokens = prompt.to_vec();
+                let mut m = vec![0u8; prompt.len()];
+                let keep = match generated[r].last() {
+                    Some(t)
+                        if finish_reason == super::FinishReason::StopToken && stop.contains(t) =>
+                    {
+                        generated[r].len() - 1
+                    }
+                    _ => generated[r].len(),
+                };
+                tokens.extend_from_slice(&generated[r][..keep]);
+                m.extend_from_slice(&masks[r][..keep]);
+                RowResult {
+                    tokens,
+                    masks: m,
+                    generated: std::mem::take(&mut generated[r]),
+                    text: std::mem::take(&mut texts[r]),
+                    finish_reason,
+                }
+            })
+            .collect();
+        Ok(BatchResult {
+            rows,
+            usage: Usage {
+                prompt_tokens: prompt.len(),
+                ..usage
+            },
+            timings,
+        })
+    }
+
+    /// Runs to completion (nanochat's `generate_batch`).
+    pub fn generate_batch(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+    ) -> Result<BatchResult, EngineError> {
+        self.generate(prompt, opts, |_| true)
+    }
+}
