@@ -148,18 +148,19 @@ pub(crate) fn parse_config(
             format!("{num_kv_heads} does not divide num_attention_heads {num_heads}"),
         ));
     }
-    let head_dim =
-        match f.opt_usize("head_dim")? {
-            Some(d) => d,
-            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
-            None => return Err(LoadError::config(
+    let head_dim = match f.opt_usize("head_dim")? {
+        Some(d) => d,
+        None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+        None => {
+            return Err(LoadError::config(
                 path,
                 "head_dim",
                 format!(
                     "missing, and hidden_size {hidden_size} is not a multiple of {num_heads} heads"
                 ),
-            )),
-        };
+            ))
+        }
+    };
     if head_dim % 2 != 0 {
         return Err(LoadError::config(
             path,

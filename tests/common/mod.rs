@@ -75,3 +75,94 @@ pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
         .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
     diff / scale
 }
+
+/// nanochat's test double: a model whose logits are uniform over the vocabulary. It is a real
+/// (tiny, one-layer) Llama run by the real pipeline, with a zero LM head, so every row of every
+/// step samples from the uniform distribution; the fixture tokenizer supplies the vocabulary.
+pub fn uniform_model(threads: usize) -> std::sync::Arc<kiln::engine::Engine> {
+    use kiln::model::{Architecture, Model, ModelConfig, RopeStyle, Tensor, Weights};
+    let base = Model::load(fixtures().join("llama_tied")).unwrap();
+    let vocab = base.config.vocab_size;
+    let (c, f, heads, kv, d) = (16, 32, 2, 1, 8);
+    let config = ModelConfig {
+        architecture: Architecture::Llama,
+        vocab_size: vocab,
+        hidden_size: c,
+        num_layers: 1,
+        num_heads: heads,
+        num_kv_heads: kv,
+        head_dim: d,
+        intermediate_size: f,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        rope_style: RopeStyle::HalfSplit,
+        max_position_embeddings: 256,
+        tie_word_embeddings: false,
+        attention_bias: false,
+        final_logit_softcap: None,
+        bos_token_id: base.config.bos_token_id,
+        eos_token_ids: base.config.eos_token_ids.clone(),
+    };
+    let mut w = Weights::new("uniform-model");
+    let mut seed = 1u32;
+    let mut t = |name: &str, shape: Vec<usize>, zero: bool| {
+        let n: usize = shape.iter().product();
+        let data = (0..n)
+            .map(|_| {
+                seed = seed.wrapping_mul(1664525).wrapping_add(1013904223);
+                if zero {
+                    0.0
+                } else {
+                    (seed >> 8) as f32 / 16_777_216.0 - 0.5
+                }
+            })
+            .collect();
+        w.insert(Tensor::from_f32(name, shape, data));
+    };
+    t("model.embed_tokens.weight", vec![vocab, c], false);
+    let p = "model.layers.0";
+    t(&format!("{p}.input_layernorm.weight"), vec![c], false);
+    t(
+        &format!("{p}.self_attn.q_proj.weight"),
+        vec![heads * d, c],
+        false,
+    );
+    t(
+        &format!("{p}.self_attn.k_proj.weight"),
+        vec![kv * d, c],
+        false,
+    );
+    t(
+        &format!("{p}.self_attn.v_proj.weight"),
+        vec![kv * d, c],
+        false,
+    );
+    t(
+        &format!("{p}.self_attn.o_proj.weight"),
+        vec![c, heads * d],
+        false,
+    );
+    t(
+        &format!("{p}.post_attention_layernorm.weight"),
+        vec![c],
+        false,
+    );
+    t(&format!("{p}.mlp.gate_proj.weight"), vec![f, c], false);
+    t(&format!("{p}.mlp.up_proj.weight"), vec![f, c], false);
+    t(&format!("{p}.mlp.down_proj.weight"), vec![c, f], false);
+    t("model.norm.weight", vec![c], false);
+    t("lm_head.weight", vec![vocab, c], true);
+    let model = Model {
+        path: "uniform-model".into(),
+        config,
+        weights: w,
+        tokenizer: base.tokenizer,
+        weight_type: "f32".into(),
+    };
+    let opts = kiln::backend::cpu::CpuOptions {
+        threads,
+        ..Default::default()
+    };
+    std::sync::Arc::new(kiln::engine::Engine::from_model(model, opts).unwrap())
+}
