@@ -4,9 +4,11 @@
 
 mod chat;
 pub mod gguf;
+pub mod nanochat;
 mod stream;
 
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 pub use chat::ChatMessage;
 pub use stream::StreamDecoder;
@@ -40,6 +42,10 @@ pub struct SpecialTokens {
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same tokenizer without its added tokens, built on first use by
+    /// [`Tokenizer::encode_ordinary`]; keeps the JSON it is built from.
+    ordinary: OnceLock<Result<tokenizers::Tokenizer, String>>,
+    json: Vec<u8>,
     /// Cached: `tokenizers` rebuilds its whole vocabulary map to count it.
     vocab_size: usize,
     source: PathBuf,
@@ -60,6 +66,8 @@ impl Tokenizer {
         Ok(Tokenizer {
             vocab_size: inner.get_vocab_size(true),
             inner,
+            ordinary: OnceLock::new(),
+            json: json.to_vec(),
             source: source.to_path_buf(),
             specials,
         })
@@ -97,6 +105,30 @@ impl Tokenizer {
         }
         ids.extend_from_slice(enc.get_ids());
         Ok(ids)
+    }
+
+    /// Encodes text with special-token strings treated as ordinary text (tiktoken's
+    /// `encode_ordinary`, what nanochat's tokenizer does): `"<|bos|>"` in user text is never BOS.
+    pub fn encode_ordinary(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let err = |reason: String| TokenizerError::Encode {
+            source_file: self.source.clone(),
+            reason,
+        };
+        let plain = self
+            .ordinary
+            .get_or_init(|| {
+                let mut v: serde_json::Value =
+                    serde_json::from_slice(&self.json).map_err(|e| e.to_string())?;
+                if let Some(obj) = v.as_object_mut() {
+                    obj.insert("added_tokens".into(), serde_json::Value::Array(vec![]));
+                }
+                let bytes = serde_json::to_vec(&v).map_err(|e| e.to_string())?;
+                tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| err(e.clone()))?;
+        let enc = plain.encode(text, false).map_err(|e| err(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
     }
 
     /// Decodes ids to text, special tokens included (as their literal text).
