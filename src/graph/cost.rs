@@ -140,13 +140,25 @@ impl Node {
                     flops: rows_in(0) * (*heads as u64) * ctx * (*head_dim as u64) * 4,
                 }
             }
-            Op::Add | Op::Mul => Cost {
+            Op::Add | Op::Mul | Op::Combine { .. } => Cost {
                 bytes: (in_elems(0) + in_elems(1) + out_elems) * F32,
                 flops: out_elems,
             },
             Op::Act(_) | Op::Softcap { .. } => Cost {
                 bytes: (in_elems(0) + out_elems) * F32,
                 flops: 4 * out_elems,
+            },
+            Op::GatedValueAdd {
+                channels, kv_heads, ..
+            } => Cost {
+                bytes: (rows_in(0) * *channels as u64 + in_elems(1) + in_elems(2) + out_elems)
+                    * F32
+                    + (*channels * *kv_heads) as u64 * F32,
+                flops: 2 * rows_in(0) * (*channels * *kv_heads) as u64 + 3 * out_elems,
+            },
+            Op::Smear { channels, .. } => Cost {
+                bytes: (2 * in_elems(0) + out_elems) * F32 + *channels as u64 * F32,
+                flops: 2 * rows_in(0) * *channels as u64 + 2 * out_elems,
             },
             Op::LastRow => Cost {
                 bytes: 2 * out_elems * F32,

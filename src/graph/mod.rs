@@ -117,11 +117,12 @@ pub enum Op {
         norm: Option<Norm>,
         epilogue: Epilogue,
     },
-    /// RMSNorm (no weight) over each head of a `[rows, heads·head_dim]` matrix.
+    /// RMSNorm (no weight) over each head of a `[rows, heads·head_dim]` matrix, times `scale`.
     HeadNorm {
         heads: usize,
         head_dim: usize,
         eps: f32,
+        scale: f32,
     },
     Rope {
         heads: usize,
@@ -135,8 +136,31 @@ pub enum Op {
         kv_heads: usize,
         head_dim: usize,
         scale: f32,
+        /// Keys older than `position − window` are not attended.
+        window: Option<usize>,
     },
     Add,
+    /// `a·x + b·y` (nanochat's residual lambdas and backout).
+    Combine {
+        a: f32,
+        b: f32,
+    },
+    /// nanochat's value embedding: inputs `[v, h, ve]`, output
+    /// `v + scale·σ(h[..channels] W_gateᵀ)[g] · ve` for each KV head `g`.
+    GatedValueAdd {
+        gate: String,
+        channels: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        scale: f32,
+    },
+    /// nanochat's bigram smear: `x_p = e_p + λ·σ(w · e_p[..channels]) · e_{p−1}` with `e_{p−1}`
+    /// from the step or, for a step's first token, from the KV cache's per-position state.
+    Smear {
+        gate: String,
+        lambda: f32,
+        channels: usize,
+    },
     Mul,
     Act(Activation),
     /// `cap · tanh(x / cap)`
@@ -158,6 +182,9 @@ impl Op {
             Op::Rope { .. } => "rope",
             Op::Attention { .. } => "attention",
             Op::Add => "add",
+            Op::Combine { .. } => "combine",
+            Op::GatedValueAdd { .. } => "gated_value_add",
+            Op::Smear { .. } => "smear",
             Op::Mul => "mul",
             Op::Act(_) => "act",
             Op::Softcap { .. } => "softcap",
@@ -190,6 +217,8 @@ pub struct KvSpec {
     pub layers: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    /// Floats of per-position state besides K and V (nanochat's pre-smear embedding), 0 if none.
+    pub state_dim: usize,
 }
 
 #[derive(Clone, Debug, Serialize)]

@@ -69,8 +69,35 @@ pub fn op_text(n: &Node) -> String {
             heads,
             head_dim,
             eps,
+            scale,
         } => {
-            let _ = write!(s, "({heads}x{head_dim}, eps={eps:e})");
+            let _ = write!(s, "({heads}x{head_dim}, eps={eps:e}");
+            if *scale != 1.0 {
+                let _ = write!(s, ", scale={scale}");
+            }
+            s.push(')');
+        }
+        Op::Combine { a, b } => {
+            let _ = write!(s, "({a}·x + {b}·y)");
+        }
+        Op::GatedValueAdd {
+            gate,
+            channels,
+            kv_heads,
+            head_dim,
+            scale,
+        } => {
+            let _ = write!(
+                s,
+                "({gate}[{kv_heads}x{channels}], {kv_heads}x{head_dim}, scale={scale})"
+            );
+        }
+        Op::Smear {
+            gate,
+            lambda,
+            channels,
+        } => {
+            let _ = write!(s, "({gate}[{channels}], lambda={lambda})");
         }
         Op::Rope { heads, head_dim } => {
             let _ = write!(s, "({heads}x{head_dim})");
@@ -81,8 +108,13 @@ pub fn op_text(n: &Node) -> String {
             kv_heads,
             head_dim,
             scale,
+            window,
         } => {
-            let _ = write!(s, "(layer={layer}, heads={heads}, kv_heads={kv_heads}, head_dim={head_dim}, scale={scale})");
+            let _ = write!(s, "(layer={layer}, heads={heads}, kv_heads={kv_heads}, head_dim={head_dim}, scale={scale}");
+            if let Some(w) = window {
+                let _ = write!(s, ", window={w}");
+            }
+            s.push(')');
         }
         Op::Act(a) => {
             let _ = write!(s, "({a:?})");

@@ -23,6 +23,9 @@ pub struct KvCache {
     capacity: usize,
     k: Vec<f32>,
     v: Vec<f32>,
+    /// `spec.state_dim` floats per slot and position (nanochat's smear input), kept per position
+    /// so truncation and prefix reuse stay exact.
+    state: Vec<f32>,
     lens: Vec<usize>,
 }
 
@@ -35,6 +38,7 @@ impl KvCache {
             capacity,
             k: vec![0.0; n],
             v: vec![0.0; n],
+            state: vec![0.0; slots * capacity * spec.state_dim],
             lens: vec![0; slots],
         }
     }
@@ -61,7 +65,20 @@ impl KvCache {
     }
 
     pub fn bytes(&self) -> usize {
-        (self.k.len() + self.v.len()) * 4
+        (self.k.len() + self.v.len() + self.state.len()) * 4
+    }
+
+    /// The per-position state of `slot` at `pos` (`state_dim` floats).
+    pub fn state(&self, slot: usize, pos: usize) -> &[f32] {
+        let d = self.spec.state_dim;
+        let at = (slot * self.capacity + pos) * d;
+        &self.state[at..at + d]
+    }
+
+    pub fn write_state(&mut self, slot: usize, pos: usize, values: &[f32]) {
+        let d = self.spec.state_dim;
+        let at = (slot * self.capacity + pos) * d;
+        self.state[at..at + d].copy_from_slice(values);
     }
 
     /// Checks that `n` more positions fit in `slot`.
@@ -130,6 +147,9 @@ impl KvCache {
                 self.v.copy_within(src..src + len * d, dst);
             }
         }
+        let d = self.spec.state_dim;
+        let (src, dst) = (from * self.capacity * d, to * self.capacity * d);
+        self.state.copy_within(src..src + len * d, dst);
         self.lens[to] = len;
     }
 }
@@ -143,6 +163,7 @@ mod tests {
             layers: 2,
             kv_heads: 2,
             head_dim: 3,
+            state_dim: 2,
         }
     }
 
@@ -155,6 +176,7 @@ mod tests {
             let v: Vec<f32> = k.iter().map(|x| -x).collect();
             c.write(1, 0, pos, &k, &v);
         }
+        c.write_state(0, 1, &[7.0, 8.0]);
         c.advance(0, 2);
         let (k, v) = c.head(1, 0, 1, 2);
         assert_eq!(k, &[3.0, 4.0, 5.0, 13.0, 14.0, 15.0]);
@@ -162,6 +184,7 @@ mod tests {
         let k = k.to_vec();
         c.copy_slot(0, 1, 2);
         assert_eq!(c.len(1), 2);
+        assert_eq!(c.state(1, 1), &[7.0, 8.0]);
         assert_eq!(c.head(1, 1, 1, 2).0, k.as_slice());
     }
 

@@ -68,6 +68,34 @@ pub struct ModelConfig {
     pub final_logit_softcap: Option<f32>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// nanochat's own checkpoint format (converted by `scripts/convert_nanochat.py`), with the
+    /// features its era adds; `None` for the HF `NanoChatForCausalLM` form and for Llama.
+    pub nanochat: Option<NanochatNative>,
+}
+
+/// What a nanochat era adds to the published design (spec §0); every field is resolved by the
+/// converter, so the builder never guesses from an era letter.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct NanochatNative {
+    /// The era the converter detected (A–H).
+    pub era: String,
+    /// Rows of `wte`/`lm_head`/`value_embeds` (vocabulary padded to a multiple of 64).
+    pub padded_vocab_size: usize,
+    /// Per layer: attention sees keys `p − w ..= p`; `None` is plain causal attention.
+    pub window_sizes: Vec<Option<usize>>,
+    /// Layers with a value embedding and its gate.
+    pub value_embed_layers: Vec<usize>,
+    /// Input channels of the value-embedding gate (32 or 12) and its output scale (2 or 3).
+    pub ve_gate_channels: usize,
+    pub ve_gate_scale: f32,
+    /// Multiplies q and k after QK-norm (1.0, 1.15, 1.2).
+    pub qk_scale: f32,
+    /// `x = resid_lambdas[i]·x + x0_lambdas[i]·x0` before every block.
+    pub resid_lambdas: bool,
+    /// Bigram smear of the embedding (era H).
+    pub smear: bool,
+    /// `x -= backout_lambda · (residual after this layer)` before the head (era H).
+    pub backout_layer: Option<usize>,
 }
 
 impl ModelConfig {

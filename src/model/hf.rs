@@ -11,8 +11,8 @@ use memmap2::Mmap;
 use serde_json::Value;
 
 use super::{
-    Architecture, DType, LoadError, Model, ModelConfig, RopeScaling, RopeStyle, Tensor,
-    TensorBytes, Weights,
+    Architecture, DType, LoadError, Model, ModelConfig, NanochatNative, RopeScaling, RopeStyle,
+    Tensor, TensorBytes, Weights,
 };
 use crate::tokenizer::{SpecialTokens, Tokenizer};
 
@@ -123,6 +123,9 @@ pub(crate) fn parse_config(
     generation: Option<&Value>,
 ) -> Result<ModelConfig, LoadError> {
     let f = Fields { path, json };
+    if json.get("model_type").and_then(Value::as_str) == Some("nanochat_native") {
+        return parse_nanochat_native(path, json);
+    }
     let model_type = json
         .get("model_type")
         .and_then(Value::as_str)
@@ -222,6 +225,102 @@ pub(crate) fn parse_config(
         final_logit_softcap,
         bos_token_id,
         eos_token_ids,
+        nanochat: None,
+    })
+}
+
+/// The `config.json` written by `scripts/convert_nanochat.py`.
+fn parse_nanochat_native(path: &Path, json: &Value) -> Result<ModelConfig, LoadError> {
+    let f = Fields { path, json };
+    let num_layers = f.usize("n_layer")?;
+    let num_heads = f.usize("n_head")?;
+    let num_kv_heads = f.usize("n_kv_head")?;
+    let hidden_size = f.usize("n_embd")?;
+    let head_dim = f
+        .opt_usize("head_dim")?
+        .unwrap_or(hidden_size / num_heads.max(1));
+    if num_heads * head_dim != hidden_size || num_heads % num_kv_heads != 0 {
+        return Err(LoadError::config(
+            path,
+            "n_head",
+            format!("{num_heads} heads × {head_dim} ≠ n_embd {hidden_size}, or n_kv_head {num_kv_heads} does not divide it"),
+        ));
+    }
+    let ints = |key: &str| -> Result<Vec<i64>, LoadError> {
+        json.get(key)
+            .and_then(Value::as_array)
+            .ok_or_else(|| LoadError::config(path, key, "missing or not a list"))?
+            .iter()
+            .map(|v| {
+                v.as_i64()
+                    .ok_or_else(|| LoadError::config(path, key, format!("{v} is not an integer")))
+            })
+            .collect()
+    };
+    let window_sizes: Vec<Option<usize>> = ints("window_sizes")?
+        .into_iter()
+        .map(|w| usize::try_from(w).ok().filter(|&w| w > 0))
+        .collect();
+    if window_sizes.len() != num_layers {
+        return Err(LoadError::config(
+            path,
+            "window_sizes",
+            format!("{} entries for {num_layers} layers", window_sizes.len()),
+        ));
+    }
+    let value_embed_layers: Vec<usize> = ints("value_embed_layers")?
+        .into_iter()
+        .map(|l| usize::try_from(l).ok().filter(|&l| l < num_layers))
+        .collect::<Option<_>>()
+        .ok_or_else(|| {
+            LoadError::config(path, "value_embed_layers", "a layer index is out of range")
+        })?;
+    let flag = |key: &str| f.opt_bool(key).map(|b| b.unwrap_or(false));
+    let vocab_size = f.usize("vocab_size")?;
+    let bos = f.opt_usize("bos_token_id")?.map(|b| b as u32);
+    let assistant_end = json
+        .get("special_tokens")
+        .and_then(|s| s.get("assistant_end"))
+        .and_then(Value::as_u64)
+        .map(|x| x as u32);
+    Ok(ModelConfig {
+        architecture: Architecture::NanoChat,
+        vocab_size,
+        hidden_size,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        intermediate_size: 4 * hidden_size,
+        rms_norm_eps: f.opt_f32("rms_norm_eps")?.unwrap_or(f32::EPSILON),
+        rope_theta: f.opt_f32("rope_theta")?.unwrap_or(10000.0),
+        rope_scaling: None,
+        rope_style: RopeStyle::HalfSplitNegated,
+        max_position_embeddings: 10 * f.usize("sequence_len")?,
+        tie_word_embeddings: false,
+        attention_bias: false,
+        final_logit_softcap: f.opt_f32("softcap")?,
+        bos_token_id: bos,
+        eos_token_ids: assistant_end.into_iter().collect(),
+        nanochat: Some(NanochatNative {
+            era: json
+                .get("era")
+                .and_then(Value::as_str)
+                .unwrap_or("?")
+                .to_string(),
+            padded_vocab_size: f.opt_usize("padded_vocab_size")?.unwrap_or(vocab_size),
+            window_sizes,
+            value_embed_layers,
+            ve_gate_channels: f.opt_usize("ve_gate_channels")?.unwrap_or(0),
+            ve_gate_scale: f.opt_f32("ve_gate_scale")?.unwrap_or(0.0),
+            qk_scale: f.opt_f32("qk_scale")?.unwrap_or(1.0),
+            resid_lambdas: flag("resid_lambdas")?,
+            smear: flag("smear")?,
+            backout_layer: json
+                .get("backout_layer")
+                .and_then(Value::as_u64)
+                .map(|l| l as usize),
+        }),
     })
 }
 

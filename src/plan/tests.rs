@@ -25,6 +25,7 @@ fn tiny_graph() -> Graph {
             layers: 0,
             kv_heads: 1,
             head_dim: 4,
+            state_dim: 0,
         },
         10,
     );

@@ -103,6 +103,7 @@ pub fn uniform_model(threads: usize) -> std::sync::Arc<kiln::engine::Engine> {
         final_logit_softcap: None,
         bos_token_id: base.config.bos_token_id,
         eos_token_ids: base.config.eos_token_ids.clone(),
+        nanochat: None,
     };
     let mut w = Weights::new("uniform-model");
     let mut seed = 1u32;

@@ -99,6 +99,7 @@ mod tests {
             layers: 1,
             kv_heads,
             head_dim: d,
+            state_dim: 0,
         };
         let mut kv = KvCache::new(spec, 1, 8);
         let t = 3;

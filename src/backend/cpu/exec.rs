@@ -205,12 +205,99 @@ pub(super) fn run(
                         }
                     }
                 }
-                Op::HeadNorm { head_dim, eps, .. } => {
+                Op::HeadNorm {
+                    head_dim,
+                    eps,
+                    scale,
+                    ..
+                } => {
                     let x = view(&ins.inputs[0]);
                     for t in 0..rows_out {
                         let dst = row_mut(&mut out, stride, out_slot, t);
                         dst.copy_from_slice(x.row(t));
                         norm::head_norm_inplace(dst, *head_dim, *eps);
+                        if *scale != 1.0 {
+                            dst.iter_mut().for_each(|v| *v *= scale);
+                        }
+                    }
+                }
+                Op::Combine { a, b } => {
+                    let (x, y) = (view(&ins.inputs[0]), view(&ins.inputs[1]));
+                    for t in 0..rows_out {
+                        let dst = row_mut(&mut out, stride, out_slot, t);
+                        for ((d, xv), yv) in dst.iter_mut().zip(x.row(t)).zip(y.row(t)) {
+                            *d = a * xv + b * yv;
+                        }
+                    }
+                }
+                Op::GatedValueAdd {
+                    gate,
+                    channels,
+                    kv_heads,
+                    head_dim,
+                    scale,
+                } => {
+                    let (v, h, ve) = (
+                        view(&ins.inputs[0]),
+                        view(&ins.inputs[1]),
+                        view(&ins.inputs[2]),
+                    );
+                    let wg = &be.vectors[gate];
+                    for t in 0..rows_out {
+                        let hr = &h.row(t)[..*channels];
+                        let dst = row_mut(&mut out, stride, out_slot, t);
+                        dst.copy_from_slice(v.row(t));
+                        let ver = ve.row(t);
+                        for g in 0..*kv_heads {
+                            let z: f32 = hr
+                                .iter()
+                                .zip(&wg[g * channels..(g + 1) * channels])
+                                .map(|(a, b)| a * b)
+                                .sum();
+                            let gv = scale / (1.0 + (-z).exp());
+                            let r = g * head_dim..(g + 1) * head_dim;
+                            for (d, e) in dst[r.clone()].iter_mut().zip(&ver[r]) {
+                                *d += gv * e;
+                            }
+                        }
+                    }
+                }
+                Op::Smear {
+                    gate,
+                    lambda,
+                    channels,
+                } => {
+                    let e = view(&ins.inputs[0]);
+                    let wg = &be.vectors[gate];
+                    for t in 0..rows_out {
+                        let er = e.row(t);
+                        let r = rows[t];
+                        let prev: Option<&[f32]> = if t > 0 && rows[t - 1].slot == r.slot {
+                            Some(e.row(t - 1))
+                        } else if r.pos > 0 {
+                            Some(kv.state(r.slot, r.pos - 1))
+                        } else {
+                            None
+                        };
+                        let z: f32 = er[..*channels]
+                            .iter()
+                            .zip(wg.iter())
+                            .map(|(a, b)| a * b)
+                            .sum();
+                        let g = lambda / (1.0 + (-z).exp());
+                        let dst = row_mut(&mut out, stride, out_slot, t);
+                        match prev {
+                            Some(p) => {
+                                for ((d, x), y) in dst.iter_mut().zip(er).zip(p) {
+                                    *d = x + g * y;
+                                }
+                            }
+                            None => dst.copy_from_slice(er),
+                        }
+                    }
+                    // The pre-smear embeddings are what later positions smear with.
+                    for (t, r) in rows.iter().enumerate() {
+                        kv.write_state(r.slot, r.pos, e.row(t));
                     }
                 }
                 Op::Rope { head_dim, .. } => {
@@ -232,6 +319,7 @@ pub(super) fn run(
                     kv_heads,
                     head_dim,
                     scale,
+                    window,
                 } => {
                     let (q, k, v) = (
                         view(&ins.inputs[0]),
@@ -244,7 +332,7 @@ pub(super) fn run(
                         kv_heads: *kv_heads,
                         head_dim: *head_dim,
                         scale: *scale,
-                        window: None,
+                        window: *window,
                     };
                     attention::attention(
                         &shape,

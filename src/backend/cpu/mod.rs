@@ -142,15 +142,19 @@ impl CpuBackend {
             for node in &plan.graph.nodes {
                 match &node.op {
                     Op::Embed { table, .. } if !matrices.contains_key(table) => {
-                        let m = pack(weights, &[(table.clone(), None)], opts.weights)?;
+                        let rows = weights.get(table)?.shape.first().copied().unwrap_or(0);
+                        let m = pack(weights, &[(table.clone(), None, rows)], opts.weights)?;
                         matrices.insert(table.clone(), m);
+                    }
+                    Op::GatedValueAdd { gate, .. } | Op::Smear { gate, .. } => {
+                        vectors.insert(gate.clone(), weights.get(gate)?.to_f32_vec());
                     }
                     Op::MatMul { linears, norm, .. } => {
                         let key = matrix_key(linears);
                         if let std::collections::hash_map::Entry::Vacant(e) = matrices.entry(key) {
-                            let parts: Vec<(String, Option<String>)> = linears
+                            let parts: Vec<(String, Option<String>, usize)> = linears
                                 .iter()
-                                .map(|l| (l.weight.clone(), l.bias.clone()))
+                                .map(|l| (l.weight.clone(), l.bias.clone(), l.out))
                                 .collect();
                             e.insert(pack(weights, &parts, opts.weights)?);
                         }
@@ -267,19 +271,21 @@ impl CpuBackend {
     }
 }
 
-/// Packs one or more linears (rows concatenated) into the backend's matrix format.
+/// Packs one or more linears (rows concatenated) into the backend's matrix format. Each part is
+/// `(weight, bias, rows)`: the first `rows` rows of the weight are used (a padded vocabulary's
+/// head keeps only the real tokens).
 fn pack(
     weights: &Weights,
-    parts: &[(String, Option<String>)],
+    parts: &[(String, Option<String>, usize)],
     format: WeightFormat,
 ) -> Result<PackedMatrix, LoadError> {
     let tensors = parts
         .iter()
-        .map(|(w, _)| weights.get(w))
+        .map(|(w, _, _)| weights.get(w))
         .collect::<Result<Vec<_>, _>>()?;
     let cols = tensors[0].shape.last().copied().unwrap_or(0);
     for t in &tensors {
-        if t.shape.len() != 2 || t.shape[1] != cols {
+        if t.shape.len() != 2 || t.shape[1] != cols || t.shape[0] == 0 {
             return Err(LoadError::tensor(
                 &weights.source,
                 &t.name,
@@ -290,23 +296,44 @@ fn pack(
             ));
         }
     }
-    let rows: usize = tensors.iter().map(|t| t.shape[0]).sum();
+    for ((_, _, r), t) in parts.iter().zip(&tensors) {
+        if *r > t.shape[0] {
+            return Err(LoadError::tensor(
+                &weights.source,
+                &t.name,
+                format!("{r} rows needed, {} stored", t.shape[0]),
+            ));
+        }
+    }
+    let rows: usize = parts.iter().map(|p| p.2).sum();
     let use_bf16 = match format {
         WeightFormat::BF16 => true,
         WeightFormat::F32 => false,
         WeightFormat::AsStored => tensors.iter().all(|t| t.dtype == DType::BF16),
     };
     let data = if use_bf16 {
-        WeightData::BF16(tensors.iter().flat_map(|t| t.to_bf16_vec()).collect())
+        WeightData::BF16(
+            tensors
+                .iter()
+                .zip(parts)
+                .flat_map(|(t, p)| t.to_bf16_vec().into_iter().take(p.2 * cols))
+                .collect(),
+        )
     } else {
-        WeightData::F32(tensors.iter().flat_map(|t| t.to_f32_vec()).collect())
+        WeightData::F32(
+            tensors
+                .iter()
+                .zip(parts)
+                .flat_map(|(t, p)| t.to_f32_vec().into_iter().take(p.2 * cols))
+                .collect(),
+        )
     };
-    let bias = if parts.iter().any(|(_, b)| b.is_some()) {
+    let bias = if parts.iter().any(|(_, b, _)| b.is_some()) {
         let mut v = Vec::with_capacity(rows);
-        for ((_, b), t) in parts.iter().zip(&tensors) {
+        for (_, b, r) in parts {
             match b {
-                Some(name) => v.extend(weights.get(name)?.to_f32_vec()),
-                None => v.extend(std::iter::repeat_n(0.0, t.shape[0])),
+                Some(name) => v.extend(weights.get(name)?.to_f32_vec().into_iter().take(*r)),
+                None => v.extend(std::iter::repeat_n(0.0, *r)),
             }
         }
         Some(v)

@@ -51,6 +51,7 @@ pub(super) fn build(
                 kv_heads: c.num_kv_heads,
                 head_dim: hd,
                 scale: 1.0 / (hd as f32).sqrt(),
+                window: None,
             },
             vec![q, k, v],
             format!("{l}.attn"),

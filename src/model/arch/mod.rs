@@ -48,6 +48,10 @@ impl<'a> Builder<'a> {
                 layers: config.num_layers,
                 kv_heads: config.num_kv_heads,
                 head_dim: config.head_dim,
+                state_dim: match &config.nanochat {
+                    Some(n) if n.smear => config.hidden_size,
+                    _ => 0,
+                },
             },
             config.vocab_size,
         );
@@ -56,8 +60,19 @@ impl<'a> Builder<'a> {
 
     /// A linear layer `name.weight` of shape `[out, inp]`, with `name.bias` when present.
     pub fn linear(&self, name: &str, out: usize, inp: usize) -> Result<Linear, LoadError> {
+        self.linear_rows(name, out, out, inp)
+    }
+
+    /// A linear layer using the first `out` of the `rows` rows its weight has (padded vocab).
+    pub fn linear_rows(
+        &self,
+        name: &str,
+        out: usize,
+        rows: usize,
+        inp: usize,
+    ) -> Result<Linear, LoadError> {
         let wname = format!("{name}.weight");
-        let w = self.weights.get_shaped(&wname, &[out, inp])?;
+        let w = self.weights.get_shaped(&wname, &[rows, inp])?;
         let bname = format!("{name}.bias");
         let bias = if self.weights.contains(&bname) {
             self.weights.get_shaped(&bname, &[out])?;
@@ -114,20 +129,33 @@ impl<'a> Builder<'a> {
     }
 
     pub fn embed(&mut self, table: &str) -> Result<Value, LoadError> {
-        let c = self.config;
-        let t = self
-            .weights
-            .get_shaped(table, &[c.vocab_size, c.hidden_size])?;
+        self.embed_rows(table, self.config.vocab_size)
+    }
+
+    /// The token embedding from a table of `rows` rows (≥ vocab_size when padded).
+    pub fn embed_rows(&mut self, table: &str, rows: usize) -> Result<Value, LoadError> {
+        self.embed_table(table, rows, self.config.hidden_size, "embed".into())
+    }
+
+    /// Rows of an embedding-like table `[rows, dim]` picked by the step's token ids.
+    pub fn embed_table(
+        &mut self,
+        table: &str,
+        rows: usize,
+        dim: usize,
+        label: String,
+    ) -> Result<Value, LoadError> {
+        let t = self.weights.get_shaped(table, &[rows, dim])?;
         let ids = self.g.token_ids();
         Ok(self.g.push1(
             Op::Embed {
                 table: table.to_string(),
-                dim: c.hidden_size,
+                dim,
                 elem_bytes: t.dtype.size(),
             },
             vec![ids],
-            c.hidden_size,
-            "embed",
+            dim,
+            label,
         ))
     }
 

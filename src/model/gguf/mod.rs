@@ -179,6 +179,7 @@ pub fn llama_config(file: &GgufFile, specials: &SpecialTokens) -> Result<ModelCo
         final_logit_softcap: None,
         bos_token_id: specials.bos_token_id,
         eos_token_ids: specials.eos_token_ids.clone(),
+        nanochat: None,
     })
 }
 
