@@ -2,6 +2,8 @@
 //! model (weights shared, `Send + Sync`); a [`Session`] owns one KV cache and workspace and
 //! generates from it.
 
+pub mod calculator;
+
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
