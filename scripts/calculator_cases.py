@@ -178,6 +178,21 @@ def main():
         cases.append(rand_expr(rng, rng.randint(1, 6)))
     for _ in range(600):
         cases.append(rand_str_case(rng))
+    # mixed int/float floor division and true division, signs included
+    for _ in range(600):
+        a = rng.choice([rand_int(rng), rand_float(rng)])
+        b = rng.choice([rand_int(rng), rand_float(rng)])
+        cases.append(f"{rng.choice(['', '-'])}{a}{rng.choice(['//', '/', '//-', '/-'])}{b}")
+    # string path: prefixes, quotes, literal arguments, chained methods
+    pre = ["", "r", "u", "f", "b", "B", "rb", "Rb", "bR", "fr", "U", "ub", "x"]
+    args = ["'a'", "b'a'", "97", "0x61", "0o141", "0b1100001", "1_0", "1__0", "0x", "1.5", "1e3", "2j", "()", "...",
+            "''", "b''", "'a' 'b'", "('a')", "256", "007", "0_0"]
+    for _ in range(800):
+        q = rng.choice(["'", '"', "'''", '"""'])
+        body = "".join(rng.choice("aAb '") for _ in range(rng.randint(0, 6)))
+        recv = rng.choice([f"{rng.choice(pre)}{q}{body}{q}", "()", "(())", "...", "1"])
+        meth = rng.choice(["", ".upper()", ".lower()", ".upper().lower()"])
+        cases.append(f"{recv}{meth}.count({rng.choice(args)})")
     # Python's nesting limits (measured here, CPython 3.11 at a shallow call stack)
     for n in [199, 200, 201]:
         cases.append("(" * n + "1" + ")" * n)
