@@ -3,49 +3,10 @@
 
 mod common;
 
-use std::path::Path;
-
-use common::fixtures;
+use common::{fixtures, nanochat_tokenizer};
 use kiln::tokenizer::nanochat::{
     render_conversation, render_for_completion, Content, Message, NanochatTokens, Part,
 };
-use kiln::tokenizer::{SpecialTokens, Tokenizer};
-
-const SPECIALS: [&str; 9] = [
-    "<|bos|>",
-    "<|user_start|>",
-    "<|user_end|>",
-    "<|assistant_start|>",
-    "<|assistant_end|>",
-    "<|python_start|>",
-    "<|python_end|>",
-    "<|output_start|>",
-    "<|output_end|>",
-];
-
-/// The fixture BPE with nanochat's specials appended after its vocabulary (ids 400..409).
-fn nanochat_tokenizer() -> Tokenizer {
-    let path = fixtures().join("llama_tied/tokenizer.json");
-    let mut v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    for (i, s) in SPECIALS.iter().enumerate() {
-        let id = 400 + i;
-        v["model"]["vocab"][*s] = id.into();
-        v["added_tokens"]
-            .as_array_mut()
-            .unwrap()
-            .push(serde_json::json!({
-                "id": id, "content": s, "single_word": false, "lstrip": false, "rstrip": false,
-                "normalized": false, "special": true
-            }));
-    }
-    Tokenizer::from_json(
-        &serde_json::to_vec(&v).unwrap(),
-        Path::new("nanochat-test"),
-        SpecialTokens::default(),
-    )
-    .unwrap()
-}
 
 #[test]
 fn conversation_ids_and_training_mask_follow_the_spec() {

@@ -349,3 +349,121 @@ fn multi_turn_sessions_reuse_the_cache() {
     assert_eq!(r2.rows[0].generated, fresh.rows[0].generated);
     assert_eq!(fresh.timings.prefill_tokens, turn2.len());
 }
+
+/// Tool use (spec §6): a row that writes `<|python_start|>expr<|python_end|>` gets
+/// `<|output_start|>result<|output_end|>` forced after it with mask 0, fed to the model, and
+/// rows are independent. The model's choices are scripted with a logits processor.
+#[test]
+fn calculator_results_are_forced_into_each_row() {
+    use kiln::engine::LogitsProcessor;
+    let tok = common::nanochat_tokenizer();
+    let e = common::uniform_model_with(tok, 2);
+    let tok = e.tokenizer();
+    let id = |s: &str| tok.token_to_id(s).unwrap();
+    let (ps, pe, os, oe, ae) = (
+        id("<|python_start|>"),
+        id("<|python_end|>"),
+        id("<|output_start|>"),
+        id("<|output_end|>"),
+        id("<|assistant_end|>"),
+    );
+    let exprs = ["12*3", "'strawberry'.count('r')", "1/0"];
+    let scripts: Vec<Vec<u32>> = exprs
+        .iter()
+        .map(|x| tok.encode_ordinary(x).unwrap())
+        .collect();
+    let prompt: Vec<u32> = vec![
+        id("<|bos|>"),
+        id("<|user_start|>"),
+        50,
+        id("<|user_end|>"),
+        id("<|assistant_start|>"),
+    ];
+    let plen = prompt.len();
+    let script = scripts.clone();
+    // Per row: python_start, the expression, python_end, then (after any forced output) end.
+    let processor = LogitsProcessor(Arc::new(
+        move |row: usize, ctx: &[u32], logits: &mut [f32]| {
+            let out = &ctx[plen..];
+            let want = match out.iter().position(|&t| t == ps) {
+                None => ps,
+                Some(at) => {
+                    let written = out.len() - at - 1;
+                    if written < script[row].len() {
+                        script[row][written]
+                    } else if written == script[row].len() {
+                        pe
+                    } else {
+                        ae
+                    }
+                }
+            };
+            logits.iter_mut().for_each(|l| *l = f32::NEG_INFINITY);
+            logits[want as usize] = 0.0;
+        },
+    ));
+    let opts = GenerateOptions {
+        num_samples: 3,
+        max_tokens: Some(40),
+        logits_processor: Some(processor),
+        ..sampled(1)
+    };
+    let stop = e.default_stop_tokens();
+    assert!(stop.contains(&ae));
+    let r = e
+        .generate_batch(
+            &prompt,
+            &GenerateOptions {
+                stop_tokens: None,
+                ..opts
+            },
+        )
+        .unwrap();
+    for (row, (expr, result)) in r.rows.iter().zip([
+        ("12*3", Some("36")),
+        ("'strawberry'.count('r')", Some("3")),
+        ("1/0", None),
+    ]) {
+        let mut want = vec![ps];
+        want.extend(tok.encode_ordinary(expr).unwrap());
+        want.push(pe);
+        let mut masks = vec![1u8; want.len()];
+        if let Some(res) = result {
+            let forced: Vec<u32> = [vec![os], tok.encode_ordinary(res).unwrap(), vec![oe]].concat();
+            masks.extend(std::iter::repeat_n(0u8, forced.len()));
+            want.extend(forced);
+        }
+        want.push(ae);
+        masks.push(1);
+        assert_eq!(row.generated, want, "{expr}");
+        assert_eq!(
+            &row.masks[plen..],
+            &masks[..masks.len() - 1],
+            "{expr}: masks (terminal dropped)"
+        );
+        assert_eq!(row.finish_reason, FinishReason::StopToken);
+        let shown = match result {
+            Some(res) => {
+                format!("<|python_start|>{expr}<|python_end|><|output_start|>{res}<|output_end|>")
+            }
+            None => format!("<|python_start|>{expr}<|python_end|>"),
+        };
+        assert_eq!(row.text, shown);
+    }
+    // Without tools the same script gets no forced output.
+    let processor = LogitsProcessor(Arc::new(|_, _, l: &mut [f32]| {
+        l.iter_mut().for_each(|x| *x = 0.0)
+    }));
+    let plain = e
+        .generate_batch(
+            &prompt,
+            &GenerateOptions {
+                tools: false,
+                max_tokens: Some(5),
+                logits_processor: Some(processor),
+                ..sampled(1)
+            },
+        )
+        .unwrap();
+    assert!(plain.rows[0].masks.iter().all(|&m| m <= 1));
+}

@@ -57,6 +57,9 @@ struct Common {
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
     ignore_eos: bool,
+    /// Do not run the calculator tool on <|python_start|>…<|python_end|> (nanochat models).
+    #[arg(long)]
+    no_tools: bool,
     /// System message (chat).
     #[arg(long)]
     system: Option<String>,
@@ -165,6 +168,8 @@ fn options(c: &Common, engine: &Engine, samples: usize) -> GenerateOptions {
             engine.default_stop_tokens()
         }),
         stop_strings: c.stop.clone(),
+        tools: !c.no_tools,
+        logits_processor: None,
     }
 }
 

@@ -5,9 +5,11 @@
 //! A session owns a KV cache (one slot per sample row) and streams [`Step`]s: per step, the
 //! token column (one token per row) and the mask column (1 sampled, 0 forced by the tool).
 
+pub mod calculator;
 mod session;
 mod stop;
 mod stream;
+mod tools;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -161,6 +163,21 @@ pub struct GenerateOptions {
     pub stop_tokens: Option<Vec<u32>>,
     /// Text that ends a row; the match itself is not emitted.
     pub stop_strings: Vec<String>,
+    /// Run the calculator on `<|python_start|>…<|python_end|>` and force its result back into
+    /// the stream (only for tokenizers that have those tokens, i.e. nanochat's).
+    pub tools: bool,
+    /// Adjusts a row's logits before sampling (logit bias, constraints, scripted tests).
+    pub logits_processor: Option<LogitsProcessor>,
+}
+
+/// `f(row, context, logits)`: `context` is the row's tokens so far (prompt included).
+#[derive(Clone)]
+pub struct LogitsProcessor(pub Arc<dyn Fn(usize, &[u32], &mut [f32]) + Send + Sync>);
+
+impl std::fmt::Debug for LogitsProcessor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LogitsProcessor(..)")
+    }
 }
 
 impl Default for GenerateOptions {
@@ -171,6 +188,8 @@ impl Default for GenerateOptions {
             num_samples: 1,
             stop_tokens: None,
             stop_strings: Vec::new(),
+            tools: true,
+            logits_processor: None,
         }
     }
 }

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use super::session::Session;
 use super::stop::TextTracker;
+use super::tools::{ToolState, ToolTokens};
 use super::{EngineError, FinishReason, GenerateOptions, RowStep, Step, Timings, Usage};
 use crate::backend::cpu::{PlanKind, TokenRow};
 use crate::sample;
@@ -12,6 +13,7 @@ use crate::sample;
 struct RowState {
     generated: usize,
     text: TextTracker,
+    tool: ToolState,
     finished: bool,
 }
 
@@ -19,6 +21,7 @@ pub struct Stream<'a> {
     s: &'a mut Session,
     opts: GenerateOptions,
     stop_tokens: Vec<u32>,
+    tools: Option<ToolTokens>,
     rows: Vec<RowState>,
     /// Rows whose next logits are in `logits`, in order.
     live: Vec<usize>,
@@ -51,10 +54,16 @@ impl<'a> Stream<'a> {
                 .map(|_| RowState {
                     generated: 0,
                     text: TextTracker::new(&opts.stop_strings),
+                    tool: ToolState::default(),
                     finished: false,
                 })
                 .collect(),
             live: (0..n).collect(),
+            tools: if opts.tools {
+                ToolTokens::of(s.engine.tokenizer())
+            } else {
+                None
+            },
             logits,
             s,
             opts: opts.clone(),
@@ -108,12 +117,25 @@ impl<'a> Stream<'a> {
         for (li, &r) in self.live.iter().enumerate() {
             let logits = &mut self.logits[li * vocab..(li + 1) * vocab];
             let pos = self.s.kv.len(r);
-            if let Some(p) = self.opts.sampling.repetition_penalty {
-                sample::apply_repetition_penalty(logits, &self.s.tokens[r], p);
-            }
-            let token = sample::sample(logits, &self.opts.sampling, r as u32, pos as u64);
-            let mask = 1u8;
             let row = &mut self.rows[r];
+            let (token, mask) = match row.tool.forced.pop_front() {
+                Some(forced) => (forced, 0u8),
+                None => {
+                    if let Some(p) = &self.opts.logits_processor {
+                        (p.0)(r, &self.s.tokens[r], logits);
+                    }
+                    if let Some(p) = self.opts.sampling.repetition_penalty {
+                        sample::apply_repetition_penalty(logits, &self.s.tokens[r], p);
+                    }
+                    (
+                        sample::sample(logits, &self.opts.sampling, r as u32, pos as u64),
+                        1u8,
+                    )
+                }
+            };
+            if let Some(t) = &self.tools {
+                row.tool.on_token(t, tok, token)?;
+            }
             row.generated += 1;
             self.usage.completion_tokens += 1;
             let (mut text, finished) = if self.stop_tokens.contains(&token) {

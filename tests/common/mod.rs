@@ -80,9 +80,59 @@ pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
 /// (tiny, one-layer) Llama run by the real pipeline, with a zero LM head, so every row of every
 /// step samples from the uniform distribution; the fixture tokenizer supplies the vocabulary.
 pub fn uniform_model(threads: usize) -> std::sync::Arc<kiln::engine::Engine> {
+    let base = kiln::model::Model::load(fixtures().join("llama_tied")).unwrap();
+    uniform_model_with(base.tokenizer, threads)
+}
+
+/// nanochat's nine special tokens, in their order.
+pub const NANOCHAT_SPECIALS: [&str; 9] = [
+    "<|bos|>",
+    "<|user_start|>",
+    "<|user_end|>",
+    "<|assistant_start|>",
+    "<|assistant_end|>",
+    "<|python_start|>",
+    "<|python_end|>",
+    "<|output_start|>",
+    "<|output_end|>",
+];
+
+/// The fixture BPE with nanochat's specials appended after its vocabulary (ids 400..409).
+pub fn nanochat_tokenizer() -> kiln::tokenizer::Tokenizer {
+    let path = fixtures().join("llama_tied/tokenizer.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    for (i, s) in NANOCHAT_SPECIALS.iter().enumerate() {
+        let id = 400 + i;
+        v["model"]["vocab"][*s] = id.into();
+        v["added_tokens"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({
+                "id": id, "content": s, "single_word": false, "lstrip": false, "rstrip": false,
+                "normalized": false, "special": true
+            }));
+    }
+    let specials = kiln::tokenizer::SpecialTokens {
+        bos_token_id: Some(400),
+        eos_token_ids: vec![404],
+        ..Default::default()
+    };
+    kiln::tokenizer::Tokenizer::from_json(
+        &serde_json::to_vec(&v).unwrap(),
+        Path::new("nanochat-test"),
+        specials,
+    )
+    .unwrap()
+}
+
+/// [`uniform_model`] over any tokenizer (its vocabulary sets the model's).
+pub fn uniform_model_with(
+    tokenizer: kiln::tokenizer::Tokenizer,
+    threads: usize,
+) -> std::sync::Arc<kiln::engine::Engine> {
     use kiln::model::{Architecture, Model, ModelConfig, RopeStyle, Tensor, Weights};
-    let base = Model::load(fixtures().join("llama_tied")).unwrap();
-    let vocab = base.config.vocab_size;
+    let vocab = tokenizer.vocab_size();
     let (c, f, heads, kv, d) = (16, 32, 2, 1, 8);
     let config = ModelConfig {
         architecture: Architecture::Llama,
@@ -101,8 +151,8 @@ pub fn uniform_model(threads: usize) -> std::sync::Arc<kiln::engine::Engine> {
         tie_word_embeddings: false,
         attention_bias: false,
         final_logit_softcap: None,
-        bos_token_id: base.config.bos_token_id,
-        eos_token_ids: base.config.eos_token_ids.clone(),
+        bos_token_id: tokenizer.specials.bos_token_id,
+        eos_token_ids: tokenizer.specials.eos_token_ids.clone(),
         nanochat: None,
     };
     let mut w = Weights::new("uniform-model");
@@ -158,7 +208,7 @@ pub fn uniform_model(threads: usize) -> std::sync::Arc<kiln::engine::Engine> {
         path: "uniform-model".into(),
         config,
         weights: w,
-        tokenizer: base.tokenizer,
+        tokenizer,
         weight_type: "f32".into(),
     };
     let opts = kiln::backend::cpu::CpuOptions {
