@@ -15,6 +15,20 @@ architecture era (A-H, see the nanochat spec section 0) is detected from keys/sh
 file and printed to stderr. Eras D, E and F have identical keys but different logit softcaps
 (15 for D, 20 for E/F); the default is D (15), `--softcap 20` selects E.
 
+config.json fields:
+  model_type "nanochat_native"; era "A".."H" (E/F reported as "D" unless --softcap 20 -> "E");
+  vocab_size (tokenizer size = meta vocab_size; logits are sliced to it); padded_vocab_size
+  (rows of wte/lm_head/value_embeds); n_layer, n_head, n_kv_head, n_embd, head_dim, sequence_len;
+  window_pattern (upper-cased meta value, "L" if missing, null for eras A/B); window_sizes
+  (per layer W: query at p sees keys p-W..p; -1 = unlimited causal, eras A/B);
+  value_embed_layers (layers with value_embeds.{i} + attn.ve_gate, [] before era D);
+  rope_theta (1e4 / 1e5 from G); qk_scale (1.0, 1.15 G, 1.2 H; applied to q and k after QK-norm);
+  ve_gate_channels (32 D-F, 12 G/H, null) and ve_gate_scale (2.0 / 3.0 / null): gate =
+  scale*sigmoid(h[:channels] @ ve_gate^T); softcap (15, 20 for E/F); resid_lambdas (bool, B+);
+  smear (bool, H); backout_layer (L//2 for H, else null); rms_norm_eps (1.1920929e-07);
+  bos_token_id; special_tokens {bos, user_start, user_end, assistant_start, assistant_end,
+  python_start, python_end, output_start, output_end} -> id; source {checkpoint, step, era_reason}.
+
 Requirements: scripts/requirements-nanochat.txt (torch, numpy, safetensors, tiktoken).
 """
 
@@ -64,7 +78,6 @@ def find_step(ckpt_dir: Path, step: int | None) -> int:
 
 def detect_era(sd: dict, model_config: dict, softcap: float | None) -> tuple[str, str]:
     """Returns (era, human-readable reason). Rules: spec section 0 'detect by' column."""
-    L = model_config["n_layer"]
     gates = {k: tuple(v.shape) for k, v in sd.items() if k.endswith(".attn.ve_gate.weight")}
     if "smear_gate.weight" in sd:
         return "H", f"`smear_gate.weight` {tuple(sd['smear_gate.weight'].shape)} present"
@@ -88,7 +101,6 @@ def detect_era(sd: dict, model_config: dict, softcap: float | None) -> tuple[str
         if "window_pattern" in model_config:
             return "C", "`resid_lambdas` present, no `value_embeds.*`, meta model_config has `window_pattern`"
         return "B", "`resid_lambdas` present, no `value_embeds.*`, meta model_config lacks `window_pattern`"
-    del L
     return "A", "no `resid_lambdas` key (original architecture)"
 
 
