@@ -221,7 +221,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
                 messages.push(ChatMessage::new("system", s));
             }
             messages.push(ChatMessage::new("user", text));
-            tok.encode(&tok.apply_chat_template(&messages, true)?)?
+            tok.chat_prompt(&messages)?
         }
         (None, Some(text)) => tok.encode(text)?,
         (None, None) => bail!("give a prompt with -p TEXT or --prompt-ids 1,2,3"),
@@ -287,9 +287,6 @@ fn chat(args: ChatArgs) -> Result<()> {
     let c = &args.common;
     let engine = load(c)?;
     let tok = engine.tokenizer();
-    if tok.specials.chat_template.is_none() {
-        bail!("{} has no chat template", c.model.display());
-    }
     let opts = options(c, &engine, 1);
     let mut session = engine.session(engine.max_context());
     let mut messages: Vec<ChatMessage> = c
@@ -319,7 +316,10 @@ fn chat(args: ChatArgs) -> Result<()> {
             _ => {}
         }
         messages.push(ChatMessage::new("user", line));
-        let prompt = tok.encode(&tok.apply_chat_template(&messages, true)?)?;
+        let prompt = match tok.chat_prompt(&messages) {
+            Ok(p) => p,
+            Err(e) => bail!("{}: {e}", c.model.display()),
+        };
         let result = session.generate(&prompt, &opts, |step| {
             if let Some(Some(row)) = step.rows.first() {
                 let _ = stdout.write_all(row.text.as_bytes());

@@ -453,6 +453,7 @@ fn load_tokenizer(dir: &Path, config: &ModelConfig) -> Result<Tokenizer, LoadErr
         eos_token_ids: config.eos_token_ids.clone(),
         add_bos_token: false,
         chat_template: None,
+        ordinary_text: config.nanochat.is_some(),
     };
     let cfg_path = dir.join("tokenizer_config.json");
     let mut bos_text = None;

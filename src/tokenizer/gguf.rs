@@ -169,6 +169,7 @@ pub fn tokenizer_from_gguf(file: &GgufFile) -> Result<Tokenizer, LoadError> {
             .opt_bool("tokenizer.ggml.add_bos_token")?
             .unwrap_or(false),
         chat_template: file.opt_str("tokenizer.chat_template")?.map(str::to_string),
+        ordinary_text: false,
     };
     let bytes = serde_json::to_vec(&doc).map_err(|e| LoadError::Json {
         path: path.clone(),

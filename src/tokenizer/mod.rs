@@ -38,6 +38,9 @@ pub struct SpecialTokens {
     /// Prepend BOS when encoding a prompt (Llama 2 style); SmolLM2 and Llama 3 templates add it themselves.
     pub add_bos_token: bool,
     pub chat_template: Option<String>,
+    /// Special-token text in input is ordinary text (tiktoken's `encode_ordinary`, nanochat's
+    /// behaviour); special ids then only come from the chat format.
+    pub ordinary_text: bool,
 }
 
 pub struct Tokenizer {
@@ -88,6 +91,9 @@ impl Tokenizer {
     /// Encodes text; special-token strings in it (e.g. `<|im_start|>`) become their ids, as in
     /// Hugging Face's tokenizers. BOS is prepended only when the model asks for it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        if self.specials.ordinary_text {
+            return self.encode_ordinary(text);
+        }
         let enc = self
             .inner
             .encode(text, false)
@@ -143,6 +149,22 @@ impl Tokenizer {
                 source_file: self.source.clone(),
                 reason: e.to_string(),
             })
+    }
+
+    /// The prompt ids for a chat: the model's chat template when it has one, else nanochat's
+    /// format when the vocabulary has nanochat's special tokens.
+    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, TokenizerError> {
+        if self.specials.chat_template.is_some() {
+            return self.encode(&self.apply_chat_template(messages, true)?);
+        }
+        if nanochat::NanochatTokens::of(self).is_ok() {
+            let msgs: Vec<nanochat::Message> = messages
+                .iter()
+                .map(|m| nanochat::Message::text(&m.role, &m.content))
+                .collect();
+            return nanochat::render_for_completion(self, &msgs);
+        }
+        Err(TokenizerError::NoChatTemplate)
     }
 
     /// Renders messages through the model's chat template.
