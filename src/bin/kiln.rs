@@ -142,7 +142,7 @@ fn load(c: &Common) -> Result<Arc<Engine>> {
         c.model.display(),
         cfg.architecture.name(),
         cfg.num_layers,
-        cfg.num_params(),
+        engine.num_params(),
         engine.weight_type(),
         t0.elapsed().as_secs_f64(),
         engine.backend().threads()

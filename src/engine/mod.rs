@@ -54,6 +54,7 @@ pub enum EngineError {
 pub struct Engine {
     model_path: PathBuf,
     weight_type: String,
+    num_params: usize,
     tokenizer: Tokenizer,
     backend: CpuBackend,
 }
@@ -67,6 +68,7 @@ impl Engine {
     pub fn from_model(model: Model, opts: CpuOptions) -> Result<Engine, EngineError> {
         let backend = CpuBackend::new(&model.config, &model.weights, opts)?;
         Ok(Engine {
+            num_params: model.weights.num_params(),
             model_path: model.path,
             weight_type: model.weight_type,
             tokenizer: model.tokenizer,
@@ -88,6 +90,11 @@ impl Engine {
 
     pub fn model_path(&self) -> &Path {
         &self.model_path
+    }
+
+    /// Parameters in the model's tensors.
+    pub fn num_params(&self) -> usize {
+        self.num_params
     }
 
     /// How the file stored its weights (`"Q4_1"`, `"bf16"`, ...).

@@ -171,6 +171,11 @@ impl Weights {
         Ok(t)
     }
 
+    /// Parameters: elements of every tensor (a tied embedding counts once).
+    pub fn num_params(&self) -> usize {
+        self.tensors.values().map(Tensor::numel).sum()
+    }
+
     /// Total bytes of all tensors as stored.
     pub fn stored_bytes(&self) -> usize {
         self.tensors.values().map(|t| t.raw().len()).sum()
