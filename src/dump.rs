@@ -257,7 +257,7 @@ fn render_plan(name: &str, plan: &ExecutionPlan, dims: &Dims, format: Format) ->
                     .iter()
                     .map(|s| format!("b{}[{}..{}]", s.buffer, s.col, s.col + s.cols))
                     .collect();
-                let ins_txt = if ins.inputs.iter().any(|o| *o == Operand::Tokens) {
+                let ins_txt = if ins.inputs.contains(&Operand::Tokens) {
                     " (tokens)"
                 } else {
                     ""
