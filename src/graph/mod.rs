@@ -11,7 +11,7 @@ mod cost;
 pub mod passes;
 mod print;
 
-pub use print::op_text;
+pub use print::{human_bytes, human_flops, op_text, shape_text, write_text_with_cost};
 
 use std::fmt;
 

@@ -3,7 +3,7 @@
 
 use std::fmt::{self, Write};
 
-use super::{Epilogue, Graph, Node, Op, Rows, Shape};
+use super::{Cost, Dims, Epilogue, Graph, Node, Op, Rows, Shape};
 
 fn shape(s: &Shape) -> String {
     match s.rows {
@@ -155,4 +155,97 @@ pub(super) fn write_text(g: &Graph, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         )?;
     }
     writeln!(f, "output %{}.{}", g.output.node, g.output.port)
+}
+
+/// `1.50 MiB`-style byte counts for summaries (binary units).
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+/// `2.62 GFLOP`-style counts (decimal units).
+pub fn human_flops(f: u64) -> String {
+    const UNITS: [&str; 5] = ["", "K", "M", "G", "T"];
+    let mut v = f as f64;
+    let mut u = 0;
+    while v >= 1000.0 && u + 1 < UNITS.len() {
+        v /= 1000.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{f} FLOP")
+    } else {
+        format!("{v:.2} {}FLOP", UNITS[u])
+    }
+}
+
+/// The canonical text with two more columns, bytes moved and flops of each node for one step
+/// of the given dimensions, and their totals. Deterministic like [`Graph`]'s `Display`.
+pub fn write_text_with_cost(g: &Graph, dims: &Dims, f: &mut impl Write) -> fmt::Result {
+    writeln!(
+        f,
+        "graph: {} nodes, rope theta={} style={:?}, kv {}x{}x{}",
+        g.nodes.len(),
+        g.rope.theta,
+        g.rope.style,
+        g.kv.layers,
+        g.kv.kv_heads,
+        g.kv.head_dim
+    )?;
+    writeln!(
+        f,
+        "costs for tokens={} sequences={} context={}",
+        dims.tokens, dims.sequences, dims.context
+    )?;
+    writeln!(
+        f,
+        "{:<6} {:<24} {:>12} {:>14}  op (inputs)  # label",
+        "node", "shape", "bytes", "flops"
+    )?;
+    let mut total = Cost::default();
+    for (id, n) in g.nodes.iter().enumerate() {
+        let c = n.cost(g, dims);
+        total = total + c;
+        let ins: Vec<String> = n
+            .inputs
+            .iter()
+            .map(|v| format!("%{}.{}", v.node, v.port))
+            .collect();
+        let outs: Vec<String> = n.outputs.iter().map(shape).collect();
+        writeln!(
+            f,
+            "%{id:<5} {:<24} {:>12} {:>14}  {} ({})  # {}",
+            outs.join(" "),
+            c.bytes,
+            c.flops,
+            op_text(n),
+            ins.join(", "),
+            n.label
+        )?;
+    }
+    writeln!(f, "output %{}.{}", g.output.node, g.output.port)?;
+    writeln!(
+        f,
+        "total: {} bytes ({}), {} flops ({}), {:.2} flop/byte",
+        total.bytes,
+        human_bytes(total.bytes),
+        total.flops,
+        human_flops(total.flops),
+        total.flops as f64 / total.bytes.max(1) as f64
+    )
+}
+
+/// The shape as the text form writes it: `[T,576]` (token rows) or `[S,576]` (sequence rows).
+pub fn shape_text(s: &Shape) -> String {
+    shape(s)
 }

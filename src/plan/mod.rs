@@ -231,6 +231,37 @@ impl ExecutionPlan {
             .sum()
     }
 
+    /// Bytes of one buffer for a step of this many token rows and sequences.
+    pub fn buffer_bytes_of(&self, buffer: usize, tokens: usize, sequences: usize) -> usize {
+        let b = &self.buffers[buffer];
+        let rows = match b.rows {
+            Rows::Tokens => tokens,
+            Rows::Sequences => sequences,
+        };
+        rows * b.cols * 4
+    }
+
+    /// The most activation bytes live at once (over every instruction), and the instruction
+    /// where that peak is first reached. Buffers count whole while any value in them is live.
+    pub fn peak_live_bytes(&self, tokens: usize, sequences: usize) -> (usize, usize) {
+        let mut peak = (0, 0);
+        for i in 0..self.instrs.len() {
+            let live: usize = (0..self.buffers.len())
+                .filter(|&b| {
+                    self.buffers[b]
+                        .live_ranges
+                        .iter()
+                        .any(|&(a, z)| a <= i && i <= z)
+                })
+                .map(|b| self.buffer_bytes_of(b, tokens, sequences))
+                .sum();
+            if live > peak.0 {
+                peak = (live, i);
+            }
+        }
+        peak
+    }
+
     /// What the plan's instructions must move and compute for one step.
     pub fn cost(&self, dims: &Dims) -> crate::graph::Cost {
         self.graph.cost(dims)

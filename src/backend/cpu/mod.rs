@@ -4,11 +4,11 @@
 //! stays bf16) and shared by every plan and every session; all per-step memory lives in a
 //! [`Workspace`] the caller owns, so one backend serves many concurrent sessions.
 
-mod attention;
+pub mod attention;
 mod elementwise;
 mod exec;
 pub mod matmul;
-mod norm;
+pub mod norm;
 mod rope;
 pub mod simd;
 

@@ -1,0 +1,204 @@
+//! What one decode step costs, whole and in the pieces outside the matmuls: a full SmolLM2-135M
+//! decode step at a fixed context, RMSNorm over a hidden row, attention of one token over a
+//! 512-position cache, and choosing a token from a 49152-entry vocabulary (greedy and top-p).
+//!
+//! `cargo bench --bench decode`; the whole-step bench skips with a message when the demo model
+//! (`models/SmolLM2-135M-Instruct.Q4_1.gguf`, or `KILN_DEMO_MODEL`) is absent.
+
+use std::hint::black_box;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use kiln::backend::cpu::attention::{attention, AttentionShape, TokenRow};
+use kiln::backend::cpu::norm::rms_norm;
+use kiln::backend::cpu::{CpuBackend, CpuOptions, PlanKind, Workspace};
+use kiln::graph::{Dims, KvSpec};
+use kiln::kv::KvCache;
+use kiln::model::Model;
+use kiln::sample::{sample, SamplingParams};
+
+fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn demo_model() -> Option<PathBuf> {
+    let p = std::env::var_os("KILN_DEMO_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    p.exists().then_some(p)
+}
+
+/// One decode step of SmolLM2-135M at context 128 (the cache is rolled back before each step),
+/// with throughput in the bytes the plan's cost model says a step must move.
+fn decode_step(c: &mut Criterion) {
+    let Some(path) = demo_model() else {
+        eprintln!("decode/smollm2_step: skipped, demo model absent (run scripts/demo.sh or set KILN_DEMO_MODEL)");
+        return;
+    };
+    let model = Model::load(&path).expect("loading the demo model");
+    let b =
+        CpuBackend::new(&model.config, &model.weights, CpuOptions::default()).expect("compiling");
+    let ctx = 128;
+    let prompt: Vec<u32> = (0..ctx as u32)
+        .map(|i| (i * 7919) % model.config.vocab_size as u32)
+        .collect();
+    let rows: Vec<TokenRow> = (0..ctx).map(|pos| TokenRow { slot: 0, pos }).collect();
+    let mut kv = b.new_cache(1, ctx + 1);
+    let mut ws = Workspace::new();
+    let mut logits = Vec::new();
+    b.forward(
+        PlanKind::Prefill,
+        &mut ws,
+        &mut kv,
+        &prompt,
+        &rows,
+        &mut logits,
+    )
+    .unwrap();
+    let bytes = b
+        .plan(PlanKind::Decode)
+        .cost(&Dims::decode(1, ctx + 1))
+        .bytes;
+
+    let mut g = c.benchmark_group("decode");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3))
+        .throughput(Throughput::Bytes(bytes));
+    g.bench_function(
+        format!("smollm2_step_ctx{}_t{}", ctx + 1, b.threads()),
+        |bench| {
+            bench.iter(|| {
+                kv.truncate(0, ctx);
+                b.forward(
+                    PlanKind::Decode,
+                    &mut ws,
+                    &mut kv,
+                    &[42],
+                    &[TokenRow { slot: 0, pos: ctx }],
+                    &mut logits,
+                )
+                .unwrap();
+                black_box(logits[0])
+            })
+        },
+    );
+    g.finish();
+}
+
+/// RMSNorm of one SmolLM2 hidden row (576) and one Llama-3-8B row (4096).
+fn norm(c: &mut Criterion) {
+    let mut g = c.benchmark_group("rms_norm");
+    g.sample_size(20)
+        .warm_up_time(Duration::from_millis(200))
+        .measurement_time(Duration::from_secs(1));
+    for n in [576, 4096] {
+        let x = rand_vec(n, 1);
+        let w = rand_vec(n, 2);
+        let mut out = vec![0f32; n];
+        g.throughput(Throughput::Bytes((3 * n * 4) as u64));
+        g.bench_function(format!("{n}"), |bench| {
+            bench.iter(|| {
+                rms_norm(black_box(&x), Some(&w), 1e-5, &mut out);
+                black_box(out[0])
+            })
+        });
+    }
+    g.finish();
+}
+
+/// One token attending over 512 cached positions with SmolLM2's heads (9 query, 3 KV, 64 wide);
+/// throughput is the K and V bytes read.
+fn attention_decode(c: &mut Criterion) {
+    let (heads, kv_heads, d, ctx) = (9, 3, 64, 512);
+    let spec = KvSpec {
+        layers: 1,
+        kv_heads,
+        head_dim: d,
+    };
+    let mut kv = KvCache::new(spec, 1, ctx);
+    for pos in 0..ctx {
+        let k = rand_vec(kv_heads * d, pos as u64 + 1);
+        let v = rand_vec(kv_heads * d, pos as u64 + 10_000);
+        kv.write(0, 0, pos, &k, &v);
+    }
+    let shape = AttentionShape {
+        layer: 0,
+        heads,
+        kv_heads,
+        head_dim: d,
+        scale: 1.0 / (d as f32).sqrt(),
+        window: None,
+    };
+    let q = rand_vec(heads * d, 3);
+    let k = rand_vec(kv_heads * d, 4);
+    let v = rand_vec(kv_heads * d, 5);
+    let mut out = vec![0f32; heads * d];
+    let rows = [TokenRow {
+        slot: 0,
+        pos: ctx - 1,
+    }];
+    let mut g = c.benchmark_group("attention");
+    g.sample_size(20)
+        .warm_up_time(Duration::from_millis(200))
+        .measurement_time(Duration::from_secs(1))
+        .throughput(Throughput::Bytes((2 * ctx * kv_heads * d * 4) as u64));
+    g.bench_function(
+        format!("decode_ctx{ctx}_h{heads}_kv{kv_heads}_d{d}"),
+        |bench| {
+            bench.iter(|| {
+                attention(
+                    &shape,
+                    &rows,
+                    (&q, heads * d, 0),
+                    (&k, kv_heads * d, 0),
+                    (&v, kv_heads * d, 0),
+                    &mut kv,
+                    (&mut out, heads * d, 0),
+                );
+                black_box(out[0])
+            })
+        },
+    );
+    g.finish();
+}
+
+/// Choosing one token from SmolLM2's 49152 logits: greedy, and temperature 0.8 with top-p 0.9.
+fn sampling(c: &mut Criterion) {
+    let logits: Vec<f32> = rand_vec(49152, 7).iter().map(|x| x * 8.0).collect();
+    let mut g = c.benchmark_group("sample");
+    g.sample_size(20)
+        .warm_up_time(Duration::from_millis(200))
+        .measurement_time(Duration::from_secs(1))
+        .throughput(Throughput::Elements(logits.len() as u64));
+    let greedy = SamplingParams::default();
+    let top_p = SamplingParams {
+        temperature: 0.8,
+        top_p: Some(0.9),
+        ..SamplingParams::default()
+    };
+    for (name, params) in [("greedy_49152", greedy), ("top_p0.9_49152", top_p)] {
+        let mut pos = 0u64;
+        g.bench_function(name, |bench| {
+            bench.iter(|| {
+                pos += 1;
+                black_box(sample(black_box(&logits), &params, 0, pos))
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, decode_step, norm, attention_decode, sampling);
+criterion_main!(benches);
