@@ -126,6 +126,7 @@ fn attention_decode(c: &mut Criterion) {
         layers: 1,
         kv_heads,
         head_dim: d,
+        state_dim: 0,
     };
     let mut kv = KvCache::new(spec, 1, ctx);
     for pos in 0..ctx {

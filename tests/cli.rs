@@ -124,3 +124,43 @@ fn failures_exit_nonzero_with_a_message() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("temperature"));
 }
+
+#[test]
+fn samples_json_reports_every_row() {
+    let model = fixtures().join("llama_tied");
+    let out = kiln(&[
+        "-m",
+        model.to_str().unwrap(),
+        "-p",
+        "The 3 cats",
+        "-n",
+        "6",
+        "--samples",
+        "3",
+        "--temp",
+        "1",
+        "--seed",
+        "4",
+        "--ignore-eos",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 3);
+    for r in rows {
+        assert_eq!(r["generated_ids"].as_array().unwrap().len(), 6);
+        assert_eq!(r["masks"].as_array().unwrap().len(), 6);
+        assert_eq!(r["finish_reason"], "max_tokens");
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 18);
+    let distinct: std::collections::HashSet<String> = rows
+        .iter()
+        .map(|r| r["generated_ids"].to_string())
+        .collect();
+    assert!(distinct.len() > 1, "three samples were identical");
+}

@@ -134,9 +134,8 @@ fn rows_stop_independently_and_terminal_tokens_are_dropped_from_batches() {
     };
     let mut session = Session::new(e.clone(), PROMPT.len() + 30, 8);
     let mut ended_at = vec![None; 8];
-    let mut steps = 0;
     let mut stream = session.stream(&PROMPT, &opts).unwrap();
-    for step in stream.by_ref() {
+    for (steps, step) in stream.by_ref().enumerate() {
         let step = step.unwrap();
         assert_eq!(step.rows.len(), 8);
         for (r, row) in step.rows.iter().enumerate() {
@@ -151,7 +150,6 @@ fn rows_stop_independently_and_terminal_tokens_are_dropped_from_batches() {
                 _ => {}
             }
         }
-        steps += 1;
     }
     let distinct: std::collections::HashSet<_> = ended_at.iter().collect();
     assert!(distinct.len() > 1, "all rows ended together: {ended_at:?}");
@@ -466,4 +464,13 @@ fn calculator_results_are_forced_into_each_row() {
         )
         .unwrap();
     assert!(plain.rows[0].masks.iter().all(|&m| m <= 1));
+}
+
+/// Services share one engine across threads and move sessions between them.
+#[test]
+fn engine_is_send_and_sync_and_sessions_are_send() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+    send_sync::<Engine>();
+    send::<Session>();
 }

@@ -178,8 +178,11 @@ pub struct GenerateOptions {
 }
 
 /// `f(row, context, logits)`: `context` is the row's tokens so far (prompt included).
+pub type LogitsFn = dyn Fn(usize, &[u32], &mut [f32]) + Send + Sync;
+
+/// A shared [`LogitsFn`] (cloneable, so options stay `Clone`).
 #[derive(Clone)]
-pub struct LogitsProcessor(pub Arc<dyn Fn(usize, &[u32], &mut [f32]) + Send + Sync>);
+pub struct LogitsProcessor(pub Arc<LogitsFn>);
 
 impl std::fmt::Debug for LogitsProcessor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
