@@ -9,18 +9,63 @@
 //! (AVX2) k tails. An AVX512-BF16 prefill path (activations split into bf16 hi + lo, two
 //! `vdpbf16ps` per weight vector) was measured at about half the speed of the FMA tile on this
 //! Zen 5 machine and removed; `Level::Avx512Bf16` therefore runs the AVX-512 FMA kernels.
+//!
+//! Quantized weights (ggml Q8_0/Q4_0/Q4_1 blocks, see [`crate::model::quant`]) are computed on
+//! directly, with f32 activations (never quantized), so results equal the f32 product with the
+//! dequantized weights up to f32 rounding of the sums:
+//! - decode (`tokens == 1`): per 32-element block and row, the integer quants are widened to f32
+//!   (exact), multiplied with x into one block partial `Σ q·x` (two vectors), and the block scale
+//!   is applied once to that partial with one FMA into the row's accumulator: `d·Σ q·x` (Q8_0),
+//!   `d·Σ (q−8)·x` (Q4_0; the −8 is applied to the integers), `d·Σ q·x + m·Σ x` (Q4_1; the block
+//!   sums `Σ x` of the activation row are computed once per call and shared by every row). Four
+//!   rows run together so each x vector is loaded once per four rows.
+//! - prefill (`tokens > 1`): a tile of rows is dequantized to f32 (bit-identical to ggml's
+//!   reference dequantization) into thread-local scratch and handed to the f32 kernels, so the
+//!   per-element dequantization cost is shared by all tokens.
 
+use std::cell::RefCell;
 use std::ops::Range;
 
 use half::bf16;
 use rayon::prelude::*;
 
 use super::simd::{self, Level};
+use crate::model::quant::{self, QuantKind, QK};
 
-/// Weight storage the kernels read directly (bf16 is never widened in memory).
+/// Weight storage the kernels read directly (bf16 is never widened in memory, quantized blocks
+/// are never dequantized in memory).
 pub enum WeightData {
     F32(Vec<f32>),
     BF16(Vec<bf16>),
+    /// ggml blocks, rows concatenated: row `n` is `blocks[n·row_bytes..(n+1)·row_bytes]` with
+    /// `row_bytes = cols / 32 · kind.block_bytes()`. An owned copy rather than a borrow of the
+    /// file mapping: merged linears (qkv, gate|up) must be concatenated anyway, the 34/18/20-byte
+    /// blocks make every load unaligned whatever the base, and an owned buffer keeps the packed
+    /// matrix independent of the file (one extra copy of ~the file size at load).
+    Quant { kind: QuantKind, blocks: Vec<u8> },
+}
+
+impl WeightData {
+    /// Checks quantized blocks against a `rows × cols` shape (other formats always pass).
+    pub fn check_shape(&self, rows: usize, cols: usize) -> Result<(), String> {
+        if let WeightData::Quant { kind, blocks } = self {
+            if !cols.is_multiple_of(QK) {
+                return Err(format!(
+                    "{} rows of {cols} columns are not whole {QK}-element blocks",
+                    kind.name()
+                ));
+            }
+            let want = rows * (cols / QK) * kind.block_bytes();
+            if blocks.len() != want {
+                return Err(format!(
+                    "{} bytes of {} blocks for a {rows}x{cols} matrix, expected {want}",
+                    blocks.len(),
+                    kind.name()
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A linear layer's weight (and bias) in the backend's layout.
@@ -36,6 +81,7 @@ impl PackedMatrix {
         let w = match &self.data {
             WeightData::F32(v) => v.len() * 4,
             WeightData::BF16(v) => v.len() * 2,
+            WeightData::Quant { blocks, .. } => blocks.len(),
         };
         w + self.bias.as_ref().map_or(0, |b| b.len() * 4)
     }
@@ -150,6 +196,9 @@ pub unsafe fn matmul_rows_at(
     if let Some(b) = &w.bias {
         assert!(b.len() >= w.rows, "matmul bias too short");
     }
+    if let Err(e) = w.data.check_shape(w.rows, w.cols) {
+        panic!("matmul: {e}");
+    }
     let job = Job {
         k: w.cols,
         bias: w.bias.as_deref(),
@@ -161,27 +210,108 @@ pub unsafe fn matmul_rows_at(
         ldo,
         accumulate,
     };
-    match (simd::clamp(level), &w.data) {
+    if let WeightData::Quant { kind, blocks } = &w.data {
+        quant_rows(level, *kind, blocks, &job);
+        return;
+    }
+    let dense = match &w.data {
+        WeightData::F32(v) => Dense::F32(v),
+        WeightData::BF16(v) => Dense::BF16(v),
+        WeightData::Quant { .. } => unreachable!(),
+    };
+    dense_rows(level, dense, &job);
+}
+
+/// Unquantized weights as the f32/bf16 kernels read them.
+#[derive(Clone, Copy)]
+enum Dense<'a> {
+    F32(&'a [f32]),
+    BF16(&'a [bf16]),
+}
+
+/// The f32/bf16 kernels.
+///
+/// # Safety
+/// `job` must describe valid memory (see [`matmul_rows_at`]); `data` holds `job.rows.end` rows.
+unsafe fn dense_rows(level: Level, data: Dense, job: &Job) {
+    match (simd::clamp(level), data) {
         #[cfg(target_arch = "x86_64")]
-        (Level::Avx512 | Level::Avx512Bf16, WeightData::F32(v)) => x86::rows_512(v.as_ptr(), &job),
+        (Level::Avx512 | Level::Avx512Bf16, Dense::F32(v)) => x86::rows_512(v.as_ptr(), job),
         #[cfg(target_arch = "x86_64")]
-        (Level::Avx512 | Level::Avx512Bf16, WeightData::BF16(v)) => x86::rows_512(v.as_ptr(), &job),
+        (Level::Avx512 | Level::Avx512Bf16, Dense::BF16(v)) => x86::rows_512(v.as_ptr(), job),
         #[cfg(target_arch = "x86_64")]
-        (Level::Avx2, WeightData::F32(v)) => x86::rows_256(v.as_ptr(), &job),
+        (Level::Avx2, Dense::F32(v)) => x86::rows_256(v.as_ptr(), job),
         #[cfg(target_arch = "x86_64")]
-        (Level::Avx2, WeightData::BF16(v)) => x86::rows_256(v.as_ptr(), &job),
-        (_, WeightData::F32(v)) => {
+        (Level::Avx2, Dense::BF16(v)) => x86::rows_256(v.as_ptr(), job),
+        (_, Dense::F32(v)) => {
             let k = job.k;
-            rows_scalar(&job, |n, t| {
+            rows_scalar(job, |n, t| {
                 simd::scalar::dot_f32(&v[n * k..(n + 1) * k], job.xrow(t))
             })
         }
-        (_, WeightData::BF16(v)) => {
+        (_, Dense::BF16(v)) => {
             let k = job.k;
-            rows_scalar(&job, |n, t| {
+            rows_scalar(job, |n, t| {
                 simd::scalar::dot_bf16(&v[n * k..(n + 1) * k], job.xrow(t))
             })
         }
+    }
+}
+
+/// Rows dequantized per prefill tile: a multiple of the kernels' 4-row block, and small enough
+/// (16 × cols f32) to stay in L1/L2 while every token passes over it.
+const TILE_ROWS: usize = 16;
+
+thread_local! {
+    /// Per-thread f32 scratch for prefill tiles of quantized weights.
+    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Quantized weights: GEMV on the blocks at decode, dequantized tiles + f32 kernels otherwise.
+///
+/// # Safety
+/// As [`matmul_rows_at`]; `blocks` has been checked against the matrix shape.
+unsafe fn quant_rows(level: Level, kind: QuantKind, blocks: &[u8], job: &Job) {
+    let level = simd::clamp(level);
+    #[cfg(target_arch = "x86_64")]
+    if job.tokens == 1 {
+        match level {
+            Level::Avx512 | Level::Avx512Bf16 => return x86::qrows_512(kind, blocks.as_ptr(), job),
+            Level::Avx2 => return x86::qrows_256(kind, blocks.as_ptr(), job),
+            Level::Scalar => {}
+        }
+    }
+    let rb = job.k / QK * kind.block_bytes();
+    TILE.with_borrow_mut(|tile| {
+        let mut n0 = job.rows.start;
+        while n0 < job.rows.end {
+            let n1 = (n0 + TILE_ROWS).min(job.rows.end);
+            tile.resize((n1 - n0) * job.k, 0.0);
+            dequantize_rows(level, kind, &blocks[n0 * rb..n1 * rb], tile);
+            // The tile's row r is output n0 + r: shift the output and bias views to match.
+            let sub = Job {
+                bias: job.bias.map(|b| &b[n0..]),
+                rows: 0..n1 - n0,
+                out: job.out.add(n0),
+                ..*job
+            };
+            dense_rows(level, Dense::F32(tile), &sub);
+            n0 = n1;
+        }
+    });
+}
+
+/// Dequantizes whole rows of blocks into `out` (bit-identical to [`quant::dequantize_row`]).
+fn dequantize_rows(level: Level, kind: QuantKind, blocks: &[u8], out: &mut [f32]) {
+    let nb = out.len() / QK;
+    assert!(blocks.len() >= nb * kind.block_bytes());
+    match simd::clamp(level) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the level is supported; `blocks` holds `nb` blocks and `out` `nb · 32` floats.
+        Level::Avx512 | Level::Avx512Bf16 | Level::Avx2 => unsafe {
+            x86::dequantize_256(kind, blocks.as_ptr(), nb, out.as_mut_ptr())
+        },
+        _ => quant::dequantize_row(kind, blocks, out),
     }
 }
 
@@ -238,7 +368,7 @@ mod x86 {
 
     use half::bf16;
 
-    use super::Job;
+    use super::{Job, QuantKind, QK};
     use crate::backend::cpu::simd::x86::{
         hsum256, load_bf16_256, load_bf16_512, load_bf16_512_mask, tail_mask16,
     };
@@ -464,6 +594,278 @@ mod x86 {
                 t += 1;
             }
             n = (n + 4).min(end);
+        }
+    }
+
+    // ----- Quantized blocks -----
+
+    /// A ggml block format as the kernels decode it.
+    pub(super) trait QBlock {
+        /// Bytes per block.
+        const BYTES: usize;
+        /// Whether the block carries a min `m` (value `d·q + m`) after its scale `d`.
+        const HAS_MIN: bool;
+        /// The block's 32 integer quants as f32 (Q4_0's −8 applied), elements 0..16 and 16..32.
+        unsafe fn q512(p: *const u8) -> (__m512, __m512);
+        /// The same as four 8-element vectors.
+        unsafe fn q256(p: *const u8) -> [__m256; 4];
+    }
+
+    pub(super) struct Q8_0;
+    pub(super) struct Q4_0;
+    pub(super) struct Q4_1;
+
+    /// The 16 quant bytes of a Q4 block at `qs` as 32 i32 nibbles: low nibbles (elements 0..16),
+    /// high nibbles (16..32).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn nibbles_512(qs: *const u8) -> (__m512i, __m512i) {
+        let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs as *const __m128i));
+        (
+            _mm512_and_si512(v, _mm512_set1_epi32(0x0f)),
+            _mm512_srli_epi32::<4>(v),
+        )
+    }
+
+    /// As [`nibbles_512`] in four 8-lane vectors: elements 0..8, 8..16, 16..24, 24..32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn nibbles_256(qs: *const u8) -> [__m256i; 4] {
+        let v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs as *const __m128i));
+        let v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.add(8) as *const __m128i));
+        let f = _mm256_set1_epi32(0x0f);
+        [
+            _mm256_and_si256(v0, f),
+            _mm256_and_si256(v1, f),
+            _mm256_srli_epi32::<4>(v0),
+            _mm256_srli_epi32::<4>(v1),
+        ]
+    }
+
+    impl QBlock for Q8_0 {
+        const BYTES: usize = QuantKind::Q8_0.block_bytes();
+        const HAS_MIN: bool = false;
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+        unsafe fn q512(p: *const u8) -> (__m512, __m512) {
+            let a = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(2) as *const __m128i));
+            let b = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(18) as *const __m128i));
+            (_mm512_cvtepi32_ps(a), _mm512_cvtepi32_ps(b))
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn q256(p: *const u8) -> [__m256; 4] {
+            std::array::from_fn(|j| {
+                let q = _mm_loadl_epi64(p.add(2 + 8 * j) as *const __m128i);
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))
+            })
+        }
+    }
+
+    impl QBlock for Q4_0 {
+        const BYTES: usize = QuantKind::Q4_0.block_bytes();
+        const HAS_MIN: bool = false;
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+        unsafe fn q512(p: *const u8) -> (__m512, __m512) {
+            let (lo, hi) = nibbles_512(p.add(2));
+            let eight = _mm512_set1_epi32(8);
+            (
+                _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight)),
+                _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight)),
+            )
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn q256(p: *const u8) -> [__m256; 4] {
+            let n = nibbles_256(p.add(2));
+            let eight = _mm256_set1_epi32(8);
+            n.map(|v| _mm256_cvtepi32_ps(_mm256_sub_epi32(v, eight)))
+        }
+    }
+
+    impl QBlock for Q4_1 {
+        const BYTES: usize = QuantKind::Q4_1.block_bytes();
+        const HAS_MIN: bool = true;
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+        unsafe fn q512(p: *const u8) -> (__m512, __m512) {
+            let (lo, hi) = nibbles_512(p.add(4));
+            (_mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(hi))
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn q256(p: *const u8) -> [__m256; 4] {
+            nibbles_256(p.add(4)).map(|v| _mm256_cvtepi32_ps(v))
+        }
+    }
+
+    /// The block's f16 scale and (Q4_1) min widened to f32: lanes `[d, m, ·, ·]` (lane 1 is junk
+    /// for formats without a min).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn scales(p: *const u8) -> __m128 {
+        _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p as *const i32)))
+    }
+
+    /// Per-block sums `Σ x` of one activation row (only formats with a min need them).
+    unsafe fn block_sums<Q: QBlock>(x: *const f32, nb: usize) -> Vec<f32> {
+        if !Q::HAS_MIN {
+            return Vec::new();
+        }
+        let x = std::slice::from_raw_parts(x, nb * QK);
+        x.chunks_exact(QK).map(|c| c.iter().sum()).collect()
+    }
+
+    /// `R` quantized rows against one activation row. Per block and row: `s = Σ q·x` over the
+    /// block's two 16-lane halves, then `acc += d·s` (one FMA); Q4_1 adds `m·Σx` in a scalar lane.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn qgemv_512<Q: QBlock, const R: usize>(
+        w: [*const u8; R],
+        x: *const f32,
+        xs: *const f32,
+        nb: usize,
+    ) -> [f32; R] {
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut macc = [_mm_setzero_ps(); R];
+        for b in 0..nb {
+            let x0 = _mm512_loadu_ps(x.add(b * QK));
+            let x1 = _mm512_loadu_ps(x.add(b * QK + 16));
+            for r in 0..R {
+                let p = w[r].add(b * Q::BYTES);
+                if PREFETCH {
+                    _mm_prefetch::<_MM_HINT_T0>(p.add(Q_PF_DIST) as *const i8);
+                }
+                let dm = scales(p);
+                let (q0, q1) = Q::q512(p);
+                let s = _mm512_fmadd_ps(q1, x1, _mm512_mul_ps(q0, x0));
+                acc[r] = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), s, acc[r]);
+                if Q::HAS_MIN {
+                    macc[r] = _mm_fmadd_ss(_mm_movehdup_ps(dm), _mm_load_ss(xs.add(b)), macc[r]);
+                }
+            }
+        }
+        std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(macc[r]))
+    }
+
+    /// Bytes ahead of the current block that quantized GEMV prefetches in each weight row.
+    const Q_PF_DIST: usize = 512;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn qrows_512_t<Q: QBlock>(w: *const u8, job: &Job) {
+        let nb = job.k / QK;
+        let rb = nb * Q::BYTES;
+        let x = job.xptr(0);
+        let xs = block_sums::<Q>(x, nb);
+        let end = job.rows.end;
+        let mut n = job.rows.start;
+        while n + 4 <= end {
+            let s = qgemv_512::<Q, 4>(row_ptrs(w, n, rb), x, xs.as_ptr(), nb);
+            put_tile::<4, 1>(job, n, 0, s.map(|v| [v]));
+            n += 4;
+        }
+        while n < end {
+            let s = qgemv_512::<Q, 1>(row_ptrs(w, n, rb), x, xs.as_ptr(), nb);
+            job.put(0, n, s[0]);
+            n += 1;
+        }
+    }
+
+    /// Quantized GEMV (`job.tokens == 1`) at AVX-512; `w` holds `job.rows.end` rows of blocks.
+    pub(super) unsafe fn qrows_512(kind: QuantKind, w: *const u8, job: &Job) {
+        match kind {
+            QuantKind::Q8_0 => qrows_512_t::<Q8_0>(w, job),
+            QuantKind::Q4_0 => qrows_512_t::<Q4_0>(w, job),
+            QuantKind::Q4_1 => qrows_512_t::<Q4_1>(w, job),
+        }
+    }
+
+    /// [`qgemv_512`] in 8-lane vectors.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn qgemv_256<Q: QBlock, const R: usize>(
+        w: [*const u8; R],
+        x: *const f32,
+        xs: *const f32,
+        nb: usize,
+    ) -> [f32; R] {
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut macc = [_mm_setzero_ps(); R];
+        for b in 0..nb {
+            let xv: [__m256; 4] = std::array::from_fn(|j| _mm256_loadu_ps(x.add(b * QK + 8 * j)));
+            for r in 0..R {
+                let p = w[r].add(b * Q::BYTES);
+                let dm = scales(p);
+                let q = Q::q256(p);
+                let mut s = _mm256_mul_ps(q[0], xv[0]);
+                s = _mm256_fmadd_ps(q[1], xv[1], s);
+                s = _mm256_fmadd_ps(q[2], xv[2], s);
+                s = _mm256_fmadd_ps(q[3], xv[3], s);
+                acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(dm), s, acc[r]);
+                if Q::HAS_MIN {
+                    macc[r] = _mm_fmadd_ss(_mm_movehdup_ps(dm), _mm_load_ss(xs.add(b)), macc[r]);
+                }
+            }
+        }
+        std::array::from_fn(|r| hsum256(acc[r]) + _mm_cvtss_f32(macc[r]))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn qrows_256_t<Q: QBlock>(w: *const u8, job: &Job) {
+        let nb = job.k / QK;
+        let rb = nb * Q::BYTES;
+        let x = job.xptr(0);
+        let xs = block_sums::<Q>(x, nb);
+        let end = job.rows.end;
+        let mut n = job.rows.start;
+        while n + 4 <= end {
+            let s = qgemv_256::<Q, 4>(row_ptrs(w, n, rb), x, xs.as_ptr(), nb);
+            put_tile::<4, 1>(job, n, 0, s.map(|v| [v]));
+            n += 4;
+        }
+        while n < end {
+            let s = qgemv_256::<Q, 1>(row_ptrs(w, n, rb), x, xs.as_ptr(), nb);
+            job.put(0, n, s[0]);
+            n += 1;
+        }
+    }
+
+    /// Quantized GEMV (`job.tokens == 1`) at AVX2.
+    pub(super) unsafe fn qrows_256(kind: QuantKind, w: *const u8, job: &Job) {
+        match kind {
+            QuantKind::Q8_0 => qrows_256_t::<Q8_0>(w, job),
+            QuantKind::Q4_0 => qrows_256_t::<Q4_0>(w, job),
+            QuantKind::Q4_1 => qrows_256_t::<Q4_1>(w, job),
+        }
+    }
+
+    /// `nb` blocks at `src` to `nb · 32` floats at `dst`, computed as ggml's reference does
+    /// (`d·q`, then `+ m` as a separate rounding), so bit-identical to the scalar dequantization.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dequantize_256_t<Q: QBlock>(src: *const u8, nb: usize, dst: *mut f32) {
+        for b in 0..nb {
+            let p = src.add(b * Q::BYTES);
+            let dm = scales(p);
+            let d = _mm256_broadcastss_ps(dm);
+            let m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+            let q = Q::q256(p);
+            for (j, &qj) in q.iter().enumerate() {
+                let mut v = _mm256_mul_ps(qj, d);
+                if Q::HAS_MIN {
+                    v = _mm256_add_ps(v, m);
+                }
+                _mm256_storeu_ps(dst.add(b * QK + 8 * j), v);
+            }
+        }
+    }
+
+    /// Dequantizes `nb` blocks of `kind` (AVX2 level or above).
+    pub(super) unsafe fn dequantize_256(kind: QuantKind, src: *const u8, nb: usize, dst: *mut f32) {
+        match kind {
+            QuantKind::Q8_0 => dequantize_256_t::<Q8_0>(src, nb, dst),
+            QuantKind::Q4_0 => dequantize_256_t::<Q4_0>(src, nb, dst),
+            QuantKind::Q4_1 => dequantize_256_t::<Q4_1>(src, nb, dst),
         }
     }
 

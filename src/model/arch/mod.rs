@@ -70,7 +70,7 @@ impl<'a> Builder<'a> {
             bias,
             out,
             inp,
-            elem_bytes: w.dtype.size(),
+            weight_bytes: w.raw().len(),
         })
     }
 
@@ -116,7 +116,7 @@ impl<'a> Builder<'a> {
             Op::Embed {
                 table: table.to_string(),
                 dim: c.hidden_size,
-                elem_bytes: t.dtype.size(),
+                row_bytes: t.dtype.row_bytes(c.hidden_size),
             },
             vec![ids],
             c.hidden_size,
