@@ -997,12 +997,50 @@ mod tests {
             .collect()
     }
 
-    fn weight_f64(w: &PackedMatrix, i: usize) -> f64 {
+    /// The matrix's weights as f64 (quantized blocks through the scalar reference dequantization).
+    fn weights_f64(w: &PackedMatrix) -> Vec<f64> {
         match &w.data {
-            WeightData::F32(v) => v[i] as f64,
-            WeightData::BF16(v) => v[i].to_f64(),
+            WeightData::F32(v) => v.iter().map(|&x| x as f64).collect(),
+            WeightData::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
+            WeightData::Quant { kind, blocks } => {
+                let mut f = vec![0f32; w.rows * w.cols];
+                quant::dequantize_row(*kind, blocks, &mut f);
+                f.into_iter().map(|x| x as f64).collect()
+            }
         }
     }
+
+    /// `rows × cols` random blocks of `kind`: every quant value occurs, scales and mins vary in
+    /// magnitude and sign (as real ggml files have them).
+    fn rand_blocks(kind: QuantKind, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let bb = kind.block_bytes();
+        let nb = rows * cols / QK;
+        let r = rand_vec(nb * bb, seed);
+        let mut blocks: Vec<u8> = r.iter().map(|&v| ((v + 1.0) * 127.99) as u8).collect();
+        for (b, c) in blocks.chunks_exact_mut(bb).enumerate() {
+            let d = 0.002 + 0.05 * (r[b * bb] + 1.0);
+            c[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
+            if kind == QuantKind::Q4_1 {
+                let m = -8.0 * d * (r[b * bb + 1] + 0.5);
+                c[2..4].copy_from_slice(&half::f16::from_f32(m).to_le_bytes());
+            }
+        }
+        blocks
+    }
+
+    fn quant_matrix(kind: QuantKind, rows: usize, cols: usize, bias: bool, seed: u64) -> PackedMatrix {
+        PackedMatrix {
+            rows,
+            cols,
+            data: WeightData::Quant {
+                kind,
+                blocks: rand_blocks(kind, rows, cols, seed),
+            },
+            bias: bias.then(|| rand_vec(rows, seed + 1)),
+        }
+    }
+
+    const KINDS: [QuantKind; 3] = [QuantKind::Q8_0, QuantKind::Q4_0, QuantKind::Q4_1];
 
     /// Run one configuration at `level` and compare against an f64 reference.
     #[allow(clippy::too_many_arguments)]
@@ -1029,17 +1067,33 @@ mod tests {
             data,
             bias: bias.then(|| rand_vec(rows, seed + 1)),
         };
+        if let Err(e) = run_and_compare(level, &w, tokens, acc, par, seed) {
+            panic!("{level:?} bf16={bf} {rows}x{cols} tokens={tokens} bias={bias} acc={acc}: {e}");
+        }
+    }
+
+    /// Multiply `w` by random strided activations at `level` (whole-pool split or one call over
+    /// all rows) and compare against the f64 reference.
+    fn run_and_compare(
+        level: Level,
+        w: &PackedMatrix,
+        tokens: usize,
+        acc: bool,
+        par: bool,
+        seed: u64,
+    ) -> Result<(), String> {
+        let (rows, cols) = (w.rows, w.cols);
         let (ldx, ldo) = (cols + 3, rows + 5);
         let x = rand_vec((tokens - 1) * ldx + cols, seed + 2);
         let out0 = rand_vec((tokens - 1) * ldo + rows + 2, seed + 3);
         let mut out = out0.clone();
         if par {
-            matmul_at(level, &w, &x, ldx, tokens, &mut out, ldo, acc);
+            matmul_at(level, w, &x, ldx, tokens, &mut out, ldo, acc);
         } else {
             unsafe {
                 matmul_rows_at(
                     level,
-                    &w,
+                    w,
                     &x,
                     ldx,
                     tokens,
@@ -1050,9 +1104,7 @@ mod tests {
                 )
             };
         }
-        if let Err(e) = compare(&w, &x, ldx, tokens, &out0, &out, ldo, acc) {
-            panic!("{level:?} bf16={bf} {rows}x{cols} tokens={tokens} bias={bias} acc={acc}: {e}");
-        }
+        compare(w, &x, ldx, tokens, &out0, &out, ldo, acc)
     }
 
     /// Check `out` (computed from `out0`) against an f64 reference; error scaled by Σ|terms|.
@@ -1068,6 +1120,7 @@ mod tests {
         acc: bool,
     ) -> Result<(), String> {
         let (rows, cols) = (w.rows, w.cols);
+        let wf = weights_f64(w);
         for (i, (&o, &o0)) in out.iter().zip(out0).enumerate() {
             let (t, n) = (i / ldo, i % ldo);
             if t >= tokens || n >= rows {
@@ -1083,7 +1136,7 @@ mod tests {
                 mag += b[n].abs() as f64;
             }
             for k in 0..cols {
-                let p = weight_f64(w, n * cols + k) * x[t * ldx + k] as f64;
+                let p = wf[n * cols + k] * x[t * ldx + k] as f64;
                 want += p;
                 mag += p.abs();
             }
@@ -1126,6 +1179,72 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn quantized_every_level_matches_f64_reference() {
+        let rows_set = [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 33, 70];
+        let cols_set = [32, 64, 96, 160, 576];
+        for level in simd::available_levels() {
+            for kind in KINDS {
+                for &rows in &rows_set {
+                    for &cols in &cols_set {
+                        for tokens in 1..=9 {
+                            let v = rows + cols + tokens;
+                            let seed = (rows * 1000 + cols * 10 + tokens) as u64;
+                            let w = quant_matrix(kind, rows, cols, v % 2 == 0, seed);
+                            if let Err(e) = run_and_compare(level, &w, tokens, v % 3 != 0, false, seed) {
+                                panic!("{level:?} {kind:?} {rows}x{cols} tokens={tokens}: {e}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_parallel_split_matches_reference() {
+        for level in simd::available_levels() {
+            for kind in KINDS {
+                for (rows, cols, tokens) in [(70, 320, 1), (257, 96, 1), (150, 64, 5), (64, 32, 12)] {
+                    for (bias, acc) in [(true, true), (false, false)] {
+                        let w = quant_matrix(kind, rows, cols, bias, rows as u64);
+                        if let Err(e) = run_and_compare(level, &w, tokens, acc, true, 3) {
+                            panic!("{level:?} {kind:?} {rows}x{cols} tokens={tokens}: {e}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_tiles_dequantize_bit_exactly() {
+        for level in simd::available_levels() {
+            for kind in KINDS {
+                let (rows, cols) = (3, 160);
+                let blocks = rand_blocks(kind, rows, cols, 5);
+                let mut want = vec![0f32; rows * cols];
+                quant::dequantize_row(kind, &blocks, &mut want);
+                let mut got = vec![f32::NAN; rows * cols];
+                dequantize_rows(level, kind, &blocks, &mut got);
+                let same = want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{level:?} {kind:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_shapes_are_checked() {
+        let w = WeightData::Quant {
+            kind: QuantKind::Q4_1,
+            blocks: vec![0; 2 * 20],
+        };
+        assert!(w.check_shape(2, 32).is_ok());
+        assert!(w.check_shape(3, 32).is_err(), "byte count must match rows");
+        assert!(w.check_shape(2, 16).unwrap_err().contains("not whole"));
+        assert!(WeightData::F32(vec![0.0; 3]).check_shape(1, 3).is_ok());
     }
 
     #[test]
