@@ -717,8 +717,11 @@ mod x86 {
         x.chunks_exact(QK).map(|c| c.iter().sum()).collect()
     }
 
-    /// `R` quantized rows against one activation row. Per block and row: `s = Σ q·x` over the
-    /// block's two 16-lane halves, then `acc += d·s` (one FMA); Q4_1 adds `m·Σx` in a scalar lane.
+    /// `R` quantized rows against one activation row, in groups of 16 blocks. Per group and row,
+    /// one gather fetches the 16 blocks' `(d, m)` f16 pairs, which are widened 16 at a time into a
+    /// stack buffer (so the per-block broadcast of `d` is a plain load) and, for Q4_1, dotted
+    /// with the block sums `Σx` at once (`Σ_b m_b·Σx_b`). Per block and row: `s = Σ q·x` over the
+    /// block's two 16-lane halves, then `acc += d·s` (one FMA).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     unsafe fn qgemv_512<Q: QBlock, const R: usize>(
@@ -728,25 +731,55 @@ mod x86 {
         nb: usize,
     ) -> [f32; R] {
         let mut acc = [_mm512_setzero_ps(); R];
-        let mut macc = [_mm_setzero_ps(); R];
-        for b in 0..nb {
-            let x0 = _mm512_loadu_ps(x.add(b * QK));
-            let x1 = _mm512_loadu_ps(x.add(b * QK + 16));
+        let mut macc = [_mm512_setzero_ps(); R];
+        let mut d = [[0f32; 16]; R];
+        let offs = _mm512_mullo_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+            _mm512_set1_epi32(Q::BYTES as i32),
+        );
+        let mut b0 = 0;
+        while b0 < nb {
+            let n = (nb - b0).min(16);
+            let mask = tail_mask16(n);
             for r in 0..R {
-                let p = w[r].add(b * Q::BYTES);
-                if PREFETCH {
-                    _mm_prefetch::<_MM_HINT_T0>(p.add(Q_PF_DIST) as *const i8);
-                }
-                let dm = scales(p);
-                let (q0, q1) = Q::q512(p);
-                let s = _mm512_fmadd_ps(q1, x1, _mm512_mul_ps(q0, x0));
-                acc[r] = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), s, acc[r]);
+                // Lane j: the block's first dword, `d | m << 16` (m only meaningful for Q4_1).
+                let g = _mm512_mask_i32gather_epi32::<1>(
+                    _mm512_setzero_si512(),
+                    mask,
+                    offs,
+                    w[r].add(b0 * Q::BYTES) as *const i32,
+                );
+                _mm512_storeu_ps(d[r].as_mut_ptr(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
                 if Q::HAS_MIN {
-                    macc[r] = _mm_fmadd_ss(_mm_movehdup_ps(dm), _mm_load_ss(xs.add(b)), macc[r]);
+                    let m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(g)));
+                    let s = _mm512_maskz_loadu_ps(mask, xs.add(b0));
+                    macc[r] = _mm512_fmadd_ps(m, s, macc[r]);
                 }
             }
+            for j in 0..n {
+                let b = b0 + j;
+                let x0 = _mm512_loadu_ps(x.add(b * QK));
+                let x1 = _mm512_loadu_ps(x.add(b * QK + 16));
+                for r in 0..R {
+                    let p = w[r].add(b * Q::BYTES);
+                    if PREFETCH {
+                        _mm_prefetch::<_MM_HINT_T0>(p.add(Q_PF_DIST) as *const i8);
+                    }
+                    let (q0, q1) = Q::q512(p);
+                    let s = _mm512_fmadd_ps(q1, x1, _mm512_mul_ps(q0, x0));
+                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d[r][j]), s, acc[r]);
+                }
+            }
+            b0 += n;
         }
-        std::array::from_fn(|r| _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(macc[r]))
+        std::array::from_fn(|r| {
+            let t = if Q::HAS_MIN {
+                _mm512_add_ps(acc[r], macc[r])
+            } else {
+                acc[r]
+            };
+            _mm512_reduce_add_ps(t)
+        })
     }
 
     /// Bytes ahead of the current block that quantized GEMV prefetches in each weight row.
