@@ -42,7 +42,10 @@ pub enum WeightData {
     /// file mapping: merged linears (qkv, gate|up) must be concatenated anyway, the 34/18/20-byte
     /// blocks make every load unaligned whatever the base, and an owned buffer keeps the packed
     /// matrix independent of the file (one extra copy of ~the file size at load).
-    Quant { kind: QuantKind, blocks: Vec<u8> },
+    Quant {
+        kind: QuantKind,
+        blocks: Vec<u8>,
+    },
 }
 
 impl WeightData {
@@ -615,15 +618,16 @@ mod x86 {
     pub(super) struct Q4_0;
     pub(super) struct Q4_1;
 
-    /// The 16 quant bytes of a Q4 block at `qs` as 32 i32 nibbles: low nibbles (elements 0..16),
-    /// high nibbles (16..32).
+    /// The 16 quant bytes of a Q4 block at `qs` as 32 f32 values `table[nibble]`: low nibbles
+    /// (elements 0..16), high nibbles (16..32). `vpermps` reads only the low 4 bits of each index,
+    /// so one table lookup both masks the nibble and converts it (exactly) to f32.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn nibbles_512(qs: *const u8) -> (__m512i, __m512i) {
+    unsafe fn nibbles_512(qs: *const u8, table: __m512) -> (__m512, __m512) {
         let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs as *const __m128i));
         (
-            _mm512_and_si512(v, _mm512_set1_epi32(0x0f)),
-            _mm512_srli_epi32::<4>(v),
+            _mm512_permutexvar_ps(v, table),
+            _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), table),
         )
     }
 
@@ -668,12 +672,11 @@ mod x86 {
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
         unsafe fn q512(p: *const u8) -> (__m512, __m512) {
-            let (lo, hi) = nibbles_512(p.add(2));
-            let eight = _mm512_set1_epi32(8);
-            (
-                _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight)),
-                _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight)),
-            )
+            let t = _mm512_setr_ps(
+                -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0,
+                7.0,
+            );
+            nibbles_512(p.add(2), t)
         }
         #[inline]
         #[target_feature(enable = "avx2,fma")]
@@ -690,8 +693,11 @@ mod x86 {
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
         unsafe fn q512(p: *const u8) -> (__m512, __m512) {
-            let (lo, hi) = nibbles_512(p.add(4));
-            (_mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(hi))
+            let t = _mm512_setr_ps(
+                0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0,
+                15.0,
+            );
+            nibbles_512(p.add(4), t)
         }
         #[inline]
         #[target_feature(enable = "avx2,fma")]
@@ -1061,7 +1067,13 @@ mod tests {
         blocks
     }
 
-    fn quant_matrix(kind: QuantKind, rows: usize, cols: usize, bias: bool, seed: u64) -> PackedMatrix {
+    fn quant_matrix(
+        kind: QuantKind,
+        rows: usize,
+        cols: usize,
+        bias: bool,
+        seed: u64,
+    ) -> PackedMatrix {
         PackedMatrix {
             rows,
             cols,
@@ -1226,7 +1238,9 @@ mod tests {
                             let v = rows + cols + tokens;
                             let seed = (rows * 1000 + cols * 10 + tokens) as u64;
                             let w = quant_matrix(kind, rows, cols, v % 2 == 0, seed);
-                            if let Err(e) = run_and_compare(level, &w, tokens, v % 3 != 0, false, seed) {
+                            if let Err(e) =
+                                run_and_compare(level, &w, tokens, v % 3 != 0, false, seed)
+                            {
                                 panic!("{level:?} {kind:?} {rows}x{cols} tokens={tokens}: {e}");
                             }
                         }
@@ -1240,7 +1254,8 @@ mod tests {
     fn quantized_parallel_split_matches_reference() {
         for level in simd::available_levels() {
             for kind in KINDS {
-                for (rows, cols, tokens) in [(70, 320, 1), (257, 96, 1), (150, 64, 5), (64, 32, 12)] {
+                for (rows, cols, tokens) in [(70, 320, 1), (257, 96, 1), (150, 64, 5), (64, 32, 12)]
+                {
                     for (bias, acc) in [(true, true), (false, false)] {
                         let w = quant_matrix(kind, rows, cols, bias, rows as u64);
                         if let Err(e) = run_and_compare(level, &w, tokens, acc, true, 3) {
@@ -1262,7 +1277,10 @@ mod tests {
                 quant::dequantize_row(kind, &blocks, &mut want);
                 let mut got = vec![f32::NAN; rows * cols];
                 dequantize_rows(level, kind, &blocks, &mut got);
-                let same = want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits());
+                let same = want
+                    .iter()
+                    .zip(&got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "{level:?} {kind:?}");
             }
         }
