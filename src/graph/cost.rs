@@ -89,20 +89,28 @@ impl Node {
                 flops: 0,
             },
             Op::RmsNorm(n) => Cost {
-                bytes: (in_elems(0) + out_elems) * F32 + n.weight.as_ref().map_or(0, |_| cols_in(0) * F32),
+                bytes: (in_elems(0) + out_elems) * F32
+                    + n.weight.as_ref().map_or(0, |_| cols_in(0) * F32),
                 flops: 3 * in_elems(0),
             },
-            Op::MatMul { linears, norm, epilogue } => {
+            Op::MatMul {
+                linears,
+                norm,
+                epilogue,
+            } => {
                 let rows = rows_in(0);
                 let weights: u64 = linears
                     .iter()
                     .map(|l| {
-                        l.weight_bytes as u64
-                            + l.bias.as_ref().map_or(0, |_| l.out as u64 * F32)
+                        l.weight_bytes as u64 + l.bias.as_ref().map_or(0, |_| l.out as u64 * F32)
                     })
                     .sum();
                 let mac: u64 = linears.iter().map(|l| (l.out * l.inp) as u64).sum();
-                let residual = if *epilogue == Epilogue::ResidualAdd { in_elems(1) } else { 0 };
+                let residual = if *epilogue == Epilogue::ResidualAdd {
+                    in_elems(1)
+                } else {
+                    0
+                };
                 let norm_bytes = norm
                     .as_ref()
                     .and_then(|n| n.weight.as_ref())

@@ -248,7 +248,13 @@ impl Graph {
     }
 
     /// Appends a single-output node with the rows of its first input.
-    pub fn push1(&mut self, op: Op, inputs: Vec<Value>, cols: usize, label: impl Into<String>) -> Value {
+    pub fn push1(
+        &mut self,
+        op: Op,
+        inputs: Vec<Value>,
+        cols: usize,
+        label: impl Into<String>,
+    ) -> Value {
         let rows = match op {
             Op::LastRow => Rows::Sequences,
             _ => inputs
@@ -338,10 +344,16 @@ impl Graph {
         for (id, n) in self.nodes.iter().enumerate() {
             for v in &n.inputs {
                 if v.node >= id {
-                    return Err(format!("node {id} ({}) reads later node {}", n.label, v.node));
+                    return Err(format!(
+                        "node {id} ({}) reads later node {}",
+                        n.label, v.node
+                    ));
                 }
                 if v.port >= self.nodes[v.node].outputs.len() {
-                    return Err(format!("node {id} reads missing port {}:{}", v.node, v.port));
+                    return Err(format!(
+                        "node {id} reads missing port {}:{}",
+                        v.node, v.port
+                    ));
                 }
             }
         }
@@ -353,7 +365,9 @@ impl Graph {
 
     /// Total cost of one step with the given dimensions.
     pub fn cost(&self, dims: &Dims) -> Cost {
-        self.nodes.iter().fold(Cost::default(), |acc, n| acc + n.cost(self, dims))
+        self.nodes
+            .iter()
+            .fold(Cost::default(), |acc, n| acc + n.cost(self, dims))
     }
 }
 

@@ -66,7 +66,11 @@ impl Fields<'_> {
                 .filter(|&n| n > 0)
                 .map(|n| Some(n as usize))
                 .ok_or_else(|| {
-                    LoadError::config(self.path, key, format!("expected a positive integer, found {v}"))
+                    LoadError::config(
+                        self.path,
+                        key,
+                        format!("expected a positive integer, found {v}"),
+                    )
                 }),
         }
     }
@@ -102,7 +106,11 @@ fn opt_f32_in(path: &Path, json: &Value, key: &str) -> Result<Option<f32>, LoadE
 fn token_ids(v: Option<&Value>) -> Vec<u32> {
     match v {
         Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .map(|x| x as u32)
+            .collect(),
         _ => Vec::new(),
     }
 }
@@ -140,19 +148,24 @@ pub(crate) fn parse_config(
             format!("{num_kv_heads} does not divide num_attention_heads {num_heads}"),
         ));
     }
-    let head_dim = match f.opt_usize("head_dim")? {
-        Some(d) => d,
-        None if hidden_size % num_heads == 0 => hidden_size / num_heads,
-        None => {
-            return Err(LoadError::config(
+    let head_dim =
+        match f.opt_usize("head_dim")? {
+            Some(d) => d,
+            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+            None => return Err(LoadError::config(
                 path,
                 "head_dim",
-                format!("missing, and hidden_size {hidden_size} is not a multiple of {num_heads} heads"),
-            ))
-        }
-    };
+                format!(
+                    "missing, and hidden_size {hidden_size} is not a multiple of {num_heads} heads"
+                ),
+            )),
+        };
     if head_dim % 2 != 0 {
-        return Err(LoadError::config(path, "head_dim", format!("{head_dim} is odd; RoPE needs pairs")));
+        return Err(LoadError::config(
+            path,
+            "head_dim",
+            format!("{head_dim} is odd; RoPE needs pairs"),
+        ));
     }
     // transformers 5 folds rope_theta and rope_scaling into `rope_parameters`.
     let rope_params = json.get("rope_parameters").filter(|v| v.is_object());
@@ -265,7 +278,11 @@ fn load_safetensors_dir(dir: &Path) -> Result<Weights, LoadError> {
     let mut w = Weights::new(&index);
     for file in files {
         if file.contains('/') || file.contains("..") {
-            return Err(LoadError::config(&index, "weight_map", format!("shard path `{file}` leaves the model directory")));
+            return Err(LoadError::config(
+                &index,
+                "weight_map",
+                format!("shard path `{file}` leaves the model directory"),
+            ));
         }
         add_safetensors_file(&dir.join(file), &mut w)?;
     }
@@ -344,7 +361,10 @@ fn load_tokenizer(dir: &Path, config: &ModelConfig) -> Result<Tokenizer, LoadErr
     let mut eos_text = None;
     if cfg_path.exists() {
         let cfg = read_json(&cfg_path)?;
-        specials.add_bos_token = cfg.get("add_bos_token").and_then(Value::as_bool).unwrap_or(false);
+        specials.add_bos_token = cfg
+            .get("add_bos_token")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
         specials.chat_template = chat_template_field(cfg.get("chat_template"));
         let text = |v: Option<&Value>| -> Option<String> {
             match v? {
@@ -399,4 +419,3 @@ pub(crate) fn dominant_dtype(weights: &Weights) -> String {
         .map(|(k, _)| k)
         .unwrap_or_else(|| "none".into())
 }
-

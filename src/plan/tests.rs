@@ -40,7 +40,15 @@ fn tiny_graph() -> Graph {
         "embed",
     );
     for l in 0..2 {
-        let h = g.push1(Op::RmsNorm(Norm { weight: None, eps: 1e-5 }), vec![x], 8, format!("{l}.norm"));
+        let h = g.push1(
+            Op::RmsNorm(Norm {
+                weight: None,
+                eps: 1e-5,
+            }),
+            vec![x],
+            8,
+            format!("{l}.norm"),
+        );
         let mm = |g: &mut Graph, name: &str, out, inp, x| {
             g.push1(
                 Op::MatMul {
@@ -61,7 +69,13 @@ fn tiny_graph() -> Graph {
         x = g.push1(Op::Add, vec![x, d], 8, "residual");
     }
     let last = g.push1(Op::LastRow, vec![x], 8, "last");
-    assert_eq!(g.shape(last), Shape { rows: Rows::Sequences, cols: 8 });
+    assert_eq!(
+        g.shape(last),
+        Shape {
+            rows: Rows::Sequences,
+            cols: 8
+        }
+    );
     g.output = last;
     g
 }
@@ -77,9 +91,20 @@ pub(crate) fn check_no_clobber(plan: &ExecutionPlan) {
         let node = &plan.graph.nodes[ins.node];
         for (v, o) in node.inputs.iter().zip(&ins.inputs) {
             if let Operand::Slot(s) = o {
-                assert_eq!(slot_of_value.get(&(v.node, v.port)), Some(s), "{}: input slot mismatch", ins.label);
+                assert_eq!(
+                    slot_of_value.get(&(v.node, v.port)),
+                    Some(s),
+                    "{}: input slot mismatch",
+                    ins.label
+                );
                 for c in s.col..s.col + s.cols {
-                    assert_eq!(owner.get(&(s.buffer, c)), Some(&v.node), "{}: input {:?} was clobbered", ins.label, v);
+                    assert_eq!(
+                        owner.get(&(s.buffer, c)),
+                        Some(&v.node),
+                        "{}: input {:?} was clobbered",
+                        ins.label,
+                        v
+                    );
                 }
             }
         }

@@ -3,10 +3,10 @@
 
 use super::attention::{self, AttentionShape, TokenRow};
 use super::matmul::{self, PackedMatrix, WeightData};
-use crate::model::quant::{self, QK};
 use super::{elementwise, norm, rope, CpuBackend};
 use crate::graph::{Epilogue, Op, Rows};
 use crate::kv::KvCache;
+use crate::model::quant::{self, QK};
 use crate::plan::{ExecutionPlan, Operand, Slot};
 
 /// Per-session scratch memory: the plan's buffers plus kernel temporaries. Grows to the largest
@@ -139,7 +139,12 @@ pub(super) fn run(
                             ws.normed.resize(rows_out * k, 0.0);
                             let w = n.weight.as_ref().map(|w| be.vectors[w].as_slice());
                             for t in 0..rows_out {
-                                norm::rms_norm(x.row(t), w, n.eps, &mut ws.normed[t * k..(t + 1) * k]);
+                                norm::rms_norm(
+                                    x.row(t),
+                                    w,
+                                    n.eps,
+                                    &mut ws.normed[t * k..(t + 1) * k],
+                                );
                             }
                             (&ws.normed, k, 0)
                         }
@@ -147,23 +152,49 @@ pub(super) fn run(
                     };
                     let xs = &xs[xoff..];
                     match epilogue {
-                        Epilogue::None => {
-                            matmul::matmul(m, xs, ldx, rows_out, &mut out[out_slot.col..], stride, false)
-                        }
+                        Epilogue::None => matmul::matmul(
+                            m,
+                            xs,
+                            ldx,
+                            rows_out,
+                            &mut out[out_slot.col..],
+                            stride,
+                            false,
+                        ),
                         Epilogue::Activation(a) => {
-                            matmul::matmul(m, xs, ldx, rows_out, &mut out[out_slot.col..], stride, false);
+                            matmul::matmul(
+                                m,
+                                xs,
+                                ldx,
+                                rows_out,
+                                &mut out[out_slot.col..],
+                                stride,
+                                false,
+                            );
                             for t in 0..rows_out {
-                                elementwise::act_inplace(row_mut(&mut out, stride, out_slot, t), *a);
+                                elementwise::act_inplace(
+                                    row_mut(&mut out, stride, out_slot, t),
+                                    *a,
+                                );
                             }
                         }
                         Epilogue::ResidualAdd => {
                             if !ins.in_place {
                                 let r = view(&ins.inputs[1]);
                                 for t in 0..rows_out {
-                                    row_mut(&mut out, stride, out_slot, t).copy_from_slice(r.row(t));
+                                    row_mut(&mut out, stride, out_slot, t)
+                                        .copy_from_slice(r.row(t));
                                 }
                             }
-                            matmul::matmul(m, xs, ldx, rows_out, &mut out[out_slot.col..], stride, true)
+                            matmul::matmul(
+                                m,
+                                xs,
+                                ldx,
+                                rows_out,
+                                &mut out[out_slot.col..],
+                                stride,
+                                true,
+                            )
                         }
                         Epilogue::Gated(a) => {
                             let f = m.rows / 2;
@@ -171,7 +202,12 @@ pub(super) fn run(
                             matmul::matmul(m, xs, ldx, rows_out, &mut ws.gated, m.rows, false);
                             for t in 0..rows_out {
                                 let g = &ws.gated[t * m.rows..(t + 1) * m.rows];
-                                elementwise::gated(&g[..f], &g[f..], *a, row_mut(&mut out, stride, out_slot, t));
+                                elementwise::gated(
+                                    &g[..f],
+                                    &g[f..],
+                                    *a,
+                                    row_mut(&mut out, stride, out_slot, t),
+                                );
                             }
                         }
                     }
@@ -189,7 +225,12 @@ pub(super) fn run(
                     for t in 0..rows_out {
                         let dst = row_mut(&mut out, stride, out_slot, t);
                         dst.copy_from_slice(x.row(t));
-                        rope::apply(dst, *head_dim, plan.graph.rope.style, &ws.angles[t * half..(t + 1) * half]);
+                        rope::apply(
+                            dst,
+                            *head_dim,
+                            plan.graph.rope.style,
+                            &ws.angles[t * half..(t + 1) * half],
+                        );
                     }
                 }
                 Op::Attention {
@@ -199,7 +240,11 @@ pub(super) fn run(
                     head_dim,
                     scale,
                 } => {
-                    let (q, k, v) = (view(&ins.inputs[0]), view(&ins.inputs[1]), view(&ins.inputs[2]));
+                    let (q, k, v) = (
+                        view(&ins.inputs[0]),
+                        view(&ins.inputs[1]),
+                        view(&ins.inputs[2]),
+                    );
                     let shape = AttentionShape {
                         layer: *layer,
                         heads: *heads,

@@ -64,7 +64,9 @@ pub enum ExecError {
         expected: usize,
         found: usize,
     },
-    #[error("a step needs at least one token and one row per token ({tokens} tokens, {rows} rows)")]
+    #[error(
+        "a step needs at least one token and one row per token ({tokens} tokens, {rows} rows)"
+    )]
     BadStep { tokens: usize, rows: usize },
 }
 
@@ -103,7 +105,11 @@ pub fn compile_graph(
 }
 
 fn matrix_key(linears: &[Linear]) -> String {
-    linears.iter().map(|l| l.weight.as_str()).collect::<Vec<_>>().join("|")
+    linears
+        .iter()
+        .map(|l| l.weight.as_str())
+        .collect::<Vec<_>>()
+        .join("|")
 }
 
 impl CpuBackend {
@@ -137,16 +143,17 @@ impl CpuBackend {
         for plan in [&prefill, &all_logits] {
             for node in &plan.graph.nodes {
                 match &node.op {
-                    Op::Embed { table, .. }
-                        if !matrices.contains_key(table) => {
-                            let m = pack(weights, &[(table.clone(), None)], opts.weights)?;
-                            matrices.insert(table.clone(), m);
-                        }
+                    Op::Embed { table, .. } if !matrices.contains_key(table) => {
+                        let m = pack(weights, &[(table.clone(), None)], opts.weights)?;
+                        matrices.insert(table.clone(), m);
+                    }
                     Op::MatMul { linears, norm, .. } => {
                         let key = matrix_key(linears);
                         if let std::collections::hash_map::Entry::Vacant(e) = matrices.entry(key) {
-                            let parts: Vec<(String, Option<String>)> =
-                                linears.iter().map(|l| (l.weight.clone(), l.bias.clone())).collect();
+                            let parts: Vec<(String, Option<String>)> = linears
+                                .iter()
+                                .map(|l| (l.weight.clone(), l.bias.clone()))
+                                .collect();
                             e.insert(pack(weights, &parts, opts.weights)?);
                         }
                         if let Some(w) = norm.as_ref().and_then(|n| n.weight.as_ref()) {
@@ -193,7 +200,10 @@ impl CpuBackend {
 
     /// Bytes of packed weights (what a decode step streams from memory).
     pub fn weight_bytes(&self) -> usize {
-        self.matrices.values().map(PackedMatrix::bytes).sum::<usize>()
+        self.matrices
+            .values()
+            .map(PackedMatrix::bytes)
+            .sum::<usize>()
             + self.vectors.values().map(|v| v.len() * 4).sum::<usize>()
     }
 
@@ -275,7 +285,10 @@ fn pack(
             return Err(LoadError::tensor(
                 &weights.source,
                 &t.name,
-                format!("expected a matrix with {cols} columns, found shape {:?}", t.shape),
+                format!(
+                    "expected a matrix with {cols} columns, found shape {:?}",
+                    t.shape
+                ),
             ));
         }
     }

@@ -88,7 +88,12 @@ impl<'a> Builder<'a> {
         )
     }
 
-    pub fn rms_norm(&mut self, x: Value, weight: Option<&str>, label: String) -> Result<Value, LoadError> {
+    pub fn rms_norm(
+        &mut self,
+        x: Value,
+        weight: Option<&str>,
+        label: String,
+    ) -> Result<Value, LoadError> {
         let cols = self.g.shape(x).cols;
         let weight = match weight {
             Some(w) => {
@@ -110,7 +115,9 @@ impl<'a> Builder<'a> {
 
     pub fn embed(&mut self, table: &str) -> Result<Value, LoadError> {
         let c = self.config;
-        let t = self.weights.get_shaped(table, &[c.vocab_size, c.hidden_size])?;
+        let t = self
+            .weights
+            .get_shaped(table, &[c.vocab_size, c.hidden_size])?;
         let ids = self.g.token_ids();
         Ok(self.g.push1(
             Op::Embed {
