@@ -728,6 +728,8 @@ mod x86 {
     /// stack buffer (so the per-block broadcast of `d` is a plain load) and, for Q4_1, dotted
     /// with the block sums `Σx` at once (`Σ_b m_b·Σx_b`). Per block and row: `s = Σ q·x` over the
     /// block's two 16-lane halves, then `acc += d·s` (one FMA).
+    // `j` indexes x, every row's blocks and the scale buffer together.
+    #[allow(clippy::needless_range_loop)]
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     unsafe fn qgemv_512<Q: QBlock, const R: usize>(
