@@ -737,6 +737,7 @@ mod x86 {
         x: *const f32,
         xs: *const f32,
         nb: usize,
+        pf: usize,
     ) -> [f32; R] {
         let mut acc = [_mm512_setzero_ps(); R];
         let mut macc = [_mm512_setzero_ps(); R];
@@ -771,7 +772,7 @@ mod x86 {
                 for r in 0..R {
                     let p = w[r].add(b * Q::BYTES);
                     if PREFETCH {
-                        _mm_prefetch::<_MM_HINT_T0>(p.add(Q_PF_DIST) as *const i8);
+                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pf) as *const i8);
                     }
                     let (q0, q1) = Q::q512(p);
                     let s = _mm512_fmadd_ps(q1, x1, _mm512_mul_ps(q0, x0));
@@ -790,8 +791,6 @@ mod x86 {
         })
     }
 
-    /// Bytes ahead of the current block that quantized GEMV prefetches in each weight row.
-    const Q_PF_DIST: usize = 512;
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     unsafe fn qrows_512_t<Q: QBlock>(w: *const u8, job: &Job) {
@@ -802,12 +801,14 @@ mod x86 {
         let end = job.rows.end;
         let mut n = job.rows.start;
         while n + 4 <= end {
-            let s = qgemv_512::<Q, 4>(row_ptrs(w, n, rb), x, xs.as_ptr(), nb);
+            // Prefetch the same block of the next group of rows: the group's scale gather then
+            // finds its lines in cache instead of waiting on DRAM.
+            let s = qgemv_512::<Q, 4>(row_ptrs(w, n, rb), x, xs.as_ptr(), nb, 4 * rb);
             put_tile::<4, 1>(job, n, 0, s.map(|v| [v]));
             n += 4;
         }
         while n < end {
-            let s = qgemv_512::<Q, 1>(row_ptrs(w, n, rb), x, xs.as_ptr(), nb);
+            let s = qgemv_512::<Q, 1>(row_ptrs(w, n, rb), x, xs.as_ptr(), nb, rb);
             job.put(0, n, s[0]);
             n += 1;
         }
