@@ -791,7 +791,6 @@ mod x86 {
         })
     }
 
-
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     unsafe fn qrows_512_t<Q: QBlock>(w: *const u8, job: &Job) {
         let nb = job.k / QK;
