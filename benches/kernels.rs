@@ -7,9 +7,10 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use half::bf16;
+use half::{bf16, f16};
 use kiln::backend::cpu::matmul::{matmul_rows_at, PackedMatrix, WeightData};
 use kiln::backend::cpu::simd::{self, Level};
+use kiln::model::quant::{QuantKind, QK};
 
 fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -34,6 +35,26 @@ fn matrix(rows: usize, cols: usize, bf: bool) -> PackedMatrix {
         rows,
         cols,
         data,
+        bias: None,
+    }
+}
+
+/// Random ggml blocks of `kind` (scales small and positive, quants uniform).
+fn quant_matrix(rows: usize, cols: usize, kind: QuantKind) -> PackedMatrix {
+    let nb = rows * cols / QK;
+    let bb = kind.block_bytes();
+    let r = rand_vec(nb * bb, (rows ^ cols) as u64 + 7);
+    let mut blocks: Vec<u8> = r.iter().map(|&v| ((v + 1.0) * 127.5) as u8).collect();
+    for (b, c) in blocks.chunks_exact_mut(bb).enumerate() {
+        c[..2].copy_from_slice(&f16::from_f32(0.01 + 0.001 * (b % 7) as f32).to_le_bytes());
+        if kind == QuantKind::Q4_1 {
+            c[2..4].copy_from_slice(&f16::from_f32(-0.08).to_le_bytes());
+        }
+    }
+    PackedMatrix {
+        rows,
+        cols,
+        data: WeightData::Quant { kind, blocks },
         bias: None,
     }
 }
@@ -85,6 +106,23 @@ fn gemv(c: &mut Criterion) {
                 .filter(|&l| l != Level::Avx512Bf16)
             {
                 let id = BenchmarkId::new(format!("{dt}/{rows}x{cols}"), level.name());
+                g.bench_function(id, |b| {
+                    b.iter(|| run(level, &w, black_box(&x), 1, &mut out))
+                });
+            }
+        }
+    }
+    for (rows, cols) in [(1536, 576), (49152, 576)] {
+        for kind in [QuantKind::Q4_1, QuantKind::Q8_0] {
+            let w = quant_matrix(rows, cols, kind);
+            let x = rand_vec(cols, 1);
+            let mut out = vec![0f32; rows];
+            g.throughput(Throughput::Bytes(weight_bytes(&w)));
+            for level in levels(rows * cols <= 1 << 20)
+                .into_iter()
+                .filter(|&l| l != Level::Avx512Bf16)
+            {
+                let id = BenchmarkId::new(format!("{}/{rows}x{cols}", kind.name()), level.name());
                 g.bench_function(id, |b| {
                     b.iter(|| run(level, &w, black_box(&x), 1, &mut out))
                 });

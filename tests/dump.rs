@@ -1,4 +1,4 @@
-//! `kiln-dump`'s output pinned by snapshots: every stage of three fixtures (HF llama, nanochat,
+//! `kiln-dump`'s output pinned by snapshots: every stage of four fixtures (HF llama, nanochat, nanochat era H,
 //! a quantized GGUF) as canonical text. A compiler change that alters a graph, a pass or a plan
 //! shows up here as a diff; when it is intended, regenerate with
 //! `KILN_UPDATE_SNAPSHOTS=1 cargo test --release --test dump` and review the change.
@@ -13,10 +13,11 @@ use kiln::dump::{concat, dump, DumpOptions, Format, Stage};
 use kiln::model::Model;
 use kiln::plan::Phase;
 
-const FIXTURES: [(&str, &str); 3] = [
+const FIXTURES: [(&str, &str); 4] = [
     ("llama_tied", "llama_tied"),
     ("nanochat", "nanochat"),
     ("llama_tied.q4_1.gguf", "llama_tied_q4_1"),
+    ("nanochat_H", "nanochat_era_h"),
 ];
 
 fn snapshots() -> PathBuf {

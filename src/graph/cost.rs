@@ -84,8 +84,8 @@ impl Node {
         let in_elems = |i: usize| rows_in(i) * cols_in(i);
         match &self.op {
             Op::TokenIds => Cost::default(),
-            Op::Embed { elem_bytes, .. } => Cost {
-                bytes: out_elems * (*elem_bytes as u64) + out_elems * F32 + rows_in(0) * 4,
+            Op::Embed { row_bytes, .. } => Cost {
+                bytes: rows_in(0) * (*row_bytes as u64) + out_elems * F32 + rows_in(0) * 4,
                 flops: 0,
             },
             Op::RmsNorm(n) => Cost {
@@ -102,8 +102,7 @@ impl Node {
                 let weights: u64 = linears
                     .iter()
                     .map(|l| {
-                        (l.out * l.inp * l.elem_bytes) as u64
-                            + l.bias.as_ref().map_or(0, |_| l.out as u64 * F32)
+                        l.weight_bytes as u64 + l.bias.as_ref().map_or(0, |_| l.out as u64 * F32)
                     })
                     .sum();
                 let mac: u64 = linears.iter().map(|l| (l.out * l.inp) as u64).sum();

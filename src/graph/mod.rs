@@ -57,8 +57,8 @@ pub struct Linear {
     pub bias: Option<String>,
     pub out: usize,
     pub inp: usize,
-    /// Bytes per weight element as stored, for cost reports.
-    pub elem_bytes: usize,
+    /// Bytes of the whole weight as stored (quantized blocks included), for cost reports.
+    pub weight_bytes: usize,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -107,7 +107,8 @@ pub enum Op {
     Embed {
         table: String,
         dim: usize,
-        elem_bytes: usize,
+        /// Bytes of one table row as stored, for cost reports.
+        row_bytes: usize,
     },
     RmsNorm(Norm),
     /// One or more linears over the same input (one output each, unless an epilogue merges

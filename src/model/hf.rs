@@ -420,7 +420,9 @@ fn add_safetensors_file(path: &Path, weights: &mut Weights) -> Result<(), LoadEr
             }
         };
         let (start, end) = info.data_offsets;
-        let expected = info.shape.iter().product::<usize>() * dtype.size();
+        let expected = dtype
+            .bytes_for(info.shape.iter().product::<usize>())
+            .unwrap_or(usize::MAX);
         if end < start || end - start != expected || data_start + end > map.len() {
             return Err(LoadError::tensor(
                 path,

@@ -5,6 +5,7 @@ mod config;
 mod error;
 pub mod gguf;
 pub mod hf;
+pub mod quant;
 mod tensor;
 
 use std::path::{Path, PathBuf};

@@ -1,6 +1,6 @@
-//! Named weight tensors as they come off disk. Safetensors and unquantized GGUF tensors stay
-//! memory-mapped; quantized GGUF tensors are dequantized into owned f32 at load. Backends pack
-//! these into their own layouts, so this type only has to describe bytes faithfully.
+//! Named weight tensors as they come off disk. Safetensors and GGUF tensors stay memory-mapped,
+//! including GGUF's quantized block formats (Q8_0/Q4_0/Q4_1), whose raw bytes are ggml's blocks.
+//! Backends pack these into their own layouts, so this type only has to describe bytes faithfully.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -10,6 +10,7 @@ use std::sync::Arc;
 use half::{bf16, f16};
 use memmap2::Mmap;
 
+use super::quant::{self, QuantKind};
 use super::LoadError;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -17,13 +18,45 @@ pub enum DType {
     F32,
     F16,
     BF16,
+    /// ggml Q8_0 blocks (see [`quant`]).
+    Q8_0,
+    /// ggml Q4_0 blocks.
+    Q4_0,
+    /// ggml Q4_1 blocks.
+    Q4_1,
 }
 
 impl DType {
-    pub fn size(self) -> usize {
+    /// The block format, for quantized dtypes.
+    pub fn quant(self) -> Option<QuantKind> {
         match self {
-            DType::F32 => 4,
-            DType::F16 | DType::BF16 => 2,
+            DType::Q8_0 => Some(QuantKind::Q8_0),
+            DType::Q4_0 => Some(QuantKind::Q4_0),
+            DType::Q4_1 => Some(QuantKind::Q4_1),
+            DType::F32 | DType::F16 | DType::BF16 => None,
+        }
+    }
+
+    pub fn is_quantized(self) -> bool {
+        self.quant().is_some()
+    }
+
+    /// Bytes that `numel` elements occupy, or `None` when a quantized dtype's `numel` is not a
+    /// whole number of blocks.
+    pub fn bytes_for(self, numel: usize) -> Option<usize> {
+        match self {
+            DType::F32 => numel.checked_mul(4),
+            DType::F16 | DType::BF16 => numel.checked_mul(2),
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => self.quant()?.bytes_for(numel),
+        }
+    }
+
+    /// Bytes of one row of `cols` elements (rows of quantized tensors are whole blocks; a
+    /// partial block rounds up).
+    pub fn row_bytes(self, cols: usize) -> usize {
+        match self.quant() {
+            Some(q) => cols.div_ceil(quant::QK) * q.block_bytes(),
+            None => self.bytes_for(cols).unwrap_or(usize::MAX),
         }
     }
 }
@@ -34,6 +67,9 @@ impl fmt::Display for DType {
             DType::F32 => "f32",
             DType::F16 => "f16",
             DType::BF16 => "bf16",
+            DType::Q8_0 => "Q8_0",
+            DType::Q4_0 => "Q4_0",
+            DType::Q4_1 => "Q4_1",
         })
     }
 }
@@ -93,10 +129,22 @@ impl Tensor {
         self.bytes.as_slice()
     }
 
-    /// Values widened to f32 (exact for every supported dtype).
+    /// Values widened to f32 (exact for float dtypes; quantized blocks are dequantized exactly as
+    /// ggml's reference code does).
     pub fn to_f32_vec(&self) -> Vec<f32> {
         let raw = self.raw();
         match self.dtype {
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
+                let kind = self.dtype.quant().expect("quantized dtype");
+                quant::dequantize(kind, raw, self.numel()).unwrap_or_else(|| {
+                    panic!(
+                        "{}: {} bytes are not {} {kind:?} elements",
+                        self.name,
+                        raw.len(),
+                        self.numel()
+                    )
+                })
+            }
             DType::F32 => raw
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -112,7 +160,8 @@ impl Tensor {
         }
     }
 
-    /// Values as bf16: a copy of the stored bits when the tensor is bf16, else rounded to nearest.
+    /// Values as bf16: a copy of the stored bits when the tensor is bf16, else rounded to nearest
+    /// (from the dequantized value for quantized dtypes).
     pub fn to_bf16_vec(&self) -> Vec<bf16> {
         match self.dtype {
             DType::BF16 => self

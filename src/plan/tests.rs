@@ -8,7 +8,7 @@ fn lin(name: &str, out: usize, inp: usize) -> Linear {
         bias: None,
         out,
         inp,
-        elem_bytes: 4,
+        weight_bytes: out * inp * 4,
     }
 }
 
@@ -34,7 +34,7 @@ fn tiny_graph() -> Graph {
         Op::Embed {
             table: "e".into(),
             dim: 8,
-            elem_bytes: 4,
+            row_bytes: 8 * 4,
         },
         vec![ids],
         8,

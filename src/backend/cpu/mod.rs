@@ -1,7 +1,7 @@
 //! The CPU backend: executes execution plans with SIMD kernels on its own rayon pool.
 //!
 //! Weights are packed once at construction (linears that a pass merged become one matrix; bf16
-//! stays bf16) and shared by every plan and every session; all per-step memory lives in a
+//! and quantized blocks stay as stored) and shared by every plan and every session; all per-step memory lives in a
 //! [`Workspace`] the caller owns, so one backend serves many concurrent sessions.
 
 pub mod attention;
@@ -27,7 +27,9 @@ use matmul::{PackedMatrix, WeightData};
 /// How linear weights are held in memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WeightFormat {
-    /// bf16 stays bf16, f32 stays f32, f16 and dequantized types widen to f32 (exact).
+    /// bf16 stays bf16, f32 stays f32, f16 widens to f32 (exact); a linear whose parts are all
+    /// the same ggml block format (Q8_0/Q4_0/Q4_1) stays in those blocks, mixed parts dequantize
+    /// to f32.
     #[default]
     AsStored,
     F32,
@@ -311,7 +313,26 @@ fn pack(
         WeightFormat::F32 => false,
         WeightFormat::AsStored => tensors.iter().all(|t| t.dtype == DType::BF16),
     };
-    let data = if use_bf16 {
+    // Quantized parts stay quantized when they all share one block format: blocks never cross
+    // rows, so concatenating the parts' rows concatenates their bytes.
+    let quant = match format {
+        WeightFormat::AsStored => tensors[0]
+            .dtype
+            .quant()
+            .filter(|_| tensors.iter().all(|t| t.dtype == tensors[0].dtype)),
+        WeightFormat::F32 | WeightFormat::BF16 => None,
+    };
+    let data = if let Some(kind) = quant {
+        let row_bytes = tensors[0].dtype.row_bytes(cols);
+        let mut blocks = Vec::with_capacity(rows * row_bytes);
+        for (t, p) in tensors.iter().zip(parts) {
+            blocks.extend_from_slice(&t.raw()[..p.2 * row_bytes]);
+        }
+        let data = WeightData::Quant { kind, blocks };
+        data.check_shape(rows, cols)
+            .map_err(|e| LoadError::tensor(&weights.source, &tensors[0].name, e))?;
+        data
+    } else if use_bf16 {
         WeightData::BF16(
             tensors
                 .iter()

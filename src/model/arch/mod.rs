@@ -85,7 +85,7 @@ impl<'a> Builder<'a> {
             bias,
             out,
             inp,
-            elem_bytes: w.dtype.size(),
+            weight_bytes: w.raw().len(),
         })
     }
 
@@ -151,7 +151,7 @@ impl<'a> Builder<'a> {
             Op::Embed {
                 table: table.to_string(),
                 dim,
-                elem_bytes: t.dtype.size(),
+                row_bytes: t.dtype.row_bytes(dim),
             },
             vec![ids],
             dim,

@@ -1,9 +1,8 @@
-//! GGUF files (llama.cpp's format): the container is parsed in [`reader`], legacy quantized
-//! tensors are widened to f32 in [`dequant`], and this module maps llama metadata and tensor names
+//! GGUF files (llama.cpp's format): the container is parsed in [`reader`], tensors (legacy
+//! quantized blocks included, see [`crate::model::quant`]) stay memory-mapped, and this module maps llama metadata and tensor names
 //! onto the same [`ModelConfig`] and Hugging Face tensor names that `config.json` models use, so the
 //! architecture builders never need to know which format a model came from.
 
-mod dequant;
 mod reader;
 #[cfg(test)]
 pub(crate) mod writer;
@@ -25,17 +24,21 @@ use crate::tokenizer::SpecialTokens;
 const SUPPORTED: &str = "llama";
 
 impl GgufFile {
-    /// One tensor as a [`Tensor`] named `name`: F32/F16/BF16 stay mapped, Q8_0/Q4_0/Q4_1 become
-    /// owned f32, anything else is a [`LoadError::DType`].
+    /// One tensor as a [`Tensor`] named `name`: F32/F16/BF16 and the Q8_0/Q4_0/Q4_1 blocks stay
+    /// mapped as stored, anything else is a [`LoadError::DType`].
     pub fn load_tensor(&self, info: &GgufTensorInfo, name: &str) -> Result<Tensor, LoadError> {
         let dtype = match info.ggml_type {
             GgmlType::F32 => Some(DType::F32),
             GgmlType::F16 => Some(DType::F16),
             GgmlType::BF16 => Some(DType::BF16),
+            GgmlType::Q8_0 => Some(DType::Q8_0),
+            GgmlType::Q4_0 => Some(DType::Q4_0),
+            GgmlType::Q4_1 => Some(DType::Q4_1),
             _ => None,
         };
-        if let Some(dtype) = dtype {
-            return Ok(Tensor {
+        match dtype {
+            // The reader checked that `len` holds the tensor's elements (whole blocks per row).
+            Some(dtype) if dtype.bytes_for(info.numel()) == Some(info.len) => Ok(Tensor {
                 name: name.to_string(),
                 shape: info.shape(),
                 dtype,
@@ -44,15 +47,13 @@ impl GgufFile {
                     offset: info.start,
                     len: info.len,
                 },
-            });
-        }
-        let data = dequant::dequantize(info.ggml_type, self.tensor_data(info), info.numel())
-            .ok_or_else(|| LoadError::DType {
+            }),
+            _ => Err(LoadError::DType {
                 path: self.path.clone(),
                 name: info.name.clone(),
                 dtype: info.ggml_type.to_string(),
-            })?;
-        Ok(Tensor::from_f32(name, info.shape(), data))
+            }),
+        }
     }
 }
 

@@ -206,15 +206,17 @@ fn loads_and_dequantizes_every_supported_type() {
     assert_eq!(t.to_bf16_vec(), fx.bf16_vals);
 
     let t = w.get("model.embed_tokens.weight").unwrap();
-    assert_eq!((t.shape.clone(), t.dtype), (vec![4, 64], DType::F32));
+    assert_eq!((t.shape.clone(), t.dtype), (vec![4, 64], DType::Q8_0));
+    assert!(matches!(t.bytes, TensorBytes::Mapped { .. }));
     assert_eq!(t.to_f32_vec(), expect_q8_0(&fx.q8));
 
     let t = w.get("model.layers.0.mlp.up_proj.weight").unwrap();
-    assert_eq!(t.shape, vec![3, 64]);
+    assert_eq!((t.shape.clone(), t.dtype), (vec![3, 64], DType::Q4_0));
     assert_eq!(t.to_f32_vec(), expect_q4(&fx.q4_0, false));
 
     let t = w.get("model.layers.0.mlp.down_proj.weight").unwrap();
-    assert_eq!(t.shape, vec![2, 96]);
+    assert_eq!((t.shape.clone(), t.dtype), (vec![2, 96], DType::Q4_1));
+    assert!(matches!(t.bytes, TensorBytes::Mapped { .. }));
     let got = t.to_f32_vec();
     assert_eq!(got, expect_q4(&fx.q4_1, true));
     assert!(got.iter().any(|&v| v < 0.0) && got.iter().any(|&v| v > 0.0));
