@@ -98,6 +98,10 @@ struct Args {
     /// Seed for the random prompt and decode token ids.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Also time every instruction of the decode plan and print, per op, milliseconds per token,
+    /// share of the step, bytes per token and achieved bandwidth (stderr).
+    #[arg(long)]
+    profile: bool,
 }
 
 /// One row of the table.
@@ -224,6 +228,9 @@ fn run() -> Result<()> {
                         samples.push(d);
                     }
                 }
+                if args.profile && n_gen > 0 {
+                    profile_decode(&backend, n_gen, args.seed)?;
+                }
                 let (n, dims, kind) = if n_prompt > 0 {
                     (n_prompt, Dims::prefill(n_prompt), PlanKind::Prefill)
                 } else {
@@ -253,7 +260,7 @@ fn run() -> Result<()> {
                         backend.weight_bytes() as f64 / (1 << 20) as f64
                     ),
                     size_bytes: backend.weight_bytes(),
-                    params: params_text(model.config.num_params()),
+                    params: params_text(model.weights.num_params()),
                     n_params: model.config.num_params(),
                     weight_type: weight_type.clone(),
                     backend: backend_name.clone(),
@@ -311,6 +318,65 @@ fn time_prefill(b: &CpuBackend, n: usize, seed: u64) -> Result<Duration> {
         &mut logits,
     )?;
     Ok(t0.elapsed())
+}
+
+/// Times each decode-plan instruction over `n` steps and prints a per-op summary to stderr.
+fn profile_decode(b: &CpuBackend, n: usize, seed: u64) -> Result<()> {
+    use std::collections::BTreeMap;
+    let ids = token_ids(n + 1, b.config().vocab_size, seed);
+    let mut kv = b.new_cache(1, n + 1);
+    let mut ws = Workspace::new();
+    let mut logits = Vec::new();
+    ws.enable_profile();
+    for (i, id) in ids.iter().enumerate() {
+        let row = TokenRow { slot: 0, pos: i };
+        b.forward(
+            PlanKind::Decode,
+            &mut ws,
+            &mut kv,
+            std::slice::from_ref(id),
+            &[row],
+            &mut logits,
+        )?;
+    }
+    let plan = b.plan(PlanKind::Decode);
+    let dims = Dims::decode(1, n.div_ceil(2) + 1);
+    let times = ws.profile().unwrap_or(&[]);
+    // Group instructions by what they are, not by layer: `layers.7.attn.q+k+v` → `attn.q+k+v`.
+    let mut groups: BTreeMap<String, (usize, Duration, u64)> = BTreeMap::new();
+    for (ins, t) in plan.instrs.iter().zip(times) {
+        let key = match ins.label.strip_prefix("layers.") {
+            Some(rest) => rest.split_once('.').map_or(rest, |(_, r)| r).to_string(),
+            None => ins.label.clone(),
+        };
+        let node = &plan.graph.nodes[ins.node];
+        let e = groups
+            .entry(format!("{key} ({})", ins.op.name()))
+            .or_default();
+        e.0 += 1;
+        e.1 += *t;
+        e.2 += node.cost(&plan.graph, &dims).bytes;
+    }
+    let total: Duration = times.iter().sum();
+    let steps = (n + 1) as f64;
+    eprintln!(
+        "kiln-bench: decode profile over {} steps, {:.3} ms/token in instructions",
+        n + 1,
+        total.as_secs_f64() * 1e3 / steps
+    );
+    eprintln!("| op | count | ms/token | share | bytes/token | GB/s |");
+    eprintln!("|---|---:|---:|---:|---:|---:|");
+    let mut rows: Vec<_> = groups.into_iter().collect();
+    rows.sort_by(|a, b| b.1 .1.cmp(&a.1 .1).then(a.0.cmp(&b.0)));
+    for (name, (count, t, bytes)) in rows {
+        let ms = t.as_secs_f64() * 1e3 / steps;
+        eprintln!(
+            "| {name} | {count} | {ms:.3} | {:.1}% | {bytes} | {:.1} |",
+            100.0 * t.as_secs_f64() / total.as_secs_f64().max(1e-12),
+            bytes as f64 / (ms / 1e3) / 1e9
+        );
+    }
+    Ok(())
 }
 
 fn time_decode(b: &CpuBackend, n: usize, seed: u64) -> Result<Duration> {

@@ -17,11 +17,24 @@ pub struct Workspace {
     normed: Vec<f32>,
     gated: Vec<f32>,
     angles: Vec<(f32, f32)>,
+    /// Per-instruction wall time summed over steps, when profiling is on.
+    profile: Option<Vec<std::time::Duration>>,
 }
 
 impl Workspace {
     pub fn new() -> Workspace {
         Workspace::default()
+    }
+
+    /// Starts (or restarts) timing every instruction of the plans this workspace runs.
+    pub fn enable_profile(&mut self) {
+        self.profile = Some(Vec::new());
+    }
+
+    /// Time spent in each instruction (indexed like the plan's instructions) since
+    /// [`Workspace::enable_profile`]; `None` when profiling is off.
+    pub fn profile(&self) -> Option<&[std::time::Duration]> {
+        self.profile.as_deref()
     }
 }
 
@@ -77,7 +90,11 @@ pub(super) fn run(
         rope::push_angles(&be.inv_freq, r.pos, &mut ws.angles);
     }
 
-    for ins in &plan.instrs {
+    if let Some(p) = &mut ws.profile {
+        p.resize(plan.instrs.len(), std::time::Duration::ZERO);
+    }
+    for (idx, ins) in plan.instrs.iter().enumerate() {
+        let started = ws.profile.is_some().then(std::time::Instant::now);
         let out_slot = ins.outputs[0];
         let ob = out_slot.buffer;
         let stride = plan.buffers[ob].cols;
@@ -387,6 +404,9 @@ pub(super) fn run(
             }
         }
         ws.buffers[ob] = out;
+        if let (Some(t0), Some(p)) = (started, &mut ws.profile) {
+            p[idx] += t0.elapsed();
+        }
     }
 
     let o = plan.output;
