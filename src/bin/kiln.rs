@@ -17,6 +17,7 @@ use serde::Serialize;
 use kiln::backend::cpu::{CpuOptions, WeightFormat};
 use kiln::engine::{Engine, FinishReason, GenerateOptions, Session, Timings, Usage};
 use kiln::sample::SamplingParams;
+use kiln::tokenizer::nanochat::NanochatTokens;
 use kiln::tokenizer::ChatMessage;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -287,6 +288,13 @@ fn chat(args: ChatArgs) -> Result<()> {
     let c = &args.common;
     let engine = load(c)?;
     let tok = engine.tokenizer();
+    // Models without a chat template but with nanochat's tokens keep the conversation as ids,
+    // as nanochat's chat_cli does: generated tool calls stay special tokens in the history.
+    let nanochat = match (&tok.specials.chat_template, NanochatTokens::of(tok)) {
+        (None, Ok(t)) => Some(t),
+        (None, Err(e)) => bail!("{}: no chat template ({e})", c.model.display()),
+        (Some(_), _) => None,
+    };
     let opts = options(c, &engine, 1);
     let mut session = engine.session(engine.max_context());
     let mut messages: Vec<ChatMessage> = c
@@ -294,6 +302,8 @@ fn chat(args: ChatArgs) -> Result<()> {
         .iter()
         .map(|s| ChatMessage::new("system", s))
         .collect();
+    let mut conv: Vec<u32> = nanochat.map(|t| vec![t.bos]).unwrap_or_default();
+    let mut pending_system = c.system.clone();
     let stdin = std::io::stdin();
     let mut stdout = std::io::stdout();
     eprintln!("kiln chat: type a message; /reset starts over, /exit or end of input quits.");
@@ -310,15 +320,33 @@ fn chat(args: ChatArgs) -> Result<()> {
             "/exit" | "/quit" => break,
             "/reset" => {
                 messages.retain(|m| m.role == "system");
+                conv.truncate(1);
+                pending_system = c.system.clone();
                 session.truncate(0);
                 continue;
             }
             _ => {}
         }
-        messages.push(ChatMessage::new("user", line));
-        let prompt = match tok.chat_prompt(&messages) {
-            Ok(p) => p,
-            Err(e) => bail!("{}: {e}", c.model.display()),
+        let prompt = match nanochat {
+            Some(t) => {
+                // nanochat folds the system message into the first user turn.
+                let text = match pending_system.take() {
+                    Some(sys) => format!("{sys}\n\n{line}"),
+                    None => line.to_string(),
+                };
+                let mut p = conv.clone();
+                p.push(t.user_start);
+                p.extend(tok.encode_ordinary(&text)?);
+                p.extend([t.user_end, t.assistant_start]);
+                p
+            }
+            None => {
+                messages.push(ChatMessage::new("user", line));
+                match tok.chat_prompt(&messages) {
+                    Ok(p) => p,
+                    Err(e) => bail!("{}: {e}", c.model.display()),
+                }
+            }
         };
         let result = session.generate(&prompt, &opts, |step| {
             if let Some(Some(row)) = step.rows.first() {
@@ -331,12 +359,23 @@ fn chat(args: ChatArgs) -> Result<()> {
             Ok(r) => r,
             Err(e) => {
                 eprintln!("\nerror: {e}");
-                messages.pop();
+                if nanochat.is_none() {
+                    messages.pop();
+                }
                 continue;
             }
         };
         let row = &result.rows[0];
-        messages.push(ChatMessage::new("assistant", row.text.clone()));
+        match nanochat {
+            Some(t) => {
+                conv = prompt;
+                conv.extend(&row.generated);
+                if conv.last() != Some(&t.assistant_end) {
+                    conv.push(t.assistant_end);
+                }
+            }
+            None => messages.push(ChatMessage::new("assistant", row.text.clone())),
+        }
         report(&result.timings, row.finish_reason);
     }
     Ok(())
