@@ -19,4 +19,4 @@ mod device;
 pub mod nvrtc;
 
 #[cfg(feature = "cuda")]
-pub use device::{probe, CudaBackend, CudaError, DeviceInfo};
+pub use device::{probe, CudaBackend, CudaError, CudaKvCache, CudaWorkspace, DeviceInfo};
