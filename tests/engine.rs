@@ -136,6 +136,7 @@ fn rows_stop_independently_and_terminal_tokens_are_dropped_from_batches() {
     let mut ended_at = vec![None; 8];
     let mut steps = 0;
     let mut stream = session.stream(&PROMPT, &opts).unwrap();
+    #[allow(clippy::explicit_counter_loop)]
     for step in stream.by_ref() {
         let step = step.unwrap();
         assert_eq!(step.rows.len(), 8);

@@ -111,10 +111,24 @@ fn gpu_logits_match_cpu_on_every_fixture() {
         let mut ckv = cpu.new_cache(1, 64);
         let mut gkv = gpu.new_cache(1, 64).expect("device cache");
         let (mut cl, mut gl) = (Vec::new(), Vec::new());
-        cpu.forward(PlanKind::AllLogits, &mut cws, &mut ckv, &prompt, &rows, &mut cl)
-            .expect("cpu prefill");
-        gpu.forward(PlanKind::AllLogits, &mut gws, &mut gkv, &prompt, &rows, &mut gl)
-            .expect("gpu prefill");
+        cpu.forward(
+            PlanKind::AllLogits,
+            &mut cws,
+            &mut ckv,
+            &prompt,
+            &rows,
+            &mut cl,
+        )
+        .expect("cpu prefill");
+        gpu.forward(
+            PlanKind::AllLogits,
+            &mut gws,
+            &mut gkv,
+            &prompt,
+            &rows,
+            &mut gl,
+        )
+        .expect("gpu prefill");
         let e = rel_l2(&gl, &cl);
         println!("{}: prefill rel err {e:.2e}", path.display());
         assert!(e < TOLERANCE, "{}: prefill rel err {e}", path.display());
@@ -129,7 +143,11 @@ fn gpu_logits_match_cpu_on_every_fixture() {
             gpu.forward(PlanKind::Decode, &mut gws, &mut gkv, &[tok], &r, &mut gl)
                 .expect("gpu decode");
             let e = rel_l2(&gl, &cl);
-            assert!(e < TOLERANCE, "{}: decode step {step} rel err {e}", path.display());
+            assert!(
+                e < TOLERANCE,
+                "{}: decode step {step} rel err {e}",
+                path.display()
+            );
             tok = argmax(&cl);
         }
     }
@@ -155,18 +173,46 @@ fn greedy_tokens_match_cpu_for_128_steps_on_smollm2() {
     let mut ckv = cpu.new_cache(1, 256);
     let mut gkv = gpu.new_cache(1, 256).expect("device cache");
     let (mut cl, mut gl) = (Vec::new(), Vec::new());
-    cpu.forward(PlanKind::Prefill, &mut cws, &mut ckv, &prompt, &rows, &mut cl)
-        .expect("cpu prefill");
-    gpu.forward(PlanKind::Prefill, &mut gws, &mut gkv, &prompt, &rows, &mut gl)
-        .expect("gpu prefill");
+    cpu.forward(
+        PlanKind::Prefill,
+        &mut cws,
+        &mut ckv,
+        &prompt,
+        &rows,
+        &mut cl,
+    )
+    .expect("cpu prefill");
+    gpu.forward(
+        PlanKind::Prefill,
+        &mut gws,
+        &mut gkv,
+        &prompt,
+        &rows,
+        &mut gl,
+    )
+    .expect("gpu prefill");
     let (mut ct, mut gt) = (vec![argmax(&cl)], vec![argmax(&gl)]);
     for step in 0..127 {
         let pos = prompt.len() + step;
         let r = [TokenRow { slot: 0, pos }];
-        cpu.forward(PlanKind::Decode, &mut cws, &mut ckv, &[ct[step]], &r, &mut cl)
-            .expect("cpu decode");
-        gpu.forward(PlanKind::Decode, &mut gws, &mut gkv, &[gt[step]], &r, &mut gl)
-            .expect("gpu decode");
+        cpu.forward(
+            PlanKind::Decode,
+            &mut cws,
+            &mut ckv,
+            &[ct[step]],
+            &r,
+            &mut cl,
+        )
+        .expect("cpu decode");
+        gpu.forward(
+            PlanKind::Decode,
+            &mut gws,
+            &mut gkv,
+            &[gt[step]],
+            &r,
+            &mut gl,
+        )
+        .expect("gpu decode");
         ct.push(argmax(&cl));
         gt.push(argmax(&gl));
     }

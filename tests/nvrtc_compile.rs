@@ -17,7 +17,9 @@ fn every_cuda_source_compiles_for_sm90_and_sm80_without_spills() {
         return;
     }
     let Some(include) = nvrtc::find_include_dir() else {
-        println!("SKIPPED nvrtc compile gate: cuda_bf16.h not found (set KILN_NVRTC_DIR or CUDA_HOME)");
+        println!(
+            "SKIPPED nvrtc compile gate: cuda_bf16.h not found (set KILN_NVRTC_DIR or CUDA_HOME)"
+        );
         return;
     };
     let (major, minor) = nvrtc::version().expect("NVRTC loaded but nvrtcVersion failed");

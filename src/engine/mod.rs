@@ -179,6 +179,7 @@ pub struct GenerateOptions {
 
 /// `f(row, context, logits)`: `context` is the row's tokens so far (prompt included).
 #[derive(Clone)]
+#[allow(clippy::type_complexity)]
 pub struct LogitsProcessor(pub Arc<dyn Fn(usize, &[u32], &mut [f32]) + Send + Sync>);
 
 impl std::fmt::Debug for LogitsProcessor {

@@ -84,7 +84,9 @@ pub fn probe() -> Result<(Arc<CudaContext>, DeviceInfo), CudaError> {
     }
     let ctx = CudaContext::new(0).map_err(|e| CudaError::NoDevice(format!("{e:?}")))?;
     let sms = ctx
-        .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )
         .map_err(drv)?;
     let info = DeviceInfo {
         ordinal: 0,
@@ -226,9 +228,9 @@ impl CudaBackend {
                 .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
                 .map_err(|e| CudaError::Driver(format!("loading cuda/{}: {e:?}", src.file)))?;
             for k in src.kernels {
-                let f = module
-                    .load_function(k)
-                    .map_err(|e| CudaError::Driver(format!("cuda/{} kernel {k}: {e:?}", src.file)))?;
+                let f = module.load_function(k).map_err(|e| {
+                    CudaError::Driver(format!("cuda/{} kernel {k}: {e:?}", src.file))
+                })?;
                 funcs.insert(*k, f);
             }
         }
@@ -267,12 +269,12 @@ impl CudaBackend {
                     }
                     Op::MatMul { linears, norm, .. } => {
                         let key = matrix_key(linears);
-                        if !matrices.contains_key(&key) {
+                        if let std::collections::hash_map::Entry::Vacant(e) = matrices.entry(key) {
                             let parts: Vec<(String, Option<String>, usize)> = linears
                                 .iter()
                                 .map(|l| (l.weight.clone(), l.bias.clone(), l.out))
                                 .collect();
-                            matrices.insert(key, upload_matrix(&stream, weights, &parts)?);
+                            e.insert(upload_matrix(&stream, weights, &parts)?);
                         }
                         if let Some(w) = norm.as_ref().and_then(|n| n.weight.as_ref()) {
                             upload_vec(w, &mut vectors)?;
@@ -284,9 +286,7 @@ impl CudaBackend {
                         }
                     }
                     Op::Attention { head_dim, .. } if *head_dim > 256 => {
-                        return Err(CudaError::Unsupported(format!(
-                            "head_dim {head_dim} > 256"
-                        )))
+                        return Err(CudaError::Unsupported(format!("head_dim {head_dim} > 256")))
                     }
                     _ => {}
                 }
@@ -374,7 +374,10 @@ impl CudaBackend {
     ) -> Result<u64, CudaError> {
         let grow = ws.ints.get(name).is_none_or(|s| s.len() < v.len());
         if grow {
-            let s = self.stream.alloc_zeros::<i32>(v.len().max(1)).map_err(drv)?;
+            let s = self
+                .stream
+                .alloc_zeros::<i32>(v.len().max(1))
+                .map_err(drv)?;
             ws.ints.insert(name, s);
         }
         let dst = ws.ints.get_mut(name).expect("just inserted");
@@ -542,7 +545,11 @@ impl CudaBackend {
                     let wp = self.ptr(&m.w);
                     let (mr, kk) = (m.rows as i32, k as i32);
                     if rows_out <= 8 {
-                        let pairs = if epi == 3 { m.rows / 2 } else { m.rows.div_ceil(2) };
+                        let pairs = if epi == 3 {
+                            m.rows / 2
+                        } else {
+                            m.rows.div_ceil(2)
+                        };
                         let blocks = pairs.div_ceil(4);
                         let target = 2 * sms;
                         let mut splits = if blocks * rows_out < target {
@@ -634,7 +641,11 @@ impl CudaBackend {
                 Op::Add | Op::Mul => {
                     let (a, as_) = inp(0);
                     let (b, bs) = inp(1);
-                    let name = if ins.op == Op::Add { "add_rows" } else { "mul_rows" };
+                    let name = if ins.op == Op::Add {
+                        "add_rows"
+                    } else {
+                        "mul_rows"
+                    };
                     launch!(self, name, cfg((div(out_slot.cols, 256), ro as u32, 1), BLOCK);
                         a, as_, b, bs, out, os, out_slot.cols as i32);
                 }
@@ -719,7 +730,10 @@ fn upload_matrix(
             return Err(LoadError::tensor(
                 &weights.source,
                 &t.name,
-                format!("expected a matrix with {cols} columns and at least {r} rows, found shape {:?}", t.shape),
+                format!(
+                    "expected a matrix with {cols} columns and at least {r} rows, found shape {:?}",
+                    t.shape
+                ),
             )
             .into());
         }

@@ -117,7 +117,11 @@ mod tests {
     fn every_listed_kernel_is_defined_once_and_headers_expand() {
         for s in SOURCES {
             let text = s.expanded();
-            assert!(!text.contains("#include \""), "{}: local include left", s.file);
+            assert!(
+                !text.contains("#include \""),
+                "{}: local include left",
+                s.file
+            );
             for k in s.kernels {
                 let n = text.matches(&format!(" {k}(")).count()
                     + text.matches(&format!("\n{k}(")).count();

@@ -175,11 +175,7 @@ pub fn options(arch: u32, include: &Path) -> Vec<String> {
 }
 
 fn c_text(v: &[c_char]) -> String {
-    let bytes: Vec<u8> = v
-        .iter()
-        .map(|&c| c as u8)
-        .take_while(|&b| b != 0)
-        .collect();
+    let bytes: Vec<u8> = v.iter().map(|&c| c as u8).take_while(|&b| b != 0).collect();
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
@@ -249,7 +245,9 @@ pub fn parse_ptxas(log: &str) -> Vec<KernelResources> {
     let mut out: Vec<KernelResources> = Vec::new();
     for line in log.lines() {
         if let Some(at) = line.find("Function properties for ") {
-            let name = line[at + "Function properties for ".len()..].trim().to_string();
+            let name = line[at + "Function properties for ".len()..]
+                .trim()
+                .to_string();
             out.push(KernelResources {
                 name,
                 ..Default::default()
