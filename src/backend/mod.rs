@@ -1,4 +1,5 @@
 //! Executors of execution plans. The CPU backend is the reference every other backend is
-//! checked against.
+//! checked against; the CUDA backend (feature `cuda`, on by default) must match it.
 
 pub mod cpu;
+pub mod cuda;

@@ -20,6 +20,15 @@ use kiln::sample::SamplingParams;
 use kiln::tokenizer::nanochat::NanochatTokens;
 use kiln::tokenizer::ChatMessage;
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Device {
+    /// CUDA when a GPU, driver and NVRTC are present, else the CPU (one line on stderr says why).
+    Auto,
+    Cpu,
+    /// Fail unless CUDA is usable.
+    Cuda,
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Weights {
     /// bf16 stays bf16; f32, f16 and quantized types run exactly.
@@ -70,6 +79,9 @@ struct Common {
     /// How weights are held in memory.
     #[arg(long, value_enum, default_value_t = Weights::Auto)]
     weights: Weights,
+    /// Where to run.
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    device: Device,
 }
 
 #[derive(Parser, Debug)]
@@ -125,7 +137,46 @@ fn main() {
     }
 }
 
+/// Decides where to run. The generation engine drives the CPU backend only for now: the CUDA
+/// backend (`kiln::backend::cuda::CudaBackend`) compiles but is unverified on a GPU and not yet
+/// wired into `Engine`, so a usable GPU is reported and the CPU still runs the model.
+fn pick_device(d: Device) -> Result<()> {
+    if d == Device::Cpu {
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    {
+        match kiln::backend::cuda::probe() {
+            Ok((_, info)) => {
+                if d == Device::Cuda {
+                    bail!(
+                        "CUDA device {info} found, but the generation engine cannot run on the \
+                         CUDA backend yet (it is unverified; see scripts/gpu-check.sh); use \
+                         --device cpu or auto"
+                    );
+                }
+                eprintln!(
+                    "kiln: CUDA device {info} found; the engine runs on the CPU backend until \
+                     the CUDA backend is verified"
+                );
+            }
+            Err(e) if d == Device::Cuda => bail!("--device cuda: CUDA is not usable: {e}"),
+            Err(e) => eprintln!("kiln: CUDA unavailable ({e}); running on the CPU"),
+        }
+        Ok(())
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        if d == Device::Cuda {
+            bail!("--device cuda: this kiln was built without CUDA support (cargo feature `cuda`)");
+        }
+        eprintln!("kiln: built without CUDA support; running on the CPU");
+        Ok(())
+    }
+}
+
 fn load(c: &Common) -> Result<Arc<Engine>> {
+    pick_device(c.device)?;
     let opts = CpuOptions {
         threads: c.threads,
         weights: match c.weights {

@@ -16,6 +16,7 @@ use std::collections::HashMap;
 
 pub use attention::TokenRow;
 pub use exec::Workspace;
+pub use rope::inv_freq as rope_inv_freq;
 
 use crate::graph::{passes, Graph, Linear, Op};
 use crate::kv::{KvCache, KvError};
