@@ -148,7 +148,7 @@ fn run() -> Result<()> {
     let args = Args::parse();
     if args.device == Device::Cuda {
         bail!(
-            "the CUDA backend does not exist yet (it is kiln's next milestone); use --device cpu"
+            "kiln-bench cannot time the GPU yet: the CUDA kernels and executor exist (the `cuda` feature) but the engine and this bench drive only the CPU backend; use --device cpu"
         );
     }
     if args.repetitions == 0 {
