@@ -195,7 +195,10 @@ impl Instr {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LowerError {
     /// An op (or a form of one) the megakernel does not implement yet.
-    Unsupported { op: String, label: String },
+    Unsupported {
+        op: String,
+        label: String,
+    },
     Invalid(String),
 }
 
@@ -280,7 +283,11 @@ impl DecodeProgram {
     pub fn validate(&self) -> Result<(), LowerError> {
         let bad = |s: String| Err(LowerError::Invalid(s));
         if self.batch == 0 || self.batch > crate::MAX_BATCH {
-            return bad(format!("batch {} not in 1..={}", self.batch, crate::MAX_BATCH));
+            return bad(format!(
+                "batch {} not in 1..={}",
+                self.batch,
+                crate::MAX_BATCH
+            ));
         }
         let n = self.instrs.len();
         if n < 2

@@ -190,7 +190,13 @@ fn tiles_of(p: &DecodeProgram, cfg: &TileConfig, i: usize) -> Vec<Tile> {
         }
         Instr::RmsNorm { input, out: o, .. } => {
             let n = p.buffers[*o].cols;
-            out.push(mk(0, n, 0, vec![Access::cols(*input)], vec![Access::buf(*o, 0, n)]));
+            out.push(mk(
+                0,
+                n,
+                0,
+                vec![Access::cols(*input)],
+                vec![Access::buf(*o, 0, n)],
+            ));
         }
         Instr::NormMatvec {
             weights,
@@ -230,7 +236,10 @@ fn tiles_of(p: &DecodeProgram, cfg: &TileConfig, i: usize) -> Vec<Tile> {
             }
         }
         Instr::GatedMlp {
-            gate, input, out: o, ..
+            gate,
+            input,
+            out: o,
+            ..
         } => {
             for (lo, hi) in split(p.weights[*gate].rows, cfg.matvec_rows) {
                 out.push(mk(
@@ -378,9 +387,18 @@ impl Schedule {
             let mut deps = Vec::new();
             for u in 0..instr_first[tiles[t].instr] {
                 let (a, b) = (&tiles[u], &tiles[t]);
-                let raw = a.writes.iter().any(|w| b.reads.iter().any(|r| w.overlaps(r)));
-                let war = a.reads.iter().any(|r| b.writes.iter().any(|w| w.overlaps(r)));
-                let waw = a.writes.iter().any(|w| b.writes.iter().any(|x| w.overlaps(x)));
+                let raw = a
+                    .writes
+                    .iter()
+                    .any(|w| b.reads.iter().any(|r| w.overlaps(r)));
+                let war = a
+                    .reads
+                    .iter()
+                    .any(|r| b.writes.iter().any(|w| w.overlaps(r)));
+                let waw = a
+                    .writes
+                    .iter()
+                    .any(|w| b.writes.iter().any(|x| w.overlaps(x)));
                 let end = p.instrs[b.instr] == Instr::StepEnd && !has_dependent[u];
                 if raw || war || waw || end {
                     deps.push(u);
@@ -410,7 +428,9 @@ impl Schedule {
 
     /// The tiles block `block` of `num_blocks` runs, in order (the kernel's loop).
     pub fn block_tiles(&self, num_blocks: usize, block: usize) -> Vec<usize> {
-        (block..self.tiles.len()).step_by(num_blocks.max(1)).collect()
+        (block..self.tiles.len())
+            .step_by(num_blocks.max(1))
+            .collect()
     }
 
     /// Executes `steps` decode steps on `num_blocks` simulated persistent blocks that never
