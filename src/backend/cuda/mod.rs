@@ -1,6 +1,8 @@
 //! The CUDA backend.
 //!
 //! * [`kernels`]: the CUDA C sources of `cuda/`, embedded (always built, no CUDA needed).
+//! * [`megakernel`]: lowering the decode plan to kiln-codegen's `DecodeProgram` and its CUDA C
+//!   (no feature needed). The generated kernel is UNVERIFIED on a GPU (compiled by NVRTC only).
 //! * `nvrtc` (feature `cuda`): finds NVRTC and the headers, compiles `cuda/` to cubins for the
 //!   device's exact architecture, caches them on disk, parses ptxas's resource report. Compiling
 //!   is verified in CI without a GPU (`tests/nvrtc_compile.rs`).
@@ -12,6 +14,7 @@
 //! before `is_culib_present()` says the library is there.
 
 pub mod kernels;
+pub mod megakernel;
 
 #[cfg(feature = "cuda")]
 mod device;

@@ -1,0 +1,280 @@
+//! CPU tests of the tile schedule and the emitter on a small hand-built program.
+
+use kiln_codegen::*;
+
+/// A two-layer llama-like program: d=64, 4 heads (2 kv) of 16, ffn 96, vocab 100.
+fn small(batch: usize) -> DecodeProgram {
+    let mut p = DecodeProgram::new(batch, RopeStyle::HalfSplit);
+    p.layers = 2;
+    p.kv_heads = 2;
+    p.head_dim = 16;
+    p.vocab = 100;
+    let emb = p.weight("embed", 100, 64);
+    let x0 = p.buffer("embed", 64);
+    p.instrs.push(Instr::Embed {
+        table: emb,
+        out: x0,
+    });
+    let mut x = x0;
+    for l in 0..2 {
+        let n1 = p.weight(&format!("{l}.n1"), 1, 64);
+        let wq = p.weight(&format!("{l}.q"), 64, 64);
+        let wk = p.weight(&format!("{l}.k"), 32, 64);
+        let wv = p.weight(&format!("{l}.v"), 32, 64);
+        let qkv = p.buffer(format!("{l}.qkv"), 128);
+        p.instrs.push(Instr::NormMatvec {
+            norm: Some(NormSpec {
+                weight: Some(n1),
+                eps: 1e-5,
+            }),
+            weights: vec![wq, wk, wv],
+            input: ColRange::whole(x, 64),
+            out: qkv,
+            act: None,
+        });
+        let q = p.buffer(format!("{l}.q_rope"), 64);
+        p.instrs.push(Instr::Rope {
+            heads: 4,
+            head_dim: 16,
+            input: ColRange {
+                buf: qkv,
+                col: 0,
+                cols: 64,
+            },
+            out: q,
+        });
+        p.instrs.push(Instr::RopeKvAppend {
+            layer: l,
+            kv_heads: 2,
+            head_dim: 16,
+            k: ColRange {
+                buf: qkv,
+                col: 64,
+                cols: 32,
+            },
+            v: ColRange {
+                buf: qkv,
+                col: 96,
+                cols: 32,
+            },
+            rope: true,
+        });
+        let att = p.buffer(format!("{l}.att"), 64);
+        p.instrs.push(Instr::AttentionDecode {
+            layer: l,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            scale: 0.25,
+            window: None,
+            q: ColRange::whole(q, 64),
+            out: att,
+        });
+        let wo = p.weight(&format!("{l}.o"), 64, 64);
+        let h = p.buffer(format!("{l}.h"), 64);
+        p.instrs.push(Instr::MatvecResidual {
+            weight: wo,
+            input: ColRange::whole(att, 64),
+            residual: ColRange::whole(x, 64),
+            out: h,
+        });
+        let n2 = p.weight(&format!("{l}.n2"), 1, 64);
+        let wg = p.weight(&format!("{l}.gate"), 96, 64);
+        let wu = p.weight(&format!("{l}.up"), 96, 64);
+        let m = p.buffer(format!("{l}.mlp"), 96);
+        p.instrs.push(Instr::GatedMlp {
+            norm: Some(NormSpec {
+                weight: Some(n2),
+                eps: 1e-5,
+            }),
+            gate: wg,
+            up: wu,
+            act: Act::Silu,
+            input: ColRange::whole(h, 64),
+            out: m,
+        });
+        let wd = p.weight(&format!("{l}.down"), 64, 96);
+        let y = p.buffer(format!("{l}.out"), 64);
+        p.instrs.push(Instr::MatvecResidual {
+            weight: wd,
+            input: ColRange::whole(m, 96),
+            residual: ColRange::whole(h, 64),
+            out: y,
+        });
+        x = y;
+    }
+    let nf = p.weight("norm", 1, 64);
+    let logits = p.buffer("logits", 100);
+    p.instrs.push(Instr::LmHead {
+        norm: Some(NormSpec {
+            weight: Some(nf),
+            eps: 1e-5,
+        }),
+        weight: emb,
+        input: ColRange::whole(x, 64),
+        out: logits,
+        softcap: None,
+    });
+    p.instrs.push(Instr::Sample {
+        logits: ColRange::whole(logits, 100),
+        mode: SampleMode::Greedy,
+    });
+    p.instrs.push(Instr::StepEnd);
+    p.validate().unwrap();
+    p
+}
+
+#[test]
+fn tile_counts_follow_the_tile_sizes() {
+    let p = small(1);
+    let s = Schedule::build(&p, TileConfig::default());
+    let counts: Vec<usize> = (0..p.instrs.len()).map(|i| s.tiles_of_instr(i)).collect();
+    // embed 1; per layer: qkv 2+1+1, rope 4 heads, kv 2 heads, attn 4 heads, o 2, mlp 3, down 2;
+    // lm head 4 (100 rows / 32), sample 1, end 1.
+    assert_eq!(
+        counts,
+        vec![1, 4, 4, 2, 4, 2, 3, 2, 4, 4, 2, 4, 2, 3, 2, 4, 1, 1]
+    );
+    // No matvec tile straddles two weights.
+    let qkv: Vec<(usize, usize, usize)> = s.tiles[1..5]
+        .iter()
+        .map(|t| (t.segment, t.lo, t.hi))
+        .collect();
+    assert_eq!(qkv, vec![(0, 0, 32), (0, 32, 64), (1, 0, 32), (2, 0, 32)]);
+}
+
+#[test]
+fn dependencies_are_exactly_the_overlapping_earlier_tiles() {
+    for batch in [1, 4] {
+        let p = small(batch);
+        let s = Schedule::build(&p, TileConfig::default());
+        let n = s.tiles.len();
+        let mut has_dependent = vec![false; n];
+        for t in 0..n {
+            let b = &s.tiles[t];
+            let end = p.instrs[b.instr] == Instr::StepEnd;
+            let expect: Vec<usize> = (0..s.instr_first[b.instr])
+                .filter(|&u| {
+                    let a = &s.tiles[u];
+                    let ov = |x: &[Access], y: &[Access]| {
+                        x.iter().any(|i| y.iter().any(|j| i.overlaps(j)))
+                    };
+                    ov(&a.writes, &b.reads)
+                        || ov(&a.reads, &b.writes)
+                        || ov(&a.writes, &b.writes)
+                        || (end && !has_dependent[u])
+                })
+                .collect();
+            assert_eq!(b.deps, expect, "tile {t}");
+            for &d in &expect {
+                has_dependent[d] = true;
+            }
+        }
+        // Fine-grained: attention head 0 (kv group 0) waits on rope head 0 and kv head 0 only.
+        let att0 = s.instr_first[4];
+        let rope0 = s.instr_first[2];
+        let kv0 = s.instr_first[3];
+        let t = &s.tiles[att0];
+        assert!(t.deps.contains(&rope0) && t.deps.contains(&kv0));
+        assert!(!t.deps.contains(&(rope0 + 1)) && !t.deps.contains(&(kv0 + 1)));
+        // Its waits are per-tile counters (target e), not instruction barriers.
+        assert!(t.waits.iter().all(|w| w.per_step == 1));
+        // The o projection reads every attention head: one instruction-counter wait.
+        let o0 = &s.tiles[s.instr_first[5]];
+        assert!(o0.waits.contains(&Wait {
+            counter: 4,
+            per_step: 4
+        }));
+        // The sample tile is read-after-write on tokens vs the embedding: the embedding waits on
+        // nothing in-step, sample waits (transitively and directly) on the lm head.
+        assert!(s.tiles[0].deps.is_empty());
+        // StepEnd waits on the sample tile (a sink) and every pos reader (write after read).
+        let end = s.tiles.last().unwrap();
+        assert!(end.deps.contains(&(n - 2)));
+    }
+}
+
+#[test]
+fn epoch_targets_are_epoch_times_producer_tiles() {
+    let p = small(1);
+    let s = Schedule::build(&p, TileConfig::default());
+    let n_instr = p.instrs.len();
+    for t in &s.tiles {
+        for w in &t.waits {
+            if w.counter < n_instr {
+                assert_eq!(w.per_step as usize, s.tiles_of_instr(w.counter));
+            } else {
+                assert_eq!(w.per_step, 1);
+            }
+            for e in [1u32, 2, 7] {
+                assert_eq!(w.target(e), e * w.per_step);
+            }
+        }
+    }
+}
+
+#[test]
+fn simulation_terminates_in_topological_order_for_several_block_counts() {
+    for batch in [1, 8] {
+        let p = small(batch);
+        let s = Schedule::build(&p, TileConfig::default());
+        for blocks in [1usize, 2, 7, 132] {
+            let orders = s
+                .simulate(blocks, 3)
+                .unwrap_or_else(|e| panic!("{blocks} blocks: {e}"));
+            assert_eq!(orders.len(), 3);
+            for order in &orders {
+                assert_eq!(order.len(), s.tiles.len());
+                let mut at = vec![usize::MAX; s.tiles.len()];
+                for (k, &t) in order.iter().enumerate() {
+                    at[t] = k;
+                }
+                for (t, tile) in s.tiles.iter().enumerate() {
+                    for &d in &tile.deps {
+                        assert!(at[d] < at[t], "{blocks} blocks: tile {t} before dep {d}");
+                    }
+                }
+                assert_eq!(*order.last().unwrap(), s.tiles.len() - 1, "step end last");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_wait_on_a_later_tile_is_a_detected_deadlock() {
+    let p = small(1);
+    let mut s = Schedule::build(&p, TileConfig::default());
+    // Make tile 0 wait on the step end's counter: nothing can move.
+    let end = s.tiles.len() - 1;
+    s.tiles[0].waits.push(Wait {
+        counter: p.instrs.len() + end,
+        per_step: 1,
+    });
+    assert!(s.simulate(2, 1).unwrap_err().contains("deadlock"));
+}
+
+#[test]
+fn emitted_kernel_matches_the_snapshot() {
+    let p = small(2);
+    let s = Schedule::build(&p, TileConfig::default());
+    let text = emit_kernel(&p, &s);
+    assert_eq!(text, emit_kernel(&p, &s), "deterministic");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/snapshots/small_batch2.cu"
+    );
+    if std::env::var_os("KILN_UPDATE_SNAPSHOTS").is_some() {
+        std::fs::create_dir_all(std::path::Path::new(path).parent().unwrap()).unwrap();
+        std::fs::write(path, &text).unwrap();
+    }
+    let want =
+        std::fs::read_to_string(path).expect("snapshot missing: run with KILN_UPDATE_SNAPSHOTS=1");
+    assert_eq!(
+        text, want,
+        "generated kernel changed; review and rerun with KILN_UPDATE_SNAPSHOTS=1"
+    );
+    let full = emit_source(&p, &s);
+    assert!(full.contains("__device__ __forceinline__ float block_sum"));
+    assert!(full
+        .contains("extern \"C\" __global__ void __launch_bounds__(MK_THREADS)\nkiln_decode_step("));
+}

@@ -1,0 +1,325 @@
+// megakernel/tiles.cuh: the __device__ tile functions of the generated decode megakernel
+// (kiln-codegen's emitter calls them; common.cuh and attention.cuh are pasted before this file).
+//
+// A tile runs on one whole block of MK_THREADS threads. Activations are f32 `[batch, cols]`
+// buffers written earlier in the same launch, so they are read with plain loads (never __ldg,
+// whose non-coherent cache may be stale); weights are bf16 and read-only for the launch.
+// Dependency counters: a waiting block polls with ld.acquire.gpu, a finished tile publishes
+// with __threadfence + red.release.gpu.
+// UNVERIFIED on a GPU: compiled with NVRTC for sm_80 / sm_90 only.
+#pragma once
+
+#define MK_THREADS 256
+#define MK_WARPS (MK_THREADS / 32)
+#define MK_MAX_BATCH 8
+
+__device__ __forceinline__ unsigned mk_ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void mk_red_release(unsigned* p, unsigned v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Waits for `n` (counter, per_step) pairs: counters[c] reaches epoch * per_step (wrap-safe).
+__device__ __forceinline__ void mk_wait(const unsigned* counters, const int* waits, int n,
+                                        unsigned epoch) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const unsigned* c = counters + waits[2 * i];
+        const unsigned target = epoch * (unsigned)waits[2 * i + 1];
+        while ((int)(mk_ld_acquire(c) - target) < 0) __nanosleep(64);
+    }
+    __syncthreads();
+}
+
+// Publishes a finished tile on its instruction counter and its own tile counter.
+__device__ __forceinline__ void mk_signal(unsigned* counters, int instr_ctr, int tile_ctr) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        mk_red_release(counters + instr_ctr, 1u);
+        mk_red_release(counters + tile_ctr, 1u);
+    }
+}
+
+// 1 / rms(x[b]) for each batch row into inv[b] (shared), or 1 when !use_norm.
+__device__ __forceinline__ void mk_inv_rms(const float* x, int xs, int k, int batch,
+                                           int use_norm, float eps, float* inv) {
+    for (int b = 0; b < batch; ++b) {
+        if (!use_norm) {
+            if (threadIdx.x == 0) inv[b] = 1.0f;
+            continue;
+        }
+        float s = 0.0f;
+        for (int c = threadIdx.x; c < k; c += blockDim.x) {
+            const float v = x[(size_t)b * xs + c];
+            s = fmaf(v, v, s);
+        }
+        s = block_sum(s);
+        if (threadIdx.x == 0) inv[b] = rsqrtf(s / (float)k + eps);
+    }
+    __syncthreads();
+}
+
+#define MK_EPI_NONE 0
+#define MK_EPI_ACT 1
+#define MK_EPI_RESIDUAL 2
+#define MK_EPI_SOFTCAP 3
+
+// Rows [r0, r1) of W [*, k] (and, if `up`, of the up matrix: gated) times norm?(x).
+// out[b * os + r] = epilogue(...). One warp per row, lanes stride the columns.
+__device__ __noinline__ void mk_matvec(const __nv_bfloat16* __restrict__ w,
+                                       const __nv_bfloat16* __restrict__ up, int r0, int r1,
+                                       int k, const float* x, int xs, int batch,
+                                       const __nv_bfloat16* __restrict__ nw, int use_norm,
+                                       float eps, float* out, int os, const float* res, int rs,
+                                       int epi, int act, float cap) {
+    __shared__ float inv[MK_MAX_BATCH];
+    mk_inv_rms(x, xs, k, batch, use_norm, eps, inv);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int r = r0 + warp; r < r1; r += MK_WARPS) {
+        const __nv_bfloat16* wr = w + (size_t)r * k;
+        const __nv_bfloat16* ur = up ? up + (size_t)r * k : nullptr;
+        float a[MK_MAX_BATCH], u[MK_MAX_BATCH];
+#pragma unroll
+        for (int b = 0; b < MK_MAX_BATCH; ++b) a[b] = u[b] = 0.0f;
+        for (int c = lane; c < k; c += 32) {
+            const float sc = nw ? __bfloat162float(nw[c]) : 1.0f;
+            const float wv = __bfloat162float(wr[c]) * sc;
+            const float uv = ur ? __bfloat162float(ur[c]) * sc : 0.0f;
+#pragma unroll
+            for (int b = 0; b < MK_MAX_BATCH; ++b) {
+                if (b < batch) {
+                    const float xv = x[(size_t)b * xs + c];
+                    a[b] = fmaf(wv, xv, a[b]);
+                    u[b] = fmaf(uv, xv, u[b]);
+                }
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < MK_MAX_BATCH; ++b) {
+            if (b >= batch) break;
+            const float g = warp_sum(a[b]) * inv[b];
+            const float uu = warp_sum(u[b]) * inv[b];
+            if (lane == 0) {
+                float v = g;
+                if (up) {
+                    v = kiln_act(act, g) * uu;
+                } else if (epi == MK_EPI_ACT) {
+                    v = kiln_act(act, g);
+                } else if (epi == MK_EPI_RESIDUAL) {
+                    v = res[(size_t)b * rs + r] + g;
+                } else if (epi == MK_EPI_SOFTCAP) {
+                    v = cap * tanhf(g / cap);
+                }
+                out[(size_t)b * os + r] = v;
+            }
+        }
+    }
+}
+
+// out[b] = norm(x[b]) (* weight), whole row.
+__device__ __noinline__ void mk_rms_norm(const float* x, int xs, int n, int batch,
+                                         const __nv_bfloat16* __restrict__ nw, float eps,
+                                         float* out, int os) {
+    __shared__ float inv[MK_MAX_BATCH];
+    mk_inv_rms(x, xs, n, batch, 1, eps, inv);
+    for (int b = 0; b < batch; ++b)
+        for (int c = threadIdx.x; c < n; c += blockDim.x) {
+            const float v = x[(size_t)b * xs + c] * inv[b];
+            out[(size_t)b * os + c] = nw ? v * __bfloat162float(nw[c]) : v;
+        }
+}
+
+// Columns [c0, c1) of the embedding rows of tokens[b].
+__device__ __noinline__ void mk_embed(const __nv_bfloat16* __restrict__ table, int dim,
+                                      const int* tokens, int batch, int c0, int c1, float* out) {
+    for (int b = 0; b < batch; ++b) {
+        const __nv_bfloat16* row = table + (size_t)tokens[b] * dim;
+        for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x)
+            out[(size_t)b * dim + c] = __bfloat162float(row[c]);
+    }
+}
+
+// Rotates one head of `in` into `out` at each row's position (as cuda/rope.cu).
+__device__ __forceinline__ void mk_rope_head(const float* in, int is, float* out, int os,
+                                             int head_dim, const int* pos,
+                                             const float* __restrict__ inv_freq, int style,
+                                             int batch) {
+    const int half = head_dim / 2;
+    for (int idx = threadIdx.x; idx < batch * half; idx += blockDim.x) {
+        const int b = idx / half, i = idx % half;
+        const float a = (float)pos[b] * inv_freq[i];
+        const float c = (float)cos((double)a), s = (float)sin((double)a);
+        const int i0 = style == 1 ? 2 * i : i;
+        const int i1 = style == 1 ? 2 * i + 1 : i + half;
+        const float p = in[(size_t)b * is + i0], q = in[(size_t)b * is + i1];
+        if (style == 2) {
+            out[(size_t)b * os + i0] = p * c + q * s;
+            out[(size_t)b * os + i1] = q * c - p * s;
+        } else {
+            out[(size_t)b * os + i0] = p * c - q * s;
+            out[(size_t)b * os + i1] = q * c + p * s;
+        }
+    }
+}
+
+__device__ __noinline__ void mk_rope(const float* in, int is, float* out, int os, int head_dim,
+                                     const int* pos, const float* __restrict__ inv_freq,
+                                     int style, int batch) {
+    mk_rope_head(in, is, out, os, head_dim, pos, inv_freq, style, batch);
+}
+
+// Per-head RMSNorm (no weight) times scale, one head.
+__device__ __noinline__ void mk_head_norm(const float* in, int is, float* out, int os,
+                                          int head_dim, float eps, float scale, int batch) {
+    __shared__ float inv[MK_MAX_BATCH];
+    mk_inv_rms(in, is, head_dim, batch, 1, eps, inv);
+    for (int idx = threadIdx.x; idx < batch * head_dim; idx += blockDim.x) {
+        const int b = idx / head_dim, c = idx % head_dim;
+        out[(size_t)b * os + c] = in[(size_t)b * is + c] * inv[b] * scale;
+    }
+}
+
+// Writes kv head g of this step's k (rotated when rope) and v into the cache at pos[b].
+// k_layer / v_layer: the layer's block `[slot][kv_head][capacity][head_dim]`.
+__device__ __noinline__ void mk_kv_append(const float* k, const float* v, int ks, int vs,
+                                          __nv_bfloat16* k_layer, __nv_bfloat16* v_layer, int g,
+                                          int kv_heads, int head_dim, int capacity,
+                                          const int* slots, const int* pos,
+                                          const float* __restrict__ inv_freq, int style, int rope,
+                                          int batch) {
+    __shared__ float kr[MK_MAX_BATCH * ATT_MAX_D];
+    if (rope) {
+        mk_rope_head(k, ks, kr, ATT_MAX_D, head_dim, pos, inv_freq, style, batch);
+    } else {
+        for (int idx = threadIdx.x; idx < batch * head_dim; idx += blockDim.x) {
+            const int b = idx / head_dim, c = idx % head_dim;
+            kr[b * ATT_MAX_D + c] = k[(size_t)b * ks + c];
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < batch * head_dim; idx += blockDim.x) {
+        const int b = idx / head_dim, c = idx % head_dim;
+        const size_t row = kv_row(slots[b], g, pos[b], kv_heads, capacity, head_dim);
+        k_layer[row + c] = __float2bfloat16(kr[b * ATT_MAX_D + c]);
+        v_layer[row + c] = __float2bfloat16(v[(size_t)b * vs + c]);
+    }
+}
+
+// One query head over keys [max(0, pos - window), pos] of its KV head: the block's warps split
+// the keys (warp w takes key tiles w, w + MK_WARPS, ...) and merge their softmax states.
+__device__ __noinline__ void mk_attention(const float* q, int qs, float* out, int os,
+                                          const __nv_bfloat16* k_layer,
+                                          const __nv_bfloat16* v_layer, int g, int kv_heads,
+                                          int head_dim, int capacity, float scale, int window,
+                                          const int* slots, const int* pos, int batch) {
+    __shared__ float qsh[ATT_MAX_D];
+    __shared__ float wm[MK_WARPS], wl[MK_WARPS];
+    __shared__ float wacc[MK_WARPS][ATT_MAX_D];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int b = 0; b < batch; ++b) {
+        for (int c = threadIdx.x; c < head_dim; c += blockDim.x) qsh[c] = q[(size_t)b * qs + c];
+        __syncthreads();
+        const int p = pos[b];
+        const int lo = window >= 0 ? max(0, p - window) : 0;
+        const size_t base = kv_row(slots[b], g, 0, kv_heads, capacity, head_dim);
+        float m = KILN_NEG_INF, l = 0.0f, acc[ATT_PER_LANE];
+#pragma unroll
+        for (int i = 0; i < ATT_PER_LANE; ++i) acc[i] = 0.0f;
+        attend_tiles(qsh, k_layer + base, v_layer + base, head_dim, scale, lo, p + 1, warp,
+                     MK_WARPS, m, l, acc);
+        if (lane == 0) {
+            wm[warp] = m;
+            wl[warp] = l;
+        }
+#pragma unroll
+        for (int i = 0; i < ATT_PER_LANE; ++i) {
+            const int c = lane + 32 * i;
+            if (c < head_dim) wacc[warp][c] = acc[i];
+        }
+        __syncthreads();
+        float mm = KILN_NEG_INF;
+        for (int w = 0; w < MK_WARPS; ++w) mm = fmaxf(mm, wm[w]);
+        float ll = 0.0f;
+        for (int w = 0; w < MK_WARPS; ++w)
+            if (wm[w] != KILN_NEG_INF) ll += wl[w] * expf(wm[w] - mm);
+        for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
+            float s = 0.0f;
+            for (int w = 0; w < MK_WARPS; ++w)
+                if (wm[w] != KILN_NEG_INF) s += wacc[w][c] * expf(wm[w] - mm);
+            out[(size_t)b * os + c] = s / ll;
+        }
+        __syncthreads();
+    }
+}
+
+// Picks tokens[b] from logits[b]: greedy (temperature <= 0) = first maximum; otherwise one
+// Philox draw u = kiln_uniform(seed, b, pos[b] + 1) inverts the softmax CDF at `temperature`
+// (top-k / top-p are not implemented in the megakernel yet).
+__device__ __noinline__ void mk_sample(const float* logits, int ls, int vocab, int batch,
+                                       float temperature, unsigned long long seed,
+                                       const int* pos, int* tokens) {
+    __shared__ float sv[MK_THREADS];
+    __shared__ int si[MK_THREADS];
+    for (int b = 0; b < batch; ++b) {
+        const float* l = logits + (size_t)b * ls;
+        float best = KILN_NEG_INF;
+        int bi = 0x7fffffff;
+        for (int c = threadIdx.x; c < vocab; c += blockDim.x)
+            if (l[c] > best) {
+                best = l[c];
+                bi = c;
+            }
+        sv[threadIdx.x] = best;
+        si[threadIdx.x] = bi;
+        __syncthreads();
+        for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+            if (threadIdx.x < s) {
+                const float ov = sv[threadIdx.x + s];
+                const int oi = si[threadIdx.x + s];
+                if (ov > sv[threadIdx.x] || (ov == sv[threadIdx.x] && oi < si[threadIdx.x])) {
+                    sv[threadIdx.x] = ov;
+                    si[threadIdx.x] = oi;
+                }
+            }
+            __syncthreads();
+        }
+        const float mx = sv[0];
+        int pick = si[0] == 0x7fffffff ? 0 : si[0];
+        __syncthreads();
+        if (temperature > 0.0f) {
+            // Contiguous chunks per thread so the CDF is in index order.
+            const int chunk = (vocab + blockDim.x - 1) / blockDim.x;
+            const int c0 = threadIdx.x * chunk, c1 = min(vocab, c0 + chunk);
+            float s = 0.0f;
+            for (int c = c0; c < c1; ++c) s += expf((l[c] - mx) / temperature);
+            sv[threadIdx.x] = s;
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                float total = 0.0f;
+                for (int t = 0; t < (int)blockDim.x; ++t) total += sv[t];
+                const float u = kiln_uniform(seed, (u32)b, (u64)(pos[b] + 1)) * total;
+                float run = 0.0f;
+                int t = 0;
+                while (t + 1 < (int)blockDim.x && run + sv[t] <= u) run += sv[t++];
+                int c = t * chunk, last = c;
+                for (; c < min(vocab, (t + 1) * chunk); ++c) {
+                    const float e = expf((l[c] - mx) / temperature);
+                    last = c;
+                    if (run + e > u) break;
+                    run += e;
+                }
+                pick = min(c, last);
+                si[0] = pick;
+            }
+            __syncthreads();
+            pick = si[0];
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) tokens[b] = pick;
+        __syncthreads();
+    }
+}

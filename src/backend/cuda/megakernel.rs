@@ -1,0 +1,302 @@
+//! Lowering the CPU decode [`ExecutionPlan`] to a [`DecodeProgram`] for the decode megakernel
+//! (`kiln-codegen`), and generating its CUDA C. Pure Rust: no `cuda` feature, no GPU.
+//!
+//! Each plan value gets its own buffer (the program is single-assignment); `LastRow` is an
+//! alias (one token row per sequence in decode); a `Rope` feeding only an attention's keys is
+//! fused into `RopeKvAppend`; a `Softcap` of the logits is fused into `LmHead`; the program ends
+//! with `Sample` and `StepEnd`. Ops not lowered yet (`Add`, `Combine`, `Mul`, standalone `Act`,
+//! `GatedValueAdd`, `Smear`, matmul biases) are a [`LowerError::Unsupported`] naming the op.
+//!
+//! The generated kernel is UNVERIFIED on a GPU: it compiles with NVRTC
+//! (`tests/nvrtc_megakernel.rs`) and has never been executed; no runtime launches it yet.
+
+use std::collections::HashMap;
+
+use kiln_codegen::{
+    Act, ColRange, DecodeProgram, Instr, LowerError, NormSpec, RopeStyle, SampleMode, Schedule,
+    TileConfig,
+};
+
+use crate::graph::{Activation, Epilogue, Norm, Op, Value};
+use crate::model::RopeStyle as ModelRope;
+use crate::plan::ExecutionPlan;
+
+fn act(a: Activation) -> Act {
+    match a {
+        Activation::Silu => Act::Silu,
+        Activation::ReluSquared => Act::ReluSquared,
+    }
+}
+
+/// Lowers a decode plan to a program for `batch` sequences.
+pub fn lower_decode(
+    plan: &ExecutionPlan,
+    batch: usize,
+    mode: SampleMode,
+) -> Result<DecodeProgram, LowerError> {
+    let g = &plan.graph;
+    let style = match g.rope.style {
+        ModelRope::HalfSplit => RopeStyle::HalfSplit,
+        ModelRope::Interleaved => RopeStyle::Interleaved,
+        ModelRope::HalfSplitNegated => RopeStyle::HalfSplitNegated,
+    };
+    let mut p = DecodeProgram::new(batch, style);
+    p.layers = g.kv.layers;
+    p.kv_heads = g.kv.kv_heads;
+    p.head_dim = g.kv.head_dim;
+    p.vocab = g.vocab_size;
+    let uses = g.use_counts();
+    let mut val: HashMap<Value, ColRange> = HashMap::new();
+    // Rope nodes fused into the KV append (their input, by node).
+    let mut fused_rope: HashMap<usize, Value> = HashMap::new();
+    let unsupported = |op: &Op, label: &str| LowerError::Unsupported {
+        op: op.name().to_string(),
+        label: label.to_string(),
+    };
+    let get = |val: &HashMap<Value, ColRange>, v: Value| {
+        val.get(&v)
+            .copied()
+            .ok_or_else(|| LowerError::Invalid(format!("value {v:?} not lowered")))
+    };
+    let norm_spec = |p: &mut DecodeProgram, n: &Option<Norm>, cols: usize| {
+        n.as_ref().map(|n| NormSpec {
+            weight: n.weight.as_ref().map(|w| p.weight(w, 1, cols)),
+            eps: n.eps,
+        })
+    };
+    for ins in &plan.instrs {
+        let id = ins.node;
+        let node = &g.nodes[id];
+        let label = node.label.as_str();
+        let input = |k: usize| get(&val, node.inputs[k]);
+        let single_out = |p: &mut DecodeProgram, val: &mut HashMap<Value, ColRange>| {
+            let cols = node.outputs[0].cols;
+            let b = p.buffer(label, cols);
+            val.insert(Value::new(id, 0), ColRange::whole(b, cols));
+            b
+        };
+        match &node.op {
+            Op::TokenIds => {}
+            Op::Embed { table, dim, .. } => {
+                let t = p.weight(table, g.vocab_size, *dim);
+                let out = single_out(&mut p, &mut val);
+                p.instrs.push(Instr::Embed { table: t, out });
+            }
+            Op::RmsNorm(n) => {
+                let x = input(0)?;
+                let norm = norm_spec(&mut p, &Some(n.clone()), x.cols).expect("some");
+                let out = single_out(&mut p, &mut val);
+                p.instrs.push(Instr::RmsNorm {
+                    norm,
+                    input: x,
+                    out,
+                });
+            }
+            Op::MatMul {
+                linears,
+                norm,
+                epilogue,
+            } => {
+                if linears.iter().any(|l| l.bias.is_some()) {
+                    return Err(LowerError::Unsupported {
+                        op: "matmul with bias".into(),
+                        label: label.into(),
+                    });
+                }
+                let x = input(0)?;
+                let nspec = norm_spec(&mut p, norm, x.cols);
+                let ws: Vec<usize> = linears
+                    .iter()
+                    .map(|l| p.weight(&l.weight, l.out, l.inp))
+                    .collect();
+                // The logits: the matmul the graph output is (or whose softcap it is).
+                let out_node = g.output.node;
+                let softcap_of_this = match &g.nodes[out_node].op {
+                    Op::Softcap { cap } if g.nodes[out_node].inputs[0] == Value::new(id, 0) => {
+                        Some(*cap)
+                    }
+                    _ => None,
+                };
+                let is_logits = out_node == id || softcap_of_this.is_some();
+                match epilogue {
+                    _ if is_logits && linears.len() == 1 && *epilogue == Epilogue::None => {
+                        let out = single_out(&mut p, &mut val);
+                        if softcap_of_this.is_some() {
+                            val.insert(g.output, ColRange::whole(out, linears[0].out));
+                        }
+                        p.instrs.push(Instr::LmHead {
+                            norm: nspec,
+                            weight: ws[0],
+                            input: x,
+                            out,
+                            softcap: softcap_of_this,
+                        });
+                    }
+                    Epilogue::None | Epilogue::Activation(_) => {
+                        let total: usize = linears.iter().map(|l| l.out).sum();
+                        let b = p.buffer(label, total);
+                        let mut col = 0;
+                        for (port, l) in linears.iter().enumerate() {
+                            let r = ColRange {
+                                buf: b,
+                                col,
+                                cols: l.out,
+                            };
+                            if node.outputs.len() == linears.len() {
+                                val.insert(Value::new(id, port), r);
+                            }
+                            col += l.out;
+                        }
+                        if node.outputs.len() != linears.len() {
+                            val.insert(Value::new(id, 0), ColRange::whole(b, total));
+                        }
+                        p.instrs.push(Instr::NormMatvec {
+                            norm: nspec,
+                            weights: ws,
+                            input: x,
+                            out: b,
+                            act: match epilogue {
+                                Epilogue::Activation(a) => Some(act(*a)),
+                                _ => None,
+                            },
+                        });
+                    }
+                    Epilogue::ResidualAdd if linears.len() == 1 && norm.is_none() => {
+                        let residual = input(1)?;
+                        let out = single_out(&mut p, &mut val);
+                        p.instrs.push(Instr::MatvecResidual {
+                            weight: ws[0],
+                            input: x,
+                            residual,
+                            out,
+                        });
+                    }
+                    Epilogue::Gated(a) if linears.len() == 2 => {
+                        let out = single_out(&mut p, &mut val);
+                        p.instrs.push(Instr::GatedMlp {
+                            norm: nspec,
+                            gate: ws[0],
+                            up: ws[1],
+                            act: act(*a),
+                            input: x,
+                            out,
+                        });
+                    }
+                    _ => return Err(unsupported(&node.op, label)),
+                }
+            }
+            Op::Rope { heads, head_dim } => {
+                // Fused into the KV append when its only reader is an attention's key input.
+                let v = Value::new(id, 0);
+                let only_key = uses[id] == 1
+                    && g.uses(v)
+                        .iter()
+                        .all(|&(n, k)| k == 1 && matches!(g.nodes[n].op, Op::Attention { .. }));
+                if only_key {
+                    fused_rope.insert(id, node.inputs[0]);
+                    continue;
+                }
+                let x = input(0)?;
+                let out = single_out(&mut p, &mut val);
+                p.instrs.push(Instr::Rope {
+                    heads: *heads,
+                    head_dim: *head_dim,
+                    input: x,
+                    out,
+                });
+            }
+            Op::HeadNorm {
+                heads,
+                head_dim,
+                eps,
+                scale,
+            } => {
+                let x = input(0)?;
+                let out = single_out(&mut p, &mut val);
+                p.instrs.push(Instr::HeadNorm {
+                    heads: *heads,
+                    head_dim: *head_dim,
+                    eps: *eps,
+                    scale: *scale,
+                    input: x,
+                    out,
+                });
+            }
+            Op::Attention {
+                layer,
+                heads,
+                kv_heads,
+                head_dim,
+                scale,
+                window,
+            } => {
+                let q = input(0)?;
+                let kv = node.inputs[1];
+                let (k, rope) = match fused_rope.get(&kv.node) {
+                    Some(&pre) => (get(&val, pre)?, true),
+                    None => (input(1)?, false),
+                };
+                let v = input(2)?;
+                p.instrs.push(Instr::RopeKvAppend {
+                    layer: *layer,
+                    kv_heads: *kv_heads,
+                    head_dim: *head_dim,
+                    k,
+                    v,
+                    rope,
+                });
+                let out = single_out(&mut p, &mut val);
+                p.instrs.push(Instr::AttentionDecode {
+                    layer: *layer,
+                    heads: *heads,
+                    kv_heads: *kv_heads,
+                    head_dim: *head_dim,
+                    scale: *scale,
+                    window: *window,
+                    q,
+                    out,
+                });
+            }
+            Op::LastRow => {
+                let x = input(0)?;
+                val.insert(Value::new(id, 0), x);
+            }
+            Op::Softcap { .. } if val.contains_key(&Value::new(id, 0)) => {}
+            Op::Add
+            | Op::Combine { .. }
+            | Op::GatedValueAdd { .. }
+            | Op::Smear { .. }
+            | Op::Mul
+            | Op::Act(_)
+            | Op::Softcap { .. } => return Err(unsupported(&node.op, label)),
+        }
+    }
+    let logits = get(&val, g.output)?;
+    p.instrs.push(Instr::Sample { logits, mode });
+    p.instrs.push(Instr::StepEnd);
+    p.validate()?;
+    Ok(p)
+}
+
+/// A lowered program, its schedule and the full NVRTC-ready source.
+pub struct Megakernel {
+    pub program: DecodeProgram,
+    pub schedule: Schedule,
+    pub source: String,
+}
+
+/// Lowers, schedules (default tile sizes) and emits.
+pub fn generate(
+    plan: &ExecutionPlan,
+    batch: usize,
+    mode: SampleMode,
+) -> Result<Megakernel, LowerError> {
+    let program = lower_decode(plan, batch, mode)?;
+    let schedule = Schedule::build(&program, TileConfig::default());
+    let source = kiln_codegen::emit_source(&program, &schedule);
+    Ok(Megakernel {
+        program,
+        schedule,
+        source,
+    })
+}
