@@ -26,6 +26,10 @@ pub enum Stage {
     Passes,
     /// The execution plan lowered from the optimised graph.
     Plan,
+    /// The decode plan lowered to a `DecodeProgram` and its tile schedule (batch 1, greedy).
+    Megakernel,
+    /// The CUDA C source generated for that program (unverified on a GPU).
+    Cuda,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -128,7 +132,7 @@ pub fn dump(model: &Model, opts: &DumpOptions) -> Result<Vec<DumpFile>, LoadErro
             Phase::Decode => "decode",
             Phase::Prefill => "prefill",
         };
-        let plan = ExecutionPlan::lower(g, opts.phase);
+        let plan = ExecutionPlan::lower(g.clone(), opts.phase);
         files.push(render_plan(
             &format!("plan-{phase}"),
             &plan,
@@ -136,7 +140,50 @@ pub fn dump(model: &Model, opts: &DumpOptions) -> Result<Vec<DumpFile>, LoadErro
             opts.format,
         ));
     }
+    // The program, its schedule and CUDA C have a text form only.
+    if (want(Stage::Megakernel) || want(Stage::Cuda)) && opts.format == Format::Text {
+        files.extend(render_megakernel(&g, opts.stage));
+    }
     Ok(files)
+}
+
+/// The megakernel stages: the program with its schedule, and the generated source. A model
+/// whose decode plan uses ops the lowering does not cover yet gets a stage that says which.
+fn render_megakernel(g: &crate::graph::Graph, stage: Stage) -> Vec<DumpFile> {
+    use crate::backend::cuda::megakernel::generate;
+    use kiln_codegen::SampleMode;
+    let plan = ExecutionPlan::lower(g.clone(), Phase::Decode);
+    let both = stage == Stage::All;
+    let mut out = Vec::new();
+    match generate(&plan, 1, SampleMode::Greedy) {
+        Ok(mk) => {
+            if both || stage == Stage::Megakernel {
+                let mut s = String::from("# megakernel-program (decode, batch 1, greedy)\n");
+                for (i, ins) in mk.program.instrs.iter().enumerate() {
+                    let _ = writeln!(s, "i{i}: {ins:?}");
+                }
+                let _ = write!(s, "{}", mk.schedule);
+                out.push(DumpFile {
+                    name: "megakernel-program".into(),
+                    ext: "txt",
+                    contents: s,
+                });
+            }
+            if both || stage == Stage::Cuda {
+                out.push(DumpFile {
+                    name: "megakernel".into(),
+                    ext: "cu",
+                    contents: mk.source,
+                });
+            }
+        }
+        Err(e) => out.push(DumpFile {
+            name: "megakernel-program".into(),
+            ext: "txt",
+            contents: format!("# megakernel-program\nnot lowered: {e}\n"),
+        }),
+    }
+    out
 }
 
 /// Joins the files for one stream: text and DOT with a `==> name <==` line before each stage

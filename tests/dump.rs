@@ -189,6 +189,8 @@ fn cli_writes_one_file_per_stage() {
             "03-after-fuse-gated-activation.txt",
             "04-after-fuse-activation.txt",
             "05-after-fuse-residual-add.txt",
+            "megakernel-program.txt",
+            "megakernel.cu",
             "plan-decode.txt",
         ]
     );

@@ -10,7 +10,7 @@
 //! `tokens`, the buffer the next step's embedding reads.
 //!
 //! UNVERIFIED on a GPU: the generated source compiles with NVRTC for sm_80 and sm_90 (kiln's
-//! `tests/nvrtc_megakernel.rs`), nothing of it has been executed.
+//! `tests/megakernel.rs`), nothing of it has been executed.
 
 use std::fmt::Write;
 

@@ -24,6 +24,10 @@ enum StageArg {
     Passes,
     /// The execution plan for --phase (plan-<phase>).
     Plan,
+    /// The decode megakernel's program and tile schedule (megakernel-program).
+    Megakernel,
+    /// The megakernel's generated CUDA C (megakernel.cu; never run on a GPU yet).
+    Cuda,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -52,8 +56,9 @@ each pass of the default pipeline, and the execution plan (instructions, buffers
 peak activation bytes). Costs (bytes moved, flops) are for one step: decode is one sequence of \
 one token attending over --context cached positions; prefill is one sequence of --tokens tokens. \
 Output is deterministic, for diffing two compiler versions.\n\n\
-Only the CPU pipeline exists today: the CUDA megakernel and its generated-source stages are \
-not implemented yet, so there is nothing to dump for them."
+The megakernel stages show the decode plan lowered to kiln-codegen's program, its tile \
+schedule (each tile's waits on dependency counters) and the generated CUDA C; that kernel \
+compiles under NVRTC but has not run on a GPU yet."
 )]
 struct Args {
     /// Model: a Hugging Face directory or a .gguf file.
@@ -92,6 +97,8 @@ fn run() -> Result<()> {
             StageArg::Graph => Stage::Graph,
             StageArg::Passes => Stage::Passes,
             StageArg::Plan => Stage::Plan,
+            StageArg::Megakernel => Stage::Megakernel,
+            StageArg::Cuda => Stage::Cuda,
         },
         format: match args.format {
             FormatArg::Text => Format::Text,
