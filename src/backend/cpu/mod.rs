@@ -229,39 +229,14 @@ impl CpuBackend {
         rows: &[TokenRow],
         logits: &mut Vec<f32>,
     ) -> Result<usize, ExecError> {
-        if tokens.is_empty() || tokens.len() != rows.len() {
-            return Err(ExecError::BadStep {
-                tokens: tokens.len(),
-                rows: rows.len(),
-            });
-        }
-        let vocab = self.config.vocab_size;
-        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
-            return Err(ExecError::BadToken { id, vocab });
-        }
-        // Each slot's tokens must continue its cache contiguously, and fit.
-        let mut next: HashMap<usize, usize> = HashMap::new();
-        for r in rows {
-            if r.slot >= kv.slots() {
-                return Err(KvError::NoSlot {
-                    slot: r.slot,
-                    slots: kv.slots(),
-                }
-                .into());
-            }
-            let expected = next.entry(r.slot).or_insert(kv.len(r.slot));
-            if r.pos != *expected {
-                return Err(ExecError::BadPosition {
-                    slot: r.slot,
-                    expected: *expected,
-                    found: r.pos,
-                });
-            }
-            *expected += 1;
-        }
-        for (&slot, &end) in &next {
-            kv.reserve(slot, end - kv.len(slot))?;
-        }
+        let next = super::check_step(
+            self.config.vocab_size,
+            tokens,
+            rows,
+            kv.slots(),
+            kv.capacity(),
+            |slot| kv.len(slot),
+        )?;
         let plan = self.plan(kind);
         let n = self
             .pool

@@ -19,7 +19,6 @@ use super::kernels::SOURCES;
 use super::nvrtc::{self, NvrtcError};
 use crate::backend::cpu::{compile_graph, ExecError, PlanKind, TokenRow};
 use crate::graph::{Activation, Epilogue, KvSpec, Linear, Op, Rows};
-use crate::kv::KvError;
 use crate::model::arch::LogitRows;
 use crate::model::{LoadError, ModelConfig, RopeStyle, Weights};
 use crate::plan::{ExecutionPlan, Phase, Slot};
@@ -397,48 +396,14 @@ impl CudaBackend {
         rows: &[TokenRow],
         logits: &mut Vec<f32>,
     ) -> Result<usize, CudaError> {
-        if tokens.is_empty() || tokens.len() != rows.len() {
-            return Err(ExecError::BadStep {
-                tokens: tokens.len(),
-                rows: rows.len(),
-            }
-            .into());
-        }
-        let vocab = self.config.vocab_size;
-        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
-            return Err(ExecError::BadToken { id, vocab }.into());
-        }
-        let mut next: HashMap<usize, usize> = HashMap::new();
-        for r in rows {
-            if r.slot >= kv.slots {
-                let e = KvError::NoSlot {
-                    slot: r.slot,
-                    slots: kv.slots,
-                };
-                return Err(ExecError::from(e).into());
-            }
-            let expected = next.entry(r.slot).or_insert(kv.lens[r.slot]);
-            if r.pos != *expected {
-                return Err(ExecError::BadPosition {
-                    slot: r.slot,
-                    expected: *expected,
-                    found: r.pos,
-                }
-                .into());
-            }
-            *expected += 1;
-        }
-        for (&slot, &end) in &next {
-            if end > kv.capacity {
-                let e = KvError::Full {
-                    slot,
-                    len: kv.lens[slot],
-                    capacity: kv.capacity,
-                    needed: end - kv.lens[slot],
-                };
-                return Err(ExecError::from(e).into());
-            }
-        }
+        let next = crate::backend::check_step(
+            self.config.vocab_size,
+            tokens,
+            rows,
+            kv.slots,
+            kv.capacity,
+            |slot| kv.lens[slot],
+        )?;
         let n = self.run(self.plan(kind), ws, kv, tokens, rows, logits)?;
         for (&slot, &end) in &next {
             kv.lens[slot] = end;
