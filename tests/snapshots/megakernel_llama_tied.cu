@@ -24,6 +24,17 @@
 #define MK_KV_HEADS 2
 #define MK_HEAD_DIM 16
 #define MK_ROPE_STYLE 0
+#define MK_NARGS 16
+#define MK_NFARGS 2
+#define MK_K_EMBED 0
+#define MK_K_RMS_NORM 1
+#define MK_K_MATVEC 2
+#define MK_K_ROPE 3
+#define MK_K_HEAD_NORM 4
+#define MK_K_KV_APPEND 5
+#define MK_K_ATTENTION 6
+#define MK_K_SAMPLE 7
+#define MK_K_STEP_END 8
 // Per tile: instruction, segment, lo, hi.
 __device__ const int mk_tiles[249] = {
     0, 0, 0, 64, 1, 0, 0, 32, 1, 0, 32, 64, 1, 1, 0, 32, 
@@ -63,7 +74,67 @@ __device__ const int mk_waits[177] = {
     14, 2, 14, 2, 14, 2, 14, 2, 14, 2, 14, 2, 14, 2, 0, 1, 
     15, 13, 2, 4, 3, 2, 4, 4, 9, 4, 10, 2, 11, 4, 16, 1, 
     0};
-#define W(i) (wt[i])
+// First argument row of each instruction (its segments follow).
+__device__ const int mk_arg_row[19] = {
+    0, 1, 4, 5, 6, 7, 8, 9, 10, 13, 14, 15, 16, 17, 18, 19, 
+    20, 21, 
+    0};
+// Per row: kind, then ints (weight index or activation offset, -1 for none; strides,
+// sizes, flags). Matvec: w, up, k, x, xs, nw, use_norm, out, os, res, rs, epi, act.
+__device__ const int mk_args[368] = {
+    0, 0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, // i0: embed
+    2, 2, -1, 64, 0, 64, 1, 1, 64, 128, -1, 0, 0, 0, 0, 0, // i1: norm_matvec seg 0
+    2, 3, -1, 64, 0, 64, 1, 1, 128, 128, -1, 0, 0, 0, 0, 0, // i1: norm_matvec seg 1
+    2, 4, -1, 64, 0, 64, 1, 1, 160, 128, -1, 0, 0, 0, 0, 0, // i1: norm_matvec seg 2
+    3, 64, 128, 192, 64, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, // i2: rope
+    5, 128, 160, 128, 128, 0, 2, 16, 1, 0, 0, 0, 0, 0, 0, 0, // i3: rope_kv_append
+    6, 192, 64, 256, 64, 0, 2, 2, 16, -1, 0, 0, 0, 0, 0, 0, // i4: attention_decode
+    2, 5, -1, 64, 256, 64, -1, 0, 320, 64, 0, 64, 2, 0, 0, 0, // i5: matvec_residual
+    2, 7, 8, 64, 320, 64, 6, 1, 384, 160, -1, 0, 0, 0, 0, 0, // i6: gated_mlp
+    2, 9, -1, 160, 384, 160, -1, 0, 544, 64, 320, 64, 2, 0, 0, 0, // i7: matvec_residual
+    2, 11, -1, 64, 544, 64, 10, 1, 608, 128, -1, 0, 0, 0, 0, 0, // i8: norm_matvec seg 0
+    2, 12, -1, 64, 544, 64, 10, 1, 672, 128, -1, 0, 0, 0, 0, 0, // i8: norm_matvec seg 1
+    2, 13, -1, 64, 544, 64, 10, 1, 704, 128, -1, 0, 0, 0, 0, 0, // i8: norm_matvec seg 2
+    3, 608, 128, 736, 64, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, // i9: rope
+    5, 672, 704, 128, 128, 1, 2, 16, 1, 0, 0, 0, 0, 0, 0, 0, // i10: rope_kv_append
+    6, 736, 64, 800, 64, 1, 2, 2, 16, -1, 0, 0, 0, 0, 0, 0, // i11: attention_decode
+    2, 14, -1, 64, 800, 64, -1, 0, 864, 64, 544, 64, 2, 0, 0, 0, // i12: matvec_residual
+    2, 16, 17, 64, 864, 64, 15, 1, 928, 160, -1, 0, 0, 0, 0, 0, // i13: gated_mlp
+    2, 18, -1, 160, 928, 160, -1, 0, 1088, 64, 864, 64, 2, 0, 0, 0, // i14: matvec_residual
+    2, 0, -1, 64, 1088, 64, 19, 1, 1152, 400, -1, 0, 0, 0, 0, 0, // i15: lm_head
+    7, 1152, 400, 400, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, // i16: sample
+    8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, // i17: step_end
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 
+};
+// Per row: floats (matvec: eps, softcap; rms_norm: eps; head_norm: eps, scale;
+// attention: scale).
+__device__ const float mk_fargs[46] = {
+    0.0f, 0.0f, // i0: embed
+    1e-5f, 0.0f, // i1: norm_matvec seg 0
+    1e-5f, 0.0f, // i1: norm_matvec seg 1
+    1e-5f, 0.0f, // i1: norm_matvec seg 2
+    0.0f, 0.0f, // i2: rope
+    0.0f, 0.0f, // i3: rope_kv_append
+    0.25f, 0.0f, // i4: attention_decode
+    0.0f, 0.0f, // i5: matvec_residual
+    1e-5f, 0.0f, // i6: gated_mlp
+    0.0f, 0.0f, // i7: matvec_residual
+    1e-5f, 0.0f, // i8: norm_matvec seg 0
+    1e-5f, 0.0f, // i8: norm_matvec seg 1
+    1e-5f, 0.0f, // i8: norm_matvec seg 2
+    0.0f, 0.0f, // i9: rope
+    0.0f, 0.0f, // i10: rope_kv_append
+    0.25f, 0.0f, // i11: attention_decode
+    0.0f, 0.0f, // i12: matvec_residual
+    1e-5f, 0.0f, // i13: gated_mlp
+    0.0f, 0.0f, // i14: matvec_residual
+    1e-5f, 0.0f, // i15: lm_head
+    0.0f, 0.0f, // i16: sample
+    0.0f, 0.0f, // i17: step_end
+    0.0f, 0.0f, 
+};
+#define W(i) ((i) < 0 ? nullptr : wt[i])
+#define A(i) ((i) < 0 ? nullptr : act + (i))
 extern "C" __global__ void __launch_bounds__(MK_THREADS)
 kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt, float* act,
 __nv_bfloat16* k_cache, __nv_bfloat16* v_cache, int num_slots, int capacity,
@@ -73,85 +144,61 @@ unsigned long long seed) {
 __shared__ unsigned epoch_sh;
 if (threadIdx.x == 0) epoch_sh = mk_ld_acquire(epoch_ctr) + 1u;
 __syncthreads();
-const unsigned e = epoch_sh;
-const size_t layer_elems = (size_t)num_slots * MK_KV_HEADS * capacity * MK_HEAD_DIM;
-(void)layer_elems;
+// Only `t` lives across the tile calls: the epoch stays in shared memory, the instruction is
+// reloaded for the signal, the cache layer size is recomputed (fewer callee-saved registers).
 for (int t = blockIdx.x; t < MK_TILES; t += gridDim.x) {
-mk_wait(counters, mk_waits + 2 * mk_wait_start[t], mk_wait_start[t + 1] - mk_wait_start[t], e);
+mk_wait(counters, mk_waits + 2 * mk_wait_start[t], mk_wait_start[t + 1] - mk_wait_start[t], epoch_sh);
 const int op = mk_tiles[4 * t], seg = mk_tiles[4 * t + 1];
 const int lo = mk_tiles[4 * t + 2], hi = mk_tiles[4 * t + 3];
-(void)seg;
-switch (op) {
-        case 0: // embed
-            mk_embed(W(0), 64, tokens, 1, lo, hi, (act + 0));
-            break;
-        case 1: // norm_matvec
-            switch (seg) {
-            case 0: mk_matvec(W(2), nullptr, lo, hi, 64, (act + 0), 64, 1, W(1), 1, 1e-5f, (act + 64), 128, nullptr, 0, MK_EPI_NONE, 0, 0.0f); break;
-            case 1: mk_matvec(W(3), nullptr, lo, hi, 64, (act + 0), 64, 1, W(1), 1, 1e-5f, (act + 128), 128, nullptr, 0, MK_EPI_NONE, 0, 0.0f); break;
-            case 2: mk_matvec(W(4), nullptr, lo, hi, 64, (act + 0), 64, 1, W(1), 1, 1e-5f, (act + 160), 128, nullptr, 0, MK_EPI_NONE, 0, 0.0f); break;
-            default: break;
-            }
-            break;
-        case 2: // rope
-            mk_rope((act + 64) + lo * 16, 128, (act + 192) + lo * 16, 64, 16, pos, inv_freq, MK_ROPE_STYLE, 1);
-            break;
-        case 3: // rope_kv_append
-            mk_kv_append((act + 128) + lo * 16, (act + 160) + lo * 16, 128, 128, k_cache + 0 * layer_elems, v_cache + 0 * layer_elems, lo, 2, 16, capacity, slots, pos, inv_freq, MK_ROPE_STYLE, 1, 1);
-            break;
-        case 4: // attention_decode
-            mk_attention((act + 192) + lo * 16, 64, (act + 256) + lo * 16, 64, k_cache + 0 * layer_elems, v_cache + 0 * layer_elems, lo / 2, 2, 16, capacity, 0.25f, -1, slots, pos, 1);
-            break;
-        case 5: // matvec_residual
-            mk_matvec(W(5), nullptr, lo, hi, 64, (act + 256), 64, 1, nullptr, 0, 0.0f, (act + 320), 64, (act + 0), 64, MK_EPI_RESIDUAL, 0, 0.0f);
-            break;
-        case 6: // gated_mlp
-            mk_matvec(W(7), W(8), lo, hi, 64, (act + 320), 64, 1, W(6), 1, 1e-5f, (act + 384), 160, nullptr, 0, MK_EPI_NONE, 0, 0.0f);
-            break;
-        case 7: // matvec_residual
-            mk_matvec(W(9), nullptr, lo, hi, 160, (act + 384), 160, 1, nullptr, 0, 0.0f, (act + 544), 64, (act + 320), 64, MK_EPI_RESIDUAL, 0, 0.0f);
-            break;
-        case 8: // norm_matvec
-            switch (seg) {
-            case 0: mk_matvec(W(11), nullptr, lo, hi, 64, (act + 544), 64, 1, W(10), 1, 1e-5f, (act + 608), 128, nullptr, 0, MK_EPI_NONE, 0, 0.0f); break;
-            case 1: mk_matvec(W(12), nullptr, lo, hi, 64, (act + 544), 64, 1, W(10), 1, 1e-5f, (act + 672), 128, nullptr, 0, MK_EPI_NONE, 0, 0.0f); break;
-            case 2: mk_matvec(W(13), nullptr, lo, hi, 64, (act + 544), 64, 1, W(10), 1, 1e-5f, (act + 704), 128, nullptr, 0, MK_EPI_NONE, 0, 0.0f); break;
-            default: break;
-            }
-            break;
-        case 9: // rope
-            mk_rope((act + 608) + lo * 16, 128, (act + 736) + lo * 16, 64, 16, pos, inv_freq, MK_ROPE_STYLE, 1);
-            break;
-        case 10: // rope_kv_append
-            mk_kv_append((act + 672) + lo * 16, (act + 704) + lo * 16, 128, 128, k_cache + 1 * layer_elems, v_cache + 1 * layer_elems, lo, 2, 16, capacity, slots, pos, inv_freq, MK_ROPE_STYLE, 1, 1);
-            break;
-        case 11: // attention_decode
-            mk_attention((act + 736) + lo * 16, 64, (act + 800) + lo * 16, 64, k_cache + 1 * layer_elems, v_cache + 1 * layer_elems, lo / 2, 2, 16, capacity, 0.25f, -1, slots, pos, 1);
-            break;
-        case 12: // matvec_residual
-            mk_matvec(W(14), nullptr, lo, hi, 64, (act + 800), 64, 1, nullptr, 0, 0.0f, (act + 864), 64, (act + 544), 64, MK_EPI_RESIDUAL, 0, 0.0f);
-            break;
-        case 13: // gated_mlp
-            mk_matvec(W(16), W(17), lo, hi, 64, (act + 864), 64, 1, W(15), 1, 1e-5f, (act + 928), 160, nullptr, 0, MK_EPI_NONE, 0, 0.0f);
-            break;
-        case 14: // matvec_residual
-            mk_matvec(W(18), nullptr, lo, hi, 160, (act + 928), 160, 1, nullptr, 0, 0.0f, (act + 1088), 64, (act + 864), 64, MK_EPI_RESIDUAL, 0, 0.0f);
-            break;
-        case 15: // lm_head
-            mk_matvec(W(0), nullptr, lo, hi, 64, (act + 1088), 64, 1, W(19), 1, 1e-5f, (act + 1152), 400, nullptr, 0, MK_EPI_NONE, 0, 0.0f);
-            break;
-        case 16: // sample
-            mk_sample((act + 1152), 400, 400, 1, 0.0f, seed, pos, tokens);
-            break;
-        case 17: // step_end
-            if (threadIdx.x < 1) pos[threadIdx.x] += 1;
-            __syncthreads();
-            if (threadIdx.x == 0) { __threadfence(); atomicExch(epoch_ctr, e); }
-            break;
-        default: break;
+const int row = mk_arg_row[op] + seg;
+const int* g = mk_args + MK_NARGS * row;
+const float* fa = mk_fargs + MK_NFARGS * row;
+switch (g[0]) {
+case MK_K_EMBED:
+mk_embed(W(g[1]), g[2], tokens, MK_BATCH, lo, hi, A(g[3]));
+break;
+case MK_K_RMS_NORM:
+mk_rms_norm(A(g[1]), g[2], g[3], MK_BATCH, W(g[4]), fa[0], A(g[5]), g[6]);
+break;
+case MK_K_MATVEC:
+mk_matvec(W(g[1]), W(g[2]), lo, hi, g[3], A(g[4]), g[5], MK_BATCH, W(g[6]), g[7],
+fa[0], A(g[8]), g[9], A(g[10]), g[11], g[12], g[13], fa[1]);
+break;
+case MK_K_ROPE:
+mk_rope(A(g[1]) + lo * g[5], g[2], A(g[3]) + lo * g[5], g[4], g[5], pos, inv_freq,
+MK_ROPE_STYLE, MK_BATCH);
+break;
+case MK_K_HEAD_NORM:
+mk_head_norm(A(g[1]) + lo * g[5], g[2], A(g[3]) + lo * g[5], g[4], g[5], fa[0], fa[1],
+MK_BATCH);
+break;
+case MK_K_KV_APPEND: {
+const size_t layer_elems = (size_t)num_slots * MK_KV_HEADS * capacity * MK_HEAD_DIM;
+mk_kv_append(A(g[1]) + lo * g[7], A(g[2]) + lo * g[7], g[3], g[4],
+k_cache + g[5] * layer_elems, v_cache + g[5] * layer_elems, lo, g[6], g[7],
+capacity, slots, pos, inv_freq, MK_ROPE_STYLE, g[8], MK_BATCH);
+break;
 }
-mk_signal(counters, op, MK_INSTRS + t);
+case MK_K_ATTENTION: {
+const size_t layer_elems = (size_t)num_slots * MK_KV_HEADS * capacity * MK_HEAD_DIM;
+mk_attention(A(g[1]) + lo * g[8], g[2], A(g[3]) + lo * g[8], g[4],
+k_cache + g[5] * layer_elems, v_cache + g[5] * layer_elems, lo / g[6], g[7],
+g[8], capacity, fa[0], g[9], slots, pos, MK_BATCH);
+break;
+}
+case MK_K_SAMPLE:
+mk_sample(A(g[1]), g[2], g[3], MK_BATCH, g[4] ? temperature : 0.0f, seed, pos, tokens);
+break;
+case MK_K_STEP_END:
+if (threadIdx.x < MK_BATCH) pos[threadIdx.x] += 1;
+__syncthreads();
+if (threadIdx.x == 0) { __threadfence(); atomicExch(epoch_ctr, epoch_sh); }
+break;
+default: break;
+}
+mk_signal(counters, mk_tiles[4 * t], MK_INSTRS + t);
 }
 }
 #undef W
-// lo/hi unused warnings are avoided by use in every case: kiln_decode_step
+#undef A
+// kiln_decode_step: one switch case per tile kind, arguments from mk_args / mk_fargs.
