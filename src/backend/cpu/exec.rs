@@ -59,9 +59,12 @@ fn row_mut(data: &mut [f32], stride: usize, s: Slot, t: usize) -> &mut [f32] {
     &mut data[at..at + s.cols]
 }
 
+/// `mats[i]` is the index into `be.matrices` of the matrix instruction `i` reads.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn run(
     be: &CpuBackend,
     plan: &ExecutionPlan,
+    mats: &[Option<usize>],
     ws: &mut Workspace,
     kv: &mut KvCache,
     tokens: &[u32],
@@ -114,8 +117,8 @@ pub(super) fn run(
             };
             match &ins.op {
                 Op::TokenIds => unreachable!("the plan has no instruction for the input"),
-                Op::Embed { table, dim, .. } => {
-                    let m = &be.matrices[table];
+                Op::Embed { dim, .. } => {
+                    let m = &be.matrices[mats[idx].expect("embed has a packed table")];
                     for (t, &id) in tokens.iter().enumerate() {
                         let dst = row_mut(&mut out, stride, out_slot, t);
                         let at = id as usize * dim;
@@ -143,11 +146,12 @@ pub(super) fn run(
                     }
                 }
                 Op::MatMul {
-                    linears,
                     norm: pre,
                     epilogue,
+                    ..
                 } => {
-                    let m: &PackedMatrix = &be.matrices[&super::matrix_key(linears)];
+                    let m: &PackedMatrix =
+                        &be.matrices[mats[idx].expect("matmul has a packed matrix")];
                     let x = view(&ins.inputs[0]);
                     let k = x.cols;
                     // The prologue normalises the input rows into scratch.

@@ -73,6 +73,7 @@ pub enum ExecError {
 
 /// Which compiled plan a step runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(usize)]
 pub enum PlanKind {
     /// Many tokens, logits for the last one of each sequence.
     Prefill,
@@ -89,7 +90,9 @@ pub struct CpuBackend {
     prefill: ExecutionPlan,
     decode: ExecutionPlan,
     all_logits: ExecutionPlan,
-    matrices: HashMap<String, PackedMatrix>,
+    matrices: Vec<PackedMatrix>,
+    /// Per plan (indexed like [`PlanKind`]) and instruction: the matrix it reads, if any.
+    plan_matrices: [Vec<Option<usize>>; 3],
     vectors: HashMap<String, Vec<f32>>,
     inv_freq: Vec<f32>,
 }
@@ -103,6 +106,21 @@ pub fn compile_graph(
     let mut g = build_graph(config, weights, logits)?;
     passes::optimize(&mut g);
     Ok(g)
+}
+
+/// The index of the matrix stored under `key`, packing it on first sight.
+fn intern(
+    matrices: &mut Vec<PackedMatrix>,
+    index: &mut HashMap<String, usize>,
+    key: String,
+    pack: impl FnOnce() -> Result<PackedMatrix, LoadError>,
+) -> Result<usize, LoadError> {
+    if let Some(&i) = index.get(&key) {
+        return Ok(i);
+    }
+    matrices.push(pack()?);
+    index.insert(key, matrices.len() - 1);
+    Ok(matrices.len() - 1)
 }
 
 fn matrix_key(linears: &[Linear]) -> String {
@@ -139,39 +157,51 @@ impl CpuBackend {
         let all_logits = ExecutionPlan::lower(all, Phase::Prefill);
         let inv_freq = rope::inv_freq(&prefill.graph.rope);
 
-        let mut matrices = HashMap::new();
+        // Pack every distinct weight once; each plan instruction then names its matrix by index,
+        // so a step never builds a key or hashes a name to find its weights.
+        let mut matrices: Vec<PackedMatrix> = Vec::new();
+        let mut index: HashMap<String, usize> = HashMap::new();
         let mut vectors = HashMap::new();
-        for plan in [&prefill, &all_logits] {
-            for node in &plan.graph.nodes {
-                match &node.op {
-                    Op::Embed { table, .. } if !matrices.contains_key(table) => {
+        let mut plan_matrices: [Vec<Option<usize>>; 3] = Default::default();
+        for (slot, plan) in [&prefill, &decode, &all_logits].into_iter().enumerate() {
+            for ins in &plan.instrs {
+                let m = match &ins.op {
+                    Op::Embed { table, .. } => {
                         let rows = weights.get(table)?.shape.first().copied().unwrap_or(0);
-                        let m = pack(weights, &[(table.clone(), None, rows)], opts.weights)?;
-                        matrices.insert(table.clone(), m);
+                        Some(intern(&mut matrices, &mut index, table.clone(), || {
+                            pack(weights, &[(table.clone(), None, rows)], opts.weights)
+                        })?)
                     }
                     Op::GatedValueAdd { gate, .. } | Op::Smear { gate, .. } => {
                         vectors.insert(gate.clone(), weights.get(gate)?.to_f32_vec());
+                        None
                     }
                     Op::MatMul { linears, norm, .. } => {
-                        let key = matrix_key(linears);
-                        if let std::collections::hash_map::Entry::Vacant(e) = matrices.entry(key) {
-                            let parts: Vec<(String, Option<String>, usize)> = linears
-                                .iter()
-                                .map(|l| (l.weight.clone(), l.bias.clone(), l.out))
-                                .collect();
-                            e.insert(pack(weights, &parts, opts.weights)?);
-                        }
                         if let Some(w) = norm.as_ref().and_then(|n| n.weight.as_ref()) {
                             vectors.insert(w.clone(), weights.get(w)?.to_f32_vec());
                         }
+                        Some(intern(
+                            &mut matrices,
+                            &mut index,
+                            matrix_key(linears),
+                            || {
+                                let parts: Vec<(String, Option<String>, usize)> = linears
+                                    .iter()
+                                    .map(|l| (l.weight.clone(), l.bias.clone(), l.out))
+                                    .collect();
+                                pack(weights, &parts, opts.weights)
+                            },
+                        )?)
                     }
                     Op::RmsNorm(n) => {
                         if let Some(w) = &n.weight {
                             vectors.insert(w.clone(), weights.get(w)?.to_f32_vec());
                         }
+                        None
                     }
-                    _ => {}
-                }
+                    _ => None,
+                };
+                plan_matrices[slot].push(m);
             }
         }
         Ok(CpuBackend {
@@ -182,6 +212,7 @@ impl CpuBackend {
             decode,
             all_logits,
             matrices,
+            plan_matrices,
             vectors,
             inv_freq,
         })
@@ -205,10 +236,7 @@ impl CpuBackend {
 
     /// Bytes of packed weights (what a decode step streams from memory).
     pub fn weight_bytes(&self) -> usize {
-        self.matrices
-            .values()
-            .map(PackedMatrix::bytes)
-            .sum::<usize>()
+        self.matrices.iter().map(PackedMatrix::bytes).sum::<usize>()
             + self.vectors.values().map(|v| v.len() * 4).sum::<usize>()
     }
 
@@ -238,9 +266,10 @@ impl CpuBackend {
             |slot| kv.len(slot),
         )?;
         let plan = self.plan(kind);
+        let mats = &self.plan_matrices[kind as usize];
         let n = self
             .pool
-            .install(|| exec::run(self, plan, ws, kv, tokens, rows, logits));
+            .install(|| exec::run(self, plan, mats, ws, kv, tokens, rows, logits));
         for (&slot, &end) in &next {
             let len = kv.len(slot);
             kv.advance(slot, end - len);
