@@ -61,6 +61,18 @@ pub struct Linear {
     pub weight_bytes: usize,
 }
 
+impl Linear {
+    /// Names the packed matrix of linears merged into one matmul (their weights, in order), so
+    /// backends pack each distinct matrix once.
+    pub fn key(linears: &[Linear]) -> String {
+        linears
+            .iter()
+            .map(|l| l.weight.as_str())
+            .collect::<Vec<_>>()
+            .join("|")
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Norm {
     pub weight: Option<String>,

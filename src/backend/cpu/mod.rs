@@ -123,14 +123,6 @@ fn intern(
     Ok(matrices.len() - 1)
 }
 
-fn matrix_key(linears: &[Linear]) -> String {
-    linears
-        .iter()
-        .map(|l| l.weight.as_str())
-        .collect::<Vec<_>>()
-        .join("|")
-}
-
 impl CpuBackend {
     pub fn new(
         config: &ModelConfig,
@@ -183,7 +175,7 @@ impl CpuBackend {
                         Some(intern(
                             &mut matrices,
                             &mut index,
-                            matrix_key(linears),
+                            Linear::key(linears),
                             || {
                                 let parts: Vec<(String, Option<String>, usize)> = linears
                                     .iter()

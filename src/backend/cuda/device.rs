@@ -166,14 +166,6 @@ pub struct CudaBackend {
     inv_freq: CudaSlice<f32>,
 }
 
-fn matrix_key(linears: &[Linear]) -> String {
-    linears
-        .iter()
-        .map(|l| l.weight.as_str())
-        .collect::<Vec<_>>()
-        .join("|")
-}
-
 const BLOCK: u32 = 256;
 
 fn cfg(grid: (u32, u32, u32), block: u32) -> LaunchConfig {
@@ -267,7 +259,7 @@ impl CudaBackend {
                         upload_vec(gate, &mut vectors)?
                     }
                     Op::MatMul { linears, norm, .. } => {
-                        let key = matrix_key(linears);
+                        let key = Linear::key(linears);
                         if let std::collections::hash_map::Entry::Vacant(e) = matrices.entry(key) {
                             let parts: Vec<(String, Option<String>, usize)> = linears
                                 .iter()
@@ -484,7 +476,7 @@ impl CudaBackend {
                     norm,
                     epilogue,
                 } => {
-                    let m = &self.matrices[&matrix_key(linears)];
+                    let m = &self.matrices[&Linear::key(linears)];
                     let (mut x, mut xs) = inp(0);
                     let k = m.cols;
                     if let Some(n) = norm {
