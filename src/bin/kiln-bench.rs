@@ -29,8 +29,16 @@ use kiln::model::Model;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Device {
     Cpu,
-    /// Not implemented yet: selecting it reports so.
+    /// The CUDA backend through the engine (sampling on the device, as in real generation).
     Cuda,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Decode {
+    /// The graph-replayed megakernel (CUDA).
+    Megakernel,
+    /// One kernel per plan instruction (CUDA).
+    PerOp,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -80,9 +88,16 @@ struct Args {
     /// CPU thread counts (comma list); default: every core.
     #[arg(short = 't', long, value_delimiter = ',')]
     threads: Option<Vec<usize>>,
-    /// Backend. Only the CPU exists today; the CUDA backend is the next milestone.
+    /// Backend.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
+    /// Decode path on CUDA.
+    #[arg(long, value_enum, default_value_t = Decode::Megakernel)]
+    decode: Decode,
+    /// Rows decoded together (comma list, CUDA only): `tgN@bB` generates N tokens in each of B
+    /// rows from one prefill; tokens/s counts every row.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    batch: Vec<usize>,
     /// Timed repetitions per test (after one warm-up run).
     #[arg(short = 'r', long, default_value_t = 5)]
     repetitions: usize,
@@ -146,11 +161,6 @@ fn main() {
 
 fn run() -> Result<()> {
     let args = Args::parse();
-    if args.device == Device::Cuda {
-        bail!(
-            "kiln-bench cannot time the GPU yet: the CUDA kernels and executor exist (the `cuda` feature) but the engine and this bench drive only the CPU backend; use --device cpu"
-        );
-    }
     if args.repetitions == 0 {
         bail!("-r must be at least 1");
     }
@@ -180,6 +190,13 @@ fn run() -> Result<()> {
             Weights::Bf16 => format!("{} as bf16", model.weight_type),
         };
         let max_ctx = model.config.max_position_embeddings;
+        if args.device == Device::Cuda {
+            rows.extend(gpu::bench(&args, path, &name, &weight_type, model)?);
+            continue;
+        }
+        if args.batch != [1] {
+            bail!("--batch is for --device cuda; the CPU bench decodes one row");
+        }
         for &t in &threads {
             let bw = match bandwidth.get(&t) {
                 Some(&bw) => bw,
@@ -589,4 +606,173 @@ fn csv(rows: &[Row]) -> String {
         out.push('\n');
     }
     out
+}
+
+/// The CUDA bench: the same tests through the engine, so decode runs as in real generation
+/// (device sampling, and the graph-replayed megakernel unless `--decode per-op`).
+/// UNVERIFIED on a GPU (written on machines without one).
+mod gpu {
+    use std::path::Path;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use anyhow::{bail, Result};
+
+    use super::{mean_sd, median, params_text, token_ids, Args, Decode, Row};
+    use kiln::engine::{DecodePath, Device, Engine, EngineOptions, GenerateOptions, Session};
+    use kiln::graph::Dims;
+    use kiln::model::Model;
+
+    /// Times `--n-prompt` prefills and `--n-gen` decodes at every `--batch` on the GPU.
+    pub fn bench(
+        args: &Args,
+        path: &Path,
+        name: &str,
+        weight_type: &str,
+        model: Model,
+    ) -> Result<Vec<Row>> {
+        if args.batch.contains(&0) {
+            bail!("--batch sizes must be at least 1");
+        }
+        let bw = bandwidth(args.bandwidth_mib)?;
+        let n_params = model.config.num_params();
+        let params = params_text(model.weights.num_params());
+        let max_ctx = model.config.max_position_embeddings;
+        let opts = EngineOptions {
+            device: Device::Cuda,
+            decode: match args.decode {
+                Decode::Megakernel => DecodePath::Megakernel,
+                Decode::PerOp => DecodePath::PerOp,
+            },
+            ..EngineOptions::default()
+        };
+        let engine = Arc::new(Engine::from_model(model, opts)?);
+        let backend = engine.device();
+        eprintln!("kiln-bench: {name} on {backend}");
+        let size_bytes = engine.weight_bytes();
+        let mut tests: Vec<(usize, usize, usize)> = args
+            .n_prompt
+            .iter()
+            .filter(|&&n| n > 0)
+            .map(|&n| (n, 0, 1))
+            .collect();
+        for &n in args.n_gen.iter().filter(|&&n| n > 0) {
+            tests.extend(args.batch.iter().map(|&b| (0, n, b)));
+        }
+        let mut rows = Vec::new();
+        for (n_prompt, n_gen, batch) in tests {
+            let test = match (n_prompt, batch) {
+                (0, 1) => format!("tg{n_gen}"),
+                (0, b) => format!("tg{n_gen}@b{b}"),
+                (p, _) => format!("pp{p}"),
+            };
+            let positions = n_prompt.max(n_gen + 1);
+            if positions > max_ctx {
+                bail!("{test} needs {positions} positions but {name} holds {max_ctx}");
+            }
+            eprintln!(
+                "kiln-bench: {name} {test}: 1 warm-up + {} runs",
+                args.repetitions
+            );
+            let mut samples = Vec::with_capacity(args.repetitions);
+            for rep in 0..=args.repetitions {
+                let d = if n_prompt > 0 {
+                    prefill(&engine, n_prompt, args.seed)?
+                } else {
+                    decode(&engine, n_gen, batch, args.seed)?
+                };
+                if rep > 0 {
+                    samples.push(d);
+                }
+            }
+            let (tokens, dims, kind) = if n_prompt > 0 {
+                (
+                    n_prompt,
+                    Dims::prefill(n_prompt),
+                    kiln::backend::cpu::PlanKind::Prefill,
+                )
+            } else {
+                (
+                    n_gen * batch,
+                    Dims::decode(batch, 1 + (n_gen + 1).div_ceil(2)),
+                    kiln::backend::cpu::PlanKind::Decode,
+                )
+            };
+            let bytes_per_token = engine.plan(kind).cost(&dims).bytes as f64 / dims.tokens as f64;
+            let ts: Vec<f64> = samples
+                .iter()
+                .map(|d| tokens as f64 / d.as_secs_f64())
+                .collect();
+            let mut ms: Vec<f64> = samples
+                .iter()
+                .map(|d| d.as_secs_f64() * 1e3 / tokens as f64)
+                .collect();
+            ms.sort_by(f64::total_cmp);
+            let ms_median = median(&ms);
+            let (mean, sd) = mean_sd(&ts);
+            rows.push(Row {
+                model: name.to_string(),
+                model_path: path.display().to_string(),
+                size: format!("{:.1} MiB", size_bytes as f64 / (1 << 20) as f64),
+                size_bytes,
+                params: params.clone(),
+                n_params,
+                weight_type: weight_type.to_string(),
+                backend: backend.clone(),
+                threads: 1,
+                test,
+                n_prompt,
+                n_gen,
+                tokens_per_s: mean,
+                tokens_per_s_sd: sd,
+                ms_per_token: ms_median,
+                bytes_per_token,
+                bandwidth_bytes_per_s: bw,
+                roofline_pct: bytes_per_token / bw / (ms_median / 1e3) * 100.0,
+                samples_ns: samples.iter().map(|d| d.as_nanos() as u64).collect(),
+                samples_ts: ts,
+            });
+        }
+        Ok(rows)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn bandwidth(mib: usize) -> Result<f64> {
+        let bw = kiln::backend::cuda::bandwidth::measure_copy_bandwidth(mib, 20)?;
+        eprintln!(
+            "kiln-bench: device memory bandwidth {:.1} GB/s (device-to-device copy of {mib} MiB, read + write, median of 20)",
+            bw / 1e9
+        );
+        Ok(bw)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn bandwidth(_: usize) -> Result<f64> {
+        bail!("--device cuda: this kiln-bench was built without the `cuda` cargo feature")
+    }
+
+    /// One prefill of `n` seeded random tokens (logits of the last come back to the host).
+    fn prefill(engine: &Arc<Engine>, n: usize, seed: u64) -> Result<Duration> {
+        let ids = token_ids(n, engine.config().vocab_size, seed);
+        let mut s = Session::new(Arc::clone(engine), n, 1);
+        let t0 = Instant::now();
+        s.feed(&ids)?;
+        Ok(t0.elapsed())
+    }
+
+    /// `n` greedy tokens in each of `batch` rows after a 1-token prompt, stop tokens ignored;
+    /// the decode time only (the prompt's prefill is not counted).
+    fn decode(engine: &Arc<Engine>, n: usize, batch: usize, seed: u64) -> Result<Duration> {
+        let prompt = token_ids(1, engine.config().vocab_size, seed);
+        let mut s = Session::new(Arc::clone(engine), n + 1, batch);
+        let opts = GenerateOptions {
+            max_tokens: Some(n),
+            num_samples: batch,
+            stop_tokens: Some(Vec::new()),
+            tools: false,
+            ..GenerateOptions::default()
+        };
+        let r = s.generate_batch(&prompt, &opts)?;
+        Ok(r.timings.decode)
+    }
 }

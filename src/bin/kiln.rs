@@ -15,7 +15,9 @@ use clap::{Args, Parser, ValueEnum};
 use serde::Serialize;
 
 use kiln::backend::cpu::{CpuOptions, WeightFormat};
-use kiln::engine::{Engine, FinishReason, GenerateOptions, Session, Timings, Usage};
+use kiln::engine::{
+    DecodePath, Engine, EngineOptions, FinishReason, GenerateOptions, Session, Timings, Usage,
+};
 use kiln::sample::SamplingParams;
 use kiln::tokenizer::nanochat::NanochatTokens;
 use kiln::tokenizer::ChatMessage;
@@ -27,6 +29,17 @@ enum Device {
     Cpu,
     /// Fail unless CUDA is usable.
     Cuda,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Decode {
+    /// The megakernel where the model lowers to it, else per-op.
+    Auto,
+    /// One kernel per plan instruction.
+    PerOp,
+    /// One generated kernel per step, replayed as a CUDA graph (fails if the model does not
+    /// lower to it).
+    Megakernel,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -82,6 +95,9 @@ struct Common {
     /// Where to run.
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
+    /// How decode steps run on CUDA (ignored on the CPU).
+    #[arg(long, value_enum, default_value_t = Decode::Auto)]
+    decode: Decode,
 }
 
 #[derive(Parser, Debug)]
@@ -137,67 +153,44 @@ fn main() {
     }
 }
 
-/// Decides where to run. The generation engine drives the CPU backend only for now: the CUDA
-/// backend (`kiln::backend::cuda::CudaBackend`) compiles but is unverified on a GPU and not yet
-/// wired into `Engine`, so a usable GPU is reported and the CPU still runs the model.
-fn pick_device(d: Device) -> Result<()> {
-    if d == Device::Cpu {
-        return Ok(());
-    }
-    #[cfg(feature = "cuda")]
-    {
-        match kiln::backend::cuda::probe() {
-            Ok((_, info)) => {
-                if d == Device::Cuda {
-                    bail!(
-                        "CUDA device {info} found, but the generation engine cannot run on the \
-                         CUDA backend yet (it is unverified; see scripts/gpu-check.sh); use \
-                         --device cpu or auto"
-                    );
-                }
-                eprintln!(
-                    "kiln: CUDA device {info} found; the engine runs on the CPU backend until \
-                     the CUDA backend is verified"
-                );
-            }
-            Err(e) if d == Device::Cuda => bail!("--device cuda: CUDA is not usable: {e}"),
-            Err(e) => eprintln!("kiln: CUDA unavailable ({e}); running on the CPU"),
-        }
-        Ok(())
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        if d == Device::Cuda {
-            bail!("--device cuda: this kiln was built without CUDA support (cargo feature `cuda`)");
-        }
-        eprintln!("kiln: built without CUDA support; running on the CPU");
-        Ok(())
-    }
-}
-
 fn load(c: &Common) -> Result<Arc<Engine>> {
-    pick_device(c.device)?;
-    let opts = CpuOptions {
-        threads: c.threads,
-        weights: match c.weights {
-            Weights::Auto => WeightFormat::AsStored,
-            Weights::F32 => WeightFormat::F32,
-            Weights::Bf16 => WeightFormat::BF16,
+    let opts = EngineOptions {
+        device: match c.device {
+            Device::Auto => kiln::engine::Device::Auto,
+            Device::Cpu => kiln::engine::Device::Cpu,
+            Device::Cuda => kiln::engine::Device::Cuda,
         },
+        decode: match c.decode {
+            Decode::Auto => DecodePath::Auto,
+            Decode::PerOp => DecodePath::PerOp,
+            Decode::Megakernel => DecodePath::Megakernel,
+        },
+        cpu: CpuOptions {
+            threads: c.threads,
+            weights: match c.weights {
+                Weights::Auto => WeightFormat::AsStored,
+                Weights::F32 => WeightFormat::F32,
+                Weights::Bf16 => WeightFormat::BF16,
+            },
+        },
+        ..EngineOptions::default()
     };
     let t0 = Instant::now();
     let engine =
         Engine::load(&c.model, opts).with_context(|| format!("loading {}", c.model.display()))?;
+    if let Some(why) = engine.fallback_reason() {
+        eprintln!("kiln: CUDA unavailable ({why}); running on the CPU");
+    }
     let cfg = engine.config();
     eprintln!(
-        "kiln: {} ({}, {} layers, {} params, {} weights) loaded in {:.2} s, {} threads",
+        "kiln: {} ({}, {} layers, {} params, {} weights) loaded in {:.2} s, on {}",
         c.model.display(),
         cfg.architecture.name(),
         cfg.num_layers,
         engine.num_params(),
         engine.weight_type(),
         t0.elapsed().as_secs_f64(),
-        engine.backend().threads()
+        engine.device()
     );
     Ok(Arc::new(engine))
 }

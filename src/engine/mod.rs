@@ -6,6 +6,9 @@
 //! token column (one token per row) and the mask column (1 sampled, 0 forced by the tool).
 
 pub mod calculator;
+mod cpu_graph;
+mod device;
+mod graph_run;
 mod session;
 mod stop;
 mod stream;
@@ -17,14 +20,16 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+pub use device::{DecodePath, Device, EngineOptions};
 pub use session::Session;
 pub use stream::Stream;
 
-use crate::backend::cpu::{BackendError, CpuBackend, CpuOptions, ExecError};
+use crate::backend::cpu::{BackendError, CpuBackend, ExecError};
 use crate::kv::KvError;
 use crate::model::{LoadError, Model, ModelConfig};
 use crate::sample::{SampleError, SamplingParams};
 use crate::tokenizer::{Tokenizer, TokenizerError};
+use device::Backend;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -34,6 +39,11 @@ pub enum EngineError {
     Backend(#[from] BackendError),
     #[error(transparent)]
     Exec(#[from] ExecError),
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Cuda(#[from] crate::backend::cuda::CudaError),
+    #[error("CUDA was asked for but is not available: {0}")]
+    NoCuda(String),
     #[error(transparent)]
     Kv(#[from] KvError),
     #[error(transparent)]
@@ -56,23 +66,31 @@ pub struct Engine {
     weight_type: String,
     num_params: usize,
     tokenizer: Tokenizer,
-    backend: CpuBackend,
+    pub(crate) backend: Backend,
+    /// Why [`Device::Auto`] ran on the CPU.
+    fallback: Option<String>,
 }
 
 impl Engine {
-    pub fn load(path: impl AsRef<Path>, opts: CpuOptions) -> Result<Engine, EngineError> {
+    /// Loads a model file or directory onto the device `opts` names (`CpuOptions` alone means
+    /// the CPU).
+    pub fn load(
+        path: impl AsRef<Path>,
+        opts: impl Into<EngineOptions>,
+    ) -> Result<Engine, EngineError> {
         let model = Model::load(path.as_ref())?;
         Engine::from_model(model, opts)
     }
 
-    pub fn from_model(model: Model, opts: CpuOptions) -> Result<Engine, EngineError> {
-        let backend = CpuBackend::new(&model.config, &model.weights, opts)?;
+    pub fn from_model(model: Model, opts: impl Into<EngineOptions>) -> Result<Engine, EngineError> {
+        let started = Backend::start(&model, opts.into())?;
         Ok(Engine {
             num_params: model.weights.num_params(),
             model_path: model.path,
             weight_type: model.weight_type,
             tokenizer: model.tokenizer,
-            backend,
+            backend: started.backend,
+            fallback: started.fallback,
         })
     }
 
@@ -84,8 +102,49 @@ impl Engine {
         &self.tokenizer
     }
 
-    pub fn backend(&self) -> &CpuBackend {
-        &self.backend
+    /// The CPU backend, when the engine runs on the CPU.
+    pub fn cpu_backend(&self) -> Option<&CpuBackend> {
+        match &self.backend {
+            Backend::Cpu { backend, .. } => Some(backend),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda { .. } => None,
+        }
+    }
+
+    /// The CUDA backend, when the engine runs on a GPU.
+    #[cfg(feature = "cuda")]
+    pub fn cuda_backend(&self) -> Option<&crate::backend::cuda::CudaBackend> {
+        match &self.backend {
+            Backend::Cuda { backend, .. } => Some(backend),
+            Backend::Cpu { .. } => None,
+        }
+    }
+
+    /// One line naming where the engine runs (`CPU (2 threads)`, `CUDA NVIDIA H100 … (megakernel
+    /// decode)`).
+    pub fn device(&self) -> String {
+        self.backend.describe()
+    }
+
+    /// The compiled plan of one kind of step (its cost model gives bytes and flops per token).
+    pub fn plan(&self, kind: crate::backend::cpu::PlanKind) -> &crate::plan::ExecutionPlan {
+        self.backend.plan(kind)
+    }
+
+    /// Bytes the weights occupy on the engine's device.
+    pub fn weight_bytes(&self) -> usize {
+        self.backend.weight_bytes()
+    }
+
+    /// Whether decode steps run through the graph-replayed megakernel.
+    pub fn uses_megakernel(&self) -> bool {
+        self.backend.uses_megakernel()
+    }
+
+    /// Why an engine loaded with [`Device::Auto`] runs on the CPU (no driver, no GPU, a failed
+    /// compile, ...); `None` when it got the device it asked for.
+    pub fn fallback_reason(&self) -> Option<&str> {
+        self.fallback.as_deref()
     }
 
     pub fn model_path(&self) -> &Path {

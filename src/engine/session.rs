@@ -4,15 +4,15 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::device::Caches;
 use super::stream::Stream;
 use super::{BatchResult, Engine, EngineError, GenerateOptions, RowResult, Step, Usage};
-use crate::backend::cpu::{PlanKind, TokenRow, Workspace};
-use crate::kv::KvCache;
+use crate::backend::cpu::{PlanKind, TokenRow};
 
 pub struct Session {
     pub(super) engine: Arc<Engine>,
-    pub(super) kv: KvCache,
-    pub(super) ws: Workspace,
+    /// The cache and scratch memory on the engine's device.
+    pub(super) dev: Caches,
     pub(super) logits: Vec<f32>,
     /// What each slot's cache holds.
     pub(super) tokens: Vec<Vec<u32>>,
@@ -24,9 +24,8 @@ impl Session {
         let capacity = capacity.min(engine.max_context()).max(1);
         let slots = slots.max(1);
         Session {
-            kv: engine.backend().new_cache(slots, capacity),
+            dev: engine.backend.new_caches(slots, capacity),
             engine,
-            ws: Workspace::new(),
             logits: Vec::new(),
             tokens: vec![Vec::new(); slots],
         }
@@ -37,11 +36,11 @@ impl Session {
     }
 
     pub fn capacity(&self) -> usize {
-        self.kv.capacity()
+        self.dev.capacity()
     }
 
     pub fn slots(&self) -> usize {
-        self.kv.slots()
+        self.dev.slots()
     }
 
     /// Tokens in the first slot's cache.
@@ -57,7 +56,7 @@ impl Session {
     /// Forgets everything after `len` tokens in every slot.
     pub fn truncate(&mut self, len: usize) {
         for (slot, t) in self.tokens.iter_mut().enumerate() {
-            self.kv.truncate(slot, len);
+            self.dev.truncate(slot, len);
             t.truncate(len);
         }
     }
@@ -67,11 +66,11 @@ impl Session {
         if ids.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
-        let start = self.kv.len(0);
-        if start + ids.len() > self.kv.capacity() {
+        let start = self.dev.len(0);
+        if start + ids.len() > self.dev.capacity() {
             return Err(EngineError::PromptTooLong {
                 len: start + ids.len(),
-                capacity: self.kv.capacity(),
+                capacity: self.dev.capacity(),
             });
         }
         let rows: Vec<TokenRow> = (0..ids.len())
@@ -85,14 +84,9 @@ impl Session {
         } else {
             PlanKind::Prefill
         };
-        self.engine.backend().forward(
-            kind,
-            &mut self.ws,
-            &mut self.kv,
-            ids,
-            &rows,
-            &mut self.logits,
-        )?;
+        self.engine
+            .backend
+            .forward(kind, &mut self.dev, ids, &rows, &mut self.logits)?;
         self.tokens[0].extend_from_slice(ids);
         Ok(&self.logits)
     }
@@ -104,10 +98,10 @@ impl Session {
         if prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
-        if prompt.len() > self.kv.capacity() {
+        if prompt.len() > self.dev.capacity() {
             return Err(EngineError::PromptTooLong {
                 len: prompt.len(),
-                capacity: self.kv.capacity(),
+                capacity: self.dev.capacity(),
             });
         }
         let cached = &self.tokens[0];
@@ -118,7 +112,7 @@ impl Session {
             .count();
         // The last prompt token must run to produce the logits that follow it.
         common = common.min(prompt.len() - 1);
-        self.kv.truncate(0, common);
+        self.dev.truncate(0, common);
         self.tokens[0].truncate(common);
         self.feed(&prompt[common..])?;
         Ok(prompt.len() - common)
@@ -143,9 +137,9 @@ impl Session {
         }
         let t0 = Instant::now();
         let ran = self.prefill(prompt)?;
-        let len = self.kv.len(0);
+        let len = self.dev.len(0);
         for row in 1..opts.num_samples {
-            self.kv.copy_slot(0, row, len);
+            self.dev.copy_slot(&self.engine.backend, 0, row, len)?;
             self.tokens[row] = self.tokens[0].clone();
         }
         Ok(Stream::new(self, prompt.len(), ran, t0.elapsed(), opts))

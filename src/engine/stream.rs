@@ -3,12 +3,23 @@
 
 use std::time::{Duration, Instant};
 
+use super::graph_run::GraphRun;
 use super::session::Session;
 use super::stop::TextTracker;
 use super::tools::{ToolState, ToolTokens};
 use super::{EngineError, FinishReason, GenerateOptions, RowStep, Step, Timings, Usage};
 use crate::backend::cpu::{PlanKind, TokenRow};
 use crate::sample;
+
+/// Where the next step's tokens come from.
+enum Next {
+    /// Sampled on the host from `logits` (one row per live row).
+    Logits,
+    /// Already sampled on the device, one per live row.
+    Tokens(Vec<u32>),
+    /// The running decode graph's next replay.
+    Graph,
+}
 
 struct RowState {
     generated: usize,
@@ -26,6 +37,8 @@ pub struct Stream<'a> {
     /// Rows whose next logits are in `logits`, in order.
     live: Vec<usize>,
     logits: Vec<f32>,
+    next: Next,
+    graph: Option<GraphRun>,
     usage: Usage,
     timings: Timings,
     cancelled: Vec<(usize, FinishReason)>,
@@ -65,6 +78,8 @@ impl<'a> Stream<'a> {
                 None
             },
             logits,
+            next: Next::Logits,
+            graph: None,
             s,
             opts: opts.clone(),
             stop_tokens,
@@ -110,17 +125,40 @@ impl<'a> Stream<'a> {
     fn step(&mut self) -> Result<Step, EngineError> {
         let t0 = Instant::now();
         let vocab = self.s.engine.config().vocab_size;
+        let sampled: Option<Vec<u32>> = match std::mem::replace(&mut self.next, Next::Logits) {
+            Next::Logits => None,
+            Next::Tokens(t) => Some(t),
+            Next::Graph => {
+                let run = self
+                    .graph
+                    .as_mut()
+                    .expect("Next::Graph is set with a running graph");
+                let got = run.next(self.s)?;
+                Some(
+                    self.live
+                        .iter()
+                        .map(|r| {
+                            got.iter()
+                                .find(|g| g.0 == *r)
+                                .map(|g| g.1)
+                                .expect("every live row is one of the graph's rows")
+                        })
+                        .collect(),
+                )
+            }
+        };
         let tok = self.s.engine.tokenizer();
         let mut out: Vec<Option<RowStep>> = vec![None; self.rows.len()];
         let mut feed = Vec::new();
         let mut feed_rows = Vec::new();
         for (li, &r) in self.live.iter().enumerate() {
-            let logits = &mut self.logits[li * vocab..(li + 1) * vocab];
-            let pos = self.s.kv.len(r);
+            let pos = self.s.dev.len(r);
             let row = &mut self.rows[r];
-            let (token, mask) = match row.tool.forced.pop_front() {
-                Some(forced) => (forced, 0u8),
-                None => {
+            let (token, mask) = match (row.tool.forced.pop_front(), &sampled) {
+                (Some(forced), _) => (forced, 0u8),
+                (None, Some(t)) => (t[li], 1u8),
+                (None, None) => {
+                    let logits = &mut self.logits[li * vocab..(li + 1) * vocab];
                     if let Some(p) = &self.opts.logits_processor {
                         (p.0)(r, &self.s.tokens[r], logits);
                     }
@@ -146,7 +184,7 @@ impl<'a> Stream<'a> {
                     Some(FinishReason::StopString)
                 } else if self.opts.max_tokens.is_some_and(|m| row.generated >= m) {
                     Some(FinishReason::MaxTokens)
-                } else if pos >= self.s.kv.capacity() {
+                } else if pos >= self.s.dev.capacity() {
                     Some(FinishReason::ContextFull)
                 } else {
                     None
@@ -170,22 +208,124 @@ impl<'a> Stream<'a> {
             });
         }
         self.live = feed_rows.iter().map(|t| t.slot).collect();
-        if !feed.is_empty() {
-            self.s.engine.backend().forward(
-                PlanKind::Decode,
-                &mut self.s.ws,
-                &mut self.s.kv,
-                &feed,
-                &feed_rows,
-                &mut self.logits,
-            )?;
-            for (t, r) in feed.iter().zip(&feed_rows) {
-                self.s.tokens[r.slot].push(*t);
-            }
+        if feed.is_empty() {
+            self.end_graph()?;
+        } else {
+            self.advance(&feed, &feed_rows)?;
             self.timings.decode_steps += 1;
         }
         self.timings.decode += t0.elapsed();
         Ok(Step { rows: out })
+    }
+
+    /// Feeds the tokens just chosen to the model, by the fastest path the step allows: the
+    /// decode graph when every fed row samples on the device next (no forced tool token, no
+    /// host-side logits processing), else a forward pass (sampling on the device when nothing
+    /// needs the logits on the host).
+    fn advance(&mut self, feed: &[u32], feed_rows: &[TokenRow]) -> Result<(), EngineError> {
+        let on_device =
+            self.opts.logits_processor.is_none() && self.opts.sampling.repetition_penalty.is_none();
+        let forced = feed_rows
+            .iter()
+            .any(|t| !self.rows[t.slot].tool.forced.is_empty());
+        {
+            let rows: Vec<(usize, u32, usize)> = feed
+                .iter()
+                .zip(feed_rows)
+                .map(|(&t, r)| (r.slot, t, r.pos))
+                .collect();
+            let backend = &self.s.engine.backend;
+            // The CPU stand-in for the graph applies logits processors (tests script tool
+            // calls through it); the device cannot.
+            let sampling_ok = on_device
+                || (backend.emulates_graph() && self.opts.sampling.repetition_penalty.is_none());
+            if sampling_ok && !forced && GraphRun::fits(backend, rows.len()) {
+                if let Some(run) = self.graph.as_mut().filter(|g| g.covers(&rows)) {
+                    run.feed(&rows);
+                    self.next = Next::Graph;
+                    return Ok(());
+                }
+                self.end_graph()?;
+                let budget = self.graph_budget(feed_rows);
+                if budget > 0 {
+                    let run = GraphRun::start(
+                        self.s,
+                        &rows,
+                        &self.opts.sampling,
+                        &self.stop_tokens,
+                        self.opts.logits_processor.as_ref(),
+                        budget,
+                    )?;
+                    self.graph = Some(run);
+                    self.next = Next::Graph;
+                    return Ok(());
+                }
+            } else {
+                self.end_graph()?;
+            }
+        }
+        let backend = &self.s.engine.backend;
+        if on_device && !forced && backend.samples_on_device() {
+            let row_ids: Vec<u32> = feed_rows.iter().map(|t| t.slot as u32).collect();
+            let tokens = backend.forward_sample(
+                &mut self.s.dev,
+                feed,
+                feed_rows,
+                &self.opts.sampling,
+                &row_ids,
+            )?;
+            self.next = Next::Tokens(tokens);
+        } else {
+            backend.forward(
+                PlanKind::Decode,
+                &mut self.s.dev,
+                feed,
+                feed_rows,
+                &mut self.logits,
+            )?;
+            self.next = Next::Logits;
+        }
+        for (t, r) in feed.iter().zip(feed_rows) {
+            self.s.tokens[r.slot].push(*t);
+        }
+        Ok(())
+    }
+
+    /// Replays worth enqueuing after feeding `feed_rows`: each writes one cache position and
+    /// yields one token per row, and no row needs more than `max_tokens` or the cache allows.
+    fn graph_budget(&self, feed_rows: &[TokenRow]) -> usize {
+        let capacity = self.s.dev.capacity();
+        let room = feed_rows
+            .iter()
+            .map(|t| capacity.saturating_sub(t.pos))
+            .min()
+            .unwrap_or(0);
+        let wanted = match self.opts.max_tokens {
+            Some(m) => feed_rows
+                .iter()
+                .map(|t| m.saturating_sub(self.rows[t.slot].generated))
+                .max()
+                .unwrap_or(0),
+            None => usize::MAX,
+        };
+        room.min(wanted)
+    }
+
+    /// Stops the decode graph, if one runs (what it had in flight is dropped).
+    fn end_graph(&mut self) -> Result<(), EngineError> {
+        if let Some(run) = self.graph.take() {
+            run.stop(self.s)?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Stream<'_> {
+    fn drop(&mut self) {
+        // A graph still in flight writes only past the confirmed cache lengths; waiting for it
+        // keeps the session's device memory quiet for whatever runs next. An error here has
+        // nowhere to go; the next call on the session reports the device's state.
+        let _ = self.end_graph();
     }
 }
 

@@ -104,6 +104,13 @@ impl KvCache {
         debug_assert!(self.lens[slot] <= self.capacity);
     }
 
+    /// Sets how many positions of `slot` count as filled (what was written past it stays in
+    /// memory, unread). Used to run ahead of what the engine has confirmed.
+    pub(crate) fn set_len(&mut self, slot: usize, len: usize) {
+        assert!(len <= self.capacity, "slot {slot}: length {len} > capacity");
+        self.lens[slot] = len;
+    }
+
     /// Forgets positions from `len` on (rollback); the memory is simply overwritten later.
     pub fn truncate(&mut self, slot: usize, len: usize) {
         self.lens[slot] = self.lens[slot].min(len);

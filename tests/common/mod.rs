@@ -131,6 +131,21 @@ pub fn uniform_model_with(
     tokenizer: kiln::tokenizer::Tokenizer,
     threads: usize,
 ) -> std::sync::Arc<kiln::engine::Engine> {
+    uniform_model_on(
+        tokenizer,
+        kiln::backend::cpu::CpuOptions {
+            threads,
+            ..Default::default()
+        }
+        .into(),
+    )
+}
+
+/// The uniform model on the engine `opts` describe.
+pub fn uniform_model_on(
+    tokenizer: kiln::tokenizer::Tokenizer,
+    opts: kiln::engine::EngineOptions,
+) -> std::sync::Arc<kiln::engine::Engine> {
     use kiln::model::{Architecture, Model, ModelConfig, RopeStyle, Tensor, Weights};
     let vocab = tokenizer.vocab_size();
     let (c, f, heads, kv, d) = (16, 32, 2, 1, 8);
@@ -210,10 +225,6 @@ pub fn uniform_model_with(
         weights: w,
         tokenizer,
         weight_type: "f32".into(),
-    };
-    let opts = kiln::backend::cpu::CpuOptions {
-        threads,
-        ..Default::default()
     };
     std::sync::Arc::new(kiln::engine::Engine::from_model(model, opts).unwrap())
 }

@@ -303,6 +303,16 @@ impl CudaBackend {
         &self.info
     }
 
+    /// Bytes of weights on the device (bf16 matrices, f32 biases and vectors).
+    pub fn weight_bytes(&self) -> usize {
+        let m: usize = self
+            .matrices
+            .values()
+            .map(|m| m.rows * m.cols * 2 + m.bias.as_ref().map_or(0, |b| b.len() * 4))
+            .sum();
+        m + self.vectors.values().map(|v| v.len() * 4).sum::<usize>()
+    }
+
     pub fn config(&self) -> &ModelConfig {
         &self.config
     }

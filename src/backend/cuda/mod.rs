@@ -17,6 +17,8 @@ pub mod kernels;
 pub mod megakernel;
 
 #[cfg(feature = "cuda")]
+pub mod bandwidth;
+#[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;

@@ -1,0 +1,145 @@
+//! Driving the graph-replayed decode megakernel from a stream.
+//!
+//! The graph runs ahead of the host: each replay embeds the token the previous one sampled and
+//! samples the next on the device, so the host only reads tokens back (through pinned mapped
+//! memory) and keeps up to [`DEPTH`] replays in flight. A replay's KV entries count as the
+//! session's only once the host has consumed its token, so everything still in flight can be
+//! dropped at any moment ([`GraphRun::stop`]): when a row must take forced tool tokens, when
+//! every row has finished, or when the stream ends early. The host path (per-op forward) then
+//! takes over from the last consumed position, and the graph is started again from there.
+//!
+//! This bookkeeping is tested on the CPU against [`super::cpu_graph::CpuGraph`], which runs
+//! ahead like the device; with the CUDA graph decoder it is UNVERIFIED on a GPU (written and
+//! compiled on machines without one).
+
+use super::cpu_graph::GraphRow;
+use super::device::{graph_bucket, Backend, CpuGraphInputs};
+use super::session::Session;
+use super::{EngineError, LogitsProcessor};
+use crate::sample::SamplingParams;
+
+/// Replays kept in flight ahead of the host.
+pub(super) const DEPTH: usize = 8;
+
+/// A started graph: which engine row each batch row is, and the token each fed row is waiting
+/// to have confirmed in the cache.
+pub(super) struct GraphRun {
+    bucket: usize,
+    /// Engine row (= cache slot) of each batch row.
+    rows: Vec<usize>,
+    /// Per batch row: the token the oldest in-flight replay embeds and its position, or `None`
+    /// once the row has finished (its replays are ignored).
+    pending: Vec<Option<(u32, usize)>>,
+    /// Replays still worth enqueuing (bounded by the cache and by `max_tokens`).
+    budget: usize,
+    /// Replays enqueued and not consumed yet.
+    in_flight: usize,
+}
+
+impl GraphRun {
+    /// Whether a graph can take `feed` (rows, tokens and positions of the tokens to embed next).
+    pub fn fits(backend: &Backend, rows: usize) -> bool {
+        backend.uses_megakernel() && graph_bucket(rows).is_some()
+    }
+
+    /// Starts the graph on `feed` (engine row, token, position) and enqueues its first replays.
+    /// `budget` is how many replays can still produce a token anyone reads.
+    pub fn start(
+        s: &mut Session,
+        feed: &[(usize, u32, usize)],
+        sampling: &SamplingParams,
+        stop_tokens: &[u32],
+        processor: Option<&LogitsProcessor>,
+        budget: usize,
+    ) -> Result<GraphRun, EngineError> {
+        let bucket = graph_bucket(feed.len()).expect("GraphRun::fits checked the row count");
+        let rows: Vec<GraphRow> = feed
+            .iter()
+            .map(|&(r, token, pos)| GraphRow {
+                slot: r,
+                pos,
+                token,
+                row_id: r as u32,
+            })
+            .collect();
+        let backend = &s.engine.backend;
+        let emulation = CpuGraphInputs {
+            processor,
+            contexts: if backend.emulates_graph() {
+                feed.iter()
+                    .map(|&(r, t, _)| [s.tokens[r].as_slice(), &[t]].concat())
+                    .collect()
+            } else {
+                Vec::new()
+            },
+        };
+        s.dev
+            .graph_start(backend, bucket, &rows, sampling, stop_tokens, emulation)?;
+        let mut run = GraphRun {
+            bucket,
+            rows: feed.iter().map(|f| f.0).collect(),
+            pending: feed.iter().map(|&(_, t, p)| Some((t, p))).collect(),
+            budget,
+            in_flight: 0,
+        };
+        for _ in 0..DEPTH.min(budget) {
+            s.dev.graph_enqueue(backend, bucket)?;
+            run.budget -= 1;
+            run.in_flight += 1;
+        }
+        Ok(run)
+    }
+
+    /// Waits for the oldest replay, confirms the tokens it embedded into the session (cache
+    /// length and token history), keeps the pipeline full, and returns each batch row's newly
+    /// sampled token by engine row.
+    pub fn next(&mut self, s: &mut Session) -> Result<Vec<(usize, u32)>, EngineError> {
+        let backend = &s.engine.backend;
+        let sampled = s.dev.graph_next(backend, self.bucket)?;
+        self.in_flight -= 1;
+        if self.budget > 0 {
+            s.dev.graph_enqueue(backend, self.bucket)?;
+            self.budget -= 1;
+            self.in_flight += 1;
+        }
+        let mut out = Vec::with_capacity(self.rows.len());
+        for (b, &r) in self.rows.iter().enumerate() {
+            if let Some((token, pos)) = self.pending[b].take() {
+                s.dev.set_len(r, pos + 1);
+                s.tokens[r].push(token);
+                out.push((r, sampled[b]));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether the graph's rows can go on: every row in `feed` is one of the graph's rows,
+    /// embedding the token it just sampled.
+    pub fn covers(&self, feed: &[(usize, u32, usize)]) -> bool {
+        feed.iter().all(|f| self.rows.contains(&f.0))
+    }
+
+    /// Records what the next replay embeds: `feed` rows go on, the others have finished.
+    pub fn feed(&mut self, feed: &[(usize, u32, usize)]) {
+        for (b, r) in self.rows.iter().enumerate() {
+            self.pending[b] = feed.iter().find(|f| f.0 == *r).map(|&(_, t, p)| (t, p));
+        }
+    }
+
+    /// Waits for the replays in flight and drops them. Tokens fed to the graph since the last
+    /// consumed step are confirmed first (the oldest replay in flight embedded them, and it has
+    /// finished once the graph has stopped), so the session caches exactly what the host path
+    /// would have: every emitted token that was fed.
+    pub fn stop(self, s: &mut Session) -> Result<(), EngineError> {
+        s.dev.graph_stop(&s.engine.backend, self.bucket)?;
+        if self.in_flight > 0 {
+            for (b, &r) in self.rows.iter().enumerate() {
+                if let Some((token, pos)) = self.pending[b] {
+                    s.dev.set_len(r, pos + 1);
+                    s.tokens[r].push(token);
+                }
+            }
+        }
+        Ok(())
+    }
+}
