@@ -18,8 +18,8 @@ pub mod schedule;
 pub use control::{ring_stride, ring_words, ControlError, MkControl, MAX_STOP, RING};
 pub use emit::{emit_kernel, emit_source, KERNEL};
 pub use program::{
-    Act, BufId, Buffer, ColRange, DecodeProgram, Instr, LowerError, NormSpec, RopeStyle,
-    SampleMode, Weight, WeightId,
+    Act, BufId, Buffer, ColRange, DecodeProgram, Instr, LowerError, NormSpec, RopeStyle, Weight,
+    WeightId,
 };
 pub use schedule::{Access, Resource, Schedule, Tile, TileConfig, Wait};
 

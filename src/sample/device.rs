@@ -146,7 +146,11 @@ fn select(l: &[f32], c: &Cut, x: u64, first: &Hist, cap: usize) -> (u64, u64) {
                 .flatten()
         })
         .collect();
-    assert_eq!(bucket.len(), count, "gathered bucket differs from its count");
+    assert_eq!(
+        bucket.len(),
+        count,
+        "gathered bucket differs from its count"
+    );
     assert!(bucket.len() <= cap || bits == 64);
     bucket.sort_unstable_by(|a, b| b.0.cmp(&a.0));
     let mut run = base;
@@ -201,7 +205,14 @@ fn sample_with_cap(logits: &[f32], ctl: &MkControl, row: u32, position: u64, cap
     if ctl.top_p > 0.0 && ctl.top_p < 1.0 {
         mass = select(logits, &c, top_p_target(ctl.top_p, total), &top, cap).1;
     }
-    let pick = select(logits, &c, draw_target(ctl.seed, row, position, mass), &top, cap).0;
+    let pick = select(
+        logits,
+        &c,
+        draw_target(ctl.seed, row, position, mass),
+        &top,
+        cap,
+    )
+    .0;
     index(pick)
 }
 
@@ -300,14 +311,33 @@ mod tests {
     fn params(rng: &mut Rng, vocab: usize) -> SamplingParams {
         let k = [1, 2, 5, 40, 1000, 1023, 1024, 1025, 3000];
         SamplingParams {
-            temperature: rng.pick(&[0.0f32, 1e-39, 1e-3, 0.05, 0.3, 0.7, 1.0, 1.5, 3.0, 100.0, 1e6]),
+            temperature: rng.pick(&[
+                0.0f32, 1e-39, 1e-3, 0.05, 0.3, 0.7, 1.0, 1.5, 3.0, 100.0, 1e6,
+            ]),
             top_k: match rng.below(4) {
                 0 | 1 => None,
                 2 => Some(rng.pick(&k)),
                 _ => Some((vocab + rng.below(3)).saturating_sub(1).max(1)),
             },
-            top_p: rng.pick(&[None, None, Some(0.01f32), Some(0.3), Some(0.9), Some(0.95), Some(0.999), Some(1.0)]),
-            min_p: rng.pick(&[None, None, Some(0.0f32), Some(0.01), Some(0.05), Some(0.3), Some(1.0)]),
+            top_p: rng.pick(&[
+                None,
+                None,
+                Some(0.01f32),
+                Some(0.3),
+                Some(0.9),
+                Some(0.95),
+                Some(0.999),
+                Some(1.0),
+            ]),
+            min_p: rng.pick(&[
+                None,
+                None,
+                Some(0.0f32),
+                Some(0.01),
+                Some(0.05),
+                Some(0.3),
+                Some(1.0),
+            ]),
             repetition_penalty: None,
             seed: rng.next(),
         }

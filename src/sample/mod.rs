@@ -353,7 +353,10 @@ mod tests {
         };
         let ninf = f32::NEG_INFINITY;
         assert_eq!(sample(&[ninf; 100], &p, 0, 0), 0);
-        assert_eq!(sample(&[0.0, f32::INFINITY, 1.0, f32::INFINITY], &p, 0, 0), 1);
+        assert_eq!(
+            sample(&[0.0, f32::INFINITY, 1.0, f32::INFINITY], &p, 0, 0),
+            1
+        );
         let tiny = SamplingParams {
             temperature: 1e-39,
             ..p
