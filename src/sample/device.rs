@@ -74,7 +74,8 @@ impl Cut {
             return None;
         }
         let w = ((v - self.mx) * self.inv_t).exp();
-        if self.min_p > 0.0 && !(w >= self.min_p) {
+        // As the device's `!(w >= min_p)`: NaN weights are cut too.
+        if self.min_p > 0.0 && (w.is_nan() || w < self.min_p) {
             return None;
         }
         Some(if w > 0.0 { (w * ONE) as u64 } else { 0 })
@@ -152,7 +153,7 @@ fn select(l: &[f32], c: &Cut, x: u64, first: &Hist, cap: usize) -> (u64, u64) {
         "gathered bucket differs from its count"
     );
     assert!(bucket.len() <= cap || bits == 64);
-    bucket.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+    bucket.sort_unstable_by_key(|e| std::cmp::Reverse(e.0));
     let mut run = base;
     for (ck, w) in bucket {
         // The weight recomputed from the composite alone, as the device does.
@@ -365,7 +366,8 @@ mod tests {
         };
         let inv_t = 1.0 / ctl.temperature;
         let mx = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        if !(ctl.temperature > 0.0) || l.len() <= 1 || !mx.is_finite() || !inv_t.is_finite() {
+        let sampling = ctl.temperature > 0.0;
+        if !sampling || l.len() <= 1 || !mx.is_finite() || !inv_t.is_finite() {
             return greedy;
         }
         let mut order: Vec<usize> = (0..l.len()).collect();
@@ -373,11 +375,12 @@ mod tests {
         if ctl.top_k > 0 {
             order.truncate(ctl.top_k as usize);
         }
+        let min_p_on = ctl.min_p > 0.0;
         let kept: Vec<(u32, u64)> = order
             .iter()
             .filter_map(|&i| {
                 let w = ((l[i] - mx) * inv_t).exp();
-                (!(ctl.min_p > 0.0) || w >= ctl.min_p)
+                (!min_p_on || w >= ctl.min_p)
                     .then_some((i as u32, if w > 0.0 { (w * ONE) as u64 } else { 0 }))
             })
             .collect();
