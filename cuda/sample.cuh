@@ -18,9 +18,10 @@
 // How, without sorting a 50k-150k vocabulary:
 //  * Every token gets a 64-bit composite `orderable_bits(l) << 32 | (2^32 - 1 - index)`: the
 //    composites are distinct and their descending order is exactly the CPU's order.
-//  * Weights are integers W = floor(w * 2^40) (exact for w >= 2^-16), so every sum is exact and
-//    the same in any grouping: the block adds them with atomics and trees freely, the result is
-//    deterministic, and the comparisons below are exact integer ones.
+//  * Weights are integers W = floor(w * 2^40) (exact for w >= 2^-16; a vocabulary below 2^24
+//    keeps every sum under 2^64), so every sum is exact and the same in any grouping: the block
+//    adds them with atomics and trees freely, the result is deterministic, and the comparisons
+//    below are exact integer ones.
 //  * Each cut is one question, "the first token in descending order whose running weight
 //    reaches X": top-k asks it with unit weights and X = k, top-p with X = ceil(top_p * total),
 //    the draw with X = floor(u * mass) + 1 (u * mass < C  <=>  floor(u * mass) < C for an
@@ -37,7 +38,8 @@
 //    its threshold or move a running weight across X;
 //  * sums: the CPU adds f32 in a fixed order (index order for the total, sorted order for the
 //    running weights), the device adds exact integers, so a draw or a top-p cut within rounding
-//    of a boundary can land one token apart; weights below 2^-40 count as 0 (never drawn);
+//    of a boundary lands on a neighbouring token (several, in a near-flat row of 100k tokens,
+//    where the CPU's f32 running sum drifts); weights below 2^-40 count as 0 (never drawn);
 //  * top_p >= 1 is "off" here, while the CPU's Some(1.0) can cut the last, tiny tokens by rounding;
 //  * NaN logits weigh 0 here (never drawn) where the CPU's sums become NaN.
 // Everything else is identical to the CPU: the order, ties, cut rules, the greedy fallback for a
