@@ -6,7 +6,7 @@ use kiln::backend::cpu::compile_graph;
 use kiln::backend::cuda::megakernel::{generate, lower_decode, Megakernel};
 use kiln::model::{arch::LogitRows, Model};
 use kiln::plan::{ExecutionPlan, Phase};
-use kiln_codegen::{Instr, SampleMode};
+use kiln_codegen::Instr;
 
 fn plan(path: &str) -> ExecutionPlan {
     let m = Model::load(path).unwrap();
@@ -22,7 +22,7 @@ fn names(k: &Megakernel) -> Vec<(&'static str, usize)> {
 
 #[test]
 fn llama_tied_lowers_with_fused_rope_kv_append() {
-    let k = generate(&plan("tests/fixtures/llama_tied"), 1, SampleMode::Greedy).unwrap();
+    let k = generate(&plan("tests/fixtures/llama_tied"), 1).unwrap();
     let layer = [
         ("norm_matvec", 4), // q 64 rows = 2 tiles, k 32 = 1, v 32 = 1
         ("rope", 4),
@@ -64,7 +64,7 @@ fn llama_tied_lowers_with_fused_rope_kv_append() {
 #[test]
 fn nanochat_lowers_with_head_norm_and_softcap_fused_into_the_lm_head() {
     for fx in ["tests/fixtures/nanochat", "tests/fixtures/nanochat_A"] {
-        let k = generate(&plan(fx), 2, SampleMode::Temperature).unwrap();
+        let k = generate(&plan(fx), 2).unwrap();
         let n = names(&k);
         assert_eq!(n[0], ("embed", 1), "{fx}");
         assert_eq!(n[1], ("rms_norm", 1), "{fx}");
@@ -90,7 +90,7 @@ fn nanochat_lowers_with_head_norm_and_softcap_fused_into_the_lm_head() {
 fn unsupported_ops_are_a_clear_error() {
     // nanochat era B+ uses value embeddings / smear / residual lambdas.
     for fx in ["tests/fixtures/nanochat_H", "tests/fixtures/qwen2"] {
-        match lower_decode(&plan(fx), 1, SampleMode::Greedy) {
+        match lower_decode(&plan(fx), 1) {
             Ok(_) => {}
             Err(e) => {
                 let s = e.to_string();
@@ -126,7 +126,7 @@ fn nvrtc_gate(with_smol: bool) {
     let mut failures = Vec::new();
     for (name, path) in models {
         for batch in [1usize, 8] {
-            let k = generate(&plan(&path), batch, SampleMode::Temperature).unwrap();
+            let k = generate(&plan(&path), batch).unwrap();
             let src = CudaSource {
                 file: Box::leak(format!("megakernel_{name}_b{batch}.cu").into_boxed_str()),
                 text: Box::leak(k.source.into_boxed_str()),
