@@ -159,8 +159,10 @@ impl CudaKvCache {
 
     /// Marks `len` positions of `slot` as cached: the engine confirms the positions a decode
     /// graph wrote once it has consumed their tokens (the graph itself never changes lengths).
-    /// Panics if `slot` or `len` is out of range (an engine bug, not user input).
-    pub(crate) fn set_len(&mut self, slot: usize, len: usize) {
+    /// Public (the contract said `pub(crate)`) so `tests/gpu.rs` can drive a [`super::GraphDecoder`]
+    /// the way the engine does. Panics, like indexing, if `slot` is out of range or `len` exceeds
+    /// the capacity: a caller's bug, not input.
+    pub fn set_len(&mut self, slot: usize, len: usize) {
         assert!(
             len <= self.capacity,
             "set_len({slot}, {len}) past capacity {}",
@@ -619,7 +621,8 @@ impl CudaBackend {
         let vocab = o.cols;
         let work = self.scratch(ws, "sample_work", n * vocab)?;
         let d_out = self.ints(ws, "sample_tokens", &vec![0; n])?;
-        let logits = self.ptr(ws.buffers[o.buffer].as_ref().expect("allocated")) + (o.col * 4) as u64;
+        let logits =
+            self.ptr(ws.buffers[o.buffer].as_ref().expect("allocated")) + (o.col * 4) as u64;
         launch!(self, "sample_rows", cfg((n as u32, 1, 1), BLOCK);
             logits, out.stride as i32, vocab as i32, d_ctl, d_ids, d_pos, work, d_out);
         let host: Vec<i32> = self
@@ -1005,7 +1008,9 @@ fn load_cublas(stream: &Arc<CudaStream>) -> Option<CudaBlas> {
     match CudaBlas::new(stream.clone()) {
         Ok(b) => Some(b),
         Err(e) => {
-            eprintln!("kiln: cuBLAS did not start ({e}); prefill matmuls use kiln's own GEMM kernel");
+            eprintln!(
+                "kiln: cuBLAS did not start ({e}); prefill matmuls use kiln's own GEMM kernel"
+            );
             None
         }
     }

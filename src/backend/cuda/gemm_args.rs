@@ -67,13 +67,19 @@ impl GemmArgs {
     /// cuBLAS's own argument checks (`CUBLAS_STATUS_INVALID_VALUE` otherwise): the leading
     /// dimensions cover the stored rows of each operand, and every size fits in an `int`.
     pub fn valid(&self) -> bool {
-        let rows_a = if self.transa == Trans::N { self.m } else { self.k };
-        let rows_b = if self.transb == Trans::N { self.k } else { self.n };
-        let fits = [
-            self.m, self.n, self.k, self.lda, self.ldb, self.ldc,
-        ]
-        .iter()
-        .all(|&v| v <= i32::MAX as usize);
+        let rows_a = if self.transa == Trans::N {
+            self.m
+        } else {
+            self.k
+        };
+        let rows_b = if self.transb == Trans::N {
+            self.k
+        } else {
+            self.n
+        };
+        let fits = [self.m, self.n, self.k, self.lda, self.ldb, self.ldc]
+            .iter()
+            .all(|&v| v <= i32::MAX as usize);
         fits && self.lda >= rows_a.max(1) && self.ldb >= rows_b.max(1) && self.ldc >= self.m.max(1)
     }
 }
@@ -145,7 +151,10 @@ mod tests {
     #[test]
     fn invalid_leading_dimensions_are_caught() {
         assert!(!prefill_gemm(4, 8, 16, 8, 8).valid(), "x stride below k");
-        assert!(!prefill_gemm(4, 8, 16, 16, 4).valid(), "out stride below rows");
+        assert!(
+            !prefill_gemm(4, 8, 16, 16, 4).valid(),
+            "out stride below rows"
+        );
         assert!(prefill_gemm(4, 8, 16, 16, 8).valid());
     }
 }

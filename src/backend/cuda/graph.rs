@@ -36,8 +36,7 @@ use kiln_codegen::{SampleMode, Weight};
 use super::device::{drv, CudaBackend, CudaError, CudaKvCache, DevMatrix};
 use super::graph_host::{
     batch_arrays, bucket_for, check_rows, grid_blocks, host_stop_mask, padding_rows, row_mask,
-    wait_epoch, GraphError, MkControl, RingBook, StartRow, StreamState, WaitError,
-    CONTROL_WORDS,
+    wait_epoch, GraphError, MkControl, RingBook, StartRow, StreamState, WaitError, CONTROL_WORDS,
 };
 use super::megakernel::{generate, lower_decode};
 use super::nvrtc;
@@ -208,14 +207,16 @@ fn build_tables(
             WeightTable::Bf16 => {
                 let found = bf16_at.get(w.name.as_str()).and_then(|p| {
                     let m = matrices.get(&p.key)?;
-                    (m.cols == w.cols && w.rows <= p.rows).then(|| ptr(dev(&m.w), 2, p.row * m.cols))
+                    (m.cols == w.cols && w.rows <= p.rows)
+                        .then(|| ptr(dev(&m.w), 2, p.row * m.cols))
                 });
                 wt[i] = match found {
                     Some(p) => p,
                     None => match host_tensor(weights, w, n) {
                         Err(why) => return Ok(Err(why)),
                         Ok(t) => {
-                            let bits: Vec<u16> = t.to_bf16_vec()[..n].iter().map(|v| v.to_bits()).collect();
+                            let bits: Vec<u16> =
+                                t.to_bf16_vec()[..n].iter().map(|v| v.to_bits()).collect();
                             let s = stream.clone_htod(&bits).map_err(drv)?;
                             let p = dev(&s);
                             own16.push(s);
@@ -813,14 +814,15 @@ fn capture(
         return Err(CudaError::Driver("stream capture produced no graph".into()));
     }
     // SAFETY: `graph` is the captured graph, owned here until handed to `OwnedGraph`.
-    let exec = match unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags_enum(0)) } {
-        Ok(e) => e,
-        Err(e) => {
-            // SAFETY: destroyed once, nothing else holds it.
-            ctx.record_err(unsafe { result::graph::destroy(graph) });
-            return Err(drv(e));
-        }
-    };
+    let exec =
+        match unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags_enum(0)) } {
+            Ok(e) => e,
+            Err(e) => {
+                // SAFETY: destroyed once, nothing else holds it.
+                ctx.record_err(unsafe { result::graph::destroy(graph) });
+                return Err(drv(e));
+            }
+        };
     let owned = OwnedGraph {
         graph,
         exec,

@@ -80,7 +80,9 @@ pub enum GraphError {
     CapacityReached { pos: usize, capacity: usize },
     #[error("no decode step in flight")]
     NothingInFlight,
-    #[error("decode step (epoch {epoch}) not done after {waited:?} (ring entry holds epoch {found})")]
+    #[error(
+        "decode step (epoch {epoch}) not done after {waited:?} (ring entry holds epoch {found})"
+    )]
     Timeout {
         epoch: u32,
         found: u32,
@@ -88,7 +90,9 @@ pub enum GraphError {
     },
     #[error("the stream finished but decode step (epoch {epoch})'s ring entry holds epoch {found}: the kernel did not publish its tokens")]
     NotPublished { epoch: u32, found: u32 },
-    #[error("the megakernel fits 0 blocks of {threads} threads per SM (registers or shared memory)")]
+    #[error(
+        "the megakernel fits 0 blocks of {threads} threads per SM (registers or shared memory)"
+    )]
     NoOccupancy { threads: usize },
 }
 
@@ -608,7 +612,10 @@ mod tests {
         assert_eq!(padding_rows(&rows, 2, &lens).unwrap(), vec![]);
         assert_eq!(
             padding_rows(&rows, 8, &lens),
-            Err(GraphError::TooFewSlots { bucket: 8, slots: 4 })
+            Err(GraphError::TooFewSlots {
+                bucket: 8,
+                slots: 4
+            })
         );
         let (pos, tok, slot) = batch_arrays(&rows, &pads);
         assert_eq!(pos, vec![10, 12, 5, 10]);
@@ -619,7 +626,10 @@ mod tests {
     #[test]
     fn rows_are_checked_against_the_cache() {
         let lens = [4, 0, 7, 0];
-        assert_eq!(check_rows(&[row(0, 4), row(2, 3)], 2, &lens, 16, 10), Ok(()));
+        assert_eq!(
+            check_rows(&[row(0, 4), row(2, 3)], 2, &lens, 16, 10),
+            Ok(())
+        );
         let err = |rows: &[StartRow], bucket| check_rows(rows, bucket, &lens, 16, 10).unwrap_err();
         assert_eq!(
             err(&[row(0, 4), row(0, 4)], 2),
@@ -847,16 +857,29 @@ mod tests {
         // The stream went idle without the entry.
         assert_eq!(
             wait_epoch(7, || 3, || StreamState::Idle, t, 2),
-            Err(WaitError::Graph(GraphError::NotPublished { epoch: 7, found: 3 }))
+            Err(WaitError::Graph(GraphError::NotPublished {
+                epoch: 7,
+                found: 3
+            }))
         );
         // A sticky error.
         assert_eq!(
-            wait_epoch(7, || 3, || StreamState::Failed("illegal address".into()), t, 2),
+            wait_epoch(
+                7,
+                || 3,
+                || StreamState::Failed("illegal address".into()),
+                t,
+                2
+            ),
             Err(WaitError::Stream("illegal address".into()))
         );
         // A hung kernel.
         match wait_epoch(7, || 3, || StreamState::Busy, t, 2) {
-            Err(WaitError::Graph(GraphError::Timeout { epoch: 7, found: 3, waited })) => {
+            Err(WaitError::Graph(GraphError::Timeout {
+                epoch: 7,
+                found: 3,
+                waited,
+            })) => {
                 assert!(waited >= t)
             }
             other => panic!("{other:?}"),
