@@ -659,6 +659,8 @@ impl GraphDecoder {
 
     /// Waits (spinning on the ring's epoch word, polling the stream for errors, at most the
     /// timeout) for the oldest step in flight and returns its tokens.
+    // The contract's name; a blocking, fallible read, not an `Iterator`.
+    #[allow(clippy::should_implement_trait)]
     pub fn next(&mut self) -> Result<GraphStep, CudaError> {
         let epoch = self.book.oldest()?;
         let ring = self.ring.as_ref().ok_or(GraphError::NotStarted)?;

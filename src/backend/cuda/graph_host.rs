@@ -523,7 +523,7 @@ pub fn wait_epoch(
             return Ok(());
         }
         spins = spins.wrapping_add(1);
-        if spins % poll.max(1) != 0 {
+        if !spins.is_multiple_of(poll.max(1)) {
             std::hint::spin_loop();
             continue;
         }
@@ -715,7 +715,7 @@ mod tests {
         assert_eq!(row_mask(3), 0b111);
         let bad = SamplingParams {
             repetition_penalty: Some(1.3),
-            ..p.clone()
+            ..p
         };
         assert_eq!(
             MkControl::new(&bad, &[0], &[]),
