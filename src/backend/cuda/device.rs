@@ -129,13 +129,17 @@ pub(super) struct DevMatrix {
 
 /// The KV cache on the device: bf16 K and V laid out like [`crate::kv::KvCache`]
 /// (`[layer][slot][kv_head][capacity][head_dim]`), plus f32 per-position state.
+///
+/// The device memory is shared (`Arc`) with the [`super::GraphDecoder`]s captured for this
+/// cache: a decoder keeps it alive until its in-flight steps have finished, whatever order the
+/// owner drops the two in.
 pub struct CudaKvCache {
     pub(super) spec: KvSpec,
     pub(super) slots: usize,
     pub(super) capacity: usize,
-    pub(super) k: CudaSlice<u16>,
-    pub(super) v: CudaSlice<u16>,
-    pub(super) state: CudaSlice<f32>,
+    pub(super) k: Arc<CudaSlice<u16>>,
+    pub(super) v: Arc<CudaSlice<u16>>,
+    pub(super) state: Arc<CudaSlice<f32>>,
     pub(super) lens: Vec<usize>,
 }
 
@@ -486,12 +490,13 @@ impl CudaBackend {
             spec,
             slots,
             capacity,
-            k: self.stream.alloc_zeros::<u16>(n.max(1)).map_err(drv)?,
-            v: self.stream.alloc_zeros::<u16>(n.max(1)).map_err(drv)?,
-            state: self
-                .stream
-                .alloc_zeros::<f32>((slots * capacity * spec.state_dim).max(1))
-                .map_err(drv)?,
+            k: Arc::new(self.stream.alloc_zeros::<u16>(n.max(1)).map_err(drv)?),
+            v: Arc::new(self.stream.alloc_zeros::<u16>(n.max(1)).map_err(drv)?),
+            state: Arc::new(
+                self.stream
+                    .alloc_zeros::<f32>((slots * capacity * spec.state_dim).max(1))
+                    .map_err(drv)?,
+            ),
             lens: vec![0; slots],
         })
     }

@@ -433,25 +433,27 @@ impl Drop for OwnedGraph {
     }
 }
 
-/// Identity of the cache a graph was captured for (its device pointers are baked in).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct KvKey {
-    k: u64,
-    v: u64,
-    state: u64,
-    slots: usize,
-    capacity: usize,
+/// The cache a graph was captured for (its device pointers are baked in): shares its memory,
+/// so the memory outlives the decoder's in-flight steps.
+struct KvMem {
+    k: Arc<CudaSlice<u16>>,
+    v: Arc<CudaSlice<u16>>,
+    state: Arc<CudaSlice<f32>>,
 }
 
-impl KvKey {
-    fn of(backend_stream: &CudaStream, kv: &CudaKvCache) -> KvKey {
-        KvKey {
-            k: kv.k.device_ptr(backend_stream).0,
-            v: kv.v.device_ptr(backend_stream).0,
-            state: kv.state.device_ptr(backend_stream).0,
-            slots: kv.slots,
-            capacity: kv.capacity,
+impl KvMem {
+    fn of(kv: &CudaKvCache) -> KvMem {
+        KvMem {
+            k: kv.k.clone(),
+            v: kv.v.clone(),
+            state: kv.state.clone(),
         }
+    }
+
+    fn is(&self, kv: &CudaKvCache) -> bool {
+        Arc::ptr_eq(&self.k, &kv.k)
+            && Arc::ptr_eq(&self.v, &kv.v)
+            && Arc::ptr_eq(&self.state, &kv.state)
     }
 }
 
@@ -474,7 +476,7 @@ pub struct GraphDecoder {
     graph: Option<OwnedGraph>,
     ring: Option<PinnedRing>,
     book: RingBook,
-    kv: KvKey,
+    kv: KvMem,
     /// Rows started (the rest of the bucket is padding).
     rows: usize,
     stops: Vec<u32>,
@@ -531,8 +533,8 @@ impl GraphDecoder {
             wt: weights.wt.device_ptr(&stream).0,
             wt_f32: weights.wt_f32.device_ptr(&stream).0,
             act: act.device_ptr(&stream).0,
-            k_cache: d16(&kv.k),
-            v_cache: d16(&kv.v),
+            k_cache: d16(kv.k.as_ref()),
+            v_cache: d16(kv.v.as_ref()),
             kv_state: kv.state.device_ptr(&stream).0,
             state_dim: kv.spec.state_dim as i32,
             num_slots: kv.slots as i32,
@@ -556,7 +558,7 @@ impl GraphDecoder {
             graph: Some(graph),
             ring: Some(ring),
             book,
-            kv: KvKey::of(&backend.stream, kv),
+            kv: KvMem::of(kv),
             rows: 0,
             stops: Vec::new(),
             timeout: DEFAULT_TIMEOUT,
@@ -598,7 +600,7 @@ impl GraphDecoder {
         sampling: &SamplingParams,
         stop_tokens: &[u32],
     ) -> Result<(), CudaError> {
-        if KvKey::of(&self.backend_stream, kv) != self.kv {
+        if !self.kv.is(kv) {
             return Err(GraphError::OtherCache.into());
         }
         let starts: Vec<StartRow> = rows
@@ -703,7 +705,7 @@ impl GraphDecoder {
 
 impl Drop for GraphDecoder {
     fn drop(&mut self) {
-        // Nothing may still write the ring or read the arena when they are freed.
+        // Nothing may still write the ring or read the arena or the cache when they are freed.
         if self.unsynced {
             let ctx = self.stream.context();
             ctx.record_err(self.stream.synchronize());
