@@ -1,8 +1,9 @@
 // gemm.cu: the prefill matmul (many token rows): C[t, r] = sum_k X[t, k] W[r, k] (+ bias[r]),
 // bf16 W [rows, k], f32 X and accumulation. A plain shared-memory tiled kernel (64 x 64 tile,
-// 16-deep K slices, 4 x 4 outputs per thread); cuBLAS is not used (see DESIGN.md: it may
-// replace this later). Epilogues 0 None, 1 ResidualAdd, 2 Activation; the host runs Gated as
-// None into scratch followed by elementwise.cu's `gated_rows`.
+// 16-deep K slices, 4 x 4 outputs per thread): the fallback when libcublas cannot be loaded
+// (the host otherwise runs cublasGemmEx with convert.cu around it). Epilogues 0 None,
+// 1 ResidualAdd, 2 Activation; the host runs Gated as None into scratch followed by
+// elementwise.cu's `gated_rows`.
 // UNVERIFIED on a GPU.
 #include "common.cuh"
 

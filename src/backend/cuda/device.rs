@@ -5,16 +5,23 @@
 //! checks on a GPU machine: execute the same [`ExecutionPlan`]s as the CPU backend, a kernel per
 //! instruction (GEMV for few rows, the tiled GEMM for prefill), with weights uploaded once as
 //! bf16, the plan's buffers in a device arena ([`CudaWorkspace`]), and a bf16 KV cache on the
-//! device ([`CudaKvCache`]). The decode megakernel and CUDA-graph replay of DESIGN.md are not
-//! here yet: this is the per-instruction path.
+//! device ([`CudaKvCache`]). Prefill matmuls (more than 8 token rows) go through cuBLAS
+//! (`cublasGemmEx`, bf16 operands, f32 output and accumulation) when libcublas loads, else
+//! through kiln's `gemm_bf16`. [`CudaBackend::forward_sample`] samples on the device and returns
+//! only tokens. The decode megakernel with CUDA-graph replay is [`super::GraphDecoder`].
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
 
+use super::gemm_args::{prefill_gemm, Trans};
+use super::graph::MegakernelCache;
+use super::graph_host::{GraphError, MkControl};
 use super::kernels::SOURCES;
 use super::nvrtc::{self, NvrtcError};
 use crate::backend::cpu::{compile_graph, ExecError, PlanKind, TokenRow};
@@ -22,6 +29,7 @@ use crate::graph::{Activation, Epilogue, KvSpec, Linear, Op, Rows};
 use crate::model::arch::LogitRows;
 use crate::model::{LoadError, ModelConfig, RopeStyle, Weights};
 use crate::plan::{ExecutionPlan, Phase, Slot};
+use crate::sample::SamplingParams;
 
 /// What the GPU is.
 #[derive(Clone, Debug)]
@@ -63,9 +71,23 @@ pub enum CudaError {
     Exec(#[from] ExecError),
     #[error("the CUDA backend does not support this model: {0}")]
     Unsupported(String),
+    #[error(transparent)]
+    Graph(#[from] GraphError),
+    #[error("cuBLAS: {0}")]
+    Cublas(String),
+    #[error("{got} row ids for {want} rows of logits")]
+    RowIds { got: usize, want: usize },
+    #[error("KV cache slot {slot} out of range (the cache has {slots} slots)")]
+    Slot { slot: usize, slots: usize },
+    #[error("{len} positions do not fit a cache slot of {what} {have}")]
+    Len {
+        len: usize,
+        what: &'static str,
+        have: usize,
+    },
 }
 
-fn drv<E: std::fmt::Debug>(e: E) -> CudaError {
+pub(super) fn drv<E: std::fmt::Debug>(e: E) -> CudaError {
     CudaError::Driver(format!("{e:?}"))
 }
 
@@ -97,24 +119,28 @@ pub fn probe() -> Result<(Arc<CudaContext>, DeviceInfo), CudaError> {
     Ok((ctx, info))
 }
 
-struct DevMatrix {
-    rows: usize,
-    cols: usize,
+pub(super) struct DevMatrix {
+    pub(super) rows: usize,
+    pub(super) cols: usize,
     /// bf16 bits, row-major `[rows, cols]`.
-    w: CudaSlice<u16>,
-    bias: Option<CudaSlice<f32>>,
+    pub(super) w: CudaSlice<u16>,
+    pub(super) bias: Option<CudaSlice<f32>>,
 }
 
 /// The KV cache on the device: bf16 K and V laid out like [`crate::kv::KvCache`]
 /// (`[layer][slot][kv_head][capacity][head_dim]`), plus f32 per-position state.
+///
+/// The device memory is shared (`Arc`) with the [`super::GraphDecoder`]s captured for this
+/// cache: a decoder keeps it alive until its in-flight steps have finished, whatever order the
+/// owner drops the two in.
 pub struct CudaKvCache {
-    spec: KvSpec,
-    slots: usize,
-    capacity: usize,
-    k: CudaSlice<u16>,
-    v: CudaSlice<u16>,
-    state: CudaSlice<f32>,
-    lens: Vec<usize>,
+    pub(super) spec: KvSpec,
+    pub(super) slots: usize,
+    pub(super) capacity: usize,
+    pub(super) k: Arc<CudaSlice<u16>>,
+    pub(super) v: Arc<CudaSlice<u16>>,
+    pub(super) state: Arc<CudaSlice<f32>>,
+    pub(super) lens: Vec<usize>,
 }
 
 impl CudaKvCache {
@@ -134,6 +160,117 @@ impl CudaKvCache {
     pub fn truncate(&mut self, slot: usize, len: usize) {
         self.lens[slot] = self.lens[slot].min(len);
     }
+
+    /// Marks `len` positions of `slot` as cached: the engine confirms the positions a decode
+    /// graph wrote once it has consumed their tokens (the graph itself never changes lengths).
+    /// Public (the contract said `pub(crate)`) so `tests/gpu.rs` can drive a [`super::GraphDecoder`]
+    /// the way the engine does. Panics, like indexing, if `slot` is out of range or `len` exceeds
+    /// the capacity: a caller's bug, not input.
+    pub fn set_len(&mut self, slot: usize, len: usize) {
+        assert!(
+            len <= self.capacity,
+            "set_len({slot}, {len}) past capacity {}",
+            self.capacity
+        );
+        self.lens[slot] = len;
+    }
+
+    /// Makes slot `to` hold the first `len` positions of slot `from` (one prefill, many
+    /// samples): device-to-device copies of each layer's K/V rows per KV head and of the
+    /// per-position state, enqueued on the backend's stream (ordered with its forwards).
+    /// Like [`crate::kv::KvCache::copy_slot`], `to`'s length becomes `len`. **UNVERIFIED** on a
+    /// GPU.
+    pub fn copy_slot(
+        &mut self,
+        backend: &CudaBackend,
+        from: usize,
+        to: usize,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        for slot in [from, to] {
+            if slot >= self.slots {
+                return Err(CudaError::Slot {
+                    slot,
+                    slots: self.slots,
+                });
+            }
+        }
+        if len > self.lens[from] {
+            return Err(CudaError::Len {
+                len,
+                what: "with cached length",
+                have: self.lens[from],
+            });
+        }
+        if from != to && len > 0 {
+            let stream = backend.stream.cu_stream();
+            let cap = self.capacity;
+            let (k0, v0) = (backend.ptr(&self.k), backend.ptr(&self.v));
+            for (src, dst, bytes) in slot_copies(&self.spec, self.slots, cap, from, to, len) {
+                for base in [k0, v0] {
+                    // SAFETY: both ranges lie inside the cache allocation (`slot_copies` stays
+                    // within `[layer][slot][kv_head][capacity][head_dim]`), are disjoint (two
+                    // different slots) and the copy is ordered on the stream the cache is used on.
+                    unsafe {
+                        cudarc::driver::result::memcpy_dtod_async(
+                            base + dst,
+                            base + src,
+                            bytes,
+                            stream,
+                        )
+                    }
+                    .map_err(drv)?;
+                }
+            }
+            let sd = self.spec.state_dim;
+            if sd > 0 {
+                let s0 = backend.ptr(&self.state);
+                let (src, dst) = ((from * cap * sd * 4) as u64, (to * cap * sd * 4) as u64);
+                // SAFETY: as above, for the `[slot][capacity][state_dim]` f32 state.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(
+                        s0 + dst,
+                        s0 + src,
+                        len * sd * 4,
+                        stream,
+                    )
+                }
+                .map_err(drv)?;
+            }
+        }
+        self.set_len(to, len);
+        Ok(())
+    }
+}
+
+/// The byte ranges `(src, dst, bytes)` (offsets into K or V, which share a layout) that copy the
+/// first `len` positions of slot `from` to slot `to`: one per layer and KV head, or one per layer
+/// when the whole capacity moves (the heads of a slot are contiguous then).
+pub(super) fn slot_copies(
+    spec: &KvSpec,
+    slots: usize,
+    capacity: usize,
+    from: usize,
+    to: usize,
+    len: usize,
+) -> Vec<(u64, u64, usize)> {
+    let d = spec.head_dim;
+    let head = capacity * d; // elements of one KV head's rows in one slot
+    let slot = spec.kv_heads * head;
+    let layer = slots * slot;
+    let mut out = Vec::new();
+    for l in 0..spec.layers {
+        if len == capacity {
+            let at = |s: usize| ((l * layer + s * slot) * 2) as u64;
+            out.push((at(from), at(to), slot * 2));
+            continue;
+        }
+        for h in 0..spec.kv_heads {
+            let at = |s: usize| ((l * layer + s * slot + h * head) * 2) as u64;
+            out.push((at(from), at(to), len * d * 2));
+        }
+    }
+    out
 }
 
 /// Per-session device memory: the plan's buffers and kernel scratch, grown to the largest step.
@@ -152,18 +289,24 @@ impl CudaWorkspace {
 
 /// Executes kiln's execution plans on one GPU. **UNVERIFIED** (see the module docs).
 pub struct CudaBackend {
-    info: DeviceInfo,
-    #[allow(dead_code)]
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    pub(super) info: DeviceInfo,
+    pub(super) ctx: Arc<CudaContext>,
+    pub(super) stream: Arc<CudaStream>,
     funcs: HashMap<&'static str, CudaFunction>,
     config: ModelConfig,
     prefill: ExecutionPlan,
-    decode: ExecutionPlan,
+    pub(super) decode: ExecutionPlan,
     all_logits: ExecutionPlan,
-    matrices: HashMap<String, DevMatrix>,
-    vectors: HashMap<String, CudaSlice<f32>>,
-    inv_freq: CudaSlice<f32>,
+    pub(super) matrices: HashMap<String, DevMatrix>,
+    pub(super) vectors: HashMap<String, CudaSlice<f32>>,
+    pub(super) inv_freq: CudaSlice<f32>,
+    /// `sm_XY` as the number XY, and the CUDA headers, for compiling the megakernel.
+    pub(super) arch: u32,
+    pub(super) include: PathBuf,
+    /// cuBLAS for prefill matmuls; `None` when libcublas is absent (kiln's `gemm_bf16` then).
+    blas: Option<CudaBlas>,
+    /// The decode megakernel's weight tables, compiled modules and launch stream.
+    pub(super) mk: MegakernelCache,
 }
 
 const BLOCK: u32 = 256;
@@ -231,6 +374,7 @@ impl CudaBackend {
         let prefill = ExecutionPlan::lower(last.clone(), Phase::Prefill);
         let decode = ExecutionPlan::lower(last, Phase::Decode);
         let all_logits = ExecutionPlan::lower(all, Phase::Prefill);
+        let blas = load_cublas(&stream);
         let inv = crate::backend::cpu::rope_inv_freq(&prefill.graph.rope);
         let inv_freq = stream.clone_htod(&inv).map_err(drv)?;
 
@@ -283,6 +427,7 @@ impl CudaBackend {
                 }
             }
         }
+        let mk = MegakernelCache::new(&stream, &decode, weights, &matrices, &vectors)?;
         stream.synchronize().map_err(drv)?;
         Ok(CudaBackend {
             info,
@@ -296,7 +441,23 @@ impl CudaBackend {
             matrices,
             vectors,
             inv_freq,
+            arch,
+            include,
+            blas,
+            mk,
         })
+    }
+
+    /// Whether prefill matmuls run on cuBLAS (else on kiln's `gemm_bf16`).
+    pub fn uses_cublas(&self) -> bool {
+        self.blas.is_some()
+    }
+
+    /// The same backend with cuBLAS switched off: prefill matmuls on kiln's `gemm_bf16` (for
+    /// comparing the two paths).
+    pub fn without_cublas(mut self) -> CudaBackend {
+        self.blas = None;
+        self
     }
 
     pub fn info(&self) -> &DeviceInfo {
@@ -339,17 +500,18 @@ impl CudaBackend {
             spec,
             slots,
             capacity,
-            k: self.stream.alloc_zeros::<u16>(n.max(1)).map_err(drv)?,
-            v: self.stream.alloc_zeros::<u16>(n.max(1)).map_err(drv)?,
-            state: self
-                .stream
-                .alloc_zeros::<f32>((slots * capacity * spec.state_dim).max(1))
-                .map_err(drv)?,
+            k: Arc::new(self.stream.alloc_zeros::<u16>(n.max(1)).map_err(drv)?),
+            v: Arc::new(self.stream.alloc_zeros::<u16>(n.max(1)).map_err(drv)?),
+            state: Arc::new(
+                self.stream
+                    .alloc_zeros::<f32>((slots * capacity * spec.state_dim).max(1))
+                    .map_err(drv)?,
+            ),
             lens: vec![0; slots],
         })
     }
 
-    fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+    pub(super) fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
         s.device_ptr(&self.stream).0
     }
 
@@ -406,13 +568,164 @@ impl CudaBackend {
             kv.capacity,
             |slot| kv.lens[slot],
         )?;
-        let n = self.run(self.plan(kind), ws, kv, tokens, rows, logits)?;
+        let plan = self.plan(kind);
+        let out = self.run(plan, ws, kv, tokens, rows)?;
+        let o = plan.output;
+        let host: Vec<f32> = self
+            .stream
+            .clone_dtoh(ws.buffers[o.buffer].as_ref().expect("allocated"))
+            .map_err(drv)?;
+        logits.clear();
+        for t in 0..out.rows {
+            let a = t * out.stride + o.col;
+            logits.extend_from_slice(&host[a..a + o.cols]);
+        }
         for (&slot, &end) in &next {
             kv.lens[slot] = end;
         }
-        Ok(n)
+        Ok(out.rows)
     }
 
+    /// Runs one step like [`CudaBackend::forward`] and samples each row of logits on the device
+    /// (`sample_rows`: greedy at temperature 0, else top-k / min-p / top-p with the Philox draw
+    /// keyed by (`sampling.seed`, `row_ids[i]`, the position the sampled token takes)); only the
+    /// tokens come back. `row_ids` has one entry per row of logits (per sequence for `Prefill`
+    /// and `Decode`, per token for `AllLogits`). A repetition penalty is refused: callers that
+    /// need logits processors use [`CudaBackend::forward`]. **UNVERIFIED** on a GPU.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_sample(
+        &self,
+        kind: PlanKind,
+        ws: &mut CudaWorkspace,
+        kv: &mut CudaKvCache,
+        tokens: &[u32],
+        rows: &[TokenRow],
+        sampling: &SamplingParams,
+        row_ids: &[u32],
+    ) -> Result<Vec<u32>, CudaError> {
+        let ctl = MkControl::new(sampling, &[], &[])?;
+        let next = crate::backend::check_step(
+            self.config.vocab_size,
+            tokens,
+            rows,
+            kv.slots,
+            kv.capacity,
+            |slot| kv.lens[slot],
+        )?;
+        let plan = self.plan(kind);
+        let o = plan.output;
+        // The token row each row of logits comes from (its position + 1 is the sampled token's).
+        let from: Vec<usize> = match plan.buffers[o.buffer].rows {
+            Rows::Tokens => (0..tokens.len()).collect(),
+            Rows::Sequences => last_of_each_sequence(rows),
+        };
+        if row_ids.len() != from.len() {
+            return Err(CudaError::RowIds {
+                got: row_ids.len(),
+                want: from.len(),
+            });
+        }
+        let out = self.run(plan, ws, kv, tokens, rows)?;
+        let n = out.rows;
+        let ctl_words: Vec<i32> = ctl.to_words().iter().map(|&w| w as i32).collect();
+        let d_ctl = self.ints(ws, "sample_ctl", &ctl_words)?;
+        let ids: Vec<i32> = row_ids.iter().map(|&r| r as i32).collect();
+        let d_ids = self.ints(ws, "sample_row_ids", &ids)?;
+        let positions: Vec<i32> = from.iter().map(|&t| rows[t].pos as i32 + 1).collect();
+        let d_pos = self.ints(ws, "sample_positions", &positions)?;
+        let vocab = o.cols;
+        let work = self.scratch(ws, "sample_work", n * vocab)?;
+        let d_out = self.ints(ws, "sample_tokens", &vec![0; n])?;
+        let logits =
+            self.ptr(ws.buffers[o.buffer].as_ref().expect("allocated")) + (o.col * 4) as u64;
+        launch!(self, "sample_rows", cfg((n as u32, 1, 1), BLOCK);
+            logits, out.stride as i32, vocab as i32, d_ctl, d_ids, d_pos, work, d_out);
+        let host: Vec<i32> = self
+            .stream
+            .clone_dtoh(&ws.ints["sample_tokens"])
+            .map_err(drv)?;
+        for (&slot, &end) in &next {
+            kv.lens[slot] = end;
+        }
+        Ok(host[..n].iter().map(|&t| t as u32).collect())
+    }
+
+    /// Prefill matmul through cuBLAS: `x` (f32, row stride `xs`) to bf16, `cublasGemmEx` (see
+    /// [`super::gemm_args`] for the argument mapping) into `out` directly when there is nothing
+    /// to add but an in-place residual (β = 1), else into f32 scratch followed by
+    /// `gemm_epilogue` (bias, residual, activation, gated). **UNVERIFIED** on a GPU.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_cublas(
+        &self,
+        blas: &CudaBlas,
+        ws: &mut CudaWorkspace,
+        m: &DevMatrix,
+        (x, xs): (u64, i32),
+        n_tok: usize,
+        (out, os): (u64, i32),
+        bias: u64,
+        (res, rs): (u64, i32),
+        epi: i32,
+        act: i32,
+    ) -> Result<(), CudaError> {
+        use cudarc::cublas::{result::gemm_ex, sys};
+        let (k, r) = (m.cols, m.rows);
+        let xb = self.scratch(ws, "x_bf16", (n_tok * k).div_ceil(2))?;
+        launch!(self, "f32_to_bf16_rows", cfg((div(k, 256), n_tok as u32, 1), BLOCK);
+            x, xs, xb, k as i32);
+        let direct = bias == 0 && (epi == 0 || (epi == 1 && res == out && rs == os));
+        let (c, ldc, beta) = if direct {
+            (out, os as usize, if epi == 1 { 1.0f32 } else { 0.0 })
+        } else {
+            (self.scratch(ws, "gemm_c", n_tok * r)?, r, 0.0)
+        };
+        let g = prefill_gemm(n_tok, r, k, k, ldc);
+        if !g.valid() {
+            return Err(CudaError::Cublas(format!("invalid GEMM arguments {g:?}")));
+        }
+        let op = |t: Trans| match t {
+            Trans::N => sys::cublasOperation_t::CUBLAS_OP_N,
+            Trans::T => sys::cublasOperation_t::CUBLAS_OP_T,
+        };
+        let alpha = 1.0f32;
+        // SAFETY: A is the `[r, k]` bf16 matrix, B the `[n_tok, k]` bf16 copy just written, C
+        // `[n_tok, ldc]` f32 (the plan's output slot or scratch of that size); the shapes are
+        // `prefill_gemm`'s (checked by `valid`); α and β are host scalars (cuBLAS's default
+        // pointer mode) that outlive the call; the handle is bound to the backend's stream.
+        unsafe {
+            gemm_ex(
+                *blas.handle(),
+                op(g.transa),
+                op(g.transb),
+                g.m as i32,
+                g.n as i32,
+                g.k as i32,
+                &alpha as *const f32 as *const std::ffi::c_void,
+                self.ptr(&m.w) as *const std::ffi::c_void,
+                sys::cudaDataType::CUDA_R_16BF,
+                g.lda as i32,
+                xb as *const std::ffi::c_void,
+                sys::cudaDataType::CUDA_R_16BF,
+                g.ldb as i32,
+                &beta as *const f32 as *const std::ffi::c_void,
+                c as *mut std::ffi::c_void,
+                sys::cudaDataType::CUDA_R_32F,
+                g.ldc as i32,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| CudaError::Cublas(format!("cublasGemmEx {g:?}: {e}")))?;
+        if !direct {
+            let n = if epi == 3 { r / 2 } else { r };
+            launch!(self, "gemm_epilogue", cfg((div(n, 256), n_tok as u32, 1), BLOCK);
+                c, r as i32, bias, out, os, res, rs, n as i32, epi, act);
+        }
+        Ok(())
+    }
+
+    /// Executes `plan`'s instructions; the output stays on the device (where: the returned
+    /// rows and row stride of the plan's output buffer).
     fn run(
         &self,
         plan: &ExecutionPlan,
@@ -420,11 +733,10 @@ impl CudaBackend {
         kv: &mut CudaKvCache,
         tokens: &[u32],
         rows: &[TokenRow],
-        logits: &mut Vec<f32>,
-    ) -> Result<usize, CudaError> {
+    ) -> Result<DeviceOutput, CudaError> {
         let n_tok = tokens.len();
-        let seq_last: Vec<i32> = (0..n_tok)
-            .filter(|&t| t + 1 == n_tok || rows[t + 1].slot != rows[t].slot)
+        let seq_last: Vec<i32> = last_of_each_sequence(rows)
+            .into_iter()
             .map(|t| t as i32)
             .collect();
         let n_rows = |r: Rows| match r {
@@ -538,6 +850,19 @@ impl CudaBackend {
                             launch!(self, "gemv_finish", cfg((div(n_out, 256), ro as u32, 1), BLOCK);
                                 partial, splits as i32, mr, bias, out, os, res, rs, epi, act);
                         }
+                    } else if let Some(blas) = &self.blas {
+                        self.gemm_cublas(
+                            blas,
+                            ws,
+                            m,
+                            (x, xs),
+                            rows_out,
+                            (out, os),
+                            bias,
+                            (res, rs),
+                            epi,
+                            act,
+                        )?;
                     } else if epi == 3 {
                         let g = self.scratch(ws, "gated", rows_out * m.rows)?;
                         launch!(self, "gemm_bf16", cfg((div(m.rows, 64), div(rows_out, 64), 1), BLOCK);
@@ -666,18 +991,43 @@ impl CudaBackend {
         }
 
         let o = plan.output;
-        let stride = plan.buffers[o.buffer].cols;
-        let n = n_rows(plan.buffers[o.buffer].rows);
-        let host: Vec<f32> = self
-            .stream
-            .clone_dtoh(ws.buffers[o.buffer].as_ref().expect("allocated"))
-            .map_err(drv)?;
-        logits.clear();
-        for t in 0..n {
-            let a = t * stride + o.col;
-            logits.extend_from_slice(&host[a..a + o.cols]);
+        Ok(DeviceOutput {
+            rows: n_rows(plan.buffers[o.buffer].rows),
+            stride: plan.buffers[o.buffer].cols,
+        })
+    }
+}
+
+/// Where a step's output is: the plan's output slot, with this many rows of this stride.
+struct DeviceOutput {
+    rows: usize,
+    stride: usize,
+}
+
+/// The index of each sequence's last token row (rows of one sequence are consecutive).
+fn last_of_each_sequence(rows: &[TokenRow]) -> Vec<usize> {
+    let n = rows.len();
+    (0..n)
+        .filter(|&t| t + 1 == n || rows[t + 1].slot != rows[t].slot)
+        .collect()
+}
+
+/// cuBLAS when libcublas loads (checked first: cudarc panics on a missing library), else
+/// `None` and one line on stderr.
+fn load_cublas(stream: &Arc<CudaStream>) -> Option<CudaBlas> {
+    // SAFETY: only tries dlopen with cudarc's candidate names for libcublas.
+    if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+        eprintln!("kiln: libcublas not found; prefill matmuls use kiln's own GEMM kernel");
+        return None;
+    }
+    match CudaBlas::new(stream.clone()) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            eprintln!(
+                "kiln: cuBLAS did not start ({e}); prefill matmuls use kiln's own GEMM kernel"
+            );
+            None
         }
-        Ok(n)
     }
 }
 
@@ -730,4 +1080,51 @@ fn upload_matrix(
         w: stream.clone_htod(&bits).map_err(drv)?,
         bias,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Applies `slot_copies` to a host array with the device cache's layout and checks slot
+    /// `to` then holds exactly slot `from`'s first `len` positions, nothing else moved.
+    #[test]
+    fn slot_copies_move_exactly_the_cached_positions() {
+        let spec = KvSpec {
+            layers: 2,
+            kv_heads: 3,
+            head_dim: 4,
+            state_dim: 0,
+        };
+        let (slots, cap) = (3, 5);
+        let n = spec.layers * slots * spec.kv_heads * cap * spec.head_dim;
+        let at = |l: usize, s: usize, h: usize, p: usize, d: usize| {
+            (((l * slots + s) * spec.kv_heads + h) * cap + p) * spec.head_dim + d
+        };
+        for (from, to, len) in [(0, 2, 3), (2, 1, 5), (1, 0, 1)] {
+            let before: Vec<u16> = (0..n as u16).collect();
+            let mut after = before.clone();
+            for (src, dst, bytes) in slot_copies(&spec, slots, cap, from, to, len) {
+                let (src, dst, count) = (src as usize / 2, dst as usize / 2, bytes / 2);
+                after.copy_within(src..src + count, dst);
+            }
+            for l in 0..spec.layers {
+                for s in 0..slots {
+                    for h in 0..spec.kv_heads {
+                        for p in 0..cap {
+                            for d in 0..spec.head_dim {
+                                let i = at(l, s, h, p, d);
+                                let want = if s == to && p < len {
+                                    before[at(l, from, h, p, d)]
+                                } else {
+                                    before[i]
+                                };
+                                assert_eq!(after[i], want, "l{l} s{s} h{h} p{p} d{d}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

@@ -74,6 +74,11 @@ pub const SOURCES: &[CudaSource] = &[
         ],
     },
     CudaSource {
+        file: "convert.cu",
+        text: include_str!("../../../cuda/convert.cu"),
+        kernels: &["f32_to_bf16_rows", "gemm_epilogue"],
+    },
+    CudaSource {
         file: "sample.cu",
         text: include_str!("../../../cuda/sample.cu"),
         kernels: &["sample_rows"],

@@ -8,7 +8,8 @@
 //! `GatedValueAdd`, `Smear`, matmul biases) are a [`LowerError::Unsupported`] naming the op.
 //!
 //! The generated kernel is UNVERIFIED on a GPU: it compiles with NVRTC
-//! (`tests/nvrtc_megakernel.rs`) and has never been executed; no runtime launches it yet.
+//! (`tests/megakernel.rs`) and has never been executed; `super::GraphDecoder` (feature `cuda`)
+//! is the runtime that launches it, equally unverified.
 
 use std::collections::HashMap;
 

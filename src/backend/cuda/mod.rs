@@ -6,6 +6,12 @@
 //! * `nvrtc` (feature `cuda`): finds NVRTC and the headers, compiles `cuda/` to cubins for the
 //!   device's exact architecture, caches them on disk, parses ptxas's resource report. Compiling
 //!   is verified in CI without a GPU (`tests/nvrtc_compile.rs`).
+//! * [`gemm_args`]: the row-major to column-major argument mapping of the cuBLAS prefill GEMM
+//!   (pure, unit-tested).
+//! * [`graph_host`]: the host-side arithmetic of the decode graph (buckets, padding rows, grid,
+//!   sampling control block, ring epochs; pure, unit-tested).
+//! * `graph` (feature `cuda`): [`GraphDecoder`], the megakernel captured in a CUDA graph and
+//!   replayed with results read from a pinned host-mapped ring. **UNVERIFIED on a GPU**.
 //! * `device` (feature `cuda`): driver discovery and the [`CudaBackend`] executor.
 //!   **UNVERIFIED**: written against cudarc 0.19's API and compiled, but never run on a GPU;
 //!   `tests/gpu.rs` / `scripts/gpu-check.sh` are the checks to run on a GPU machine.
@@ -13,6 +19,8 @@
 //! cudarc panics when the driver or NVRTC library is missing, so nothing here touches cudarc
 //! before `is_culib_present()` says the library is there.
 
+pub mod gemm_args;
+pub mod graph_host;
 pub mod kernels;
 pub mod megakernel;
 
@@ -21,7 +29,12 @@ pub mod bandwidth;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
+mod graph;
+#[cfg(feature = "cuda")]
 pub mod nvrtc;
 
 #[cfg(feature = "cuda")]
 pub use device::{probe, CudaBackend, CudaError, CudaKvCache, CudaWorkspace, DeviceInfo};
+#[cfg(feature = "cuda")]
+pub use graph::{GraphDecoder, GraphRow, GraphStep};
+pub use graph_host::{bucket_for, GraphError, MkControl, RING};

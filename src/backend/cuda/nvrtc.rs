@@ -181,16 +181,35 @@ fn c_text(v: &[c_char]) -> String {
 
 /// Compiles one source to a cubin for `sm_{arch}`. Warnings are errors.
 pub fn compile(src: &CudaSource, arch: u32, include: &Path) -> Result<Compiled, NvrtcError> {
+    let (cubin, log) = compile_text(src.file, &src.expanded(), arch, include)?;
+    let kernels = parse_ptxas(&log);
+    Ok(Compiled {
+        file: src.file,
+        arch,
+        cubin,
+        log,
+        kernels,
+    })
+}
+
+/// Compiles `text` (named `file` in errors) to a cubin for `sm_{arch}`; returns it and NVRTC's
+/// log. Warnings are errors.
+pub fn compile_text(
+    file: &str,
+    text: &str,
+    arch: u32,
+    include: &Path,
+) -> Result<(Vec<u8>, String), NvrtcError> {
     use cudarc::nvrtc::{result, sys};
     ensure_loaded()?;
     let fail = |what: String, log: String| NvrtcError::Compile {
-        file: src.file.to_string(),
+        file: file.to_string(),
         arch,
         what,
         log,
     };
-    let text = CString::new(src.expanded()).map_err(|e| fail(e.to_string(), String::new()))?;
-    let name = CString::new(src.file).map_err(|e| fail(e.to_string(), String::new()))?;
+    let text = CString::new(text).map_err(|e| fail(e.to_string(), String::new()))?;
+    let name = CString::new(file).map_err(|e| fail(e.to_string(), String::new()))?;
     let prog = result::create_program(text.as_c_str(), Some(name.as_c_str()))
         .map_err(|e| fail(format!("create program: {e:?}"), String::new()))?;
     let opts = options(arch, include);
@@ -225,14 +244,7 @@ pub fn compile(src: &CudaSource, arch: u32, include: &Path) -> Result<Compiled, 
     }) {
         return Err(fail(format!("warning treated as error: {w}"), log));
     }
-    let kernels = parse_ptxas(&log);
-    Ok(Compiled {
-        file: src.file,
-        arch,
-        cubin,
-        log,
-        kernels,
-    })
+    Ok((cubin, log))
 }
 
 fn number_before(line: &str, unit: &str) -> Option<u32> {
@@ -288,11 +300,22 @@ pub fn cache_dir() -> Option<PathBuf> {
 /// and NVRTC version match, else compiled (and stored; a cache that cannot be written is
 /// ignored).
 pub fn compile_cached(src: &CudaSource, arch: u32, include: &Path) -> Result<Vec<u8>, NvrtcError> {
+    compile_text_cached(src.file, &src.expanded(), arch, include)
+}
+
+/// [`compile_cached`] for a source that is not one of `cuda/`'s files (the generated decode
+/// megakernel): cached under `file`'s stem and the hash of `text`.
+pub fn compile_text_cached(
+    file: &str,
+    text: &str,
+    arch: u32,
+    include: &Path,
+) -> Result<Vec<u8>, NvrtcError> {
     let (major, minor) = version()?;
     let key = format!(
         "{}-sm{arch}-nvrtc{major}.{minor}-{:016x}.cubin",
-        src.file.trim_end_matches(".cu"),
-        fnv1a(src.expanded().as_bytes())
+        file.trim_end_matches(".cu"),
+        fnv1a(text.as_bytes())
     );
     let path = cache_dir().map(|d| d.join(key));
     if let Some(p) = &path {
@@ -302,17 +325,17 @@ pub fn compile_cached(src: &CudaSource, arch: u32, include: &Path) -> Result<Vec
             }
         }
     }
-    let c = compile(src, arch, include)?;
+    let (cubin, _log) = compile_text(file, text, arch, include)?;
     if let Some(p) = &path {
         if let Some(dir) = p.parent() {
             let _ = std::fs::create_dir_all(dir);
         }
         let tmp = p.with_extension(format!("tmp{}", std::process::id()));
-        if std::fs::write(&tmp, &c.cubin).is_ok() {
+        if std::fs::write(&tmp, &cubin).is_ok() {
             let _ = std::fs::rename(&tmp, p);
         }
     }
-    Ok(c.cubin)
+    Ok(cubin)
 }
 
 #[cfg(test)]
