@@ -21,7 +21,7 @@ use cudarc::driver::{
 
 use super::gemm_args::{prefill_gemm, Trans};
 use super::graph::MegakernelCache;
-use super::graph_host::{GraphError, MkControl};
+use super::graph_host::{control_words, sampling_control, GraphError};
 use super::kernels::SOURCES;
 use super::nvrtc::{self, NvrtcError};
 use crate::backend::cpu::{compile_graph, ExecError, PlanKind, TokenRow};
@@ -603,7 +603,7 @@ impl CudaBackend {
         sampling: &SamplingParams,
         row_ids: &[u32],
     ) -> Result<Vec<u32>, CudaError> {
-        let ctl = MkControl::new(sampling, &[], &[])?;
+        let ctl = sampling_control(sampling, &[], &[])?;
         let next = crate::backend::check_step(
             self.config.vocab_size,
             tokens,
@@ -627,7 +627,7 @@ impl CudaBackend {
         }
         let out = self.run(plan, ws, kv, tokens, rows)?;
         let n = out.rows;
-        let ctl_words: Vec<i32> = ctl.to_words().iter().map(|&w| w as i32).collect();
+        let ctl_words: Vec<i32> = control_words(&ctl).iter().map(|&w| w as i32).collect();
         let d_ctl = self.ints(ws, "sample_ctl", &ctl_words)?;
         let ids: Vec<i32> = row_ids.iter().map(|&r| r as i32).collect();
         let d_ids = self.ints(ws, "sample_row_ids", &ids)?;

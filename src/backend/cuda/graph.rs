@@ -31,12 +31,12 @@ use cudarc::driver::{
     result, sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
     PushKernelArg,
 };
-use kiln_codegen::{SampleMode, Weight};
+use kiln_codegen::Weight;
 
 use super::device::{drv, CudaBackend, CudaError, CudaKvCache, DevMatrix};
 use super::graph_host::{
-    batch_arrays, bucket_for, check_rows, grid_blocks, host_stop_mask, padding_rows, row_mask,
-    wait_epoch, GraphError, MkControl, RingBook, StartRow, StreamState, WaitError, CONTROL_WORDS,
+    batch_arrays, bucket_for, control_words, sampling_control, check_rows, grid_blocks, host_stop_mask, padding_rows, row_mask,
+    wait_epoch, GraphError, RingBook, StartRow, StreamState, WaitError, CONTROL_WORDS,
 };
 use super::megakernel::{generate, lower_decode};
 use super::nvrtc;
@@ -47,10 +47,6 @@ use crate::sample::SamplingParams;
 
 /// Threads per block of the megakernel (`MK_THREADS` in `cuda/megakernel/tiles.cuh`).
 const THREADS: u32 = 256;
-
-/// How the generated kernel samples: `MkControl::temperature` decides (0 is greedy), so one
-/// module per bucket serves every request.
-const MODE: SampleMode = SampleMode::Temperature;
 
 /// How long [`GraphDecoder::next`] waits for one step before reporting an error.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -140,7 +136,7 @@ impl MegakernelCache {
         matrices: &HashMap<String, DevMatrix>,
         vectors: &HashMap<String, CudaSlice<f32>>,
     ) -> Result<MegakernelCache, CudaError> {
-        let weights = match lower_decode(decode, 1, MODE) {
+        let weights = match lower_decode(decode, 1) {
             Err(e) => Err(e.to_string()),
             Ok(p) => build_tables(stream, decode, &p.weights, weights, matrices, vectors)?,
         };
@@ -301,7 +297,7 @@ impl CudaBackend {
         if let Some(m) = modules.get(&bucket) {
             return Ok(m.clone());
         }
-        let mk = generate(&self.decode, bucket, MODE)
+        let mk = generate(&self.decode, bucket)
             .map_err(|e| CudaError::Unsupported(e.to_string()))?;
         if mk.program.weights != weights.program {
             return Err(CudaError::Unsupported(format!(
@@ -615,7 +611,7 @@ impl GraphDecoder {
         check_rows(&starts, self.bucket, &kv.lens, kv.capacity, self.vocab)?;
         let pads = padding_rows(&starts, self.bucket, &kv.lens)?;
         let ids: Vec<u32> = rows.iter().map(|r| r.row_id).collect();
-        let ctl = MkControl::new(sampling, &ids, stop_tokens)?;
+        let ctl = sampling_control(sampling, &ids, stop_tokens)?;
         if self.book.in_flight() > 0 || self.unsynced {
             self.stop()?;
         }
@@ -629,7 +625,7 @@ impl GraphDecoder {
             .memcpy_htod(&slot, &mut self.slots)
             .map_err(drv)?;
         self.stream
-            .memcpy_htod(&ctl.to_words(), &mut self.ctl)
+            .memcpy_htod(&control_words(&ctl), &mut self.ctl)
             .map_err(drv)?;
         let max_pos = pos.iter().map(|&p| p as usize).max().unwrap_or(0);
         self.book.start(max_pos, kv.capacity);
@@ -921,7 +917,7 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,   // [n] bf16\n\
         let m = Model::load(dir).expect("fixture");
         let g = compile_graph(&m.config, &m.weights, LogitRows::Last).expect("graph");
         let plan = ExecutionPlan::lower(g, Phase::Decode);
-        let k = generate(&plan, 1, MODE).expect("lowers");
+        let k = generate(&plan, 1).expect("lowers");
         let names: Vec<&str> = zero_args().ordered().iter().map(|(n, _)| *n).collect();
         assert_eq!(signature(&k.source), names);
     }

@@ -17,13 +17,9 @@ use kiln_codegen::MAX_BATCH;
 
 use crate::sample::SamplingParams;
 
-/// Ring entries (`MK_RING` in the generated kernel; `kiln_codegen::RING` once helper
-/// "sampling"'s `control.rs` is merged, which this must equal).
-pub const RING: usize = 64;
-
-/// Stop ids the device checks (`MK_MAX_STOP` in `cuda/sample.cuh`); further stop ids are
-/// checked on the host.
-pub const MAX_STOP: usize = 16;
+/// Ring entries (`MK_RING` in the generated kernel) and the stop ids the device checks
+/// (`MK_MAX_STOP` in `cuda/sample.cuh`; further stop ids are checked on the host).
+pub use kiln_codegen::{MkControl, MAX_STOP, RING};
 
 /// Why the graph decoder refused or failed a request (the host-side part; driver failures are
 /// [`super::CudaError::Driver`]).
@@ -257,93 +253,46 @@ pub fn batch_arrays(rows: &[StartRow], pads: &[PadRow]) -> (Vec<i32>, Vec<i32>, 
     (pos, tok, slot)
 }
 
-/// The sampling control block the kernels read (`struct MkControl` of `cuda/sample.cuh`).
-///
-/// To reconcile on merge: helper "sampling" adds the same `#[repr(C)]` struct as
-/// `kiln_codegen::MkControl` (codegen/src/control.rs); this local copy follows the contract's
-/// layout field for field and should be replaced by a re-export of that one.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct MkControl {
-    /// 0 = greedy (argmax, first index on ties).
-    pub temperature: f32,
-    /// 0 = off.
-    pub top_k: i32,
-    /// >= 1 = off.
-    pub top_p: f32,
-    /// 0 = off.
-    pub min_p: f32,
-    pub seed: u64,
-    /// Engine row of each batch row: the Philox key's row.
-    pub row_ids: [i32; MAX_BATCH],
-    pub n_stop: i32,
-    pub stop_ids: [i32; MAX_STOP],
+/// `MkControl` as the u32 words uploaded to the device (its size is a multiple of 8 bytes).
+pub const CONTROL_WORDS: usize = MkControl::SIZE / 4;
+
+/// The control block for `params` (validated; a repetition penalty other than 1 is refused:
+/// the device sampler does not apply one), `row_ids` for the batch rows (padding rows get 0)
+/// and the first [`MAX_STOP`] of `stops` (the host checks any others itself).
+pub fn sampling_control(
+    params: &SamplingParams,
+    row_ids: &[u32],
+    stops: &[u32],
+) -> Result<MkControl, GraphError> {
+    params
+        .validate()
+        .map_err(|e| GraphError::Sampling(e.to_string()))?;
+    if let Some(p) = params.repetition_penalty.filter(|&p| p != 1.0) {
+        return Err(GraphError::RepetitionPenalty(p));
+    }
+    if row_ids.len() > MAX_BATCH {
+        return Err(GraphError::TooManyRowIds(row_ids.len()));
+    }
+    MkControl::new(
+        params.temperature,
+        params.top_k,
+        params.top_p,
+        params.min_p,
+        params.seed,
+        row_ids,
+        &stops[..stops.len().min(MAX_STOP)],
+    )
+    .map_err(|e| GraphError::Sampling(e.to_string()))
 }
 
-/// `MkControl` as the u32 words uploaded to the device (its size is a multiple of 8 bytes).
-pub const CONTROL_WORDS: usize = std::mem::size_of::<MkControl>() / 4;
-
-impl MkControl {
-    /// The control block for `params` (validated; a repetition penalty other than 1 is refused:
-    /// the device sampler does not apply one), `row_ids` for the batch rows (padding rows get
-    /// 0) and the first [`MAX_STOP`] of `stops`.
-    pub fn new(
-        params: &SamplingParams,
-        row_ids: &[u32],
-        stops: &[u32],
-    ) -> Result<MkControl, GraphError> {
-        params
-            .validate()
-            .map_err(|e| GraphError::Sampling(e.to_string()))?;
-        if let Some(p) = params.repetition_penalty.filter(|&p| p != 1.0) {
-            return Err(GraphError::RepetitionPenalty(p));
-        }
-        if row_ids.len() > MAX_BATCH {
-            return Err(GraphError::TooManyRowIds(row_ids.len()));
-        }
-        let mut c = MkControl {
-            temperature: params.temperature,
-            top_k: params.top_k.map_or(0, |k| k.min(i32::MAX as usize) as i32),
-            top_p: params.top_p.unwrap_or(1.0),
-            min_p: params.min_p.unwrap_or(0.0),
-            seed: params.seed,
-            row_ids: [0; MAX_BATCH],
-            n_stop: stops.len().min(MAX_STOP) as i32,
-            stop_ids: [-1; MAX_STOP],
-        };
-        for (d, &r) in c.row_ids.iter_mut().zip(row_ids) {
-            *d = r as i32;
-        }
-        for (d, &s) in c.stop_ids.iter_mut().zip(stops) {
-            *d = s as i32;
-        }
-        Ok(c)
+/// The control block's bytes as u32 words (little-endian, the C layout).
+pub fn control_words(c: &MkControl) -> [u32; CONTROL_WORDS] {
+    let bytes = c.as_bytes();
+    let mut w = [0u32; CONTROL_WORDS];
+    for (d, b) in w.iter_mut().zip(bytes.chunks_exact(4)) {
+        *d = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
     }
-
-    /// The struct's bytes as u32 words (little-endian device), placed by the fields' offsets so
-    /// the words follow the `#[repr(C)]` layout (padding words are 0).
-    pub fn to_words(&self) -> [u32; CONTROL_WORDS] {
-        use std::mem::offset_of;
-        let mut w = [0u32; CONTROL_WORDS];
-        let at = |off: usize| off / 4;
-        w[at(offset_of!(MkControl, temperature))] = self.temperature.to_bits();
-        w[at(offset_of!(MkControl, top_k))] = self.top_k as u32;
-        w[at(offset_of!(MkControl, top_p))] = self.top_p.to_bits();
-        w[at(offset_of!(MkControl, min_p))] = self.min_p.to_bits();
-        let s = at(offset_of!(MkControl, seed));
-        w[s] = self.seed as u32;
-        w[s + 1] = (self.seed >> 32) as u32;
-        let r = at(offset_of!(MkControl, row_ids));
-        for (i, &v) in self.row_ids.iter().enumerate() {
-            w[r + i] = v as u32;
-        }
-        w[at(offset_of!(MkControl, n_stop))] = self.n_stop as u32;
-        let st = at(offset_of!(MkControl, stop_ids));
-        for (i, &v) in self.stop_ids.iter().enumerate() {
-            w[st + i] = v as u32;
-        }
-        w
-    }
+    w
 }
 
 /// The bitmask of `tokens` (one per started row) that are in `stops[MAX_STOP..]`: the stop ids
@@ -697,8 +646,8 @@ mod tests {
             seed: 0x1234_5678_9abc_def0,
         };
         let stops: Vec<u32> = (100..120).collect();
-        let c = MkControl::new(&p, &[3, 5], &stops).unwrap();
-        let w = c.to_words();
+        let c = sampling_control(&p, &[3, 5], &stops).unwrap();
+        let w = control_words(&c);
         assert_eq!(w[0], 0.7f32.to_bits());
         assert_eq!(w[1], 40);
         assert_eq!(w[2], 1.0f32.to_bits(), "top-p off is 1");
@@ -718,7 +667,7 @@ mod tests {
             ..p
         };
         assert_eq!(
-            MkControl::new(&bad, &[0], &[]),
+            sampling_control(&bad, &[0], &[]),
             Err(GraphError::RepetitionPenalty(1.3))
         );
         let bad = SamplingParams {
@@ -726,7 +675,7 @@ mod tests {
             ..p
         };
         assert!(matches!(
-            MkControl::new(&bad, &[0], &[]),
+            sampling_control(&bad, &[0], &[]),
             Err(GraphError::Sampling(_))
         ));
     }
