@@ -106,8 +106,8 @@ fn instr_rows(p: &DecodeProgram, offs: &[usize], i: usize, ins: &Instr) -> Vec<R
         ints,
         floats,
     };
-    // Matvec: w, up, k, x, xs, nw, use_norm, out, os, res, rs, epi, act, bias, ubias | eps, cap
-    // (w, up: bf16 table; nw, bias, ubias: f32 table).
+    // Matvec: w, up, k, x, xs, nw, use_norm, out, os, res, rs, epi, act, bias | eps, cap
+    // (w, up: bf16 table; nw, bias: f32 table).
     match ins {
         Instr::Embed { table, out } => vec![row(
             "MK_K_EMBED",
@@ -155,7 +155,6 @@ fn instr_rows(p: &DecodeProgram, offs: &[usize], i: usize, ins: &Instr) -> Vec<R
                         if act.is_some() { 1 } else { 0 },
                         act.map_or(0, |x| x.code() as i64),
                         biases.get(sidx).map_or(-1, opt),
-                        -1,
                     ],
                     vec![eps, 0.0],
                 );
@@ -188,7 +187,6 @@ fn instr_rows(p: &DecodeProgram, offs: &[usize], i: usize, ins: &Instr) -> Vec<R
                 2,
                 0,
                 opt(bias),
-                -1,
             ],
             vec![0.0, 0.0],
         )],
@@ -196,8 +194,6 @@ fn instr_rows(p: &DecodeProgram, offs: &[usize], i: usize, ins: &Instr) -> Vec<R
             norm,
             gate,
             up,
-            gate_bias,
-            up_bias,
             act,
             input,
             out,
@@ -219,8 +215,7 @@ fn instr_rows(p: &DecodeProgram, offs: &[usize], i: usize, ins: &Instr) -> Vec<R
                     0,
                     0,
                     act.code() as i64,
-                    opt(gate_bias),
-                    opt(up_bias),
+                    -1,
                 ],
                 vec![eps, 0.0],
             )]
@@ -251,7 +246,6 @@ fn instr_rows(p: &DecodeProgram, offs: &[usize], i: usize, ins: &Instr) -> Vec<R
                     if softcap.is_some() { 3 } else { 0 },
                     0,
                     opt(bias),
-                    -1,
                 ],
                 vec![eps, softcap.unwrap_or(0.0)],
             )]
@@ -550,7 +544,7 @@ pub fn emit_kernel(p: &DecodeProgram, s: &Schedule) -> String {
     table(&mut o, "mk_arg_row", &tb.arg_row);
     o.push_str(
         "// Per row: kind, then ints (weight index or activation offset, -1 for none; strides,\n\
-// sizes, flags). Matvec: w, up, k, x, xs, nw, use_norm, out, os, res, rs, epi, act, bias, ubias.\n",
+// sizes, flags). Matvec: w, up, k, x, xs, nw, use_norm, out, os, res, rs, epi, act, bias.\n",
     );
     let _ = writeln!(
         o,
@@ -620,8 +614,7 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
             break;\n\
         case MK_K_MATVEC:\n\
             mk_matvec(W(g[1]), W(g[2]), lo, hi, g[3], A(g[4]), g[5], MK_BATCH, WF(g[6]), g[7],\n\
-                      fa[0], A(g[8]), g[9], A(g[10]), g[11], g[12], g[13], fa[1], WF(g[14]),\n\
-                      WF(g[15]));\n\
+                      fa[0], A(g[8]), g[9], A(g[10]), g[11], g[12], g[13], fa[1], WF(g[14]));\n\
             break;\n\
         case MK_K_EWISE:\n\
             mk_ewise(g[1], g[2], A(g[3]), g[4], A(g[5]), g[6], A(g[7]), g[8], lo, hi, fa[0], fa[1],\n\

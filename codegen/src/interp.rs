@@ -569,7 +569,7 @@ impl Machine {
     }
 
     /// `mk_matvec(W(g[1]), W(g[2]), lo, hi, g[3], A(g[4]), g[5], MK_BATCH, WF(g[6]), g[7],
-    /// fa[0], A(g[8]), g[9], A(g[10]), g[11], g[12], g[13], fa[1], WF(g[14]), WF(g[15]))`.
+    /// fa[0], A(g[8]), g[9], A(g[10]), g[11], g[12], g[13], fa[1], WF(g[14]))`.
     fn matvec(&mut self, g: &[i64; NARGS], r0: i64, r1: i64, eps: f32, cap: f32) -> R<()> {
         let (w, up, k) = (g[1], g[2], g[3] as usize);
         let (x, xs) = (self.ptr(g[4], "matvec x")?, g[5]);
@@ -586,7 +586,6 @@ impl Machine {
         let inv = Self::inv_rms(&rows, use_norm, eps);
         let nw = self.wf(g[6])?.map(<[f32]>::to_vec);
         let bias = self.wf(g[14])?.map(<[f32]>::to_vec);
-        let ubias = self.wf(g[15])?.map(<[f32]>::to_vec);
         let wlen = self.bf16_weight_len(w)?;
         let ulen = if up >= 0 {
             Some(self.bf16_weight_len(up)?)
@@ -625,12 +624,8 @@ impl Machine {
                     Some(v) => Self::wf_at(v, r as usize, g[14])?,
                     None => 0.0,
                 };
-                let ubv = match &ubias {
-                    Some(v) => Self::wf_at(v, r as usize, g[15])?,
-                    None => 0.0,
-                };
                 let gv = a[b] * inv[b] + bv;
-                let uu = u[b] * inv[b] + ubv;
+                let uu = u[b] * inv[b];
                 let v = if ulen.is_some() {
                     act_fn(act, gv) * uu
                 } else if epi == 1 {

@@ -180,13 +180,12 @@ pub enum Instr {
         residual: ColRange,
         out: BufId,
     },
-    /// `out = act(norm?(x) W_gateᵀ + b_gate) · (norm?(x) W_upᵀ + b_up)`.
+    /// `out = act(norm?(x) W_gateᵀ) · (norm?(x) W_upᵀ)` (no biases: no supported model has
+    /// them, and a second bias pointer made the kernel spill at sm_80).
     GatedMlp {
         norm: Option<NormSpec>,
         gate: WeightId,
         up: WeightId,
-        gate_bias: Option<WeightId>,
-        up_bias: Option<WeightId>,
         act: Act,
         input: ColRange,
         out: BufId,
@@ -577,8 +576,6 @@ impl DecodeProgram {
                 norm,
                 gate,
                 up,
-                gate_bias,
-                up_bias,
                 input,
                 out,
                 ..
@@ -589,9 +586,6 @@ impl DecodeProgram {
                     .rows;
                 self.check_weight(*up, WeightDtype::Bf16, Some(r), input.cols)?;
                 eq("output columns", cols(*out), r)?;
-                for b in [gate_bias, up_bias].into_iter().flatten() {
-                    self.check_vector(*b, r)?;
-                }
             }
             Instr::LmHead {
                 norm,

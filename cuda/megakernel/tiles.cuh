@@ -69,16 +69,16 @@ __device__ __forceinline__ void mk_inv_rms(const float* x, int xs, int k, int ba
 #define MK_EPI_SOFTCAP 3
 
 // Rows [r0, r1) of W [*, k] (and, if `up`, of the up matrix: gated) times norm?(x), plus the
-// f32 biases `bias` / `ubias` (each may be null). out[b * os + r] = epilogue(...). One warp per
-// row, lanes stride the columns. The norm weight `nw` (f32, may be null) scales W's columns.
+// f32 bias of W (null for none; a gated matvec has none). out[b * os + r] = epilogue(...). One
+// warp per row, lanes stride the columns. The norm weight `nw` (f32, may be null) scales W's
+// columns.
 __device__ __noinline__ void mk_matvec(const __nv_bfloat16* __restrict__ w,
                                        const __nv_bfloat16* __restrict__ up, int r0, int r1,
                                        int k, const float* x, int xs, int batch,
                                        const float* __restrict__ nw, int use_norm,
                                        float eps, float* out, int os, const float* res, int rs,
                                        int epi, int act, float cap,
-                                       const float* __restrict__ bias,
-                                       const float* __restrict__ ubias) {
+                                       const float* __restrict__ bias) {
     __shared__ float inv[MK_MAX_BATCH];
     mk_inv_rms(x, xs, k, batch, use_norm, eps, inv);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -105,7 +105,7 @@ __device__ __noinline__ void mk_matvec(const __nv_bfloat16* __restrict__ w,
         for (int b = 0; b < MK_MAX_BATCH; ++b) {
             if (b >= batch) break;
             const float g = warp_sum(a[b]) * inv[b] + (bias ? bias[r] : 0.0f);
-            const float uu = warp_sum(u[b]) * inv[b] + (ubias ? ubias[r] : 0.0f);
+            const float uu = warp_sum(u[b]) * inv[b];
             if (lane == 0) {
                 float v = g;
                 if (up) {

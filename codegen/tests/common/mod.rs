@@ -92,8 +92,6 @@ pub fn small(batch: usize) -> DecodeProgram {
             }),
             gate: wg,
             up: wu,
-            gate_bias: None,
-            up_bias: None,
             act: Act::Silu,
             input: ColRange::whole(h, 64),
             out: m,

@@ -8,9 +8,9 @@
 //! `Smear` (whose previous-position embedding lives in the cache's per-position state) have their
 //! own instructions; matmul biases, norm weights and gates are f32 weights (the `wt_f32` table,
 //! as the CPU keeps them), matrices and embedding tables bf16. The program ends with `Sample` and
-//! `StepEnd`. What is still a [`LowerError::Unsupported`]: a residual-add matmul with a norm
-//! prologue or several linears, and a gated matmul of other than two linears (no model builds
-//! them).
+//! `StepEnd`. What is still a [`LowerError::Unsupported`] (no supported model builds them): a
+//! residual-add matmul with a norm prologue or several linears, a gated matmul of other than two
+//! linears or with biases.
 //!
 //! The generated kernel is UNVERIFIED on a GPU: it compiles with NVRTC (`tests/megakernel.rs`)
 //! and has never been executed; no runtime launches it yet. `tests/megakernel_interp.rs` runs
@@ -184,14 +184,18 @@ pub fn lower_decode(
                             out,
                         });
                     }
+                    Epilogue::Gated(_) if bs.iter().any(Option::is_some) => {
+                        return Err(LowerError::Unsupported {
+                            op: "gated matmul with biases".into(),
+                            label: label.into(),
+                        })
+                    }
                     Epilogue::Gated(a) if linears.len() == 2 => {
                         let out = single_out(&mut p, &mut val);
                         p.instrs.push(Instr::GatedMlp {
                             norm: nspec,
                             gate: ws[0],
                             up: ws[1],
-                            gate_bias: bs[0],
-                            up_bias: bs[1],
                             act: act(*a),
                             input: x,
                             out,
