@@ -18,13 +18,14 @@
 
 use std::collections::HashMap;
 
+use kiln_codegen::interp::WeightData;
 use kiln_codegen::{
     Act, ColRange, DecodeProgram, Ewise, Instr, LowerError, NormSpec, RopeStyle, SampleMode,
-    Schedule, TileConfig,
+    Schedule, TileConfig, WeightDtype,
 };
 
 use crate::graph::{Activation, Epilogue, Norm, Op, Value};
-use crate::model::RopeStyle as ModelRope;
+use crate::model::{LoadError, RopeStyle as ModelRope, Weights};
 use crate::plan::ExecutionPlan;
 
 fn act(a: Activation) -> Act {
@@ -363,4 +364,40 @@ pub fn generate(
         schedule,
         source,
     })
+}
+
+/// The values of each program weight as the kernel's tables hold them: bf16 bits (the stored
+/// bits when the tensor is bf16, else rounded to nearest from f32 or dequantized blocks) or f32,
+/// the first `rows · cols` elements of the tensor (a padded vocabulary keeps its real rows). What
+/// a runtime uploads, and what kiln-codegen's interpreter runs on.
+pub fn weight_data(p: &DecodeProgram, weights: &Weights) -> Result<Vec<WeightData>, LoadError> {
+    p.weights
+        .iter()
+        .map(|w| {
+            let t = weights.get(&w.name)?;
+            let n = w.rows * w.cols;
+            if t.numel() < n {
+                return Err(LoadError::tensor(
+                    &weights.source,
+                    &w.name,
+                    format!(
+                        "{} elements, the decode program reads [{}, {}]",
+                        t.numel(),
+                        w.rows,
+                        w.cols
+                    ),
+                ));
+            }
+            Ok(match w.dtype {
+                WeightDtype::Bf16 => WeightData::Bf16(
+                    t.to_bf16_vec()
+                        .into_iter()
+                        .take(n)
+                        .map(|b| b.to_bits())
+                        .collect(),
+                ),
+                WeightDtype::F32 => WeightData::F32(t.to_f32_vec().into_iter().take(n).collect()),
+            })
+        })
+        .collect()
 }
