@@ -10,8 +10,8 @@ use std::path::PathBuf;
 
 use kiln::backend::cpu::compile_graph;
 use kiln::backend::cuda::megakernel::{generate, lower_decode, Megakernel};
-use kiln::model::{arch::LogitRows, Model};
 use kiln::graph::{Epilogue, Norm, Op};
+use kiln::model::{arch::LogitRows, Model};
 use kiln::plan::{ExecutionPlan, Phase};
 use kiln_codegen::{Ewise, Instr, LowerError, SampleMode};
 
@@ -99,9 +99,7 @@ fn fixture_models() -> Vec<(String, PathBuf)> {
         .unwrap()
         .flatten()
         .map(|e| e.path())
-        .filter(|p| {
-            p.join("config.json").is_file() || p.extension().is_some_and(|e| e == "gguf")
-        })
+        .filter(|p| p.join("config.json").is_file() || p.extension().is_some_and(|e| e == "gguf"))
         .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), p))
         .collect();
     out.sort();

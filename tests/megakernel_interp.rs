@@ -56,9 +56,7 @@ fn fixture_models() -> Vec<PathBuf> {
         .unwrap()
         .flatten()
         .map(|e| e.path())
-        .filter(|p| {
-            p.join("config.json").is_file() || p.extension().is_some_and(|e| e == "gguf")
-        })
+        .filter(|p| p.join("config.json").is_file() || p.extension().is_some_and(|e| e == "gguf"))
         .collect();
     out.sort();
     out
@@ -170,7 +168,14 @@ fn decode_against_cpu(
             .collect();
         let tr: Vec<TokenRow> = (0..len).map(|pos| TokenRow { slot, pos }).collect();
         s.cpu
-            .forward(PlanKind::Prefill, &mut ws, &mut kv, &prompt, &tr, &mut logits)
+            .forward(
+                PlanKind::Prefill,
+                &mut ws,
+                &mut kv,
+                &prompt,
+                &tr,
+                &mut logits,
+            )
             .unwrap();
         copy_cache(&mut m, p, &kv, slot, len);
         m.slots[b] = slot as i32;
@@ -198,7 +203,14 @@ fn decode_against_cpu(
             "{what}: step {step} positions"
         );
         s.cpu
-            .forward(PlanKind::Decode, &mut ws, &mut kv, &tokens, &tr, &mut logits)
+            .forward(
+                PlanKind::Decode,
+                &mut ws,
+                &mut kv,
+                &tokens,
+                &tr,
+                &mut logits,
+            )
             .unwrap();
         m.step(&mut rng.picker())
             .unwrap_or_else(|e| panic!("{what}: step {step}: {e}"));
@@ -212,7 +224,10 @@ fn decode_against_cpu(
             if got_tok != want_tok {
                 // A near tie: the CPU's two logits are closer than the two runs' largest logit
                 // difference (bf16 KV cache and summation order), so either token is right.
-                let diff = g.iter().zip(want).fold(0f32, |d, (a, b)| d.max((a - b).abs()));
+                let diff = g
+                    .iter()
+                    .zip(want)
+                    .fold(0f32, |d, (a, b)| d.max((a - b).abs()));
                 let gap = want[want_tok] - want[got_tok];
                 assert!(
                     near_ties_allowed && gap <= 2.0 * diff,
@@ -244,7 +259,10 @@ fn interpreted_megakernel_matches_the_cpu_on_every_fixture() {
     }
     // Near ties are the exception: a systematic error would flip far more tokens.
     println!("{total_ties} near ties in {rows} greedy tokens");
-    assert!(total_ties * 50 <= rows, "{total_ties} near ties in {rows} tokens");
+    assert!(
+        total_ties * 50 <= rows,
+        "{total_ties} near ties in {rows} tokens"
+    );
 }
 
 #[test]
@@ -254,7 +272,10 @@ fn sliding_windows_are_crossed_on_nanochat_d_g_h() {
         let w = min_window(&s.program).unwrap_or_else(|| panic!("{fx}: no window"));
         let (_, first) = rows_for(&s.program, 2)[0];
         // The first row attends past its window within the steps the test decodes.
-        assert!(first < w && first + STEPS > w + 1, "{fx}: {first} + {STEPS} vs {w}");
+        assert!(
+            first < w && first + STEPS > w + 1,
+            "{fx}: {first} + {STEPS} vs {w}"
+        );
         decode_against_cpu(&s, 2, STEPS, 3, true, fx);
     }
 }
@@ -288,7 +309,14 @@ fn run_mutant(s: &Setup, sched: &Schedule, pick: &mut dyn FnMut(&[usize]) -> usi
         let prompt: Vec<u32> = (0..len).map(|i| ((i * 5 + b) % p.vocab) as u32).collect();
         let tr: Vec<TokenRow> = (0..len).map(|pos| TokenRow { slot, pos }).collect();
         s.cpu
-            .forward(PlanKind::Prefill, &mut ws, &mut kv, &prompt, &tr, &mut logits)
+            .forward(
+                PlanKind::Prefill,
+                &mut ws,
+                &mut kv,
+                &prompt,
+                &tr,
+                &mut logits,
+            )
             .unwrap();
         copy_cache(&mut m, p, &kv, slot, len);
         m.slots[b] = slot as i32;

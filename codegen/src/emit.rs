@@ -12,6 +12,15 @@
 //! per tile kind (not per instruction), so it compiles without register spills at SmolLM2-135M's
 //! 30 layers as at the small fixtures.
 //!
+//! Weights come from two tables indexed alike: `wt` (bf16 matrices and embedding tables) and
+//! `wt_f32` (norm weights, biases and gates, f32 as the CPU keeps them), each null where the
+//! other holds the weight ([`crate::WeightDtype`]). nanochat's smear reads and writes the cache's
+//! per-position state `kv_state` (`[slot][capacity][state_dim]` f32).
+//!
+//! The tables are built once by [`tables`], which both this emitter and the CPU interpreter
+//! ([`crate::interp`]) read: the interpreter's `run_tile` mirrors the kernel's `switch` below,
+//! case for case, and must change with it.
+//!
 //! UNVERIFIED on a GPU: the generated source compiles with NVRTC for sm_80 and sm_90 (kiln's
 //! `tests/megakernel.rs`), nothing of it has been executed.
 

@@ -299,7 +299,7 @@ impl Machine {
         // Unmet waits per tile, and the waits on each counter.
         let mut unmet = vec![0usize; n];
         let mut waiters: Vec<Vec<(usize, u32, bool)>> = vec![Vec::new(); self.counters.len()];
-        for t in 0..n {
+        for (t, um) in unmet.iter_mut().enumerate() {
             let (a, b) = (
                 self.tb.wait_start[t] as usize,
                 self.tb.wait_start[t + 1] as usize,
@@ -314,7 +314,7 @@ impl Machine {
                     })?;
                 let target = epoch.wrapping_mul(w[1] as u32);
                 if (self.counters[c].wrapping_sub(target) as i32) < 0 {
-                    unmet[t] += 1;
+                    *um += 1;
                     waiters[c].push((t, target, false));
                 }
             }
@@ -570,6 +570,7 @@ impl Machine {
 
     /// `mk_matvec(W(g[1]), W(g[2]), lo, hi, g[3], A(g[4]), g[5], MK_BATCH, WF(g[6]), g[7],
     /// fa[0], A(g[8]), g[9], A(g[10]), g[11], g[12], g[13], fa[1], WF(g[14]))`.
+    #[allow(clippy::needless_range_loop)] // the kernel's loops, index for index
     fn matvec(&mut self, g: &[i64; NARGS], r0: i64, r1: i64, eps: f32, cap: f32) -> R<()> {
         let (w, up, k) = (g[1], g[2], g[3] as usize);
         let (x, xs) = (self.ptr(g[4], "matvec x")?, g[5]);
@@ -714,6 +715,7 @@ impl Machine {
 
     /// `mk_kv_append(A(g[1]) + lo·g[7], A(g[2]) + lo·g[7], g[3], g[4], k_cache + g[5]·layer,
     /// v_cache + g[5]·layer, lo, g[6], g[7], capacity, slots, pos, inv_freq, style, g[8])`.
+    #[allow(clippy::needless_range_loop)] // the kernel's loops, index for index
     fn kv_append(&mut self, g: &[i64; NARGS], lo: i64) -> R<()> {
         let hd = g[7];
         let k = self.ptr(g[1], "kv_append k")? + lo * hd;

@@ -513,7 +513,7 @@ impl DecodeProgram {
                     self.layers, self.kv_heads, self.head_dim
                 ));
             }
-            if head_dim == 0 || head_dim > MAX_HEAD_DIM || head_dim % 2 != 0 {
+            if head_dim == 0 || head_dim > MAX_HEAD_DIM || !head_dim.is_multiple_of(2) {
                 return Err(format!(
                     "head_dim {head_dim} not even and in 2..={MAX_HEAD_DIM}"
                 ));
@@ -661,7 +661,7 @@ impl DecodeProgram {
                 eq("input columns", input.cols, heads * head_dim)?;
                 eq("output columns", cols(*out), heads * head_dim)?;
                 eq("head_dim", *head_dim, self.head_dim)?;
-                if *head_dim == 0 || head_dim % 2 != 0 {
+                if *head_dim == 0 || !head_dim.is_multiple_of(2) {
                     return Err(format!("odd head_dim {head_dim}"));
                 }
             }

@@ -3,7 +3,10 @@
 //
 // A tile runs on one whole block of MK_THREADS threads. Activations are f32 `[batch, cols]`
 // buffers written earlier in the same launch, so they are read with plain loads (never __ldg,
-// whose non-coherent cache may be stale); weights are bf16 and read-only for the launch.
+// whose non-coherent cache may be stale); weights are read-only for the launch: bf16 matrices,
+// f32 vectors (norm weights, biases, gates).
+// kiln-codegen's interp.rs mirrors every tile function here (its CPU verification): a change
+// here needs the same change there.
 // Dependency counters: a waiting block polls with ld.acquire.gpu, a finished tile publishes
 // with __threadfence + red.release.gpu.
 // UNVERIFIED on a GPU: compiled with NVRTC for sm_80 / sm_90 only.
