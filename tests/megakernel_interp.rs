@@ -26,12 +26,14 @@ use kiln::backend::cpu::{
 };
 use kiln::backend::cuda::megakernel::{lower_decode, weight_data};
 use kiln::kv::KvCache;
+use kiln::model::arch::{build_graph, LogitRows};
 use kiln::model::Model;
+use kiln::plan::{ExecutionPlan, Phase};
 use kiln::sample::argmax;
 use kiln_codegen::interp::{
     adversarial_picker, unordered_producers, wait_producers, InterpError, Machine, SplitMix,
 };
-use kiln_codegen::{DecodeProgram, Instr, SampleMode, Schedule, TileConfig};
+use kiln_codegen::{DecodeProgram, Ewise, Instr, SampleMode, Schedule, TileConfig};
 
 /// Relative L2 error allowed between interpreter and CPU logits: `tests/gpu.rs`'s bf16 GPU
 /// tolerance (bf16 weights on both sides, bf16 KV cache in the interpreter only).
@@ -71,6 +73,15 @@ struct Setup {
 }
 
 fn setup(path: &Path, batch: usize) -> Setup {
+    setup_with(path, batch, |_, cpu| cpu.plan(PlanKind::Decode).clone())
+}
+
+/// [`setup`] with the decode plan to lower made by `plan` (the CPU backend runs its own).
+fn setup_with(
+    path: &Path,
+    batch: usize,
+    plan: impl Fn(&Model, &CpuBackend) -> ExecutionPlan,
+) -> Setup {
     let model = Model::load(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let cpu = CpuBackend::new(
         &model.config,
@@ -81,7 +92,7 @@ fn setup(path: &Path, batch: usize) -> Setup {
         },
     )
     .unwrap();
-    let program = lower_decode(cpu.plan(PlanKind::Decode), batch, SampleMode::Greedy)
+    let program = lower_decode(&plan(&model, &cpu), batch, SampleMode::Greedy)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let schedule = Schedule::build(&program, TileConfig::default());
     Setup {
@@ -277,6 +288,34 @@ fn sliding_windows_are_crossed_on_nanochat_d_g_h() {
             "{fx}: {first} + {STEPS} vs {w}"
         );
         decode_against_cpu(&s, 2, STEPS, 3, true, fx);
+    }
+}
+
+#[test]
+fn unfused_plans_lower_add_mul_and_act_and_match_the_cpu() {
+    // The graph before the fusion passes: residual adds, the SwiGLU / relu² activation and
+    // product are standalone ops, lowered to elementwise tiles. The CPU runs its fused plan.
+    for fx in ["llama_tied", "nanochat_H"] {
+        let path = fixtures().join(fx);
+        let s = setup_with(&path, 2, |m, _| {
+            let g = build_graph(&m.config, &m.weights, LogitRows::Last).unwrap();
+            ExecutionPlan::lower(g, Phase::Decode)
+        });
+        let has = |f: &dyn Fn(&Ewise) -> bool| {
+            s.program
+                .instrs
+                .iter()
+                .any(|i| matches!(i, Instr::Elementwise { op, .. } if f(op)))
+        };
+        assert!(
+            has(&|op| *op == Ewise::Combine { a: 1.0, b: 1.0 }),
+            "{fx}: add"
+        );
+        assert!(has(&|op| matches!(op, Ewise::Act(_))), "{fx}: act");
+        if fx == "llama_tied" {
+            assert!(has(&|op| *op == Ewise::Mul), "{fx}: mul");
+        }
+        decode_against_cpu(&s, 2, STEPS, 4, true, &format!("{fx} unfused"));
     }
 }
 

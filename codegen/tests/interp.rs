@@ -128,3 +128,80 @@ fn dropping_any_essential_wait_is_detected() {
     missed.retain(|&(t, _, w)| !(t == end && wait_producers(&s, &w) == [sample]));
     assert!(missed.is_empty(), "undetected dropped waits: {missed:?}");
 }
+
+/// Embedding → act → mul → softcap → combine → LM head: each elementwise op's values checked
+/// against a direct computation from the embedding row.
+#[test]
+fn elementwise_ops_compute_what_they_name() {
+    let mut p = DecodeProgram::new(1, RopeStyle::HalfSplit);
+    p.vocab = 8;
+    let d = 64;
+    let emb = p.weight("embed", 8, d);
+    let x = p.buffer("x", d);
+    p.instrs.push(Instr::Embed { table: emb, out: x });
+    let mut prev = ColRange::whole(x, d);
+    let mut outs = Vec::new();
+    for (name, op, binary) in [
+        ("act", Ewise::Act(Act::Silu), false),
+        ("relu2", Ewise::Act(Act::ReluSquared), false),
+        ("mul", Ewise::Mul, true),
+        ("softcap", Ewise::Softcap(0.3), false),
+        ("combine", Ewise::Combine { a: 0.5, b: -2.0 }, true),
+    ] {
+        let o = p.buffer(name, d);
+        p.instrs.push(Instr::Elementwise {
+            op,
+            x: prev,
+            y: binary.then(|| ColRange::whole(x, d)),
+            out: o,
+        });
+        prev = ColRange::whole(o, d);
+        outs.push(o);
+    }
+    let logits = p.buffer("logits", 8);
+    p.instrs.push(Instr::LmHead {
+        norm: None,
+        weight: emb,
+        bias: None,
+        input: prev,
+        out: logits,
+        softcap: None,
+    });
+    p.instrs.push(Instr::Sample {
+        logits: ColRange::whole(logits, 8),
+        mode: SampleMode::Greedy,
+    });
+    p.instrs.push(Instr::StepEnd);
+    p.validate().unwrap();
+    let s = Schedule::build(
+        &p,
+        TileConfig {
+            matvec_rows: 32,
+            elem_cols: 24,
+        },
+    );
+    let table: Vec<u16> = (0..8 * d)
+        .map(|i| f32_to_bf16(((i * 37 % 101) as f32 - 50.0) / 40.0))
+        .collect();
+    let mut m = Machine::new(&p, &s, vec![WeightData::Bf16(table.clone())], 1, 4, vec![]).unwrap();
+    m.tokens[0] = 3;
+    m.step(&mut SplitMix(3).picker()).unwrap();
+    let (offs, _) = p.buffer_offsets();
+    let e: Vec<f32> = table[3 * d..4 * d]
+        .iter()
+        .map(|&b| kiln_codegen::interp::bf16_to_f32(b))
+        .collect();
+    let silu: Vec<f32> = e.iter().map(|v| v / (1.0 + (-v).exp())).collect();
+    let relu2: Vec<f32> = silu.iter().map(|v| v.max(0.0) * v.max(0.0)).collect();
+    let mul: Vec<f32> = relu2.iter().zip(&e).map(|(a, b)| a * b).collect();
+    let cap: Vec<f32> = mul.iter().map(|v| 0.3 * (v / 0.3).tanh()).collect();
+    let comb: Vec<f32> = cap.iter().zip(&e).map(|(a, b)| 0.5 * a - 2.0 * b).collect();
+    for (o, want) in outs.iter().zip([silu, relu2, mul, cap, comb]) {
+        assert_eq!(
+            m.act[offs[*o]..offs[*o] + d],
+            want[..],
+            "{}",
+            p.buffers[*o].name
+        );
+    }
+}
