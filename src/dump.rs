@@ -26,7 +26,7 @@ pub enum Stage {
     Passes,
     /// The execution plan lowered from the optimised graph.
     Plan,
-    /// The decode plan lowered to a `DecodeProgram` and its tile schedule (batch 1, greedy).
+    /// The decode plan lowered to a `DecodeProgram` and its tile schedule (batch 1).
     Megakernel,
     /// The CUDA C source generated for that program (unverified on a GPU).
     Cuda,
@@ -151,14 +151,13 @@ pub fn dump(model: &Model, opts: &DumpOptions) -> Result<Vec<DumpFile>, LoadErro
 /// whose decode plan uses ops the lowering does not cover yet gets a stage that says which.
 fn render_megakernel(g: &crate::graph::Graph, stage: Stage) -> Vec<DumpFile> {
     use crate::backend::cuda::megakernel::generate;
-    use kiln_codegen::SampleMode;
     let plan = ExecutionPlan::lower(g.clone(), Phase::Decode);
     let both = stage == Stage::All;
     let mut out = Vec::new();
-    match generate(&plan, 1, SampleMode::Greedy) {
+    match generate(&plan, 1) {
         Ok(mk) => {
             if both || stage == Stage::Megakernel {
-                let mut s = String::from("# megakernel-program (decode, batch 1, greedy)\n");
+                let mut s = String::from("# megakernel-program (decode, batch 1)\n");
                 for (i, ins) in mk.program.instrs.iter().enumerate() {
                     let _ = writeln!(s, "i{i}: {ins:?}");
                 }

@@ -13,7 +13,7 @@ use kiln::backend::cuda::megakernel::{generate, lower_decode, Megakernel};
 use kiln::graph::{Epilogue, Norm, Op};
 use kiln::model::{arch::LogitRows, Model};
 use kiln::plan::{ExecutionPlan, Phase};
-use kiln_codegen::{Ewise, Instr, LowerError, SampleMode};
+use kiln_codegen::{Ewise, Instr, LowerError};
 
 fn plan(path: &str) -> ExecutionPlan {
     let m = Model::load(path).unwrap();
@@ -29,7 +29,7 @@ fn names(k: &Megakernel) -> Vec<(&'static str, usize)> {
 
 #[test]
 fn llama_tied_lowers_with_fused_rope_kv_append() {
-    let k = generate(&plan("tests/fixtures/llama_tied"), 1, SampleMode::Greedy).unwrap();
+    let k = generate(&plan("tests/fixtures/llama_tied"), 1).unwrap();
     let layer = [
         ("norm_matvec", 4), // q 64 rows = 2 tiles, k 32 = 1, v 32 = 1
         ("rope", 4),
@@ -71,7 +71,7 @@ fn llama_tied_lowers_with_fused_rope_kv_append() {
 #[test]
 fn nanochat_lowers_with_head_norm_and_softcap_fused_into_the_lm_head() {
     for fx in ["tests/fixtures/nanochat", "tests/fixtures/nanochat_A"] {
-        let k = generate(&plan(fx), 2, SampleMode::Temperature).unwrap();
+        let k = generate(&plan(fx), 2).unwrap();
         let n = names(&k);
         assert_eq!(n[0], ("embed", 1), "{fx}");
         assert_eq!(n[1], ("rms_norm", 1), "{fx}");
@@ -113,8 +113,7 @@ fn every_fixture_lowers_and_its_schedule_terminates() {
     for (name, path) in models {
         let plan = plan(path.to_str().unwrap());
         for batch in [1, 8] {
-            let k = generate(&plan, batch, SampleMode::Greedy)
-                .unwrap_or_else(|e| panic!("{name} batch {batch}: {e}"));
+            let k = generate(&plan, batch).unwrap_or_else(|e| panic!("{name} batch {batch}: {e}"));
             for blocks in [1, 5, 132] {
                 k.schedule
                     .simulate(blocks, 2)
@@ -126,7 +125,7 @@ fn every_fixture_lowers_and_its_schedule_terminates() {
 
 #[test]
 fn nanochat_era_h_lowers_smear_value_embeddings_and_residual_lambdas() {
-    let k = generate(&plan("tests/fixtures/nanochat_H"), 2, SampleMode::Greedy).unwrap();
+    let k = generate(&plan("tests/fixtures/nanochat_H"), 2).unwrap();
     let p = &k.program;
     assert_eq!(p.state_dim, 32);
     let count = |f: &dyn Fn(&Instr) -> bool| p.instrs.iter().filter(|i| f(i)).count();
@@ -154,7 +153,7 @@ fn nanochat_era_h_lowers_smear_value_embeddings_and_residual_lambdas() {
 
 #[test]
 fn qwen2_biases_are_f32_weights_of_the_matvecs() {
-    let k = generate(&plan("tests/fixtures/qwen2"), 1, SampleMode::Greedy).unwrap();
+    let k = generate(&plan("tests/fixtures/qwen2"), 1).unwrap();
     let p = &k.program;
     let qkv = p
         .instrs
@@ -199,7 +198,7 @@ fn an_unsupported_matmul_form_is_a_clear_error() {
     }
     let node = ins.node;
     p.graph.nodes[node].op = ins.op.clone();
-    match lower_decode(&p, 1, SampleMode::Greedy) {
+    match lower_decode(&p, 1) {
         Err(LowerError::Unsupported { op, label: l }) => {
             assert_eq!(op, "matmul");
             assert_eq!(l, label);
@@ -239,7 +238,7 @@ fn nvrtc_gate(with_smol: bool) {
     let mut failures = Vec::new();
     for (name, path) in models {
         for batch in [1usize, 8] {
-            let k = generate(&plan(&path), batch, SampleMode::Temperature).unwrap();
+            let k = generate(&plan(&path), batch).unwrap();
             if !seen.insert(k.source.clone()) {
                 println!("{name} batch {batch}: same source as an earlier model");
                 continue;

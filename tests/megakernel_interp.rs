@@ -10,8 +10,9 @@
 //!   tolerance of `tests/gpu.rs` of the CPU decode's, and the greedy tokens are identical. Rows
 //!   sit in permuted cache slots at different positions; nanochat D/G/H cross a sliding window.
 //! * mutation: dropping any wait of the schedule that the others do not imply is detected
-//!   (a poisoned read, or a result different from the unmutated run) by an order that runs the
-//!   waiting tile before the producer, on fixtures that use every tile kind.
+//!   (a poisoned read, or logits, tokens, caches or token ring different from the unmutated
+//!   run) by an order that runs the waiting tile before the producer, on fixtures that use every
+//!   tile kind.
 //!
 //! This verifies the lowering, the dependencies and the kernel arguments as the interpreter
 //! reads them; the CUDA code itself is UNVERIFIED on a GPU.
@@ -31,9 +32,10 @@ use kiln::model::Model;
 use kiln::plan::{ExecutionPlan, Phase};
 use kiln::sample::argmax;
 use kiln_codegen::interp::{
-    adversarial_picker, unordered_producers, wait_producers, InterpError, Machine, SplitMix,
+    adversarial_picker, unordered_producers, InterpError, Machine, SplitMix,
 };
-use kiln_codegen::{DecodeProgram, Ewise, Instr, SampleMode, Schedule, TileConfig};
+use kiln_codegen::{ring_stride, RING};
+use kiln_codegen::{DecodeProgram, Ewise, Instr, Schedule, TileConfig};
 
 /// Relative L2 error allowed between interpreter and CPU logits: `tests/gpu.rs`'s bf16 GPU
 /// tolerance (bf16 weights on both sides, bf16 KV cache in the interpreter only).
@@ -92,7 +94,7 @@ fn setup_with(
         },
     )
     .unwrap();
-    let program = lower_decode(&plan(&model, &cpu), batch, SampleMode::Greedy)
+    let program = lower_decode(&plan(&model, &cpu), batch)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let schedule = Schedule::build(&program, TileConfig::default());
     Setup {
@@ -226,6 +228,15 @@ fn decode_against_cpu(
         m.step(&mut rng.picker())
             .unwrap_or_else(|e| panic!("{what}: step {step}: {e}"));
         let got = m.rows(offs[lr.buf], p.buffers[lr.buf].cols, lr.col, lr.cols);
+        // The step end reported the step's tokens in its ring entry, the epoch last.
+        let entry = &m.ring[(m.epoch as usize % RING) * ring_stride(batch)..][..batch + 2];
+        let toks: Vec<u32> = m.tokens.iter().map(|&t| t as u32).collect();
+        assert_eq!(entry[..batch], toks[..], "{what}: step {step} ring tokens");
+        assert_eq!(
+            entry[batch + 1],
+            step as u32 + 1,
+            "{what}: step {step} ring epoch"
+        );
         for (b, g) in got.iter().enumerate() {
             let want = &logits[b * vocab..(b + 1) * vocab];
             let e = rel_l2(g, want);
@@ -332,7 +343,16 @@ fn interpreted_megakernel_matches_the_cpu_on_the_demo_model() {
 }
 
 /// Logits of each step and the final caches of a 2-step interpreter run, or its error.
-type Outcome = Result<(Vec<Vec<Vec<f32>>>, Vec<Vec<i32>>, Vec<u16>, Vec<f32>), InterpError>;
+type Outcome = Result<
+    (
+        Vec<Vec<Vec<f32>>>,
+        Vec<Vec<i32>>,
+        Vec<u16>,
+        Vec<f32>,
+        Vec<u32>,
+    ),
+    InterpError,
+>;
 
 fn run_mutant(s: &Setup, sched: &Schedule, pick: &mut dyn FnMut(&[usize]) -> usize) -> Outcome {
     let p = &s.program;
@@ -374,7 +394,7 @@ fn run_mutant(s: &Setup, sched: &Schedule, pick: &mut dyn FnMut(&[usize]) -> usi
     }
     let mut kvs = m.k_cache.clone();
     kvs.extend(&m.v_cache);
-    Ok((ls, toks, kvs, m.kv_state.clone()))
+    Ok((ls, toks, kvs, m.kv_state.clone(), m.ring.clone()))
 }
 
 #[test]
@@ -385,10 +405,6 @@ fn dropping_any_essential_wait_is_detected_on_fixtures_with_every_tile_kind() {
         let s = setup(&fixtures().join(fx), 2);
         let sched = &s.schedule;
         let want = run_mutant(&s, sched, &mut SplitMix(9).picker()).unwrap();
-        let (end, sample) = (
-            sched.tiles.len() - 1,
-            sched.instr_first[s.program.instrs.len() - 2],
-        );
         let (mut essential, mut missed) = (0, Vec::new());
         for t in 0..sched.tiles.len() {
             for k in 0..sched.tiles[t].waits.len() {
@@ -397,11 +413,6 @@ fn dropping_any_essential_wait_is_detected_on_fixtures_with_every_tile_kind() {
                     continue;
                 }
                 let w = sched.tiles[t].waits[k];
-                // Greedy sampling reads no position: StepEnd's wait on the sample tile orders
-                // only temperature sampling's position read, which this oracle cannot see.
-                if t == end && wait_producers(sched, &w) == [sample] {
-                    continue;
-                }
                 essential += 1;
                 let mut mutant = sched.clone();
                 mutant.tiles[t].waits.remove(k);

@@ -5,9 +5,13 @@
 //! `blockIdx.x, blockIdx.x + gridDim.x, ...` (the schedule's assignment). Before a tile its
 //! waits (`mk_waits`, pairs of counter and per-step count) are polled with `ld.acquire.gpu`
 //! until `counter >= e * per_step`; after it, one thread fences and adds 1 to the
-//! instruction's and the tile's counters. The `StepEnd` tile (after every sink tile) advances
-//! each row's `pos` and stores `e` into `*epoch`; `Sample` has already written the next token to
-//! `tokens`, the buffer the next step's embedding reads. A tile's arguments come from its
+//! instruction's and the tile's counters. `Sample` runs one tile per batch row (rows in
+//! parallel), each writing its row's next token to `tokens`, the buffer the next step's
+//! embedding reads; how it samples is run-time data, the `MkControl` at `ctl` (greedy when its
+//! temperature is 0). The `StepEnd` tile (after every sink tile, the Sample tiles included)
+//! advances each row's `pos`, writes ring entry `e % MK_RING` (the tokens, the bitmask of rows
+//! whose token is one of `ctl`'s stop ids, then `e` after `__threadfence_system()`) and stores
+//! `e` into `*epoch`. A tile's arguments come from its
 //! instruction's row of the `mk_args` / `mk_fargs` tables, and the kernel's `switch` has one case
 //! per tile kind (not per instruction), so it compiles without register spills at SmolLM2-135M's
 //! 30 layers as at the small fixtures.
@@ -26,12 +30,13 @@
 
 use std::fmt::Write;
 
-use crate::program::{DecodeProgram, Ewise, Instr, NormSpec, SampleMode};
+use crate::program::{DecodeProgram, Ewise, Instr, NormSpec};
 use crate::schedule::Schedule;
 
 /// Device code the generated kernel needs, pasted in this order before it.
 pub const COMMON_CUH: &str = include_str!("../../cuda/common.cuh");
 pub const ATTENTION_CUH: &str = include_str!("../../cuda/attention.cuh");
+pub const SAMPLE_CUH: &str = include_str!("../../cuda/sample.cuh");
 pub const TILES_CUH: &str = include_str!("../../cuda/megakernel/tiles.cuh");
 
 /// The kernel's name.
@@ -414,16 +419,12 @@ fn instr_rows(p: &DecodeProgram, offs: &[usize], i: usize, ins: &Instr) -> Vec<R
             ],
             vec![*scale],
         )],
-        Instr::Sample { logits, mode } => vec![row(
+        Instr::Sample { logits } => vec![row(
             "MK_K_SAMPLE",
             vec![
                 a(logits.buf, logits.col),
                 stride(logits.buf),
                 logits.cols as i64,
-                match mode {
-                    SampleMode::Greedy => 0,
-                    SampleMode::Temperature => 1,
-                },
             ],
             vec![],
         )],
@@ -600,8 +601,8 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
                  __nv_bfloat16* k_cache, __nv_bfloat16* v_cache, float* kv_state, int state_dim,\n\
                  int num_slots, int capacity,\n\
                  int* pos, int* tokens, const int* slots, const float* __restrict__ inv_freq,\n\
-                 unsigned* counters, unsigned* epoch_ctr, float temperature,\n\
-                 unsigned long long seed) {\n\
+                 unsigned* counters, unsigned* epoch_ctr,\n\
+                 const MkControl* __restrict__ ctl, unsigned* ring) {\n\
     __shared__ unsigned epoch_sh;\n\
     if (threadIdx.x == 0) epoch_sh = mk_ld_acquire(epoch_ctr) + 1u;\n\
     __syncthreads();\n\
@@ -657,12 +658,10 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
             break;\n\
         }\n\
         case MK_K_SAMPLE:\n\
-            mk_sample(A(g[1]), g[2], g[3], MK_BATCH, g[4] ? temperature : 0.0f, seed, pos, tokens);\n\
+            mk_sample(A(g[1]), g[2], g[3], lo, ctl, pos, tokens);\n\
             break;\n\
         case MK_K_STEP_END:\n\
-            if (threadIdx.x < MK_BATCH) pos[threadIdx.x] += 1;\n\
-            __syncthreads();\n\
-            if (threadIdx.x == 0) { __threadfence(); atomicExch(epoch_ctr, epoch_sh); }\n\
+            mk_step_end(pos, tokens, MK_BATCH, ctl, ring, epoch_sh, epoch_ctr);\n\
             break;\n\
         default: break;\n\
         }\n\
@@ -680,11 +679,11 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
     o
 }
 
-/// The whole NVRTC-ready source: `common.cuh`, `attention.cuh`, `megakernel/tiles.cuh`, then the
-/// generated kernel.
+/// The whole NVRTC-ready source: `common.cuh`, `attention.cuh`, `sample.cuh`,
+/// `megakernel/tiles.cuh`, then the generated kernel.
 pub fn emit_source(p: &DecodeProgram, s: &Schedule) -> String {
     let mut out = String::new();
-    for h in [COMMON_CUH, ATTENTION_CUH, TILES_CUH] {
+    for h in [COMMON_CUH, ATTENTION_CUH, SAMPLE_CUH, TILES_CUH] {
         for line in h.lines() {
             if !line.trim_start().starts_with("#pragma once") {
                 out.push_str(line);

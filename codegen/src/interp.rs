@@ -18,8 +18,10 @@
 //! fails the step with [`InterpError::Poison`], so a missing dependency shows as soon as an
 //! order runs a reader before its writer (the fixtures never produce NaN themselves).
 //!
-//! Sampling is greedy (the first maximum, as `mk_sample` at temperature 0) whatever the
-//! program's [`crate::SampleMode`]: the interpreter checks the token feedback, not the sampler.
+//! Sampling is greedy (the first maximum, `mk_sample` with `ctl->temperature == 0`): the
+//! interpreter checks the token feedback, not the sampler (`kiln::sample::device` models that).
+//! The step end writes the token ring like `mk_step_end`, with [`Machine::stop_ids`] as
+//! `ctl->stop_ids`.
 //!
 //! What this does not check: the CUDA code itself (its indexing, synchronisation and memory
 //! ordering), which is UNVERIFIED on a GPU; a divergence between a tile function here and its
@@ -27,6 +29,7 @@
 
 use std::fmt;
 
+use crate::control::{ring_stride, MAX_STOP, RING};
 use crate::emit::{tables, Tables, KINDS, NARGS, NFARGS};
 use crate::program::{DecodeProgram, WeightDtype};
 use crate::schedule::{Schedule, Wait};
@@ -164,6 +167,10 @@ pub struct Machine {
     pub counters: Vec<u32>,
     /// `*epoch_ctr`: the last finished launch.
     pub epoch: u32,
+    /// The token ring (`RING` entries of `batch + 2` words, as `mk_step_end` writes them).
+    pub ring: Vec<u32>,
+    /// `ctl->stop_ids` (at most `MAX_STOP` are read).
+    pub stop_ids: Vec<i32>,
     /// The tile running now (for errors).
     tile: usize,
 }
@@ -246,6 +253,8 @@ impl Machine {
             slots: vec![0; p.batch],
             inv_freq,
             epoch: 0,
+            ring: vec![0; RING * ring_stride(p.batch)],
+            stop_ids: Vec::new(),
             tile: 0,
         })
     }
@@ -384,12 +393,9 @@ impl Machine {
             }
             Kind::KvAppend => self.kv_append(&g, lo),
             Kind::Attention => self.attention(&g, lo, fa[0]),
-            Kind::Sample => self.sample(g[1], g[2], g[3]),
+            Kind::Sample => self.sample(g[1], g[2], g[3], lo),
             Kind::StepEnd => {
-                for p in &mut self.pos {
-                    *p += 1;
-                }
-                self.epoch = epoch;
+                self.step_end(epoch);
                 Ok(())
             }
             Kind::Ewise => self.ewise(&g, lo, hi, fa),
@@ -794,22 +800,43 @@ impl Machine {
         Ok(())
     }
 
-    /// `mk_sample(A(g[1]), g[2], g[3], ...)` at temperature 0: the first maximum.
-    fn sample(&mut self, logits: i64, ls: i64, vocab: i64) -> R<()> {
+    /// `mk_sample(A(g[1]), g[2], g[3], lo, ctl, pos, tokens)` with `ctl->temperature == 0`: row
+    /// `lo`'s first maximum.
+    fn sample(&mut self, logits: i64, ls: i64, vocab: i64, b: i64) -> R<()> {
         let logits = self.ptr(logits, "sample logits")?;
-        for b in 0..self.batch {
-            let mut best = f32::NEG_INFINITY;
-            let mut pick = 0;
-            for c in 0..vocab {
-                let v = self.ld(logits + b as i64 * ls + c)?;
-                if v > best {
-                    best = v;
-                    pick = c;
-                }
-            }
-            self.tokens[b] = pick as i32;
+        if b < 0 || b as usize >= self.batch {
+            return Err(Fault::Oob(format!("sample row {b} of {}", self.batch)));
         }
+        let mut best = f32::NEG_INFINITY;
+        let mut pick = 0;
+        for c in 0..vocab {
+            let v = self.ld(logits + b * ls + c)?;
+            if v > best {
+                best = v;
+                pick = c;
+            }
+        }
+        self.tokens[b as usize] = pick as i32;
         Ok(())
+    }
+
+    /// `mk_step_end(pos, tokens, MK_BATCH, ctl, ring, epoch, epoch_ctr)`.
+    fn step_end(&mut self, epoch: u32) {
+        for p in &mut self.pos {
+            *p += 1;
+        }
+        let at = (epoch as usize % RING) * ring_stride(self.batch);
+        let stops = &self.stop_ids[..self.stop_ids.len().min(MAX_STOP)];
+        let mut stopped = 0u32;
+        for (b, &t) in self.tokens.iter().enumerate() {
+            self.ring[at + b] = t as u32;
+            if stops.contains(&t) {
+                stopped |= 1 << b;
+            }
+        }
+        self.ring[at + self.batch] = stopped;
+        self.ring[at + self.batch + 1] = epoch;
+        self.epoch = epoch;
     }
 
     /// `mk_ewise(g[1], g[2], A(g[3]), g[4], A(g[5]), g[6], A(g[7]), g[8], lo, hi, fa[0], fa[1])`.

@@ -143,14 +143,6 @@ impl Ewise {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SampleMode {
-    /// argmax, lowest index on ties (as `kiln::sample::argmax`).
-    Greedy,
-    /// Softmax at the kernel's `temperature`, one Philox draw keyed by (seed, row, position).
-    Temperature,
-}
-
 #[derive(Clone, Debug, PartialEq)]
 pub enum Instr {
     /// `out[b] = table[tokens[b]]` (bf16 table `[vocab, dim]`).
@@ -266,9 +258,13 @@ pub enum Instr {
         out: BufId,
         softcap: Option<f32>,
     },
-    /// Picks each row's next token and writes it to the token buffer the next step reads.
-    Sample { logits: ColRange, mode: SampleMode },
-    /// Advances every row's position; the step's last tile (waits for every sink tile).
+    /// Picks each row's next token (one tile per batch row) and writes it to the token buffer
+    /// the next step reads. How is run-time data, the kernel's `MkControl` (`ctl`): greedy when
+    /// its temperature is 0, else temperature / top-k / min-p / top-p with a Philox draw keyed
+    /// by (seed, `ctl.row_ids[b]`, `pos[b] + 1`), the algorithm of `kiln::sample::sample`.
+    Sample { logits: ColRange },
+    /// Advances every row's position and reports the step in the token ring (tokens, stop
+    /// bitmask, then the epoch); the step's last tile (waits for every sink tile).
     StepEnd,
 }
 

@@ -5,14 +5,16 @@
 //! * **Tiles**: matvecs split into ranges of [`TileConfig::matvec_rows`] output rows (never
 //!   straddling two weights), RoPE / head norm / attention one tile per (query) head, the KV
 //!   append and the gated value add one tile per KV head, the embedding lookup and elementwise
-//!   ops [`TileConfig::elem_cols`] columns per tile; norms, smear, sampling and the step end are
-//!   one tile.
+//!   ops [`TileConfig::elem_cols`] columns per tile, sampling one tile per batch row (each
+//!   samples a whole vocabulary row on one block, so the rows run in parallel); norms, smear and
+//!   the step end are one tile.
 //! * **Dependencies** (exact, not instruction barriers): tile `t` depends on every earlier tile
 //!   that writes a range overlapping one `t` reads (read after write), reads a range `t` writes
 //!   (write after read: the token ids and the positions) or writes a range `t` writes. Ranges are
 //!   columns of a buffer, rows of the token / position vectors and of the cache's per-position
 //!   state, and KV heads of a layer's cache.
-//!   `StepEnd` also waits for every sink tile, so it runs after the whole step.
+//!   `StepEnd` also waits for every sink tile, so it runs after the whole step; it reads every
+//!   row's token (for the ring), so it waits on each Sample tile by that dependency too.
 //! * **Counters**: one per instruction (`0..instrs`) and one per tile (`instrs..`), in global
 //!   memory, never reset. A finished tile adds 1 to its instruction's counter and to its own.
 //!   When a tile depends on all tiles of a producer it waits on the instruction counter, else
@@ -154,7 +156,7 @@ pub fn instr_ranges(ins: &Instr) -> Vec<ColRange> {
         Instr::Smear { input, .. } => vec![*input],
         Instr::RopeKvAppend { k, v, .. } => vec![*k, *v],
         Instr::AttentionDecode { q, .. } => vec![*q],
-        Instr::Sample { logits, .. } => vec![*logits],
+        Instr::Sample { logits } => vec![*logits],
     }
 }
 
@@ -411,15 +413,32 @@ fn tiles_of(p: &DecodeProgram, cfg: &TileConfig, i: usize) -> Vec<Tile> {
                 ));
             }
         }
-        Instr::Sample { logits, .. } => {
+        Instr::Sample { logits } => {
+            // Row b reads its position and writes its token; the logits access is columns of
+            // every row (the resource model has no rows), which only adds waits on the lm head.
+            for b in 0..batch {
+                let row = |res| Access {
+                    res,
+                    lo: b,
+                    hi: b + 1,
+                };
+                out.push(mk(
+                    b,
+                    b + 1,
+                    0,
+                    vec![Access::cols(*logits), row(Resource::Pos)],
+                    vec![row(Resource::Tokens)],
+                ));
+            }
+        }
+        Instr::StepEnd => {
             let tok = Access {
                 res: Resource::Tokens,
                 lo: 0,
                 hi: batch,
             };
-            out.push(mk(0, 1, 0, vec![Access::cols(*logits), pos], vec![tok]));
+            out.push(mk(0, 1, 0, vec![tok], vec![pos]))
         }
-        Instr::StepEnd => out.push(mk(0, 1, 0, vec![], vec![pos])),
     }
     for (k, t) in out.iter_mut().enumerate() {
         t.index = k;

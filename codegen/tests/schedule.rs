@@ -75,6 +75,44 @@ fn dependencies_are_exactly_the_overlapping_earlier_tiles() {
     }
 }
 
+/// Sampling is one tile per batch row, so the rows sample in parallel: tile b reads only
+/// position b and writes only token b, none waits on another, and the step end (which copies
+/// every token into the ring) waits on all of them through one instruction-counter wait.
+#[test]
+fn sample_tiles_are_per_row_and_the_step_end_waits_for_all() {
+    let p = small(8);
+    let s = Schedule::build(&p, TileConfig::default());
+    let si = p.instrs.len() - 2;
+    assert_eq!(s.tiles_of_instr(si), 8);
+    let first = s.instr_first[si];
+    let lm_head = si - 1;
+    for b in 0..8 {
+        let t = &s.tiles[first + b];
+        assert_eq!((t.lo, t.hi), (b, b + 1));
+        let row = |res| Access {
+            res,
+            lo: b,
+            hi: b + 1,
+        };
+        assert!(t.reads.contains(&row(Resource::Pos)));
+        assert_eq!(t.writes, vec![row(Resource::Tokens)]);
+        assert!(
+            t.deps.iter().all(|&d| d < first),
+            "tile {b} waits on a sample tile"
+        );
+        assert!(t.waits.contains(&Wait {
+            counter: lm_head,
+            per_step: s.tiles_of_instr(lm_head) as u32
+        }));
+    }
+    let end = s.tiles.last().unwrap();
+    assert!((first..first + 8).all(|t| end.deps.contains(&t)));
+    assert!(end.waits.contains(&Wait {
+        counter: si,
+        per_step: 8
+    }));
+}
+
 #[test]
 fn epoch_targets_are_epoch_times_producer_tiles() {
     let p = small(1);

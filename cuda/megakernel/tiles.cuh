@@ -1,5 +1,6 @@
 // megakernel/tiles.cuh: the __device__ tile functions of the generated decode megakernel
-// (kiln-codegen's emitter calls them; common.cuh and attention.cuh are pasted before this file).
+// (kiln-codegen's emitter calls them; common.cuh, attention.cuh and sample.cuh are pasted before
+// this file).
 //
 // A tile runs on one whole block of MK_THREADS threads. Activations are f32 `[batch, cols]`
 // buffers written earlier in the same launch, so they are read with plain loads (never __ldg,
@@ -15,6 +16,8 @@
 #define MK_THREADS 256
 #define MK_WARPS (MK_THREADS / 32)
 #define MK_MAX_BATCH 8
+// A tile is one block; the Sample tile's kiln_sample_row (sample.cuh) needs exactly its size.
+static_assert(MK_THREADS == SAMPLE_THREADS, "the sampler's block size");
 
 __device__ __forceinline__ unsigned mk_ld_acquire(const unsigned* p) {
     unsigned v;
@@ -333,70 +336,43 @@ __device__ __noinline__ void mk_attention(const float* q, int qs, float* out, in
     }
 }
 
-// Picks tokens[b] from logits[b]: greedy (temperature <= 0) = first maximum; otherwise one
-// Philox draw u = kiln_uniform(seed, b, pos[b] + 1) inverts the softmax CDF at `temperature`
-// (top-k / top-p are not implemented in the megakernel yet).
-__device__ __noinline__ void mk_sample(const float* logits, int ls, int vocab, int batch,
-                                       float temperature, unsigned long long seed,
-                                       const int* pos, int* tokens) {
-    __shared__ float sv[MK_THREADS];
-    __shared__ int si[MK_THREADS];
-    for (int b = 0; b < batch; ++b) {
-        const float* l = logits + (size_t)b * ls;
-        float best = KILN_NEG_INF;
-        int bi = 0x7fffffff;
-        for (int c = threadIdx.x; c < vocab; c += blockDim.x)
-            if (l[c] > best) {
-                best = l[c];
-                bi = c;
-            }
-        sv[threadIdx.x] = best;
-        si[threadIdx.x] = bi;
-        __syncthreads();
-        for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-            if (threadIdx.x < s) {
-                const float ov = sv[threadIdx.x + s];
-                const int oi = si[threadIdx.x + s];
-                if (ov > sv[threadIdx.x] || (ov == sv[threadIdx.x] && oi < si[threadIdx.x])) {
-                    sv[threadIdx.x] = ov;
-                    si[threadIdx.x] = oi;
-                }
-            }
-            __syncthreads();
+// Batch row b's next token from its logits row, by the whole block with kiln_sample_row
+// (sample.cuh): the controls come from ctl at run time (temperature 0 = greedy), the Philox
+// draw is keyed by (ctl->seed, ctl->row_ids[b], pos[b] + 1), the position the token will take.
+__device__ __noinline__ void mk_sample(const float* logits, int ls, int vocab, int b,
+                                       const MkControl* __restrict__ ctl, const int* pos,
+                                       int* tokens) {
+    const int t = kiln_sample_row(logits + (size_t)b * ls, vocab, ctl, (u32)ctl->row_ids[b],
+                                  (u64)(long long)pos[b] + 1ull);
+    if (threadIdx.x == 0) tokens[b] = t;
+}
+
+// The step's last tile (every Sample tile has finished): advances each row's position, writes
+// ring entry epoch % MK_RING -- the tokens, the bitmask of rows whose token is a stop id, then,
+// after __threadfence_system(), the epoch (volatile), which the host polls -- and publishes the
+// epoch for the next launch. One thread writes the whole entry, so program order plus the
+// system fence put every word before the epoch for the host.
+__device__ __noinline__ void mk_step_end(int* pos, const int* tokens, int batch,
+                                         const MkControl* __restrict__ ctl, unsigned* ring,
+                                         unsigned epoch, unsigned* epoch_ctr) {
+    if (threadIdx.x < batch) pos[threadIdx.x] += 1;
+    if (threadIdx.x == 0) {
+        unsigned* e = ring + (size_t)(epoch % MK_RING) * (batch + 2);
+        const int n_stop = min(max(ctl->n_stop, 0), MK_MAX_STOP);
+        unsigned stopped = 0u;
+        for (int b = 0; b < batch; ++b) {
+            const int t = tokens[b];
+            e[b] = (unsigned)t;
+            for (int k = 0; k < n_stop; ++k)
+                if (ctl->stop_ids[k] == t) stopped |= 1u << b;
         }
-        const float mx = sv[0];
-        int pick = si[0] == 0x7fffffff ? 0 : si[0];
-        __syncthreads();
-        if (temperature > 0.0f) {
-            // Contiguous chunks per thread so the CDF is in index order.
-            const int chunk = (vocab + blockDim.x - 1) / blockDim.x;
-            const int c0 = threadIdx.x * chunk, c1 = min(vocab, c0 + chunk);
-            float s = 0.0f;
-            for (int c = c0; c < c1; ++c) s += expf((l[c] - mx) / temperature);
-            sv[threadIdx.x] = s;
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                float total = 0.0f;
-                for (int t = 0; t < (int)blockDim.x; ++t) total += sv[t];
-                const float u = kiln_uniform(seed, (u32)b, (u64)(pos[b] + 1)) * total;
-                float run = 0.0f;
-                int t = 0;
-                while (t + 1 < (int)blockDim.x && run + sv[t] <= u) run += sv[t++];
-                int c = t * chunk, last = c;
-                for (; c < min(vocab, (t + 1) * chunk); ++c) {
-                    const float e = expf((l[c] - mx) / temperature);
-                    last = c;
-                    if (run + e > u) break;
-                    run += e;
-                }
-                pick = min(c, last);
-                si[0] = pick;
-            }
-            __syncthreads();
-            pick = si[0];
-            __syncthreads();
-        }
-        if (threadIdx.x == 0) tokens[b] = pick;
-        __syncthreads();
+        e[batch] = stopped;
+        __threadfence_system();
+        *(volatile unsigned*)(e + batch + 1) = epoch;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicExch(epoch_ctr, epoch);
     }
 }

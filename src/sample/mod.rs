@@ -3,6 +3,7 @@
 //! how many draws came before or on which thread made them — the property that lets the GPU's
 //! on-device sampler reproduce the CPU's choices.
 
+pub mod device;
 mod philox;
 
 pub use philox::{philox4x32_10, uniform};
@@ -111,6 +112,7 @@ pub fn argmax(logits: &[f32]) -> u32 {
 /// weight passes `u · kept mass`. Only as many of the best tokens as the walk needs are sorted
 /// (64, then 4× more at a time), and every sum is taken in a fixed order, so the result is
 /// identical to sorting the whole vocabulary — at a fraction of the cost on a 50k vocabulary.
+/// Without a finite best logit, or when `1 / temperature` overflows, it is greedy.
 pub fn sample(logits: &[f32], params: &SamplingParams, row: u32, position: u64) -> u32 {
     if params.temperature == 0.0 || logits.len() <= 1 {
         return argmax(logits);
@@ -132,6 +134,12 @@ pub fn sample(logits: &[f32], params: &SamplingParams, row: u32, position: u64) 
         .map(|&i| logits[i as usize])
         .fold(f32::NEG_INFINITY, f32::max);
     let inv_t = 1.0 / params.temperature;
+    // No finite best logit (all -inf, or a +inf one), or a temperature so small that 1 / T
+    // overflows: the softmax is undefined or a point mass, so take the greedy token (as the
+    // device sampler, `device`, does). Without this the weights below are NaN.
+    if !max.is_finite() || !inv_t.is_finite() {
+        return argmax(logits);
+    }
     // Weight relative to the most likely token (which weighs exactly 1).
     let w = |i: u32| ((logits[i as usize] - max) * inv_t).exp();
     if let Some(mp) = params.min_p {
@@ -332,6 +340,28 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Degenerate rows are greedy instead of NaN weights (all -inf with min-p used to panic).
+    #[test]
+    fn non_finite_rows_and_tiny_temperatures_are_greedy() {
+        let p = SamplingParams {
+            temperature: 1.0,
+            min_p: Some(0.1),
+            top_p: Some(0.9),
+            ..SamplingParams::default()
+        };
+        let ninf = f32::NEG_INFINITY;
+        assert_eq!(sample(&[ninf; 100], &p, 0, 0), 0);
+        assert_eq!(
+            sample(&[0.0, f32::INFINITY, 1.0, f32::INFINITY], &p, 0, 0),
+            1
+        );
+        let tiny = SamplingParams {
+            temperature: 1e-39,
+            ..p
+        };
+        assert_eq!(sample(&[0.5, 0.25, 0.75, 0.0], &tiny, 0, 0), 2);
     }
 
     #[test]

@@ -144,8 +144,8 @@ const float* const* __restrict__ wt_f32, float* act,
 __nv_bfloat16* k_cache, __nv_bfloat16* v_cache, float* kv_state, int state_dim,
 int num_slots, int capacity,
 int* pos, int* tokens, const int* slots, const float* __restrict__ inv_freq,
-unsigned* counters, unsigned* epoch_ctr, float temperature,
-unsigned long long seed) {
+unsigned* counters, unsigned* epoch_ctr,
+const MkControl* __restrict__ ctl, unsigned* ring) {
 __shared__ unsigned epoch_sh;
 if (threadIdx.x == 0) epoch_sh = mk_ld_acquire(epoch_ctr) + 1u;
 __syncthreads();
@@ -201,12 +201,10 @@ g[8], capacity, fa[0], g[9], slots, pos, MK_BATCH);
 break;
 }
 case MK_K_SAMPLE:
-mk_sample(A(g[1]), g[2], g[3], MK_BATCH, g[4] ? temperature : 0.0f, seed, pos, tokens);
+mk_sample(A(g[1]), g[2], g[3], lo, ctl, pos, tokens);
 break;
 case MK_K_STEP_END:
-if (threadIdx.x < MK_BATCH) pos[threadIdx.x] += 1;
-__syncthreads();
-if (threadIdx.x == 0) { __threadfence(); atomicExch(epoch_ctr, epoch_sh); }
+mk_step_end(pos, tokens, MK_BATCH, ctl, ring, epoch_sh, epoch_ctr);
 break;
 default: break;
 }

@@ -122,7 +122,6 @@ pub fn small(batch: usize) -> DecodeProgram {
     });
     p.instrs.push(Instr::Sample {
         logits: ColRange::whole(logits, 100),
-        mode: SampleMode::Greedy,
     });
     p.instrs.push(Instr::StepEnd);
     p.validate().unwrap();

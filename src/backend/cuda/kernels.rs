@@ -1,9 +1,10 @@
 //! The hand-written CUDA sources of `cuda/`, embedded with `include_str!`, and the kernels each
 //! one defines. Pure text: available with or without the `cuda` feature, so tools can print it.
 //!
-//! The `.cu` files include `common.cuh` (and the attention files `attention.cuh`); NVRTC gets
-//! them with those `#include` lines replaced by the headers' text ([`CudaSource::expanded`]),
-//! so the only include path NVRTC needs is the toolkit's, for `cuda_bf16.h`.
+//! The `.cu` files include `common.cuh` (the attention files `attention.cuh`, the sampler
+//! `sample.cuh`); NVRTC gets them with those `#include` lines replaced by the headers' text
+//! ([`CudaSource::expanded`]), so the only include path NVRTC needs is the toolkit's, for
+//! `cuda_bf16.h`.
 
 /// One `.cu` file: its name, text and the `extern "C"` kernels it defines.
 #[derive(Clone, Copy, Debug)]
@@ -17,6 +18,8 @@ pub struct CudaSource {
 pub const COMMON_CUH: &str = include_str!("../../../cuda/common.cuh");
 /// The online-softmax core of both attention kernels.
 pub const ATTENTION_CUH: &str = include_str!("../../../cuda/attention.cuh");
+/// The block-level sampler and `MkControl`, shared by `sample.cu` and the megakernel.
+pub const SAMPLE_CUH: &str = include_str!("../../../cuda/sample.cuh");
 
 /// Every `.cu` file of `cuda/`, one op family each.
 pub const SOURCES: &[CudaSource] = &[
@@ -73,7 +76,7 @@ pub const SOURCES: &[CudaSource] = &[
     CudaSource {
         file: "sample.cu",
         text: include_str!("../../../cuda/sample.cu"),
-        kernels: &["argmax_rows", "sample_rows"],
+        kernels: &["sample_rows"],
     },
 ];
 
@@ -86,6 +89,7 @@ pub const NO_SPILL: &[&str] = &[
     "attention_decode",
     "attention_combine",
     "attention_prefill",
+    "sample_rows",
 ];
 
 impl CudaSource {
@@ -96,6 +100,7 @@ impl CudaSource {
             match line.trim() {
                 "#include \"common.cuh\"" => out.push_str(COMMON_CUH),
                 "#include \"attention.cuh\"" => out.push_str(ATTENTION_CUH),
+                "#include \"sample.cuh\"" => out.push_str(SAMPLE_CUH),
                 _ => out.push_str(line),
             }
             out.push('\n');

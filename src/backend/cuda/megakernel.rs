@@ -20,8 +20,8 @@ use std::collections::HashMap;
 
 use kiln_codegen::interp::WeightData;
 use kiln_codegen::{
-    Act, ColRange, DecodeProgram, Ewise, Instr, LowerError, NormSpec, RopeStyle, SampleMode,
-    Schedule, TileConfig, WeightDtype,
+    Act, ColRange, DecodeProgram, Ewise, Instr, LowerError, NormSpec, RopeStyle, Schedule,
+    TileConfig, WeightDtype,
 };
 
 use crate::graph::{Activation, Epilogue, Norm, Op, Value};
@@ -35,12 +35,9 @@ fn act(a: Activation) -> Act {
     }
 }
 
-/// Lowers a decode plan to a program for `batch` sequences.
-pub fn lower_decode(
-    plan: &ExecutionPlan,
-    batch: usize,
-    mode: SampleMode,
-) -> Result<DecodeProgram, LowerError> {
+/// Lowers a decode plan to a program for `batch` sequences. Sampling is not part of it: the
+/// kernel reads its controls (`MkControl`) at run time.
+pub fn lower_decode(plan: &ExecutionPlan, batch: usize) -> Result<DecodeProgram, LowerError> {
     let g = &plan.graph;
     let style = match g.rope.style {
         ModelRope::HalfSplit => RopeStyle::HalfSplit,
@@ -337,7 +334,7 @@ pub fn lower_decode(
         }
     }
     let logits = get(&val, g.output)?;
-    p.instrs.push(Instr::Sample { logits, mode });
+    p.instrs.push(Instr::Sample { logits });
     p.instrs.push(Instr::StepEnd);
     p.validate()?;
     Ok(p)
@@ -351,12 +348,8 @@ pub struct Megakernel {
 }
 
 /// Lowers, schedules (default tile sizes) and emits.
-pub fn generate(
-    plan: &ExecutionPlan,
-    batch: usize,
-    mode: SampleMode,
-) -> Result<Megakernel, LowerError> {
-    let program = lower_decode(plan, batch, mode)?;
+pub fn generate(plan: &ExecutionPlan, batch: usize) -> Result<Megakernel, LowerError> {
+    let program = lower_decode(plan, batch)?;
     let schedule = Schedule::build(&program, TileConfig::default());
     let source = kiln_codegen::emit_source(&program, &schedule);
     Ok(Megakernel {
