@@ -16,12 +16,21 @@
 //! per tile kind (not per instruction), so it compiles without register spills at SmolLM2-135M's
 //! 30 layers as at the small fixtures.
 //!
+//! Weights come from two tables indexed alike: `wt` (bf16 matrices and embedding tables) and
+//! `wt_f32` (norm weights, biases and gates, f32 as the CPU keeps them), each null where the
+//! other holds the weight ([`crate::WeightDtype`]). nanochat's smear reads and writes the cache's
+//! per-position state `kv_state` (`[slot][capacity][state_dim]` f32).
+//!
+//! The tables are built once by [`tables`], which both this emitter and the CPU interpreter
+//! ([`crate::interp`]) read: the interpreter's `run_tile` mirrors the kernel's `switch` below,
+//! case for case, and must change with it.
+//!
 //! UNVERIFIED on a GPU: the generated source compiles with NVRTC for sm_80 and sm_90 (kiln's
 //! `tests/megakernel.rs`), nothing of it has been executed.
 
 use std::fmt::Write;
 
-use crate::program::{DecodeProgram, Instr, NormSpec};
+use crate::program::{DecodeProgram, Ewise, Instr, NormSpec};
 use crate::schedule::Schedule;
 
 /// Device code the generated kernel needs, pasted in this order before it.
@@ -55,9 +64,9 @@ fn table(out: &mut String, name: &str, vals: &[i64]) {
 }
 
 /// Integer arguments per table row (column 0 is the tile kind, `MK_K_*`).
-const NARGS: usize = 16;
+pub const NARGS: usize = 16;
 /// Float arguments per table row.
-const NFARGS: usize = 2;
+pub const NFARGS: usize = 2;
 
 /// One row of the argument tables: the tile kind, up to `NARGS - 1` integers (weight indices,
 /// `-1` for none; activation-arena offsets, `-1` for none; strides, sizes, flags) and up to
@@ -69,8 +78,8 @@ struct Row {
     floats: Vec<f32>,
 }
 
-/// The tile kinds: one `switch` case each in the kernel.
-const KINDS: [&str; 9] = [
+/// The tile kinds: one `switch` case each in the kernel (a kind's code is its index).
+pub const KINDS: [&str; 11] = [
     "MK_K_EMBED",
     "MK_K_RMS_NORM",
     "MK_K_MATVEC",
@@ -80,10 +89,16 @@ const KINDS: [&str; 9] = [
     "MK_K_ATTENTION",
     "MK_K_SAMPLE",
     "MK_K_STEP_END",
+    "MK_K_EWISE",
+    "MK_K_GATED_ADD",
 ];
 
 fn kind_code(kind: &str) -> usize {
     KINDS.iter().position(|k| *k == kind).unwrap()
+}
+
+fn opt(w: &Option<usize>) -> i64 {
+    w.map_or(-1, |w| w as i64)
 }
 
 /// `(nw, use_norm, eps)` of an optional norm.
@@ -105,7 +120,8 @@ fn instr_rows(p: &DecodeProgram, offs: &[usize], i: usize, ins: &Instr) -> Vec<R
         ints,
         floats,
     };
-    // Matvec: w, up, k, x, xs, nw, use_norm, out, os, res, rs, epi, act | eps, cap.
+    // Matvec: w, up, k, x, xs, nw, use_norm, out, os, res, rs, epi, act, bias | eps, cap
+    // (w, up: bf16 table; nw, bias: f32 table).
     match ins {
         Instr::Embed { table, out } => vec![row(
             "MK_K_EMBED",
@@ -127,6 +143,7 @@ fn instr_rows(p: &DecodeProgram, offs: &[usize], i: usize, ins: &Instr) -> Vec<R
         Instr::NormMatvec {
             norm,
             weights,
+            biases,
             input,
             out,
             act,
@@ -151,6 +168,7 @@ fn instr_rows(p: &DecodeProgram, offs: &[usize], i: usize, ins: &Instr) -> Vec<R
                         0,
                         if act.is_some() { 1 } else { 0 },
                         act.map_or(0, |x| x.code() as i64),
+                        biases.get(sidx).map_or(-1, opt),
                     ],
                     vec![eps, 0.0],
                 );
@@ -162,6 +180,7 @@ fn instr_rows(p: &DecodeProgram, offs: &[usize], i: usize, ins: &Instr) -> Vec<R
         }
         Instr::MatvecResidual {
             weight,
+            bias,
             input,
             residual,
             out,
@@ -181,6 +200,7 @@ fn instr_rows(p: &DecodeProgram, offs: &[usize], i: usize, ins: &Instr) -> Vec<R
                 stride(residual.buf),
                 2,
                 0,
+                opt(bias),
             ],
             vec![0.0, 0.0],
         )],
@@ -209,6 +229,7 @@ fn instr_rows(p: &DecodeProgram, offs: &[usize], i: usize, ins: &Instr) -> Vec<R
                     0,
                     0,
                     act.code() as i64,
+                    -1,
                 ],
                 vec![eps, 0.0],
             )]
@@ -216,6 +237,7 @@ fn instr_rows(p: &DecodeProgram, offs: &[usize], i: usize, ins: &Instr) -> Vec<R
         Instr::LmHead {
             norm,
             weight,
+            bias,
             input,
             out,
             softcap,
@@ -237,10 +259,87 @@ fn instr_rows(p: &DecodeProgram, offs: &[usize], i: usize, ins: &Instr) -> Vec<R
                     0,
                     if softcap.is_some() { 3 } else { 0 },
                     0,
+                    opt(bias),
                 ],
                 vec![eps, softcap.unwrap_or(0.0)],
             )]
         }
+        Instr::Elementwise { op, x, y, out } => {
+            let (fa, fb) = match op {
+                Ewise::Combine { a, b } => (*a, *b),
+                Ewise::Softcap(c) => (*c, 0.0),
+                Ewise::Mul | Ewise::Act(_) => (0.0, 0.0),
+            };
+            vec![row(
+                "MK_K_EWISE",
+                vec![
+                    op.code() as i64,
+                    match op {
+                        Ewise::Act(a) => a.code() as i64,
+                        _ => 0,
+                    },
+                    a(x.buf, x.col),
+                    stride(x.buf),
+                    y.map_or(-1, |y| a(y.buf, y.col)),
+                    y.map_or(0, |y| stride(y.buf)),
+                    a(*out, 0),
+                    stride(*out),
+                ],
+                vec![fa, fb],
+            )]
+        }
+        Instr::GatedValueAdd {
+            gate,
+            channels,
+            head_dim,
+            scale,
+            v,
+            h,
+            ve,
+            out,
+            ..
+        } => vec![row(
+            "MK_K_GATED_ADD",
+            vec![
+                a(v.buf, v.col),
+                stride(v.buf),
+                a(h.buf, h.col),
+                stride(h.buf),
+                *channels as i64,
+                *gate as i64,
+                a(ve.buf, ve.col),
+                stride(ve.buf),
+                a(*out, 0),
+                stride(*out),
+                *head_dim as i64,
+                0,
+            ],
+            vec![*scale],
+        )],
+        Instr::Smear {
+            gate,
+            lambda,
+            channels,
+            input,
+            out,
+        } => vec![row(
+            "MK_K_GATED_ADD",
+            vec![
+                a(input.buf, input.col),
+                stride(input.buf),
+                a(input.buf, input.col),
+                stride(input.buf),
+                *channels as i64,
+                *gate as i64,
+                -1,
+                0,
+                a(*out, 0),
+                stride(*out),
+                input.cols as i64,
+                1,
+            ],
+            vec![*lambda],
+        )],
         Instr::Rope {
             head_dim,
             input,
@@ -333,6 +432,71 @@ fn instr_rows(p: &DecodeProgram, offs: &[usize], i: usize, ins: &Instr) -> Vec<R
     }
 }
 
+/// The kernel's data: what [`emit_kernel`] prints as the `mk_*` tables, and what the CPU
+/// interpreter ([`crate::interp`]) executes, so both run the very same argument rows.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tables {
+    /// Per tile: instruction, segment, lo, hi.
+    pub tiles: Vec<[i64; 4]>,
+    /// Tile `t`'s waits are `waits[wait_start[t]..wait_start[t + 1]]`.
+    pub wait_start: Vec<i64>,
+    /// `(counter, per_step)`: wait until `counter >= epoch * per_step`.
+    pub waits: Vec<[i64; 2]>,
+    /// First argument row of each instruction; a tile's row is `arg_row[instr] + segment`.
+    pub arg_row: Vec<i64>,
+    /// Per row: the kind's code (index in [`KINDS`]), then its integer arguments.
+    pub args: Vec<[i64; NARGS]>,
+    pub fargs: Vec<[f32; NFARGS]>,
+    /// Per row: the instruction (and segment) it belongs to, for comments.
+    pub labels: Vec<String>,
+}
+
+/// The argument, tile and wait tables of a program and its schedule.
+pub fn tables(p: &DecodeProgram, s: &Schedule) -> Tables {
+    let (offs, _) = p.buffer_offsets();
+    let mut tb = Tables {
+        tiles: Vec::with_capacity(s.tiles.len()),
+        wait_start: vec![0],
+        waits: Vec::new(),
+        arg_row: Vec::with_capacity(p.instrs.len()),
+        args: Vec::new(),
+        fargs: Vec::new(),
+        labels: Vec::new(),
+    };
+    for t in &s.tiles {
+        tb.tiles
+            .push([t.instr as i64, t.segment as i64, t.lo as i64, t.hi as i64]);
+        for w in &t.waits {
+            tb.waits.push([w.counter as i64, w.per_step as i64]);
+        }
+        tb.wait_start.push(tb.waits.len() as i64);
+    }
+    for (i, ins) in p.instrs.iter().enumerate() {
+        tb.arg_row.push(tb.args.len() as i64);
+        for r in instr_rows(p, &offs, i, ins) {
+            assert!(r.ints.len() < NARGS && r.floats.len() <= NFARGS);
+            let mut a = [0i64; NARGS];
+            a[0] = kind_code(r.kind) as i64;
+            a[1..=r.ints.len()].copy_from_slice(&r.ints);
+            let mut fa = [0f32; NFARGS];
+            fa[..r.floats.len()].copy_from_slice(&r.floats);
+            tb.args.push(a);
+            tb.fargs.push(fa);
+            tb.labels.push(r.label);
+        }
+    }
+    for t in &s.tiles {
+        // A tile's row is `mk_arg_row[instr] + segment`: it must stay inside its instruction.
+        let end = tb
+            .arg_row
+            .get(t.instr + 1)
+            .copied()
+            .unwrap_or(tb.args.len() as i64);
+        assert!((tb.arg_row[t.instr] + t.segment as i64) < end);
+    }
+    tb
+}
+
 /// The generated part only (no headers): what snapshot tests compare.
 ///
 /// Instruction parameters are data, not code: every instruction (every segment of a
@@ -343,7 +507,7 @@ fn instr_rows(p: &DecodeProgram, offs: &[usize], i: usize, ins: &Instr) -> Vec<R
 /// instruction, with literal arguments, spilled about 1.3 KB per thread at SmolLM2-135M's 30
 /// layers). Register / spill counts are from ptxas via NVRTC only: UNVERIFIED on a GPU.
 pub fn emit_kernel(p: &DecodeProgram, s: &Schedule) -> String {
-    let (offs, arena) = p.buffer_offsets();
+    let (_, arena) = p.buffer_offsets();
     let n_instr = p.instrs.len();
     let mut o = String::new();
     let _ = writeln!(
@@ -378,70 +542,49 @@ pub fn emit_kernel(p: &DecodeProgram, s: &Schedule) -> String {
     for (c, k) in KINDS.iter().enumerate() {
         let _ = writeln!(o, "#define {k} {c}");
     }
-    let mut tiles = Vec::new();
-    let mut wait_start = vec![0i64];
-    let mut waits = Vec::new();
-    for t in &s.tiles {
-        tiles.extend([t.instr as i64, t.segment as i64, t.lo as i64, t.hi as i64]);
-        for w in &t.waits {
-            waits.extend([w.counter as i64, w.per_step as i64]);
-        }
-        wait_start.push((waits.len() / 2) as i64);
-    }
+    let tb = tables(p, s);
+    let tiles: Vec<i64> = tb.tiles.iter().flatten().copied().collect();
+    let waits: Vec<i64> = tb.waits.iter().flatten().copied().collect();
     o.push_str("// Per tile: instruction, segment, lo, hi.\n");
     table(&mut o, "mk_tiles", &tiles);
-    table(&mut o, "mk_wait_start", &wait_start);
+    table(&mut o, "mk_wait_start", &tb.wait_start);
     o.push_str("// Pairs (counter, per_step): wait until counter >= epoch * per_step.\n");
     table(&mut o, "mk_waits", &waits);
-    let mut rows = Vec::new();
-    let mut arg_row = Vec::new();
-    for (i, ins) in p.instrs.iter().enumerate() {
-        arg_row.push(rows.len() as i64);
-        rows.extend(instr_rows(p, &offs, i, ins));
-    }
-    arg_row.push(rows.len() as i64);
-    for t in &s.tiles {
-        // A tile's row is `mk_arg_row[instr] + segment`: it must stay inside its instruction.
-        assert!((arg_row[t.instr] + t.segment as i64) < arg_row[t.instr + 1]);
-    }
-    arg_row.pop();
     o.push_str("// First argument row of each instruction (its segments follow).\n");
-    table(&mut o, "mk_arg_row", &arg_row);
+    table(&mut o, "mk_arg_row", &tb.arg_row);
     o.push_str(
         "// Per row: kind, then ints (weight index or activation offset, -1 for none; strides,\n\
-// sizes, flags). Matvec: w, up, k, x, xs, nw, use_norm, out, os, res, rs, epi, act.\n",
+// sizes, flags). Matvec: w, up, k, x, xs, nw, use_norm, out, os, res, rs, epi, act, bias.\n",
     );
     let _ = writeln!(
         o,
         "__device__ const int mk_args[{}] = {{",
-        (rows.len() + 1) * NARGS
+        (tb.args.len() + 1) * NARGS
     );
-    for r in &rows {
-        assert!(r.ints.len() < NARGS && r.floats.len() <= NFARGS);
+    for (r, label) in tb.args.iter().zip(&tb.labels) {
         o.push_str("    ");
-        let _ = write!(o, "{}, ", kind_code(r.kind));
-        for c in 0..NARGS - 1 {
-            let _ = write!(o, "{}, ", r.ints.get(c).copied().unwrap_or(0));
+        for v in r {
+            let _ = write!(o, "{v}, ");
         }
-        let _ = writeln!(o, "// {}", r.label);
+        let _ = writeln!(o, "// {label}");
     }
     o.push_str("    ");
     for _ in 0..NARGS {
         o.push_str("0, ");
     }
     o.push_str("\n};\n");
-    o.push_str("// Per row: floats (matvec: eps, softcap; rms_norm: eps; head_norm: eps, scale;\n// attention: scale).\n");
+    o.push_str("// Per row: floats (matvec: eps, softcap; rms_norm: eps; head_norm: eps, scale;\n// attention: scale; ewise: a, b or cap; gated_add: scale).\n");
     let _ = writeln!(
         o,
         "__device__ const float mk_fargs[{}] = {{",
-        (rows.len() + 1) * NFARGS
+        (tb.fargs.len() + 1) * NFARGS
     );
-    for r in &rows {
+    for (r, label) in tb.fargs.iter().zip(&tb.labels) {
         o.push_str("    ");
-        for c in 0..NFARGS {
-            let _ = write!(o, "{}, ", f(r.floats.get(c).copied().unwrap_or(0.0)));
+        for v in r {
+            let _ = write!(o, "{}, ", f(*v));
         }
-        let _ = writeln!(o, "// {}", r.label);
+        let _ = writeln!(o, "// {label}");
     }
     o.push_str("    ");
     for _ in 0..NFARGS {
@@ -450,10 +593,13 @@ pub fn emit_kernel(p: &DecodeProgram, s: &Schedule) -> String {
     o.push_str("\n};\n");
     o.push_str(
         "#define W(i) ((i) < 0 ? nullptr : wt[i])\n\
+#define WF(i) ((i) < 0 ? nullptr : wt_f32[i])\n\
 #define A(i) ((i) < 0 ? nullptr : act + (i))\n\
 extern \"C\" __global__ void __launch_bounds__(MK_THREADS)\n\
-kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt, float* act,\n\
-                 __nv_bfloat16* k_cache, __nv_bfloat16* v_cache, int num_slots, int capacity,\n\
+kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
+                 const float* const* __restrict__ wt_f32, float* act,\n\
+                 __nv_bfloat16* k_cache, __nv_bfloat16* v_cache, float* kv_state, int state_dim,\n\
+                 int num_slots, int capacity,\n\
                  int* pos, int* tokens, const int* slots, const float* __restrict__ inv_freq,\n\
                  unsigned* counters, unsigned* epoch_ctr,\n\
                  const MkControl* __restrict__ ctl, unsigned* ring) {\n\
@@ -474,11 +620,20 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt, float* act,\n\
             mk_embed(W(g[1]), g[2], tokens, MK_BATCH, lo, hi, A(g[3]));\n\
             break;\n\
         case MK_K_RMS_NORM:\n\
-            mk_rms_norm(A(g[1]), g[2], g[3], MK_BATCH, W(g[4]), fa[0], A(g[5]), g[6]);\n\
+            mk_rms_norm(A(g[1]), g[2], g[3], MK_BATCH, WF(g[4]), fa[0], A(g[5]), g[6]);\n\
             break;\n\
         case MK_K_MATVEC:\n\
-            mk_matvec(W(g[1]), W(g[2]), lo, hi, g[3], A(g[4]), g[5], MK_BATCH, W(g[6]), g[7],\n\
-                      fa[0], A(g[8]), g[9], A(g[10]), g[11], g[12], g[13], fa[1]);\n\
+            mk_matvec(W(g[1]), W(g[2]), lo, hi, g[3], A(g[4]), g[5], MK_BATCH, WF(g[6]), g[7],\n\
+                      fa[0], A(g[8]), g[9], A(g[10]), g[11], g[12], g[13], fa[1], WF(g[14]));\n\
+            break;\n\
+        case MK_K_EWISE:\n\
+            mk_ewise(g[1], g[2], A(g[3]), g[4], A(g[5]), g[6], A(g[7]), g[8], lo, hi, fa[0], fa[1],\n\
+                     MK_BATCH);\n\
+            break;\n\
+        case MK_K_GATED_ADD:\n\
+            mk_gated_add(A(g[1]), g[2], A(g[3]), g[4], g[5], WF(g[6]), A(g[7]), g[8], A(g[9]), g[10],\n\
+                         g[11], lo, fa[0], g[12], kv_state, state_dim, capacity, slots, pos,\n\
+                         MK_BATCH);\n\
             break;\n\
         case MK_K_ROPE:\n\
             mk_rope(A(g[1]) + lo * g[5], g[2], A(g[3]) + lo * g[5], g[4], g[5], pos, inv_freq,\n\
@@ -514,6 +669,7 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt, float* act,\n\
     }\n\
 }\n\
 #undef W\n\
+#undef WF\n\
 #undef A\n",
     );
     let _ = writeln!(

@@ -4,22 +4,29 @@
 //! * [`program`]: the instruction set and its single-assignment buffers.
 //! * [`schedule`]: tiles, exact tile dependencies, epoch counters, assignment to blocks, and a
 //!   CPU simulation of the persistent blocks.
-//! * [`emit`]: the CUDA C text (deterministic), compiled by kiln's NVRTC gate.
+//! * [`emit`]: the argument / tile / wait tables and the CUDA C text (deterministic), compiled
+//!   by kiln's NVRTC gate.
+//! * [`interp`]: a CPU interpreter of the emitted tables that mirrors the tile functions of
+//!   `cuda/megakernel/tiles.cuh` (f32 math, bf16 weights and KV cache) and runs the tiles in any
+//!   order their waits allow, with unwritten memory poisoned: the verification of the lowering,
+//!   the schedule's dependencies and the argument rows that needs no GPU.
 //! * [`control`]: the run-time sampling controls ([`MkControl`]) and the token ring ([`RING`]).
 //!
 //! Pure Rust, no GPU and no dependency on `kiln`. The generated kernel is UNVERIFIED on a GPU:
-//! it compiles under NVRTC for sm_80 / sm_90, it has never been run.
+//! it compiles under NVRTC for sm_80 / sm_90, it has never been run; what the interpreter checks
+//! is the kernel's intent as the interpreter mirrors it, not the CUDA code itself.
 
 pub mod control;
 pub mod emit;
+pub mod interp;
 pub mod program;
 pub mod schedule;
 
 pub use control::{ring_stride, ring_words, ControlError, MkControl, MAX_STOP, RING};
-pub use emit::{emit_kernel, emit_source, KERNEL};
+pub use emit::{emit_kernel, emit_source, tables, Tables, KERNEL};
 pub use program::{
-    Act, BufId, Buffer, ColRange, DecodeProgram, Instr, LowerError, NormSpec, RopeStyle, Weight,
-    WeightId,
+    Act, BufId, Buffer, ColRange, DecodeProgram, Ewise, Instr, LowerError, NormSpec, RopeStyle,
+    Weight, WeightDtype, WeightId,
 };
 pub use schedule::{Access, Resource, Schedule, Tile, TileConfig, Wait};
 

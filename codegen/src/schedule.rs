@@ -4,13 +4,15 @@
 //!
 //! * **Tiles**: matvecs split into ranges of [`TileConfig::matvec_rows`] output rows (never
 //!   straddling two weights), RoPE / head norm / attention one tile per (query) head, the KV
-//!   append one tile per KV head, the embedding lookup [`TileConfig::elem_cols`] columns per
-//!   tile, sampling one tile per batch row (each samples a whole vocabulary row on one block,
-//!   so the rows run in parallel); norms and the step end are one tile.
+//!   append and the gated value add one tile per KV head, the embedding lookup and elementwise
+//!   ops [`TileConfig::elem_cols`] columns per tile, sampling one tile per batch row (each
+//!   samples a whole vocabulary row on one block, so the rows run in parallel); norms, smear and
+//!   the step end are one tile.
 //! * **Dependencies** (exact, not instruction barriers): tile `t` depends on every earlier tile
 //!   that writes a range overlapping one `t` reads (read after write), reads a range `t` writes
 //!   (write after read: the token ids and the positions) or writes a range `t` writes. Ranges are
-//!   columns of a buffer, rows of the token / position vectors and KV heads of a layer's cache.
+//!   columns of a buffer, rows of the token / position vectors and of the cache's per-position
+//!   state, and KV heads of a layer's cache.
 //!   `StepEnd` also waits for every sink tile, so it runs after the whole step; it reads every
 //!   row's token (for the ring), so it waits on each Sample tile by that dependency too.
 //! * **Counters**: one per instruction (`0..instrs`) and one per tile (`instrs..`), in global
@@ -33,7 +35,7 @@ use crate::program::{ColRange, DecodeProgram, Instr};
 pub struct TileConfig {
     /// Output rows of one matvec tile.
     pub matvec_rows: usize,
-    /// Columns of one elementwise (embedding) tile.
+    /// Columns of one elementwise (embedding, elementwise op) tile.
     pub elem_cols: usize,
 }
 
@@ -57,6 +59,8 @@ pub enum Resource {
     Pos,
     /// KV heads of one layer's K and V cache.
     Kv(usize),
+    /// Rows (batch rows, hence their slots) of the cache's per-position state.
+    State,
 }
 
 /// `[lo, hi)` of a resource.
@@ -147,6 +151,9 @@ pub fn instr_ranges(ins: &Instr) -> Vec<ColRange> {
         Instr::MatvecResidual {
             input, residual, ..
         } => vec![*input, *residual],
+        Instr::Elementwise { x, y, .. } => std::iter::once(*x).chain(*y).collect(),
+        Instr::GatedValueAdd { v, h, ve, .. } => vec![*v, *h, *ve],
+        Instr::Smear { input, .. } => vec![*input],
         Instr::RopeKvAppend { k, v, .. } => vec![*k, *v],
         Instr::AttentionDecode { q, .. } => vec![*q],
         Instr::Sample { logits } => vec![*logits],
@@ -226,6 +233,7 @@ fn tiles_of(p: &DecodeProgram, cfg: &TileConfig, i: usize) -> Vec<Tile> {
             input,
             residual,
             out: o,
+            ..
         } => {
             for (lo, hi) in split(p.weights[*weight].rows, cfg.matvec_rows) {
                 out.push(mk(
@@ -252,6 +260,54 @@ fn tiles_of(p: &DecodeProgram, cfg: &TileConfig, i: usize) -> Vec<Tile> {
                     vec![Access::buf(*o, lo, hi)],
                 ));
             }
+        }
+        Instr::Elementwise { x, y, out: o, .. } => {
+            for (lo, hi) in split(x.cols, cfg.elem_cols) {
+                let mut reads = vec![Access::sub(*x, lo, hi)];
+                reads.extend(y.map(|y| Access::sub(y, lo, hi)));
+                out.push(mk(lo, hi, 0, reads, vec![Access::buf(*o, lo, hi)]));
+            }
+        }
+        Instr::GatedValueAdd {
+            channels,
+            kv_heads,
+            head_dim,
+            v,
+            h,
+            ve,
+            out: o,
+            ..
+        } => {
+            // One tile per KV head: its gate reads the first `channels` columns of h.
+            for g in 0..*kv_heads {
+                let (lo, hi) = (g * head_dim, (g + 1) * head_dim);
+                out.push(mk(
+                    g,
+                    g + 1,
+                    0,
+                    vec![
+                        Access::sub(*v, lo, hi),
+                        Access::sub(*h, 0, *channels),
+                        Access::sub(*ve, lo, hi),
+                    ],
+                    vec![Access::buf(*o, lo, hi)],
+                ));
+            }
+        }
+        Instr::Smear { input, out: o, .. } => {
+            // One tile: it reads each row's state at pos − 1 and writes it at pos.
+            let state = Access {
+                res: Resource::State,
+                lo: 0,
+                hi: batch,
+            };
+            out.push(mk(
+                0,
+                1,
+                0,
+                vec![Access::cols(*input), pos, state],
+                vec![Access::buf(*o, 0, input.cols), state],
+            ));
         }
         Instr::LmHead {
             weight,

@@ -4,7 +4,10 @@
 //
 // A tile runs on one whole block of MK_THREADS threads. Activations are f32 `[batch, cols]`
 // buffers written earlier in the same launch, so they are read with plain loads (never __ldg,
-// whose non-coherent cache may be stale); weights are bf16 and read-only for the launch.
+// whose non-coherent cache may be stale); weights are read-only for the launch: bf16 matrices,
+// f32 vectors (norm weights, biases, gates).
+// kiln-codegen's interp.rs mirrors every tile function here (its CPU verification): a change
+// here needs the same change there.
 // Dependency counters: a waiting block polls with ld.acquire.gpu, a finished tile publishes
 // with __threadfence + red.release.gpu.
 // UNVERIFIED on a GPU: compiled with NVRTC for sm_80 / sm_90 only.
@@ -71,14 +74,17 @@ __device__ __forceinline__ void mk_inv_rms(const float* x, int xs, int k, int ba
 #define MK_EPI_RESIDUAL 2
 #define MK_EPI_SOFTCAP 3
 
-// Rows [r0, r1) of W [*, k] (and, if `up`, of the up matrix: gated) times norm?(x).
-// out[b * os + r] = epilogue(...). One warp per row, lanes stride the columns.
+// Rows [r0, r1) of W [*, k] (and, if `up`, of the up matrix: gated) times norm?(x), plus the
+// f32 bias of W (null for none; a gated matvec has none). out[b * os + r] = epilogue(...). One
+// warp per row, lanes stride the columns. The norm weight `nw` (f32, may be null) scales W's
+// columns.
 __device__ __noinline__ void mk_matvec(const __nv_bfloat16* __restrict__ w,
                                        const __nv_bfloat16* __restrict__ up, int r0, int r1,
                                        int k, const float* x, int xs, int batch,
-                                       const __nv_bfloat16* __restrict__ nw, int use_norm,
+                                       const float* __restrict__ nw, int use_norm,
                                        float eps, float* out, int os, const float* res, int rs,
-                                       int epi, int act, float cap) {
+                                       int epi, int act, float cap,
+                                       const float* __restrict__ bias) {
     __shared__ float inv[MK_MAX_BATCH];
     mk_inv_rms(x, xs, k, batch, use_norm, eps, inv);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -89,7 +95,7 @@ __device__ __noinline__ void mk_matvec(const __nv_bfloat16* __restrict__ w,
 #pragma unroll
         for (int b = 0; b < MK_MAX_BATCH; ++b) a[b] = u[b] = 0.0f;
         for (int c = lane; c < k; c += 32) {
-            const float sc = nw ? __bfloat162float(nw[c]) : 1.0f;
+            const float sc = nw ? nw[c] : 1.0f;
             const float wv = __bfloat162float(wr[c]) * sc;
             const float uv = ur ? __bfloat162float(ur[c]) * sc : 0.0f;
 #pragma unroll
@@ -104,7 +110,7 @@ __device__ __noinline__ void mk_matvec(const __nv_bfloat16* __restrict__ w,
 #pragma unroll
         for (int b = 0; b < MK_MAX_BATCH; ++b) {
             if (b >= batch) break;
-            const float g = warp_sum(a[b]) * inv[b];
+            const float g = warp_sum(a[b]) * inv[b] + (bias ? bias[r] : 0.0f);
             const float uu = warp_sum(u[b]) * inv[b];
             if (lane == 0) {
                 float v = g;
@@ -123,17 +129,88 @@ __device__ __noinline__ void mk_matvec(const __nv_bfloat16* __restrict__ w,
     }
 }
 
-// out[b] = norm(x[b]) (* weight), whole row.
+// out[b] = norm(x[b]) (* f32 weight), whole row.
 __device__ __noinline__ void mk_rms_norm(const float* x, int xs, int n, int batch,
-                                         const __nv_bfloat16* __restrict__ nw, float eps,
-                                         float* out, int os) {
+                                         const float* __restrict__ nw, float eps, float* out,
+                                         int os) {
     __shared__ float inv[MK_MAX_BATCH];
     mk_inv_rms(x, xs, n, batch, 1, eps, inv);
     for (int b = 0; b < batch; ++b)
         for (int c = threadIdx.x; c < n; c += blockDim.x) {
             const float v = x[(size_t)b * xs + c] * inv[b];
-            out[(size_t)b * os + c] = nw ? v * __bfloat162float(nw[c]) : v;
+            out[(size_t)b * os + c] = nw ? v * nw[c] : v;
         }
+}
+
+#define MK_EW_COMBINE 0
+#define MK_EW_MUL 1
+#define MK_EW_ACT 2
+#define MK_EW_SOFTCAP 3
+
+// Columns [c0, c1) of out[b] = op(x[b], y[b]): combine fa·x + fb·y, mul x·y, act(x), or
+// softcap fa·tanh(x / fa). `y` is null for the unary ops.
+__device__ __noinline__ void mk_ewise(int op, int act, const float* x, int xs, const float* y,
+                                      int ys, float* out, int os, int c0, int c1, float fa,
+                                      float fb, int batch) {
+    const int n = c1 - c0;
+    for (int idx = threadIdx.x; idx < batch * n; idx += blockDim.x) {
+        const int b = idx / n, c = c0 + idx % n;
+        const float xv = x[(size_t)b * xs + c];
+        float v;
+        if (op == MK_EW_COMBINE) {
+            v = fa * xv + fb * y[(size_t)b * ys + c];
+        } else if (op == MK_EW_MUL) {
+            v = xv * y[(size_t)b * ys + c];
+        } else if (op == MK_EW_ACT) {
+            v = kiln_act(act, xv);
+        } else {
+            v = fa * tanhf(xv / fa);
+        }
+        out[(size_t)b * os + c] = v;
+    }
+}
+
+// Group `grp` (columns [grp·hd, (grp+1)·hd)) of
+//   out[b] = x[b] + scale·σ(gin[b][..channels] · w[grp][..channels]) · y[b]
+// with w f32 `[groups, channels]`. nanochat's value embedding: x = v, gin = h, y = ve, one group
+// per KV head. nanochat's smear (`smear` = 1, one group of the whole row): gin = x = e and y is
+// the row's state at pos − 1 in kv_state `[slot][capacity][state_dim]`, none at position 0
+// (out = e); the tile then stores e as the row's state at pos.
+__device__ __noinline__ void mk_gated_add(const float* x, int xs, const float* gin, int gs,
+                                          int channels, const float* __restrict__ w,
+                                          const float* y, int ys, float* out, int os, int hd,
+                                          int grp, float scale, int smear, float* kv_state,
+                                          int state_dim, int capacity, const int* slots,
+                                          const int* pos, int batch) {
+    __shared__ float gate[MK_MAX_BATCH];
+    const float* wg = w + (size_t)grp * channels;
+    const int c0 = grp * hd;
+    for (int b = 0; b < batch; ++b) {
+        float s = 0.0f;
+        for (int c = threadIdx.x; c < channels; c += blockDim.x)
+            s = fmaf(gin[(size_t)b * gs + c], wg[c], s);
+        s = block_sum(s);
+        if (threadIdx.x == 0) gate[b] = scale * kiln_sigmoid(s);
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < batch * hd; idx += blockDim.x) {
+        const int b = idx / hd, c = c0 + idx % hd;
+        const float xv = x[(size_t)b * xs + c];
+        float yv = 0.0f;
+        if (!smear) {
+            yv = y[(size_t)b * ys + c];
+        } else if (pos[b] > 0) {
+            yv = kv_state[((size_t)slots[b] * capacity + pos[b] - 1) * state_dim + c];
+        }
+        out[(size_t)b * os + c] = (smear && pos[b] == 0) ? xv : xv + gate[b] * yv;
+    }
+    if (smear) {
+        for (int idx = threadIdx.x; idx < batch * hd; idx += blockDim.x) {
+            const int b = idx / hd, c = idx % hd;
+            kv_state[((size_t)slots[b] * capacity + pos[b]) * state_dim + c] =
+                x[(size_t)b * xs + c];
+        }
+    }
 }
 
 // Columns [c0, c1) of the embedding rows of tokens[b].

@@ -35,6 +35,8 @@
 #define MK_K_ATTENTION 6
 #define MK_K_SAMPLE 7
 #define MK_K_STEP_END 8
+#define MK_K_EWISE 9
+#define MK_K_GATED_ADD 10
 // Per tile: instruction, segment, lo, hi.
 __device__ const int mk_tiles[201] = {
     0, 0, 0, 64, 1, 0, 0, 32, 1, 0, 32, 64, 1, 1, 0, 32, 
@@ -76,34 +78,34 @@ __device__ const int mk_arg_row[19] = {
     20, 21, 
     0};
 // Per row: kind, then ints (weight index or activation offset, -1 for none; strides,
-// sizes, flags). Matvec: w, up, k, x, xs, nw, use_norm, out, os, res, rs, epi, act.
+// sizes, flags). Matvec: w, up, k, x, xs, nw, use_norm, out, os, res, rs, epi, act, bias.
 __device__ const int mk_args[368] = {
     0, 0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, // i0: embed
-    2, 2, -1, 64, 0, 64, 1, 1, 128, 128, -1, 0, 0, 0, 0, 0, // i1: norm_matvec seg 0
-    2, 3, -1, 64, 0, 64, 1, 1, 192, 128, -1, 0, 0, 0, 0, 0, // i1: norm_matvec seg 1
-    2, 4, -1, 64, 0, 64, 1, 1, 224, 128, -1, 0, 0, 0, 0, 0, // i1: norm_matvec seg 2
+    2, 2, -1, 64, 0, 64, 1, 1, 128, 128, -1, 0, 0, 0, -1, 0, // i1: norm_matvec seg 0
+    2, 3, -1, 64, 0, 64, 1, 1, 192, 128, -1, 0, 0, 0, -1, 0, // i1: norm_matvec seg 1
+    2, 4, -1, 64, 0, 64, 1, 1, 224, 128, -1, 0, 0, 0, -1, 0, // i1: norm_matvec seg 2
     3, 128, 128, 384, 64, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, // i2: rope
     5, 192, 224, 128, 128, 0, 2, 16, 1, 0, 0, 0, 0, 0, 0, 0, // i3: rope_kv_append
     6, 384, 64, 512, 64, 0, 2, 2, 16, -1, 0, 0, 0, 0, 0, 0, // i4: attention_decode
-    2, 5, -1, 64, 512, 64, -1, 0, 640, 64, 0, 64, 2, 0, 0, 0, // i5: matvec_residual
-    2, 7, 8, 64, 640, 64, 6, 1, 768, 96, -1, 0, 0, 0, 0, 0, // i6: gated_mlp
-    2, 9, -1, 96, 768, 96, -1, 0, 960, 64, 640, 64, 2, 0, 0, 0, // i7: matvec_residual
-    2, 11, -1, 64, 960, 64, 10, 1, 1088, 128, -1, 0, 0, 0, 0, 0, // i8: norm_matvec seg 0
-    2, 12, -1, 64, 960, 64, 10, 1, 1152, 128, -1, 0, 0, 0, 0, 0, // i8: norm_matvec seg 1
-    2, 13, -1, 64, 960, 64, 10, 1, 1184, 128, -1, 0, 0, 0, 0, 0, // i8: norm_matvec seg 2
+    2, 5, -1, 64, 512, 64, -1, 0, 640, 64, 0, 64, 2, 0, -1, 0, // i5: matvec_residual
+    2, 7, 8, 64, 640, 64, 6, 1, 768, 96, -1, 0, 0, 0, -1, 0, // i6: gated_mlp
+    2, 9, -1, 96, 768, 96, -1, 0, 960, 64, 640, 64, 2, 0, -1, 0, // i7: matvec_residual
+    2, 11, -1, 64, 960, 64, 10, 1, 1088, 128, -1, 0, 0, 0, -1, 0, // i8: norm_matvec seg 0
+    2, 12, -1, 64, 960, 64, 10, 1, 1152, 128, -1, 0, 0, 0, -1, 0, // i8: norm_matvec seg 1
+    2, 13, -1, 64, 960, 64, 10, 1, 1184, 128, -1, 0, 0, 0, -1, 0, // i8: norm_matvec seg 2
     3, 1088, 128, 1344, 64, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, // i9: rope
     5, 1152, 1184, 128, 128, 1, 2, 16, 1, 0, 0, 0, 0, 0, 0, 0, // i10: rope_kv_append
     6, 1344, 64, 1472, 64, 1, 2, 2, 16, -1, 0, 0, 0, 0, 0, 0, // i11: attention_decode
-    2, 14, -1, 64, 1472, 64, -1, 0, 1600, 64, 960, 64, 2, 0, 0, 0, // i12: matvec_residual
-    2, 16, 17, 64, 1600, 64, 15, 1, 1728, 96, -1, 0, 0, 0, 0, 0, // i13: gated_mlp
-    2, 18, -1, 96, 1728, 96, -1, 0, 1920, 64, 1600, 64, 2, 0, 0, 0, // i14: matvec_residual
-    2, 0, -1, 64, 1920, 64, 19, 1, 2048, 100, -1, 0, 0, 0, 0, 0, // i15: lm_head
+    2, 14, -1, 64, 1472, 64, -1, 0, 1600, 64, 960, 64, 2, 0, -1, 0, // i12: matvec_residual
+    2, 16, 17, 64, 1600, 64, 15, 1, 1728, 96, -1, 0, 0, 0, -1, 0, // i13: gated_mlp
+    2, 18, -1, 96, 1728, 96, -1, 0, 1920, 64, 1600, 64, 2, 0, -1, 0, // i14: matvec_residual
+    2, 0, -1, 64, 1920, 64, 19, 1, 2048, 100, -1, 0, 0, 0, -1, 0, // i15: lm_head
     7, 2048, 100, 100, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, // i16: sample
     8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, // i17: step_end
     0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 
 };
 // Per row: floats (matvec: eps, softcap; rms_norm: eps; head_norm: eps, scale;
-// attention: scale).
+// attention: scale; ewise: a, b or cap; gated_add: scale).
 __device__ const float mk_fargs[46] = {
     0.0f, 0.0f, // i0: embed
     1e-5f, 0.0f, // i1: norm_matvec seg 0
@@ -130,10 +132,13 @@ __device__ const float mk_fargs[46] = {
     0.0f, 0.0f, 
 };
 #define W(i) ((i) < 0 ? nullptr : wt[i])
+#define WF(i) ((i) < 0 ? nullptr : wt_f32[i])
 #define A(i) ((i) < 0 ? nullptr : act + (i))
 extern "C" __global__ void __launch_bounds__(MK_THREADS)
-kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt, float* act,
-__nv_bfloat16* k_cache, __nv_bfloat16* v_cache, int num_slots, int capacity,
+kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,
+const float* const* __restrict__ wt_f32, float* act,
+__nv_bfloat16* k_cache, __nv_bfloat16* v_cache, float* kv_state, int state_dim,
+int num_slots, int capacity,
 int* pos, int* tokens, const int* slots, const float* __restrict__ inv_freq,
 unsigned* counters, unsigned* epoch_ctr,
 const MkControl* __restrict__ ctl, unsigned* ring) {
@@ -154,11 +159,20 @@ case MK_K_EMBED:
 mk_embed(W(g[1]), g[2], tokens, MK_BATCH, lo, hi, A(g[3]));
 break;
 case MK_K_RMS_NORM:
-mk_rms_norm(A(g[1]), g[2], g[3], MK_BATCH, W(g[4]), fa[0], A(g[5]), g[6]);
+mk_rms_norm(A(g[1]), g[2], g[3], MK_BATCH, WF(g[4]), fa[0], A(g[5]), g[6]);
 break;
 case MK_K_MATVEC:
-mk_matvec(W(g[1]), W(g[2]), lo, hi, g[3], A(g[4]), g[5], MK_BATCH, W(g[6]), g[7],
-fa[0], A(g[8]), g[9], A(g[10]), g[11], g[12], g[13], fa[1]);
+mk_matvec(W(g[1]), W(g[2]), lo, hi, g[3], A(g[4]), g[5], MK_BATCH, WF(g[6]), g[7],
+fa[0], A(g[8]), g[9], A(g[10]), g[11], g[12], g[13], fa[1], WF(g[14]));
+break;
+case MK_K_EWISE:
+mk_ewise(g[1], g[2], A(g[3]), g[4], A(g[5]), g[6], A(g[7]), g[8], lo, hi, fa[0], fa[1],
+MK_BATCH);
+break;
+case MK_K_GATED_ADD:
+mk_gated_add(A(g[1]), g[2], A(g[3]), g[4], g[5], WF(g[6]), A(g[7]), g[8], A(g[9]), g[10],
+g[11], lo, fa[0], g[12], kv_state, state_dim, capacity, slots, pos,
+MK_BATCH);
 break;
 case MK_K_ROPE:
 mk_rope(A(g[1]) + lo * g[5], g[2], A(g[3]) + lo * g[5], g[4], g[5], pos, inv_freq,
@@ -194,5 +208,6 @@ mk_signal(counters, mk_tiles[4 * t], MK_INSTRS + t);
 }
 }
 #undef W
+#undef WF
 #undef A
 // kiln_decode_step: one switch case per tile kind, arguments from mk_args / mk_fargs.

@@ -3,22 +3,30 @@
 //!
 //! Each plan value gets its own buffer (the program is single-assignment); `LastRow` is an
 //! alias (one token row per sequence in decode); a `Rope` feeding only an attention's keys is
-//! fused into `RopeKvAppend`; a `Softcap` of the logits is fused into `LmHead`; the program ends
-//! with `Sample` and `StepEnd`. Ops not lowered yet (`Add`, `Combine`, `Mul`, standalone `Act`,
-//! `GatedValueAdd`, `Smear`, matmul biases) are a [`LowerError::Unsupported`] naming the op.
+//! fused into `RopeKvAppend`; a `Softcap` of the logits is fused into `LmHead`; `Add`, `Combine`,
+//! `Mul`, a standalone `Act` or `Softcap` become `Elementwise`; nanochat's `GatedValueAdd` and
+//! `Smear` (whose previous-position embedding lives in the cache's per-position state) have their
+//! own instructions; matmul biases, norm weights and gates are f32 weights (the `wt_f32` table,
+//! as the CPU keeps them), matrices and embedding tables bf16. The program ends with `Sample` and
+//! `StepEnd`. What is still a [`LowerError::Unsupported`] (no supported model builds them): a
+//! residual-add matmul with a norm prologue or several linears, a gated matmul of other than two
+//! linears or with biases.
 //!
-//! The generated kernel is UNVERIFIED on a GPU: it compiles with NVRTC
-//! (`tests/megakernel.rs`) and has never been executed; `super::GraphDecoder` (feature `cuda`)
-//! is the runtime that launches it, equally unverified.
+//! The generated kernel is UNVERIFIED on a GPU: it compiles with NVRTC (`tests/megakernel.rs`)
+//! and has never been executed; `super::GraphDecoder` (feature `cuda`) is the runtime that
+//! launches it, equally unverified. `tests/megakernel_interp.rs` runs the lowered programs in
+//! kiln-codegen's CPU interpreter against the CPU backend.
 
 use std::collections::HashMap;
 
+use kiln_codegen::interp::WeightData;
 use kiln_codegen::{
-    Act, ColRange, DecodeProgram, Instr, LowerError, NormSpec, RopeStyle, Schedule, TileConfig,
+    Act, ColRange, DecodeProgram, Ewise, Instr, LowerError, NormSpec, RopeStyle, Schedule,
+    TileConfig, WeightDtype,
 };
 
 use crate::graph::{Activation, Epilogue, Norm, Op, Value};
-use crate::model::RopeStyle as ModelRope;
+use crate::model::{LoadError, RopeStyle as ModelRope, Weights};
 use crate::plan::ExecutionPlan;
 
 fn act(a: Activation) -> Act {
@@ -41,6 +49,7 @@ pub fn lower_decode(plan: &ExecutionPlan, batch: usize) -> Result<DecodeProgram,
     p.layers = g.kv.layers;
     p.kv_heads = g.kv.kv_heads;
     p.head_dim = g.kv.head_dim;
+    p.state_dim = g.kv.state_dim;
     p.vocab = g.vocab_size;
     let uses = g.use_counts();
     let mut val: HashMap<Value, ColRange> = HashMap::new();
@@ -57,7 +66,7 @@ pub fn lower_decode(plan: &ExecutionPlan, batch: usize) -> Result<DecodeProgram,
     };
     let norm_spec = |p: &mut DecodeProgram, n: &Option<Norm>, cols: usize| {
         n.as_ref().map(|n| NormSpec {
-            weight: n.weight.as_ref().map(|w| p.weight(w, 1, cols)),
+            weight: n.weight.as_ref().map(|w| p.weight_f32(w, 1, cols)),
             eps: n.eps,
         })
     };
@@ -94,17 +103,16 @@ pub fn lower_decode(plan: &ExecutionPlan, batch: usize) -> Result<DecodeProgram,
                 norm,
                 epilogue,
             } => {
-                if linears.iter().any(|l| l.bias.is_some()) {
-                    return Err(LowerError::Unsupported {
-                        op: "matmul with bias".into(),
-                        label: label.into(),
-                    });
-                }
                 let x = input(0)?;
                 let nspec = norm_spec(&mut p, norm, x.cols);
                 let ws: Vec<usize> = linears
                     .iter()
                     .map(|l| p.weight(&l.weight, l.out, l.inp))
+                    .collect();
+                // Biases are f32 vectors of the linear's output rows, as the CPU keeps them.
+                let bs: Vec<Option<usize>> = linears
+                    .iter()
+                    .map(|l| l.bias.as_ref().map(|b| p.weight_f32(b, 1, l.out)))
                     .collect();
                 // The logits: the matmul the graph output is (or whose softcap it is).
                 let out_node = g.output.node;
@@ -124,6 +132,7 @@ pub fn lower_decode(plan: &ExecutionPlan, batch: usize) -> Result<DecodeProgram,
                         p.instrs.push(Instr::LmHead {
                             norm: nspec,
                             weight: ws[0],
+                            bias: bs[0],
                             input: x,
                             out,
                             softcap: softcap_of_this,
@@ -150,6 +159,11 @@ pub fn lower_decode(plan: &ExecutionPlan, batch: usize) -> Result<DecodeProgram,
                         p.instrs.push(Instr::NormMatvec {
                             norm: nspec,
                             weights: ws,
+                            biases: if bs.iter().any(Option::is_some) {
+                                bs
+                            } else {
+                                vec![]
+                            },
                             input: x,
                             out: b,
                             act: match epilogue {
@@ -163,10 +177,17 @@ pub fn lower_decode(plan: &ExecutionPlan, batch: usize) -> Result<DecodeProgram,
                         let out = single_out(&mut p, &mut val);
                         p.instrs.push(Instr::MatvecResidual {
                             weight: ws[0],
+                            bias: bs[0],
                             input: x,
                             residual,
                             out,
                         });
+                    }
+                    Epilogue::Gated(_) if bs.iter().any(Option::is_some) => {
+                        return Err(LowerError::Unsupported {
+                            op: "gated matmul with biases".into(),
+                            label: label.into(),
+                        })
                     }
                     Epilogue::Gated(a) if linears.len() == 2 => {
                         let out = single_out(&mut p, &mut val);
@@ -259,13 +280,58 @@ pub fn lower_decode(plan: &ExecutionPlan, batch: usize) -> Result<DecodeProgram,
                 val.insert(Value::new(id, 0), x);
             }
             Op::Softcap { .. } if val.contains_key(&Value::new(id, 0)) => {}
-            Op::Add
-            | Op::Combine { .. }
-            | Op::GatedValueAdd { .. }
-            | Op::Smear { .. }
-            | Op::Mul
-            | Op::Act(_)
-            | Op::Softcap { .. } => return Err(unsupported(&node.op, label)),
+            Op::Add | Op::Combine { .. } | Op::Mul | Op::Act(_) | Op::Softcap { .. } => {
+                let op = match &node.op {
+                    Op::Add => Ewise::Combine { a: 1.0, b: 1.0 },
+                    Op::Combine { a, b } => Ewise::Combine { a: *a, b: *b },
+                    Op::Mul => Ewise::Mul,
+                    Op::Act(a) => Ewise::Act(act(*a)),
+                    Op::Softcap { cap } => Ewise::Softcap(*cap),
+                    _ => unreachable!("matched above"),
+                };
+                let x = input(0)?;
+                let y = if op.binary() { Some(input(1)?) } else { None };
+                let out = single_out(&mut p, &mut val);
+                p.instrs.push(Instr::Elementwise { op, x, y, out });
+            }
+            Op::GatedValueAdd {
+                gate,
+                channels,
+                kv_heads,
+                head_dim,
+                scale,
+            } => {
+                let (v, h, ve) = (input(0)?, input(1)?, input(2)?);
+                let gate = p.weight_f32(gate, *kv_heads, *channels);
+                let out = single_out(&mut p, &mut val);
+                p.instrs.push(Instr::GatedValueAdd {
+                    gate,
+                    channels: *channels,
+                    kv_heads: *kv_heads,
+                    head_dim: *head_dim,
+                    scale: *scale,
+                    v,
+                    h,
+                    ve,
+                    out,
+                });
+            }
+            Op::Smear {
+                gate,
+                lambda,
+                channels,
+            } => {
+                let x = input(0)?;
+                let gate = p.weight_f32(gate, 1, *channels);
+                let out = single_out(&mut p, &mut val);
+                p.instrs.push(Instr::Smear {
+                    gate,
+                    lambda: *lambda,
+                    channels: *channels,
+                    input: x,
+                    out,
+                });
+            }
         }
     }
     let logits = get(&val, g.output)?;
@@ -292,4 +358,40 @@ pub fn generate(plan: &ExecutionPlan, batch: usize) -> Result<Megakernel, LowerE
         schedule,
         source,
     })
+}
+
+/// The values of each program weight as the kernel's tables hold them: bf16 bits (the stored
+/// bits when the tensor is bf16, else rounded to nearest from f32 or dequantized blocks) or f32,
+/// the first `rows · cols` elements of the tensor (a padded vocabulary keeps its real rows). What
+/// a runtime uploads, and what kiln-codegen's interpreter runs on.
+pub fn weight_data(p: &DecodeProgram, weights: &Weights) -> Result<Vec<WeightData>, LoadError> {
+    p.weights
+        .iter()
+        .map(|w| {
+            let t = weights.get(&w.name)?;
+            let n = w.rows * w.cols;
+            if t.numel() < n {
+                return Err(LoadError::tensor(
+                    &weights.source,
+                    &w.name,
+                    format!(
+                        "{} elements, the decode program reads [{}, {}]",
+                        t.numel(),
+                        w.rows,
+                        w.cols
+                    ),
+                ));
+            }
+            Ok(match w.dtype {
+                WeightDtype::Bf16 => WeightData::Bf16(
+                    t.to_bf16_vec()
+                        .into_iter()
+                        .take(n)
+                        .map(|b| b.to_bits())
+                        .collect(),
+                ),
+                WeightDtype::F32 => WeightData::F32(t.to_f32_vec().into_iter().take(n).collect()),
+            })
+        })
+        .collect()
 }

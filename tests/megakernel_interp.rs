@@ -1,0 +1,430 @@
+//! The decode megakernel's program, schedule and argument tables, executed by kiln-codegen's CPU
+//! interpreter (a mirror of `cuda/megakernel/tiles.cuh`: f32 math, bf16 weights and KV cache)
+//! against the CPU backend, on every fixture model and the demo model:
+//!
+//! * the CPU (weights rounded to bf16, as the kernel holds them) prefills each row's prompt; its
+//!   KV cache (and nanochat's per-position smear state) is copied into the interpreter's bf16
+//!   cache; then 16+ decode steps run in the interpreter, each in a random order of tiles that
+//!   the counter waits allow, with every unwritten value poisoned, the position advancing and
+//!   the greedy token fed back, as the kernel does. Every step's logits are within the bf16
+//!   tolerance of `tests/gpu.rs` of the CPU decode's, and the greedy tokens are identical. Rows
+//!   sit in permuted cache slots at different positions; nanochat D/G/H cross a sliding window.
+//! * mutation: dropping any wait of the schedule that the others do not imply is detected
+//!   (a poisoned read, or logits, tokens, caches or token ring different from the unmutated
+//!   run) by an order that runs the waiting tile before the producer, on fixtures that use every
+//!   tile kind.
+//!
+//! This verifies the lowering, the dependencies and the kernel arguments as the interpreter
+//! reads them; the CUDA code itself is UNVERIFIED on a GPU.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{demo_model, fixtures};
+use kiln::backend::cpu::{
+    rope_inv_freq, CpuBackend, CpuOptions, PlanKind, TokenRow, WeightFormat, Workspace,
+};
+use kiln::backend::cuda::megakernel::{lower_decode, weight_data};
+use kiln::kv::KvCache;
+use kiln::model::arch::{build_graph, LogitRows};
+use kiln::model::Model;
+use kiln::plan::{ExecutionPlan, Phase};
+use kiln::sample::argmax;
+use kiln_codegen::interp::{
+    adversarial_picker, unordered_producers, InterpError, Machine, SplitMix,
+};
+use kiln_codegen::{ring_stride, RING};
+use kiln_codegen::{DecodeProgram, Ewise, Instr, Schedule, TileConfig};
+
+/// Relative L2 error allowed between interpreter and CPU logits: `tests/gpu.rs`'s bf16 GPU
+/// tolerance (bf16 weights on both sides, bf16 KV cache in the interpreter only).
+const TOLERANCE: f32 = 3e-2;
+const STEPS: usize = 18;
+const SLOTS: usize = 4;
+
+fn rel_l2(got: &[f32], want: &[f32]) -> f32 {
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt() as f32
+}
+
+/// Every fixture model: the HF directories and the GGUF files.
+fn fixture_models() -> Vec<PathBuf> {
+    let dir = fixtures();
+    let mut out: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.join("config.json").is_file() || p.extension().is_some_and(|e| e == "gguf"))
+        .collect();
+    out.sort();
+    out
+}
+
+/// A CPU backend with bf16 weights, its decode program for `batch` rows and the schedule.
+struct Setup {
+    model: Model,
+    cpu: CpuBackend,
+    program: DecodeProgram,
+    schedule: Schedule,
+}
+
+fn setup(path: &Path, batch: usize) -> Setup {
+    setup_with(path, batch, |_, cpu| cpu.plan(PlanKind::Decode).clone())
+}
+
+/// [`setup`] with the decode plan to lower made by `plan` (the CPU backend runs its own).
+fn setup_with(
+    path: &Path,
+    batch: usize,
+    plan: impl Fn(&Model, &CpuBackend) -> ExecutionPlan,
+) -> Setup {
+    let model = Model::load(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let cpu = CpuBackend::new(
+        &model.config,
+        &model.weights,
+        CpuOptions {
+            threads: 0,
+            weights: WeightFormat::BF16,
+        },
+    )
+    .unwrap();
+    let program = lower_decode(&plan(&model, &cpu), batch)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let schedule = Schedule::build(&program, TileConfig::default());
+    Setup {
+        model,
+        cpu,
+        program,
+        schedule,
+    }
+}
+
+/// The smallest attention window of the program, if any layer has one.
+fn min_window(p: &DecodeProgram) -> Option<usize> {
+    p.instrs
+        .iter()
+        .filter_map(|i| match i {
+            Instr::AttentionDecode { window, .. } => *window,
+            _ => None,
+        })
+        .min()
+}
+
+/// Copies positions `0..len` of `slot` (every layer, and the state) into the interpreter.
+fn copy_cache(m: &mut Machine, p: &DecodeProgram, kv: &KvCache, slot: usize, len: usize) {
+    let d = p.head_dim;
+    for layer in 0..p.layers {
+        let heads: Vec<(&[f32], &[f32])> = (0..p.kv_heads)
+            .map(|g| kv.head(layer, slot, g, len))
+            .collect();
+        for pos in 0..len {
+            let k: Vec<f32> = heads
+                .iter()
+                .flat_map(|h| &h.0[pos * d..(pos + 1) * d])
+                .copied()
+                .collect();
+            let v: Vec<f32> = heads
+                .iter()
+                .flat_map(|h| &h.1[pos * d..(pos + 1) * d])
+                .copied()
+                .collect();
+            m.write_kv(layer, slot, pos, &k, &v);
+        }
+    }
+    if p.state_dim > 0 {
+        for pos in 0..len {
+            m.write_state(slot, pos, kv.state(slot, pos));
+        }
+    }
+}
+
+/// Batch rows: (cache slot, prompt length). Slots are permuted, prompts of different lengths;
+/// the first row's prompt ends 8 positions before the smallest window so decoding crosses it.
+fn rows_for(p: &DecodeProgram, batch: usize) -> Vec<(usize, usize)> {
+    let long = min_window(p).map_or(20, |w| w - 8);
+    [(2, long), (0, 5), (3, 9), (1, 13)][..batch].to_vec()
+}
+
+/// Prefills every row on the CPU, then decodes `steps` steps in the interpreter (tile order
+/// from `seed`) and on the CPU side by side, both fed the interpreter's tokens. Greedy tokens
+/// must be identical; with `near_ties_allowed` (random-weight fixtures, whose logits are nearly
+/// flat) a different token is accepted where the CPU's top two logits are within twice the
+/// largest logit difference of the two runs. Returns the largest relative logits error and the
+/// number of such near ties.
+fn decode_against_cpu(
+    s: &Setup,
+    batch: usize,
+    steps: usize,
+    seed: u64,
+    near_ties_allowed: bool,
+    what: &str,
+) -> (f32, usize) {
+    let p = &s.program;
+    let vocab = p.vocab;
+    let rows = rows_for(p, batch);
+    let capacity = rows.iter().map(|r| r.1).max().unwrap() + steps + 4;
+    let mut ws = Workspace::new();
+    let mut kv = s.cpu.new_cache(SLOTS, capacity);
+    let mut logits = Vec::new();
+    let weights = weight_data(p, &s.model.weights).unwrap();
+    let inv_freq = rope_inv_freq(&s.cpu.plan(PlanKind::Decode).graph.rope);
+    let mut m = Machine::new(p, &s.schedule, weights, SLOTS, capacity, inv_freq).unwrap();
+    for (b, &(slot, len)) in rows.iter().enumerate() {
+        let prompt: Vec<u32> = (0..len)
+            .map(|i| ((i * 7 + 3 + 11 * b) % vocab) as u32)
+            .collect();
+        let tr: Vec<TokenRow> = (0..len).map(|pos| TokenRow { slot, pos }).collect();
+        s.cpu
+            .forward(
+                PlanKind::Prefill,
+                &mut ws,
+                &mut kv,
+                &prompt,
+                &tr,
+                &mut logits,
+            )
+            .unwrap();
+        copy_cache(&mut m, p, &kv, slot, len);
+        m.slots[b] = slot as i32;
+        m.pos[b] = len as i32;
+        m.tokens[b] = argmax(&logits) as i32;
+    }
+    let Some(Instr::Sample { logits: lr, .. }) = p.instrs.iter().rev().nth(1) else {
+        panic!("{what}: the program does not end with sample, step_end");
+    };
+    let (offs, _) = p.buffer_offsets();
+    let mut rng = SplitMix(seed);
+    let (mut worst, mut ties) = (0f32, 0);
+    for step in 0..steps {
+        let tokens: Vec<u32> = m.tokens.iter().map(|&t| t as u32).collect();
+        let tr: Vec<TokenRow> = rows
+            .iter()
+            .map(|r| TokenRow {
+                slot: r.0,
+                pos: r.1 + step,
+            })
+            .collect();
+        assert_eq!(
+            m.pos,
+            tr.iter().map(|r| r.pos as i32).collect::<Vec<_>>(),
+            "{what}: step {step} positions"
+        );
+        s.cpu
+            .forward(
+                PlanKind::Decode,
+                &mut ws,
+                &mut kv,
+                &tokens,
+                &tr,
+                &mut logits,
+            )
+            .unwrap();
+        m.step(&mut rng.picker())
+            .unwrap_or_else(|e| panic!("{what}: step {step}: {e}"));
+        let got = m.rows(offs[lr.buf], p.buffers[lr.buf].cols, lr.col, lr.cols);
+        // The step end reported the step's tokens in its ring entry, the epoch last.
+        let entry = &m.ring[(m.epoch as usize % RING) * ring_stride(batch)..][..batch + 2];
+        let toks: Vec<u32> = m.tokens.iter().map(|&t| t as u32).collect();
+        assert_eq!(entry[..batch], toks[..], "{what}: step {step} ring tokens");
+        assert_eq!(
+            entry[batch + 1],
+            step as u32 + 1,
+            "{what}: step {step} ring epoch"
+        );
+        for (b, g) in got.iter().enumerate() {
+            let want = &logits[b * vocab..(b + 1) * vocab];
+            let e = rel_l2(g, want);
+            worst = worst.max(e);
+            assert!(e < TOLERANCE, "{what}: step {step} row {b}: rel err {e}");
+            let (got_tok, want_tok) = (m.tokens[b] as usize, argmax(want) as usize);
+            if got_tok != want_tok {
+                // A near tie: the CPU's two logits are closer than the two runs' largest logit
+                // difference (bf16 KV cache and summation order), so either token is right.
+                let diff = g
+                    .iter()
+                    .zip(want)
+                    .fold(0f32, |d, (a, b)| d.max((a - b).abs()));
+                let gap = want[want_tok] - want[got_tok];
+                assert!(
+                    near_ties_allowed && gap <= 2.0 * diff,
+                    "{what}: step {step} row {b}: greedy token {got_tok}, CPU {want_tok} \
+                     (logit gap {gap:.2e}, largest logit difference {diff:.2e}, rel err {e:.2e})"
+                );
+                ties += 1;
+            }
+        }
+    }
+    (worst, ties)
+}
+
+#[test]
+fn interpreted_megakernel_matches_the_cpu_on_every_fixture() {
+    let models = fixture_models();
+    assert!(models.len() >= 17, "{} fixture models", models.len());
+    let (mut total_ties, mut rows) = (0, 0);
+    for path in models {
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        for (batch, seed) in [(1usize, 1u64), (3, 2)] {
+            let s = setup(&path, batch);
+            let what = format!("{name} batch {batch}");
+            let (e, ties) = decode_against_cpu(&s, batch, STEPS, seed, true, &what);
+            println!("{what}: {STEPS} steps, worst logits rel err {e:.2e}, {ties} near ties");
+            total_ties += ties;
+            rows += batch * STEPS;
+        }
+    }
+    // Near ties are the exception: a systematic error would flip far more tokens.
+    println!("{total_ties} near ties in {rows} greedy tokens");
+    assert!(
+        total_ties * 50 <= rows,
+        "{total_ties} near ties in {rows} tokens"
+    );
+}
+
+#[test]
+fn sliding_windows_are_crossed_on_nanochat_d_g_h() {
+    for fx in ["nanochat_D", "nanochat_G", "nanochat_H"] {
+        let s = setup(&fixtures().join(fx), 2);
+        let w = min_window(&s.program).unwrap_or_else(|| panic!("{fx}: no window"));
+        let (_, first) = rows_for(&s.program, 2)[0];
+        // The first row attends past its window within the steps the test decodes.
+        assert!(
+            first < w && first + STEPS > w + 1,
+            "{fx}: {first} + {STEPS} vs {w}"
+        );
+        decode_against_cpu(&s, 2, STEPS, 3, true, fx);
+    }
+}
+
+#[test]
+fn unfused_plans_lower_add_mul_and_act_and_match_the_cpu() {
+    // The graph before the fusion passes: residual adds, the SwiGLU / relu² activation and
+    // product are standalone ops, lowered to elementwise tiles. The CPU runs its fused plan.
+    for fx in ["llama_tied", "nanochat_H"] {
+        let path = fixtures().join(fx);
+        let s = setup_with(&path, 2, |m, _| {
+            let g = build_graph(&m.config, &m.weights, LogitRows::Last).unwrap();
+            ExecutionPlan::lower(g, Phase::Decode)
+        });
+        let has = |f: &dyn Fn(&Ewise) -> bool| {
+            s.program
+                .instrs
+                .iter()
+                .any(|i| matches!(i, Instr::Elementwise { op, .. } if f(op)))
+        };
+        assert!(
+            has(&|op| *op == Ewise::Combine { a: 1.0, b: 1.0 }),
+            "{fx}: add"
+        );
+        assert!(has(&|op| matches!(op, Ewise::Act(_))), "{fx}: act");
+        if fx == "llama_tied" {
+            assert!(has(&|op| *op == Ewise::Mul), "{fx}: mul");
+        }
+        decode_against_cpu(&s, 2, STEPS, 4, true, &format!("{fx} unfused"));
+    }
+}
+
+#[test]
+fn interpreted_megakernel_matches_the_cpu_on_the_demo_model() {
+    let Some(path) = demo_model() else {
+        println!("SKIPPED: demo model not fetched (scripts/fetch_demo_model.sh)");
+        return;
+    };
+    let s = setup(&path, 2);
+    // A real model: greedy tokens identical, no near-tie exception.
+    let (e, _) = decode_against_cpu(&s, 2, 16, 5, false, "SmolLM2");
+    println!("SmolLM2 batch 2: 16 steps, worst logits rel err {e:.2e}");
+}
+
+/// Logits of each step and the final caches of a 2-step interpreter run, or its error.
+type Outcome = Result<
+    (
+        Vec<Vec<Vec<f32>>>,
+        Vec<Vec<i32>>,
+        Vec<u16>,
+        Vec<f32>,
+        Vec<u32>,
+    ),
+    InterpError,
+>;
+
+fn run_mutant(s: &Setup, sched: &Schedule, pick: &mut dyn FnMut(&[usize]) -> usize) -> Outcome {
+    let p = &s.program;
+    let rows = rows_for(p, p.batch);
+    let capacity = rows.iter().map(|r| r.1).max().unwrap() + 4;
+    let mut ws = Workspace::new();
+    let mut kv = s.cpu.new_cache(SLOTS, capacity);
+    let mut logits = Vec::new();
+    let weights = weight_data(p, &s.model.weights).unwrap();
+    let inv_freq = rope_inv_freq(&s.cpu.plan(PlanKind::Decode).graph.rope);
+    let mut m = Machine::new(p, sched, weights, SLOTS, capacity, inv_freq).unwrap();
+    for (b, &(slot, len)) in rows.iter().enumerate() {
+        let prompt: Vec<u32> = (0..len).map(|i| ((i * 5 + b) % p.vocab) as u32).collect();
+        let tr: Vec<TokenRow> = (0..len).map(|pos| TokenRow { slot, pos }).collect();
+        s.cpu
+            .forward(
+                PlanKind::Prefill,
+                &mut ws,
+                &mut kv,
+                &prompt,
+                &tr,
+                &mut logits,
+            )
+            .unwrap();
+        copy_cache(&mut m, p, &kv, slot, len);
+        m.slots[b] = slot as i32;
+        m.pos[b] = len as i32;
+        m.tokens[b] = argmax(&logits) as i32;
+    }
+    let Some(Instr::Sample { logits: lr, .. }) = p.instrs.iter().rev().nth(1) else {
+        panic!("no sample");
+    };
+    let (offs, _) = p.buffer_offsets();
+    let (mut ls, mut toks) = (Vec::new(), Vec::new());
+    for _ in 0..2 {
+        m.step(pick)?;
+        ls.push(m.rows(offs[lr.buf], p.buffers[lr.buf].cols, lr.col, lr.cols));
+        toks.push(m.tokens.clone());
+    }
+    let mut kvs = m.k_cache.clone();
+    kvs.extend(&m.v_cache);
+    Ok((ls, toks, kvs, m.kv_state.clone(), m.ring.clone()))
+}
+
+#[test]
+fn dropping_any_essential_wait_is_detected_on_fixtures_with_every_tile_kind() {
+    // nanochat_H: embed, rms norm, smear, elementwise, matvecs, value embedding, rope, head norm,
+    // attention with windows; llama_bias: biases and the fused rope + KV append.
+    for fx in ["nanochat_H", "llama_bias"] {
+        let s = setup(&fixtures().join(fx), 2);
+        let sched = &s.schedule;
+        let want = run_mutant(&s, sched, &mut SplitMix(9).picker()).unwrap();
+        let (mut essential, mut missed) = (0, Vec::new());
+        for t in 0..sched.tiles.len() {
+            for k in 0..sched.tiles[t].waits.len() {
+                let avoid = unordered_producers(sched, t, k);
+                if avoid.is_empty() {
+                    continue;
+                }
+                let w = sched.tiles[t].waits[k];
+                essential += 1;
+                let mut mutant = sched.clone();
+                mutant.tiles[t].waits.remove(k);
+                let got = run_mutant(&s, &mutant, &mut adversarial_picker(t, avoid, t as u64));
+                if got.as_ref().ok() == Some(&want) {
+                    let instr = &s.program.instrs[sched.tiles[t].instr];
+                    missed.push(format!("tile {t} ({}) wait {w:?}", instr.name()));
+                }
+            }
+        }
+        println!("{fx}: {essential} essential waits, each drop detected");
+        assert!(essential > 50, "{fx}: only {essential} essential waits");
+        assert!(missed.is_empty(), "{fx}: undetected: {missed:#?}");
+    }
+}
