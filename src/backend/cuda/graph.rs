@@ -31,7 +31,7 @@ use cudarc::driver::{
     result, sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
     PushKernelArg,
 };
-use kiln_codegen::Weight;
+use kiln_codegen::{Weight, WeightDtype};
 
 use super::device::{drv, CudaBackend, CudaError, CudaKvCache, DevMatrix};
 use super::graph_host::{
@@ -72,21 +72,6 @@ pub struct GraphStep {
     pub stopped: u32,
 }
 
-/// The table a program weight is read from.
-///
-/// To reconcile on merge: helper "mk-lower" adds `kiln_codegen::WeightDtype` and
-/// `Weight::dtype`; `table_of` then becomes `match w.dtype { Bf16 => .., F32 => .. }`. Until
-/// then every program weight is bf16 (main's lowering).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[allow(dead_code)] // `F32` is what `WeightDtype::F32` maps to once mk-lower's change is merged.
-enum WeightTable {
-    Bf16,
-    F32,
-}
-
-fn table_of(_w: &Weight) -> WeightTable {
-    WeightTable::Bf16
-}
 
 /// The device pointer tables of the decode program's weights (the same for every bucket).
 struct MkWeights {
@@ -199,8 +184,8 @@ fn build_tables(
     let (mut own16, mut own32) = (Vec::new(), Vec::new());
     for (i, w) in program.iter().enumerate() {
         let n = w.rows * w.cols;
-        match table_of(w) {
-            WeightTable::Bf16 => {
+        match w.dtype {
+            WeightDtype::Bf16 => {
                 let found = bf16_at.get(w.name.as_str()).and_then(|p| {
                     let m = matrices.get(&p.key)?;
                     (m.cols == w.cols && w.rows <= p.rows)
@@ -221,7 +206,7 @@ fn build_tables(
                     },
                 };
             }
-            WeightTable::F32 => {
+            WeightDtype::F32 => {
                 let vector = vectors.get(&w.name).filter(|v| v.len() >= n).map(devf);
                 let bias = || {
                     let p = bias_at.get(w.name.as_str())?;
@@ -908,7 +893,6 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,   // [n] bf16\n\
     /// signature changes of helpers "mk-lower" (`wt_f32`, `kv_state`, `state_dim`) and
     /// "sampling" (`ctl`, `ring`) are merged: main's emitter still has the session-2 signature.
     #[test]
-    #[ignore = "passes once the contract's kiln_decode_step signature is emitted (mk-lower + sampling merged)"]
     fn launch_arguments_match_the_emitted_signature() {
         use crate::backend::cpu::compile_graph;
         use crate::model::{arch::LogitRows, Model};
