@@ -122,11 +122,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--measure-bandwidth", action="store_true",
                    help="measure the device-to-device copy bandwidth (bytes read + written) and report %% of it")
     p.add_argument("--bandwidth-mib", type=int, default=1024, help="buffer for --measure-bandwidth (MiB)")
+    p.add_argument("--bandwidth-only", action="store_true",
+                   help="with --measure-bandwidth: print the measurement as one JSON line and stop")
     p.add_argument("--dry-run", action="store_true", help="print config and bytes per token; import nothing")
     a = p.parse_args(argv)
     a.batches = parse_batches(a.batch)
     if a.n_gen < 1 or a.repetitions < 1 or a.warmup < 0:
         raise Refusal("-n and -r must be at least 1, --warmup at least 0")
+    if a.bandwidth_only and not a.measure_bandwidth:
+        raise Refusal("--bandwidth-only goes with --measure-bandwidth")
     if a.bandwidth_gbs is not None and not a.bandwidth_gbs > 0:
         raise Refusal(f"--bandwidth-gbs must be positive, not {a.bandwidth_gbs}")
     return a
@@ -263,6 +267,9 @@ def run(args) -> int:
         m = measure_bandwidth(torch, args.bandwidth_mib, device)
         bandwidth, bw_source = m["bytes_per_s"], f"torch copy_ of {args.bandwidth_mib} MiB on {dev_name}"
         log(f"bandwidth {m['bytes_per_s'] / 1e9:.1f} GB/s ({bw_source}, read + write, median of 20)")
+        if args.bandwidth_only:
+            print(json.dumps({"tool": "torch_compare", "device": dev_name, "source": bw_source, **m}), flush=True)
+            return 0
     t0 = time.perf_counter()
     model, cfg, source = build_model(torch, transformers, args, device)
     log(f"{source}: {sum(p.numel() for p in model.parameters())} parameters on {dev_name} "
@@ -278,6 +285,7 @@ def run(args) -> int:
             "model": name,
             "source": source,
             "device": dev_name,
+            "num_params": num_params(cfg),
             "batch": b,
             "n_gen": args.n_gen,
             "tokens_per_s": args.n_gen * b / (ms / 1e3),

@@ -240,3 +240,33 @@ fn unknown_shapes_and_missing_models_are_errors() {
     let out = bench(&["--synthetic", "tiny", "--batch", "0"]);
     assert_eq!(out.status.code(), Some(1));
 }
+
+#[test]
+fn the_synthetic_smollm2_shape_is_the_demo_models_config() {
+    let Some(demo) = common::demo_model() else {
+        eprintln!("SKIPPED: demo model absent (scripts/fetch_demo_model.sh)");
+        return;
+    };
+    let real = kiln::model::Model::load(&demo).unwrap().config;
+    let (syn, _) = kiln::model::synthetic::shape_config("smollm2-135m").unwrap();
+    let shape = |c: &kiln::model::ModelConfig| {
+        (
+            c.hidden_size,
+            c.num_layers,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.intermediate_size,
+            c.vocab_size,
+            c.max_position_embeddings,
+            c.tie_word_embeddings,
+            c.attention_bias,
+        )
+    };
+    assert_eq!(shape(&real), shape(&syn));
+    assert_eq!(
+        (real.rope_theta, real.rope_scaling, real.rms_norm_eps),
+        (syn.rope_theta, syn.rope_scaling, syn.rms_norm_eps)
+    );
+    assert_eq!(real.num_params(), syn.num_params());
+}
