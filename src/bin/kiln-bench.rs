@@ -241,7 +241,7 @@ fn run() -> Result<()> {
         let max_ctx = model.config.max_position_embeddings;
         for &t in &threads {
             let bw = bandwidth.get(t)?;
-            let target = CpuTarget {
+            let target: Box<dyn Target> = Box::new(CpuTarget {
                 backend: CpuBackend::new(
                     &model.config,
                     &model.weights,
@@ -250,8 +250,7 @@ fn run() -> Result<()> {
                         weights,
                     },
                 )?,
-                name: format!("CPU ({})", simd::level().name()),
-            };
+            });
             for test in tests(&args) {
                 let positions = test.n_prompt.max(test.n_gen + 1);
                 if positions > max_ctx {
@@ -274,7 +273,7 @@ fn run() -> Result<()> {
                     }
                 }
                 if args.profile && test.n_gen > 0 && test.batch == 1 {
-                    profile_decode(&target.backend, test.n_gen, args.seed)?;
+                    target.profile(test.n_gen, args.seed)?;
                 }
                 let (bytes_per_token, bytes_source) = target.bytes_per_token(&test);
                 let n = test.tokens() as f64;
@@ -291,8 +290,8 @@ fn run() -> Result<()> {
                     params: params_text(model.weights.num_params()),
                     n_params: model.config.num_params(),
                     weight_type: weight_type.clone(),
-                    backend: target.name.clone(),
-                    threads: target.backend.threads(),
+                    backend: target.backend(),
+                    threads: target.threads(),
                     test: test.name(),
                     n_prompt: test.n_prompt,
                     n_gen: test.n_gen,
@@ -364,25 +363,51 @@ fn tests(args: &Args) -> Vec<Test> {
     pp.chain(tg).collect()
 }
 
-/// The CPU backend compiled for one model and thread count. A GPU backend plugs in beside it
-/// with the same three questions: how long a test takes, how many weight bytes it holds, and how
-/// many bytes a token must move ([`kiln::bench::bytes`] answers that for the GPU layout).
-struct CpuTarget {
-    backend: CpuBackend,
-    name: String,
+/// One backend compiled for one model: what the timing loop asks of it. A GPU backend plugs in
+/// as a second implementation; its `time` must return device time (synchronize before reading
+/// the clock, or time with events), and its bytes per token come from
+/// [`kiln::bench::bytes::decode_step`] with [`Layout::BF16`], the count docs/gpu-method.md
+/// defines.
+trait Target {
+    /// The table's backend column.
+    fn backend(&self) -> String;
+    fn threads(&self) -> usize;
+    /// Bytes of weights the backend holds.
+    fn weight_bytes(&self) -> usize;
+    /// Wall time of one run of `test`.
+    fn time(&self, test: &Test, seed: u64) -> Result<Duration>;
+    /// Bytes a token of `test` must move, and which model of bytes that is.
+    fn bytes_per_token(&self, test: &Test) -> (f64, String);
+    /// `--profile`: a per-op breakdown of decode on stderr, where the backend has one.
+    fn profile(&self, _n_gen: usize, _seed: u64) -> Result<()> {
+        Ok(())
+    }
 }
 
-impl CpuTarget {
+/// The CPU backend compiled for one model and thread count.
+struct CpuTarget {
+    backend: CpuBackend,
+}
+
+impl Target for CpuTarget {
+    fn backend(&self) -> String {
+        format!("CPU ({})", simd::level().name())
+    }
+
+    fn threads(&self) -> usize {
+        self.backend.threads()
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.backend.weight_bytes()
+    }
+
     fn time(&self, test: &Test, seed: u64) -> Result<Duration> {
         if test.n_prompt > 0 {
             time_prefill(&self.backend, test.n_prompt, seed)
         } else {
             time_decode(&self.backend, test.batch, test.n_gen, seed)
         }
-    }
-
-    fn weight_bytes(&self) -> usize {
-        self.backend.weight_bytes()
     }
 
     /// The plan's cost model: the weights as this backend stores them, the f32 KV cache read up
@@ -398,6 +423,10 @@ impl CpuTarget {
         };
         let bytes = self.backend.plan(kind).cost(&dims).bytes as f64 / dims.tokens as f64;
         (bytes, "CPU plan cost model".into())
+    }
+
+    fn profile(&self, n_gen: usize, seed: u64) -> Result<()> {
+        profile_decode(&self.backend, n_gen, seed)
     }
 }
 

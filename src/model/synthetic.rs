@@ -101,14 +101,14 @@ pub fn build(config: ModelConfig, std: f32, seed: u64, path: &Path) -> Result<Mo
         let n: usize = shape.iter().product();
         let values = match init {
             Init::Random => random_bf16(n, std, stream_key(seed, &name)),
-            Init::Ones => vec![bf16::ONE; n],
-            Init::Zeros => vec![bf16::ZERO; n],
+            Init::Ones => bf16::ONE.to_le_bytes().repeat(n),
+            Init::Zeros => vec![0; 2 * n],
         };
         weights.insert(Tensor {
             name,
             shape,
             dtype: DType::BF16,
-            bytes: TensorBytes::Owned(Arc::new(bytemuck::cast_slice(&values).to_vec())),
+            bytes: TensorBytes::Owned(Arc::new(values)),
         });
     }
     Ok(Model {
@@ -195,22 +195,24 @@ fn stream_key(seed: u64, name: &str) -> u64 {
     splitmix(&mut s)
 }
 
-/// `n` values with mean 0 and standard deviation `std`: each is the sum of four 16-bit uniforms
+/// `n` values with mean 0 and standard deviation `std`, as little-endian bf16 bytes (written in
+/// place: a 1B model is 2.5 GB, too much to build twice): each is the sum of four 16-bit uniforms
 /// from one 64-bit draw (Irwin–Hall, a bell curve bounded at ±2√3·std), rescaled. One draw per
 /// value keeps a billion-parameter model quick to build; its bound keeps every value finite.
-fn random_bf16(n: usize, std: f32, key: u64) -> Vec<bf16> {
+fn random_bf16(n: usize, std: f32, key: u64) -> Vec<u8> {
     // The sum of four uniforms on [0, 65536) has standard deviation 65536·√(4/12) = 65536/√3.
     let scale = std * 3f32.sqrt() / 65536.0;
-    let mut out = vec![bf16::ZERO; n];
-    out.par_chunks_mut(CHUNK)
+    let mut out = vec![0u8; 2 * n];
+    out.par_chunks_mut(2 * CHUNK)
         .enumerate()
         .for_each(|(c, chunk)| {
             let mut s = key ^ (c as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
             splitmix(&mut s);
-            for v in chunk {
+            for v in chunk.chunks_exact_mut(2) {
                 let r = splitmix(&mut s);
                 let sum = (r & 0xFFFF) + ((r >> 16) & 0xFFFF) + ((r >> 32) & 0xFFFF) + (r >> 48);
-                *v = bf16::from_f32((sum as f32 - 2.0 * 65535.0) * scale);
+                let x = bf16::from_f32((sum as f32 - 2.0 * 65535.0) * scale);
+                v.copy_from_slice(&x.to_le_bytes());
             }
         });
     out
@@ -309,7 +311,11 @@ mod tests {
     fn weights_have_the_configured_scale_and_are_thread_independent() {
         let n = 3 * CHUNK + 17;
         let v = random_bf16(n, 0.02, 99);
-        let f: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
+        assert_eq!(v.len(), 2 * n);
+        let f: Vec<f32> = v
+            .chunks_exact(2)
+            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect();
         let mean = f.iter().sum::<f32>() / n as f32;
         let sd = (f.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / n as f32).sqrt();
         assert!(mean.abs() < 2e-4, "mean {mean}");
