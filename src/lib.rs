@@ -6,6 +6,7 @@
 //! liveness; [`backend`] executes plans; [`engine`] drives generation over a [`kv::KvCache`].
 
 pub mod backend;
+pub mod bench;
 pub mod dump;
 pub mod engine;
 pub mod graph;

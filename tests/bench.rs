@@ -1,5 +1,6 @@
-//! `kiln-bench` end to end on a tiny fixture: the JSON has every column and the raw samples,
-//! the Markdown table has llama-bench's shape, and `--device cuda` fails cleanly.
+//! `kiln-bench` end to end on tiny fixtures and synthetic models: the JSON has every column and
+//! the raw samples, the Markdown table has llama-bench's shape, batch sizes, a given bandwidth and
+//! the bytes-per-token model reach the report, and `--device cuda` fails cleanly.
 
 mod common;
 
@@ -104,9 +105,180 @@ fn markdown_table_and_disabled_tests() {
 }
 
 #[test]
-fn cuda_reports_that_it_does_not_exist() {
+#[cfg(feature = "cuda")]
+fn cuda_without_a_gpu_is_one_clear_error() {
+    if kiln::backend::cuda::probe().is_ok() {
+        println!("SKIPPED: a GPU is present (this checks the failure without one)");
+        return;
+    }
     let model = fixtures().join("llama_tied");
-    let out = bench(&["-m", model.to_str().unwrap(), "--device", "cuda"]);
+    // With a bandwidth given, the first thing to fail is starting the CUDA engine.
+    for extra in [&[][..], &["--bandwidth-gbs", "1000"][..]] {
+        let mut a = vec!["-m", model.to_str().unwrap(), "--device", "cuda"];
+        a.extend_from_slice(extra);
+        let out = bench(&a);
+        assert_eq!(out.status.code(), Some(1));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("CUDA") || err.contains("cuda"), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
+#[test]
+fn synthetic_models_bench_at_every_batch_size_against_a_given_bandwidth() {
+    let out = bench(&[
+        "--synthetic",
+        "tiny",
+        "-p",
+        "4",
+        "-n",
+        "3",
+        "--batch",
+        "1,2",
+        "-r",
+        "1",
+        "-t",
+        "1",
+        "-o",
+        "json",
+        "--bandwidth-gbs",
+        "50",
+        "--seed",
+        "7",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains("memory bandwidth"),
+        "measured anyway: {stderr}"
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = v.as_array().unwrap();
+    let tests: Vec<(&str, u64)> = rows
+        .iter()
+        .map(|r| (r["test"].as_str().unwrap(), r["batch"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(tests, [("pp4", 1), ("tg3", 1), ("tg3", 2)]);
+    for r in rows {
+        assert_eq!(r["model"], "tiny (synthetic)");
+        assert_eq!(r["model_path"], "synthetic:tiny seed=7");
+        assert_eq!(r["type"], "bf16");
+        assert_eq!(r["bandwidth_bytes_per_s"], 50e9);
+        assert_eq!(r["bandwidth_source"], "given: 50.0 GB/s");
+        let (bytes, ms) = (
+            r["bytes_per_token"].as_f64().unwrap(),
+            r["ms_per_token"].as_f64().unwrap(),
+        );
+        let want = bytes / 50e9 / (ms / 1e3) * 100.0;
+        assert!((r["roofline_pct"].as_f64().unwrap() - want).abs() < 1e-9 * want);
+    }
+    // A batch of 2 shares the weights: fewer bytes per token than batch 1.
+    assert!(rows[2]["bytes_per_token"].as_f64() < rows[1]["bytes_per_token"].as_f64());
+}
+
+#[test]
+fn bytes_per_token_of_the_1b_shape_without_building_it() {
+    let out = bench(&[
+        "--synthetic",
+        "llama-3.2-1b",
+        "--bytes-per-token",
+        "-n",
+        "128",
+        "--batch",
+        "1,8",
+        "-o",
+        "json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = v.as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for (r, b) in rows.iter().zip([1u64, 8]) {
+        assert_eq!(r["batch"], b);
+        assert_eq!(r["context"], 66);
+        // bf16: every parameter once plus one embedding row per sequence.
+        assert_eq!(r["weights"], 2 * (1_235_814_400 + 2048 * b));
+        // 16 layers, K and V, 8 KV heads of 64, bf16: 32 KiB per position.
+        assert_eq!(r["kv_read"], 32_768 * 66 * b);
+        assert_eq!(r["kv_write"], 32_768 * b);
+        let total = r["bytes_per_step"].as_u64().unwrap();
+        assert_eq!(
+            r["bytes_per_token"].as_f64().unwrap(),
+            total as f64 / b as f64
+        );
+    }
+}
+
+#[test]
+fn gpu_bandwidth_is_measured_or_refused_with_a_reason() {
+    let out = bench(&[
+        "--measure-gpu-bandwidth",
+        "--bandwidth-mib",
+        "64",
+        "-o",
+        "json",
+    ]);
+    if out.status.success() {
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(v["bytes_per_s"].as_f64().unwrap() > 1e11, "{v}");
+        assert_eq!(v["samples_ms"].as_array().unwrap().len(), 20);
+    } else {
+        // No GPU here: a one-line error, not a panic.
+        assert_eq!(out.status.code(), Some(1));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.starts_with("error: measuring GPU bandwidth: ") || err.contains("no CUDA support"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn unknown_shapes_and_missing_models_are_errors() {
+    let out = bench(&["--synthetic", "llama-9000", "-p", "0", "-n", "1"]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot time the GPU yet"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no synthetic shape named `llama-9000`") && err.contains("llama-3.2-1b"));
+    let out = bench(&["-p", "1"]);
+    assert_eq!(out.status.code(), Some(2), "clap: a model is required");
+    let out = bench(&["--synthetic", "tiny", "--batch", "0"]);
+    assert_eq!(out.status.code(), Some(1));
+}
+
+#[test]
+fn the_synthetic_smollm2_shape_is_the_demo_models_config() {
+    let Some(demo) = common::demo_model() else {
+        eprintln!("SKIPPED: demo model absent (scripts/fetch_demo_model.sh)");
+        return;
+    };
+    let real = kiln::model::Model::load(&demo).unwrap().config;
+    let (syn, _) = kiln::model::synthetic::shape_config("smollm2-135m").unwrap();
+    let shape = |c: &kiln::model::ModelConfig| {
+        (
+            c.hidden_size,
+            c.num_layers,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.intermediate_size,
+            c.vocab_size,
+            c.max_position_embeddings,
+            c.tie_word_embeddings,
+            c.attention_bias,
+        )
+    };
+    assert_eq!(shape(&real), shape(&syn));
+    assert_eq!(
+        (real.rope_theta, real.rope_scaling, real.rms_norm_eps),
+        (syn.rope_theta, syn.rope_scaling, syn.rms_norm_eps)
+    );
+    assert_eq!(real.num_params(), syn.num_params());
 }

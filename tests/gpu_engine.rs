@@ -57,7 +57,10 @@ fn engine(path: &Path, device: Device, decode: DecodePath) -> Arc<Engine> {
 /// The CPU, per-op CUDA and (where the model lowers to it) megakernel engines of one model.
 fn engines(path: &Path) -> Vec<(String, Arc<Engine>)> {
     let mut v = vec![
-        ("cpu".to_string(), engine(path, Device::Cpu, DecodePath::Auto)),
+        (
+            "cpu".to_string(),
+            engine(path, Device::Cpu, DecodePath::Auto),
+        ),
         (
             "cuda per-op".to_string(),
             engine(path, Device::Cuda, DecodePath::PerOp),
@@ -67,7 +70,10 @@ fn engines(path: &Path) -> Vec<(String, Arc<Engine>)> {
     if mk.uses_megakernel() {
         v.push(("cuda megakernel".to_string(), mk));
     } else {
-        println!("{}: no megakernel (the model does not lower to it)", path.display());
+        println!(
+            "{}: no megakernel (the model does not lower to it)",
+            path.display()
+        );
     }
     v
 }
@@ -193,7 +199,8 @@ fn later_turns_attend_past_the_first_graph_positions() {
         let ra = a.generate_batch(&prompt, &greedy(n)).unwrap();
         let rb = b.generate_batch(&prompt, &greedy(n)).unwrap();
         assert_eq!(
-            ra.rows[0].generated, rb.rows[0].generated,
+            ra.rows[0].generated,
+            rb.rows[0].generated,
             "turn {turn} (from position {})",
             prompt.len()
         );

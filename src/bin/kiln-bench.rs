@@ -3,17 +3,18 @@
 //!
 //! ```text
 //! kiln-bench -m models/SmolLM2-135M-Instruct.Q4_1.gguf -p 512 -n 128 -t 1,2 -r 5
+//! kiln-bench --synthetic llama-3.2-1b -p 0 -n 4 -r 1 --batch 1,2
+//! kiln-bench --synthetic llama-3.2-1b --bytes-per-token -n 128 --batch 1,2,4,8
 //! ```
 //!
-//! For each (model, threads, test) there is one warm-up run, then `-r` timed repetitions, each
-//! on a fresh KV cache. `ppN` times one prefill step of N seeded random tokens; `tgN` times N
-//! decode steps after a 1-token prompt. The roofline column is the time the plan's bytes per
-//! token (from the graph's cost model) would take at the measured streaming-read bandwidth,
-//! over the measured time per token.
+//! For each (model, threads, batch, test) there is one warm-up run, then `-r` timed repetitions,
+//! each on a fresh KV cache. `ppN` times one prefill step of N seeded random tokens; `tgN` times
+//! N decode steps of `--batch` sequences after a 1-token prompt each. The roofline column is the
+//! time the bytes per token would take at the bandwidth (measured, or `--bandwidth-gbs`), over
+//! the measured time per token. The pieces that are not CPU-specific live in [`kiln::bench`].
 
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -23,13 +24,20 @@ use serde::Serialize;
 use kiln::backend::cpu::{
     simd, CpuBackend, CpuOptions, PlanKind, TokenRow, WeightFormat, Workspace,
 };
+use kiln::bench::bandwidth::{self, BandwidthSource};
+use kiln::bench::bytes::{self, Layout};
+use kiln::bench::report::{self, Row};
+use kiln::bench::{mean_sd, median, params_text, token_ids};
+use kiln::engine::{
+    DecodePath, Device as EngineDevice, Engine, EngineOptions, GenerateOptions, Session,
+};
 use kiln::graph::Dims;
-use kiln::model::Model;
+use kiln::model::{synthetic, Model};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Device {
     Cpu,
-    /// The CUDA backend through the engine (sampling on the device, as in real generation).
+    /// The CUDA backend through the engine, as generation runs it (sampling on the device).
     Cuda,
 }
 
@@ -67,8 +75,12 @@ enum Weights {
 )]
 struct Args {
     /// Model: a Hugging Face directory or a .gguf file (repeat for several).
-    #[arg(short, long, required = true)]
+    #[arg(short, long, required_unless_present_any = ["synthetic", "measure_gpu_bandwidth"])]
     model: Vec<PathBuf>,
+    /// A random-weight model of a named shape instead of a file (repeat or comma list):
+    /// llama-3.2-1b, smollm2-135m, tiny. bf16 weights drawn from --seed; nothing is downloaded.
+    #[arg(long, value_delimiter = ',', value_name = "SHAPE")]
+    synthetic: Vec<String>,
     /// Prompt lengths to time as one prefill step (comma list; 0 disables).
     #[arg(
         short = 'p',
@@ -85,19 +97,16 @@ struct Args {
         default_value = "128"
     )]
     n_gen: Vec<usize>,
+    /// Sequences decoded together in tg tests (comma list); t/s counts every sequence's tokens.
+    /// pp tests always prefill one sequence.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    batch: Vec<usize>,
     /// CPU thread counts (comma list); default: every core.
     #[arg(short = 't', long, value_delimiter = ',')]
     threads: Option<Vec<usize>>,
-    /// Backend.
+    /// Backend. Only the CPU exists today; the CUDA backend is the next milestone.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
-    /// Decode path on CUDA.
-    #[arg(long, value_enum, default_value_t = Decode::Megakernel)]
-    decode: Decode,
-    /// Rows decoded together (comma list, CUDA only): `tgN@bB` generates N tokens in each of B
-    /// rows from one prefill; tokens/s counts every row.
-    #[arg(long, value_delimiter = ',', default_value = "1")]
-    batch: Vec<usize>,
     /// Timed repetitions per test (after one warm-up run).
     #[arg(short = 'r', long, default_value_t = 5)]
     repetitions: usize,
@@ -107,49 +116,32 @@ struct Args {
     /// How weights are held in memory.
     #[arg(long, value_enum, default_value_t = Weights::Auto)]
     weights: Weights,
-    /// Size of the buffer read to measure memory bandwidth, in MiB (keep it far above the LLC).
+    /// Size of the buffer used to measure bandwidth, in MiB (keep it far above the LLC).
     #[arg(long, default_value_t = 1024)]
     bandwidth_mib: usize,
-    /// Seed for the random prompt and decode token ids.
+    /// Compute roofline % against this bandwidth in GB/s (10^9 bytes/s) instead of measuring
+    /// one, e.g. a device-to-device copy measured with --measure-gpu-bandwidth.
+    #[arg(long, value_name = "GB/s")]
+    bandwidth_gbs: Option<f64>,
+    /// Decode path with `--device cuda`.
+    #[arg(long, value_enum, default_value_t = Decode::Megakernel)]
+    decode: Decode,
+    /// Seed for the random prompt and decode token ids, and for --synthetic weights.
     #[arg(long, default_value_t = 42)]
     seed: u64,
     /// Also time every instruction of the decode plan and print, per op, milliseconds per token,
     /// share of the step, bytes per token and achieved bandwidth (stderr).
     #[arg(long)]
     profile: bool,
-}
-
-/// One row of the table.
-#[derive(Serialize, Debug)]
-struct Row {
-    model: String,
-    model_path: String,
-    size: String,
-    size_bytes: usize,
-    params: String,
-    n_params: usize,
-    #[serde(rename = "type")]
-    weight_type: String,
-    backend: String,
-    threads: usize,
-    test: String,
-    n_prompt: usize,
-    n_gen: usize,
-    /// Tokens per second: mean and sample standard deviation over the repetitions.
-    tokens_per_s: f64,
-    tokens_per_s_sd: f64,
-    /// Median over repetitions of milliseconds per token.
-    ms_per_token: f64,
-    /// Bytes the plan must move per token for this test's dimensions.
-    bytes_per_token: f64,
-    /// Measured streaming-read bandwidth for this thread count, bytes/s.
-    bandwidth_bytes_per_s: f64,
-    /// (bytes per token / bandwidth) / measured time per token, in percent.
-    roofline_pct: f64,
-    /// Wall time of each repetition, nanoseconds.
-    samples_ns: Vec<u64>,
-    /// Tokens per second of each repetition.
-    samples_ts: Vec<f64>,
+    /// Time nothing: print, per model, batch and tgN test, the fewest bytes a GPU decode step
+    /// must move (bf16 weights once, bf16 KV cache read to the test's mean context, new K/V
+    /// written) and their per-token share. docs/gpu-method.md explains the formula.
+    #[arg(long)]
+    bytes_per_token: bool,
+    /// Time nothing: measure GPU 0's device-to-device copy bandwidth (--bandwidth-mib buffer,
+    /// bytes read + written, median of 20 event-timed copies) and print it.
+    #[arg(long)]
+    measure_gpu_bandwidth: bool,
 }
 
 fn main() {
@@ -159,13 +151,77 @@ fn main() {
     }
 }
 
+/// A model to benchmark, as named on the command line.
+enum Source {
+    File(PathBuf),
+    Synthetic(String),
+}
+
+impl Source {
+    /// The table's model column.
+    fn name(&self) -> String {
+        match self {
+            Source::File(path) => path.file_name().map_or_else(
+                || path.display().to_string(),
+                |n| n.to_string_lossy().into_owned(),
+            ),
+            Source::Synthetic(shape) => format!("{shape} (synthetic)"),
+        }
+    }
+
+    /// The JSON's model_path: the file, or how to rebuild the synthetic weights.
+    fn path(&self, seed: u64) -> String {
+        match self {
+            Source::File(path) => path.display().to_string(),
+            Source::Synthetic(shape) => format!("synthetic:{shape} seed={seed}"),
+        }
+    }
+
+    fn load(&self, seed: u64) -> Result<Model> {
+        match self {
+            Source::File(path) => {
+                eprintln!("kiln-bench: loading {}", path.display());
+                Model::load(path).with_context(|| format!("loading {}", path.display()))
+            }
+            Source::Synthetic(shape) => {
+                eprintln!("kiln-bench: building synthetic {shape} (seed {seed})");
+                let t0 = Instant::now();
+                let m = synthetic::load(shape, seed)?;
+                eprintln!(
+                    "kiln-bench: {} random bf16 parameters in {:.1} s",
+                    m.weights.num_params(),
+                    t0.elapsed().as_secs_f64()
+                );
+                Ok(m)
+            }
+        }
+    }
+}
+
 fn run() -> Result<()> {
     let args = Args::parse();
+    if args.measure_gpu_bandwidth {
+        return measure_gpu_bandwidth(&args);
+    }
     if args.repetitions == 0 {
         bail!("-r must be at least 1");
     }
+    if args.batch.contains(&0) {
+        bail!("--batch sizes must be at least 1");
+    }
+    let sources: Vec<Source> = args
+        .model
+        .iter()
+        .cloned()
+        .map(Source::File)
+        .chain(args.synthetic.iter().cloned().map(Source::Synthetic))
+        .collect();
+    if args.bytes_per_token {
+        return print_bytes_per_token(&args, &sources);
+    }
     let threads = match &args.threads {
         Some(t) if t.contains(&0) => bail!("thread counts must be at least 1"),
+        _ if args.device == Device::Cuda => vec![1],
         Some(t) => t.clone(),
         None => vec![std::thread::available_parallelism().map_or(1, |n| n.get())],
     };
@@ -174,123 +230,106 @@ fn run() -> Result<()> {
         Weights::F32 => WeightFormat::F32,
         Weights::Bf16 => WeightFormat::BF16,
     };
-    let backend_name = format!("CPU ({})", simd::level().name());
-    let mut bandwidth: BTreeMap<usize, f64> = BTreeMap::new();
+    let mut bandwidth = match args.bandwidth_gbs {
+        Some(gbs) if !(gbs > 0.0 && gbs.is_finite()) => {
+            bail!("--bandwidth-gbs must be a positive number, not {gbs}")
+        }
+        Some(gbs) => BandwidthSource::Given(gbs * 1e9),
+        None => match args.device {
+            Device::Cpu => BandwidthSource::cpu_read(args.bandwidth_mib),
+            Device::Cuda => BandwidthSource::device_copy(args.bandwidth_mib),
+        },
+    };
     let mut rows = Vec::new();
-    for path in &args.model {
-        eprintln!("kiln-bench: loading {}", path.display());
-        let model = Model::load(path).with_context(|| format!("loading {}", path.display()))?;
-        let name = path.file_name().map_or_else(
-            || path.display().to_string(),
-            |n| n.to_string_lossy().into_owned(),
+    for source in &sources {
+        let mut model = Some(source.load(args.seed)?);
+        let model_ref = model.as_ref().expect("just loaded");
+        let (n_params, params) = (
+            model_ref.config.num_params(),
+            params_text(model_ref.weights.num_params()),
         );
-        let weight_type = match args.weights {
-            Weights::Auto => model.weight_type.clone(),
-            Weights::F32 => format!("{} as f32", model.weight_type),
-            Weights::Bf16 => format!("{} as bf16", model.weight_type),
+        let name = source.name();
+        let weight_type = match (args.device, args.weights) {
+            (Device::Cuda, _) => format!("{} as bf16", model_ref.weight_type),
+            (_, Weights::Auto) => model_ref.weight_type.clone(),
+            (_, Weights::F32) => format!("{} as f32", model_ref.weight_type),
+            (_, Weights::Bf16) => format!("{} as bf16", model_ref.weight_type),
         };
-        let max_ctx = model.config.max_position_embeddings;
-        if args.device == Device::Cuda {
-            rows.extend(gpu::bench(&args, path, &name, &weight_type, model)?);
-            continue;
-        }
-        if args.batch != [1] {
-            bail!("--batch is for --device cuda; the CPU bench decodes one row");
-        }
+        let max_ctx = model_ref.config.max_position_embeddings;
         for &t in &threads {
-            let bw = match bandwidth.get(&t) {
-                Some(&bw) => bw,
-                None => {
-                    let bw = measure_bandwidth(t, args.bandwidth_mib)?;
-                    bandwidth.insert(t, bw);
-                    bw
+            let bw = bandwidth.get(t)?;
+            let target: Box<dyn Target> = match args.device {
+                Device::Cpu => {
+                    let m = model.as_ref().expect("kept for every thread count");
+                    Box::new(CpuTarget {
+                        backend: CpuBackend::new(
+                            &m.config,
+                            &m.weights,
+                            CpuOptions {
+                                threads: t,
+                                weights,
+                            },
+                        )?,
+                    })
+                }
+                Device::Cuda => {
+                    let m = model.take().expect("one CUDA engine per model");
+                    Box::new(CudaTarget::new(m, args.decode)?)
                 }
             };
-            let backend = CpuBackend::new(
-                &model.config,
-                &model.weights,
-                CpuOptions {
-                    threads: t,
-                    weights,
-                },
-            )?;
-            let tests = args
-                .n_prompt
-                .iter()
-                .filter(|&&n| n > 0)
-                .map(|&n| (n, 0))
-                .chain(args.n_gen.iter().filter(|&&n| n > 0).map(|&n| (0, n)));
-            for (n_prompt, n_gen) in tests {
-                let test = if n_prompt > 0 {
-                    format!("pp{n_prompt}")
-                } else {
-                    format!("tg{n_gen}")
-                };
-                let positions = n_prompt.max(n_gen + 1);
+            for test in tests(&args) {
+                let positions = test.n_prompt.max(test.n_gen + 1);
                 if positions > max_ctx {
-                    bail!("{test} needs {positions} positions but {name} holds {max_ctx}");
+                    bail!(
+                        "{} needs {positions} positions but {name} holds {max_ctx}",
+                        test.name()
+                    );
                 }
                 eprintln!(
-                    "kiln-bench: {name} threads={t} {test}: 1 warm-up + {} runs",
+                    "kiln-bench: {name} threads={t} batch={} {}: 1 warm-up + {} runs",
+                    test.batch,
+                    test.name(),
                     args.repetitions
                 );
                 let mut samples = Vec::with_capacity(args.repetitions);
                 for rep in 0..=args.repetitions {
-                    let d = if n_prompt > 0 {
-                        time_prefill(&backend, n_prompt, args.seed)?
-                    } else {
-                        time_decode(&backend, n_gen, args.seed)?
-                    };
+                    let d = target.time(&test, args.seed)?;
                     if rep > 0 {
                         samples.push(d);
                     }
                 }
-                if args.profile && n_gen > 0 {
-                    profile_decode(&backend, n_gen, args.seed)?;
+                if args.profile && test.n_gen > 0 && test.batch == 1 {
+                    target.profile(test.n_gen, args.seed)?;
                 }
-                let (n, dims, kind) = if n_prompt > 0 {
-                    (n_prompt, Dims::prefill(n_prompt), PlanKind::Prefill)
-                } else {
-                    // Step i (0-based) of the decode attends over i + 2 positions.
-                    (
-                        n_gen,
-                        Dims::decode(1, 1 + (n_gen + 1).div_ceil(2)),
-                        PlanKind::Decode,
-                    )
-                };
-                let bytes_per_token =
-                    backend.plan(kind).cost(&dims).bytes as f64 / dims.tokens as f64;
-                let ts: Vec<f64> = samples.iter().map(|d| n as f64 / d.as_secs_f64()).collect();
-                let mut ms: Vec<f64> = samples
-                    .iter()
-                    .map(|d| d.as_secs_f64() * 1e3 / n as f64)
-                    .collect();
+                let (bytes_per_token, bytes_source) = target.bytes_per_token(&test);
+                let n = test.tokens() as f64;
+                let ts: Vec<f64> = samples.iter().map(|d| n / d.as_secs_f64()).collect();
+                let mut ms: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1e3 / n).collect();
                 ms.sort_by(f64::total_cmp);
                 let ms_median = median(&ms);
                 let (mean, sd) = mean_sd(&ts);
-                let roofline = bytes_per_token / bw / (ms_median / 1e3) * 100.0;
                 rows.push(Row {
                     model: name.clone(),
-                    model_path: path.display().to_string(),
-                    size: format!(
-                        "{:.1} MiB",
-                        backend.weight_bytes() as f64 / (1 << 20) as f64
-                    ),
-                    size_bytes: backend.weight_bytes(),
-                    params: params_text(model.weights.num_params()),
-                    n_params: model.config.num_params(),
+                    model_path: source.path(args.seed),
+                    size: format!("{:.1} MiB", target.weight_bytes() as f64 / (1 << 20) as f64),
+                    size_bytes: target.weight_bytes(),
+                    params: params.clone(),
+                    n_params,
                     weight_type: weight_type.clone(),
-                    backend: backend_name.clone(),
-                    threads: backend.threads(),
-                    test,
-                    n_prompt,
-                    n_gen,
+                    backend: target.backend(),
+                    threads: target.threads(),
+                    test: test.name(),
+                    n_prompt: test.n_prompt,
+                    n_gen: test.n_gen,
+                    batch: test.batch,
                     tokens_per_s: mean,
                     tokens_per_s_sd: sd,
                     ms_per_token: ms_median,
                     bytes_per_token,
-                    bandwidth_bytes_per_s: bw,
-                    roofline_pct: roofline,
+                    bytes_source,
+                    bandwidth_bytes_per_s: bw.bytes_per_s,
+                    bandwidth_source: bw.source.clone(),
+                    roofline_pct: report::roofline_pct(bytes_per_token, bw.bytes_per_s, ms_median),
                     samples_ns: samples.iter().map(|d| d.as_nanos() as u64).collect(),
                     samples_ts: ts,
                 });
@@ -298,25 +337,123 @@ fn run() -> Result<()> {
         }
     }
     let out = match args.output {
-        Output::Md => markdown(&rows),
+        Output::Md => report::markdown(&rows),
         Output::Json => serde_json::to_string_pretty(&rows)? + "\n",
-        Output::Csv => csv(&rows),
+        Output::Csv => report::csv(&rows),
     };
     print!("{out}");
     Ok(())
 }
 
-/// A xorshift stream of token ids below the vocabulary size.
-fn token_ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % vocab as u64) as u32
+/// One timed test: `ppN` (one prefill of N tokens) or `tgN` (N decode steps of `batch`
+/// sequences).
+struct Test {
+    n_prompt: usize,
+    n_gen: usize,
+    batch: usize,
+}
+
+impl Test {
+    fn name(&self) -> String {
+        if self.n_prompt > 0 {
+            format!("pp{}", self.n_prompt)
+        } else {
+            format!("tg{}", self.n_gen)
+        }
+    }
+
+    /// Tokens one run produces (prefill: consumes).
+    fn tokens(&self) -> usize {
+        if self.n_prompt > 0 {
+            self.n_prompt
+        } else {
+            self.n_gen * self.batch
+        }
+    }
+}
+
+/// Every pp test (batch 1), then every tg test at every batch size.
+fn tests(args: &Args) -> Vec<Test> {
+    let pp = args.n_prompt.iter().filter(|&&n| n > 0).map(|&n| Test {
+        n_prompt: n,
+        n_gen: 0,
+        batch: 1,
+    });
+    let tg = args.n_gen.iter().filter(|&&n| n > 0).flat_map(|&n| {
+        args.batch.iter().map(move |&b| Test {
+            n_prompt: 0,
+            n_gen: n,
+            batch: b,
         })
-        .collect()
+    });
+    pp.chain(tg).collect()
+}
+
+/// One backend compiled for one model: what the timing loop asks of it. A GPU backend plugs in
+/// as a second implementation; its `time` must return device time (synchronize before reading
+/// the clock, or time with events), and its bytes per token come from
+/// [`kiln::bench::bytes::decode_step`] with [`Layout::BF16`], the count docs/gpu-method.md
+/// defines.
+trait Target {
+    /// The table's backend column.
+    fn backend(&self) -> String;
+    fn threads(&self) -> usize;
+    /// Bytes of weights the backend holds.
+    fn weight_bytes(&self) -> usize;
+    /// Wall time of one run of `test`.
+    fn time(&self, test: &Test, seed: u64) -> Result<Duration>;
+    /// Bytes a token of `test` must move, and which model of bytes that is.
+    fn bytes_per_token(&self, test: &Test) -> (f64, String);
+    /// `--profile`: a per-op breakdown of decode on stderr, where the backend has one.
+    fn profile(&self, _n_gen: usize, _seed: u64) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The CPU backend compiled for one model and thread count.
+struct CpuTarget {
+    backend: CpuBackend,
+}
+
+impl Target for CpuTarget {
+    fn backend(&self) -> String {
+        format!("CPU ({})", simd::level().name())
+    }
+
+    fn threads(&self) -> usize {
+        self.backend.threads()
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.backend.weight_bytes()
+    }
+
+    fn time(&self, test: &Test, seed: u64) -> Result<Duration> {
+        if test.n_prompt > 0 {
+            time_prefill(&self.backend, test.n_prompt, seed)
+        } else {
+            time_decode(&self.backend, test.batch, test.n_gen, seed)
+        }
+    }
+
+    /// The plan's cost model: the weights as this backend stores them, the f32 KV cache read up
+    /// to the test's mean context, activations.
+    fn bytes_per_token(&self, test: &Test) -> (f64, String) {
+        let (kind, dims) = if test.n_prompt > 0 {
+            (PlanKind::Prefill, Dims::prefill(test.n_prompt))
+        } else {
+            (
+                PlanKind::Decode,
+                Dims::decode(test.batch, bytes::tg_context(test.n_gen)),
+            )
+        };
+        let bytes = self.backend.plan(kind).cost(&dims).bytes as f64 / dims.tokens as f64;
+        (bytes, "CPU plan cost model".into())
+    }
+
+    fn profile(&self, n_gen: usize, seed: u64) -> Result<()> {
+        profile_decode(&self.backend, n_gen, seed)
+    }
 }
 
 fn time_prefill(b: &CpuBackend, n: usize, seed: u64) -> Result<Duration> {
@@ -334,6 +471,32 @@ fn time_prefill(b: &CpuBackend, n: usize, seed: u64) -> Result<Duration> {
         &rows,
         &mut logits,
     )?;
+    Ok(t0.elapsed())
+}
+
+/// Times `n` decode steps of `batch` sequences (sequence i in cache slot i), after one untimed
+/// step that gives each its first token.
+fn time_decode(b: &CpuBackend, batch: usize, n: usize, seed: u64) -> Result<Duration> {
+    let ids = token_ids((n + 1) * batch, b.config().vocab_size, seed);
+    let mut kv = b.new_cache(batch, n + 1);
+    let mut ws = Workspace::new();
+    let mut logits = Vec::new();
+    let mut step = |pos: usize| {
+        let rows: Vec<TokenRow> = (0..batch).map(|slot| TokenRow { slot, pos }).collect();
+        b.forward(
+            PlanKind::Decode,
+            &mut ws,
+            &mut kv,
+            &ids[pos * batch..(pos + 1) * batch],
+            &rows,
+            &mut logits,
+        )
+    };
+    step(0)?;
+    let t0 = Instant::now();
+    for pos in 1..=n {
+        step(pos)?;
+    }
     Ok(t0.elapsed())
 }
 
@@ -396,383 +559,179 @@ fn profile_decode(b: &CpuBackend, n: usize, seed: u64) -> Result<()> {
     Ok(())
 }
 
-fn time_decode(b: &CpuBackend, n: usize, seed: u64) -> Result<Duration> {
-    let ids = token_ids(n + 1, b.config().vocab_size, seed);
-    let mut kv = b.new_cache(1, n + 1);
-    let mut ws = Workspace::new();
-    let mut logits = Vec::new();
-    b.forward(
-        PlanKind::Decode,
-        &mut ws,
-        &mut kv,
-        &ids[..1],
-        &[TokenRow { slot: 0, pos: 0 }],
-        &mut logits,
-    )?;
-    let t0 = Instant::now();
-    for (i, id) in ids[1..].iter().enumerate() {
-        let row = TokenRow {
-            slot: 0,
-            pos: i + 1,
+/// One row of `--bytes-per-token`.
+#[derive(Serialize)]
+struct BytesRow {
+    model: String,
+    test: String,
+    batch: usize,
+    /// Mean positions attended per step.
+    context: usize,
+    layout: Layout,
+    weights: u64,
+    kv_read: u64,
+    kv_write: u64,
+    bytes_per_step: u64,
+    bytes_per_token: f64,
+}
+
+fn print_bytes_per_token(args: &Args, sources: &[Source]) -> Result<()> {
+    let mut rows = Vec::new();
+    for source in sources {
+        // Only the config is needed: a synthetic shape is not built, a file is only mapped.
+        let config = match source {
+            Source::Synthetic(shape) => synthetic::shape_config(shape)?.0,
+            Source::File(_) => source.load(args.seed)?.config,
         };
-        b.forward(
-            PlanKind::Decode,
-            &mut ws,
-            &mut kv,
-            std::slice::from_ref(id),
-            &[row],
-            &mut logits,
-        )?;
-    }
-    Ok(t0.elapsed())
-}
-
-/// Streaming-read bandwidth in bytes/s with `threads` threads: the median of 5 passes over a
-/// buffer of `mib` MiB (after one pass that faults the pages in), each thread reading its
-/// chunks with the same SIMD dot-product kernel the matmuls use.
-fn measure_bandwidth(threads: usize, mib: usize) -> Result<f64> {
-    use rayon::prelude::*;
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()?;
-    let floats = (mib.max(1) << 20) / 4;
-    let mut buf: Vec<f32> = Vec::new();
-    buf.try_reserve_exact(floats).with_context(|| {
-        format!("allocating {mib} MiB to measure bandwidth (try --bandwidth-mib)")
-    })?;
-    // Chunks of 1 MiB: small enough to balance across threads, large enough to stream.
-    let chunk = 1 << 18;
-    pool.install(|| {
-        buf.resize(floats, 0.0);
-        buf.par_chunks_mut(chunk).enumerate().for_each(|(i, c)| {
-            c.iter_mut()
-                .enumerate()
-                .for_each(|(j, w)| *w = ((i + j) % 7) as f32)
-        });
-    });
-    let mut secs: Vec<f64> = (0..5)
-        .map(|_| {
-            let t0 = Instant::now();
-            let sum: f32 = pool.install(|| buf.par_chunks(chunk).map(simd::sum_sq).sum());
-            std::hint::black_box(sum);
-            t0.elapsed().as_secs_f64()
-        })
-        .collect();
-    secs.sort_by(f64::total_cmp);
-    let bw = (floats * 4) as f64 / median(&secs);
-    eprintln!(
-        "kiln-bench: memory bandwidth {:.1} GB/s (streaming read of {mib} MiB, {threads} threads, median of 5)",
-        bw / 1e9
-    );
-    Ok(bw)
-}
-
-/// `134.5 M`, `111.9 K`, `7.24 B`: parameter counts as llama-bench writes them.
-fn params_text(n: usize) -> String {
-    let n = n as f64;
-    if n >= 1e9 {
-        format!("{:.2} B", n / 1e9)
-    } else if n >= 1e6 {
-        format!("{:.1} M", n / 1e6)
-    } else {
-        format!("{:.1} K", n / 1e3)
-    }
-}
-
-/// Median of sorted values.
-fn median(sorted: &[f64]) -> f64 {
-    let n = sorted.len();
-    if n % 2 == 1 {
-        sorted[n / 2]
-    } else {
-        (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
-    }
-}
-
-/// Mean and sample standard deviation (0 for one sample).
-fn mean_sd(v: &[f64]) -> (f64, f64) {
-    let n = v.len() as f64;
-    let mean = v.iter().sum::<f64>() / n;
-    if v.len() < 2 {
-        return (mean, 0.0);
-    }
-    let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
-    (mean, var.sqrt())
-}
-
-const COLUMNS: [&str; 10] = [
-    "model",
-    "size",
-    "params",
-    "type",
-    "backend",
-    "threads",
-    "test",
-    "t/s",
-    "ms/token",
-    "roofline %",
-];
-
-fn cells(r: &Row) -> [String; 10] {
-    [
-        r.model.clone(),
-        r.size.clone(),
-        r.params.clone(),
-        r.weight_type.clone(),
-        r.backend.clone(),
-        r.threads.to_string(),
-        r.test.clone(),
-        format!("{:.2} ± {:.2}", r.tokens_per_s, r.tokens_per_s_sd),
-        format!("{:.3}", r.ms_per_token),
-        format!("{:.1}", r.roofline_pct),
-    ]
-}
-
-fn markdown(rows: &[Row]) -> String {
-    let body: Vec<[String; 10]> = rows.iter().map(cells).collect();
-    let width: Vec<usize> = (0..COLUMNS.len())
-        .map(|c| {
-            body.iter()
-                .map(|r| r[c].chars().count())
-                .chain([COLUMNS[c].len()])
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    // Text columns left-aligned, numbers right-aligned, as llama-bench does.
-    let right = |c: usize| c >= 5 && c != 6;
-    let line = |cells: &[String]| {
-        let mut s = String::from("|");
-        for (c, v) in cells.iter().enumerate() {
-            let pad = width[c] - v.chars().count();
-            if right(c) {
-                let _ = write!(s, " {}{} |", " ".repeat(pad), v);
-            } else {
-                let _ = write!(s, " {}{} |", v, " ".repeat(pad));
+        for &n in args.n_gen.iter().filter(|&&n| n > 0) {
+            for &batch in &args.batch {
+                let context = bytes::tg_context(n);
+                let Some(d) = bytes::decode_step(&config, Layout::BF16, batch, context) else {
+                    bail!(
+                        "{}: the bytes model covers the llama architecture only",
+                        source.name()
+                    );
+                };
+                rows.push(BytesRow {
+                    model: source.name(),
+                    test: format!("tg{n}"),
+                    batch,
+                    context,
+                    layout: Layout::BF16,
+                    weights: d.weights,
+                    kv_read: d.kv_read,
+                    kv_write: d.kv_write,
+                    bytes_per_step: d.total(),
+                    bytes_per_token: d.per_token(),
+                });
             }
         }
-        s.push('\n');
-        s
-    };
-    let mut out = line(&COLUMNS.map(String::from));
-    out.push('|');
-    for (c, w) in width.iter().enumerate() {
-        if right(c) {
-            let _ = write!(out, " {}: |", "-".repeat(w - 1));
-        } else {
-            let _ = write!(out, " {} |", "-".repeat(*w));
+    }
+    match args.output {
+        Output::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
+        Output::Md | Output::Csv => {
+            let head = [
+                "model",
+                "test",
+                "batch",
+                "context",
+                "weights B/step",
+                "KV read B/step",
+                "KV write B/step",
+                "B/token",
+            ]
+            .map(String::from);
+            let body: Vec<[String; 8]> = rows
+                .iter()
+                .map(|r| {
+                    [
+                        r.model.clone(),
+                        r.test.clone(),
+                        r.batch.to_string(),
+                        r.context.to_string(),
+                        r.weights.to_string(),
+                        r.kv_read.to_string(),
+                        r.kv_write.to_string(),
+                        format!("{:.0}", r.bytes_per_token),
+                    ]
+                })
+                .collect();
+            print!("{}", report::table(&head, &body, |c| c >= 2));
         }
     }
-    out.push('\n');
-    for r in &body {
-        out.push_str(&line(r));
-    }
-    out
+    Ok(())
 }
 
-fn csv_field(s: &str) -> String {
-    if s.contains([',', '"', '\n']) {
-        format!("\"{}\"", s.replace('"', "\"\""))
-    } else {
-        s.to_string()
+fn measure_gpu_bandwidth(args: &Args) -> Result<()> {
+    let copy = bandwidth::device_copy(args.bandwidth_mib, 20)?;
+    eprintln!("kiln-bench: {}", copy.summary());
+    match args.output {
+        Output::Json => println!("{}", serde_json::to_string(&copy)?),
+        Output::Md | Output::Csv => println!("{:.1} GB/s", copy.bytes_per_s / 1e9),
     }
+    Ok(())
 }
 
-fn csv(rows: &[Row]) -> String {
-    let mut out = String::from(
-        "model,size_bytes,n_params,type,backend,threads,test,n_prompt,n_gen,tokens_per_s,tokens_per_s_sd,ms_per_token,bytes_per_token,bandwidth_bytes_per_s,roofline_pct,samples_ns\n",
-    );
-    for r in rows {
-        let samples: Vec<String> = r.samples_ns.iter().map(u64::to_string).collect();
-        let fields = [
-            csv_field(&r.model),
-            r.size_bytes.to_string(),
-            r.n_params.to_string(),
-            csv_field(&r.weight_type),
-            csv_field(&r.backend),
-            r.threads.to_string(),
-            r.test.clone(),
-            r.n_prompt.to_string(),
-            r.n_gen.to_string(),
-            format!("{:.3}", r.tokens_per_s),
-            format!("{:.3}", r.tokens_per_s_sd),
-            format!("{:.4}", r.ms_per_token),
-            format!("{:.0}", r.bytes_per_token),
-            format!("{:.0}", r.bandwidth_bytes_per_s),
-            format!("{:.2}", r.roofline_pct),
-            samples.join(";"),
-        ];
-        out.push_str(&fields.join(","));
-        out.push('\n');
-    }
-    out
-}
-
-/// The CUDA bench: the same tests through the engine, so decode runs as in real generation
-/// (device sampling, and the graph-replayed megakernel unless `--decode per-op`).
+/// The engine on CUDA for one model: prefill through the per-op kernels (cuBLAS GEMMs), decode
+/// through the graph-replayed megakernel or per-op kernels, sampling on the device, exactly as
+/// `kiln --device cuda` generates. Timing is wall time around calls that return only once the
+/// device work they started has finished (logits or tokens are on the host).
 /// UNVERIFIED on a GPU (written on machines without one).
-mod gpu {
-    use std::path::Path;
-    use std::sync::Arc;
-    use std::time::{Duration, Instant};
+struct CudaTarget {
+    engine: Arc<Engine>,
+}
 
-    use anyhow::{bail, Result};
-
-    use super::{mean_sd, median, params_text, token_ids, Args, Decode, Row};
-    use kiln::engine::{DecodePath, Device, Engine, EngineOptions, GenerateOptions, Session};
-    use kiln::graph::Dims;
-    use kiln::model::Model;
-
-    /// Times `--n-prompt` prefills and `--n-gen` decodes at every `--batch` on the GPU.
-    pub fn bench(
-        args: &Args,
-        path: &Path,
-        name: &str,
-        weight_type: &str,
-        model: Model,
-    ) -> Result<Vec<Row>> {
-        if args.batch.contains(&0) {
-            bail!("--batch sizes must be at least 1");
-        }
-        let bw = bandwidth(args.bandwidth_mib)?;
-        let n_params = model.config.num_params();
-        let params = params_text(model.weights.num_params());
-        let max_ctx = model.config.max_position_embeddings;
+impl CudaTarget {
+    fn new(model: Model, decode: Decode) -> Result<CudaTarget> {
         let opts = EngineOptions {
-            device: Device::Cuda,
-            decode: match args.decode {
+            device: EngineDevice::Cuda,
+            decode: match decode {
                 Decode::Megakernel => DecodePath::Megakernel,
                 Decode::PerOp => DecodePath::PerOp,
             },
             ..EngineOptions::default()
         };
         let engine = Arc::new(Engine::from_model(model, opts)?);
-        let backend = engine.device();
-        eprintln!("kiln-bench: {name} on {backend}");
-        let size_bytes = engine.weight_bytes();
-        let mut tests: Vec<(usize, usize, usize)> = args
-            .n_prompt
-            .iter()
-            .filter(|&&n| n > 0)
-            .map(|&n| (n, 0, 1))
-            .collect();
-        for &n in args.n_gen.iter().filter(|&&n| n > 0) {
-            tests.extend(args.batch.iter().map(|&b| (0, n, b)));
+        eprintln!("kiln-bench: on {}", engine.device());
+        Ok(CudaTarget { engine })
+    }
+}
+
+impl Target for CudaTarget {
+    fn backend(&self) -> String {
+        self.engine.device()
+    }
+
+    fn threads(&self) -> usize {
+        1
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.engine.weight_bytes()
+    }
+
+    /// `ppN`: one prefill of N seeded random tokens. `tgN` at batch B: N greedy tokens in each of
+    /// B rows after a 1-token prompt (stop tokens ignored), the decode time only.
+    fn time(&self, test: &Test, seed: u64) -> Result<Duration> {
+        let vocab = self.engine.config().vocab_size;
+        if test.n_prompt > 0 {
+            let ids = token_ids(test.n_prompt, vocab, seed);
+            let mut s = Session::new(Arc::clone(&self.engine), test.n_prompt, 1);
+            let t0 = Instant::now();
+            s.feed(&ids)?;
+            return Ok(t0.elapsed());
         }
-        let mut rows = Vec::new();
-        for (n_prompt, n_gen, batch) in tests {
-            let test = match (n_prompt, batch) {
-                (0, 1) => format!("tg{n_gen}"),
-                (0, b) => format!("tg{n_gen}@b{b}"),
-                (p, _) => format!("pp{p}"),
-            };
-            let positions = n_prompt.max(n_gen + 1);
-            if positions > max_ctx {
-                bail!("{test} needs {positions} positions but {name} holds {max_ctx}");
-            }
-            eprintln!(
-                "kiln-bench: {name} {test}: 1 warm-up + {} runs",
-                args.repetitions
-            );
-            let mut samples = Vec::with_capacity(args.repetitions);
-            for rep in 0..=args.repetitions {
-                let d = if n_prompt > 0 {
-                    prefill(&engine, n_prompt, args.seed)?
-                } else {
-                    decode(&engine, n_gen, batch, args.seed)?
-                };
-                if rep > 0 {
-                    samples.push(d);
-                }
-            }
-            let (tokens, dims, kind) = if n_prompt > 0 {
-                (
-                    n_prompt,
-                    Dims::prefill(n_prompt),
-                    kiln::backend::cpu::PlanKind::Prefill,
-                )
-            } else {
-                (
-                    n_gen * batch,
-                    Dims::decode(batch, 1 + (n_gen + 1).div_ceil(2)),
-                    kiln::backend::cpu::PlanKind::Decode,
-                )
-            };
-            let bytes_per_token = engine.plan(kind).cost(&dims).bytes as f64 / dims.tokens as f64;
-            let ts: Vec<f64> = samples
-                .iter()
-                .map(|d| tokens as f64 / d.as_secs_f64())
-                .collect();
-            let mut ms: Vec<f64> = samples
-                .iter()
-                .map(|d| d.as_secs_f64() * 1e3 / tokens as f64)
-                .collect();
-            ms.sort_by(f64::total_cmp);
-            let ms_median = median(&ms);
-            let (mean, sd) = mean_sd(&ts);
-            rows.push(Row {
-                model: name.to_string(),
-                model_path: path.display().to_string(),
-                size: format!("{:.1} MiB", size_bytes as f64 / (1 << 20) as f64),
-                size_bytes,
-                params: params.clone(),
-                n_params,
-                weight_type: weight_type.to_string(),
-                backend: backend.clone(),
-                threads: 1,
-                test,
-                n_prompt,
-                n_gen,
-                tokens_per_s: mean,
-                tokens_per_s_sd: sd,
-                ms_per_token: ms_median,
-                bytes_per_token,
-                bandwidth_bytes_per_s: bw,
-                roofline_pct: bytes_per_token / bw / (ms_median / 1e3) * 100.0,
-                samples_ns: samples.iter().map(|d| d.as_nanos() as u64).collect(),
-                samples_ts: ts,
-            });
-        }
-        Ok(rows)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn bandwidth(mib: usize) -> Result<f64> {
-        let bw = kiln::backend::cuda::bandwidth::measure_copy_bandwidth(mib, 20)?;
-        eprintln!(
-            "kiln-bench: device memory bandwidth {:.1} GB/s (device-to-device copy of {mib} MiB, read + write, median of 20)",
-            bw / 1e9
-        );
-        Ok(bw)
-    }
-
-    #[cfg(not(feature = "cuda"))]
-    fn bandwidth(_: usize) -> Result<f64> {
-        bail!("--device cuda: this kiln-bench was built without the `cuda` cargo feature")
-    }
-
-    /// One prefill of `n` seeded random tokens (logits of the last come back to the host).
-    fn prefill(engine: &Arc<Engine>, n: usize, seed: u64) -> Result<Duration> {
-        let ids = token_ids(n, engine.config().vocab_size, seed);
-        let mut s = Session::new(Arc::clone(engine), n, 1);
-        let t0 = Instant::now();
-        s.feed(&ids)?;
-        Ok(t0.elapsed())
-    }
-
-    /// `n` greedy tokens in each of `batch` rows after a 1-token prompt, stop tokens ignored;
-    /// the decode time only (the prompt's prefill is not counted).
-    fn decode(engine: &Arc<Engine>, n: usize, batch: usize, seed: u64) -> Result<Duration> {
-        let prompt = token_ids(1, engine.config().vocab_size, seed);
-        let mut s = Session::new(Arc::clone(engine), n + 1, batch);
+        let prompt = token_ids(1, vocab, seed);
+        let mut s = Session::new(Arc::clone(&self.engine), test.n_gen + 1, test.batch);
         let opts = GenerateOptions {
-            max_tokens: Some(n),
-            num_samples: batch,
+            max_tokens: Some(test.n_gen),
+            num_samples: test.batch,
             stop_tokens: Some(Vec::new()),
             tools: false,
             ..GenerateOptions::default()
         };
-        let r = s.generate_batch(&prompt, &opts)?;
-        Ok(r.timings.decode)
+        Ok(s.generate_batch(&prompt, &opts)?.timings.decode)
+    }
+
+    /// Decode: the fewest bytes a bf16 step must move (docs/gpu-method.md), where the
+    /// architecture allows that count; else, and for prefill, the plan's cost model.
+    fn bytes_per_token(&self, test: &Test) -> (f64, String) {
+        if test.n_prompt == 0 {
+            let ctx = bytes::tg_context(test.n_gen);
+            if let Some(b) = bytes::decode_step(self.engine.config(), Layout::BF16, test.batch, ctx)
+            {
+                return (b.per_token(), "bf16 minimum (docs/gpu-method.md)".into());
+            }
+        }
+        let (kind, dims) = if test.n_prompt > 0 {
+            (PlanKind::Prefill, Dims::prefill(test.n_prompt))
+        } else {
+            (
+                PlanKind::Decode,
+                Dims::decode(test.batch, bytes::tg_context(test.n_gen)),
+            )
+        };
+        let bytes = self.engine.plan(kind).cost(&dims).bytes as f64 / dims.tokens as f64;
+        (bytes, "plan cost model".into())
     }
 }

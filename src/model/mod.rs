@@ -6,6 +6,7 @@ mod error;
 pub mod gguf;
 pub mod hf;
 pub mod quant;
+pub mod synthetic;
 mod tensor;
 
 use std::path::{Path, PathBuf};

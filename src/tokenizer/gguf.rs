@@ -182,10 +182,10 @@ pub fn tokenizer_from_gguf(file: &GgufFile) -> Result<Tokenizer, LoadError> {
 mod tests {
     use super::*;
     use crate::model::gguf::writer::{
-        add_test_tokenizer, byte_to_char, GgufWriter, TOK_42, TOK_HELL, TOK_IM_END, TOK_IM_START,
-        TOK_USER,
+        add_test_tokenizer, GgufWriter, TOK_42, TOK_HELL, TOK_IM_END, TOK_IM_START, TOK_USER,
     };
     use crate::model::gguf::GgufValue;
+    use crate::tokenizer::byte_to_char;
 
     fn tokenizer(
         pre: Option<&str>,

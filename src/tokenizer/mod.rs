@@ -15,6 +15,17 @@ pub use stream::StreamDecoder;
 
 use crate::model::LoadError;
 
+/// GPT-2's byte-to-printable-character table (`bytes_to_unicode` in its encoder.py), which
+/// byte-level BPE vocabularies are written in.
+pub fn byte_to_char(b: u8) -> char {
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xa1..=0xac).contains(&b) || b >= 0xae;
+    if printable(b) {
+        return char::from(b);
+    }
+    let rank = (0..b).filter(|&x| !printable(x)).count() as u32;
+    char::from_u32(256 + rank).expect("valid char")
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
     #[error("tokenizer ({source_file}): {reason}")]
@@ -74,6 +85,39 @@ impl Tokenizer {
             source: source.to_path_buf(),
             specials,
         })
+    }
+
+    /// A byte-level tokenizer with exactly 256 tokens, id = byte value, no merges and no special
+    /// tokens: any text encodes (one id per UTF-8 byte), and ids below 256 decode. For models
+    /// that have no vocabulary of their own (synthetic benchmark models).
+    pub fn bytes_only(source: &Path) -> Result<Tokenizer, LoadError> {
+        let vocab: serde_json::Map<String, serde_json::Value> = (0..=255u8)
+            .map(|b| (byte_to_char(b).to_string(), serde_json::Value::from(b)))
+            .collect();
+        let byte_level = serde_json::json!({
+            "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true
+        });
+        let json = serde_json::json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": [],
+            "normalizer": null,
+            "pre_tokenizer": byte_level,
+            "post_processor": null,
+            "decoder": byte_level,
+            "model": {
+                "type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                "vocab": vocab, "merges": []
+            }
+        });
+        let bytes = serde_json::to_vec(&json).map_err(|e| LoadError::Tokenizer {
+            path: source.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        Tokenizer::from_json(&bytes, source, SpecialTokens::default())
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -35,8 +35,9 @@ use kiln_codegen::{Weight, WeightDtype};
 
 use super::device::{drv, CudaBackend, CudaError, CudaKvCache, DevMatrix};
 use super::graph_host::{
-    batch_arrays, bucket_for, control_words, sampling_control, check_rows, grid_blocks, host_stop_mask, padding_rows, row_mask,
-    wait_epoch, GraphError, RingBook, StartRow, StreamState, WaitError, CONTROL_WORDS,
+    batch_arrays, bucket_for, check_rows, control_words, grid_blocks, host_stop_mask, padding_rows,
+    row_mask, sampling_control, wait_epoch, GraphError, RingBook, StartRow, StreamState, WaitError,
+    CONTROL_WORDS,
 };
 use super::megakernel::{generate, lower_decode};
 use super::nvrtc;
@@ -71,7 +72,6 @@ pub struct GraphStep {
     pub tokens: Vec<u32>,
     pub stopped: u32,
 }
-
 
 /// The device pointer tables of the decode program's weights (the same for every bucket).
 struct MkWeights {
@@ -282,8 +282,8 @@ impl CudaBackend {
         if let Some(m) = modules.get(&bucket) {
             return Ok(m.clone());
         }
-        let mk = generate(&self.decode, bucket)
-            .map_err(|e| CudaError::Unsupported(e.to_string()))?;
+        let mk =
+            generate(&self.decode, bucket).map_err(|e| CudaError::Unsupported(e.to_string()))?;
         if mk.program.weights != weights.program {
             return Err(CudaError::Unsupported(format!(
                 "the batch-{bucket} decode program names other weights than batch 1's"

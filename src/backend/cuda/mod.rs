@@ -25,8 +25,6 @@ pub mod kernels;
 pub mod megakernel;
 
 #[cfg(feature = "cuda")]
-pub mod bandwidth;
-#[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
 mod graph;

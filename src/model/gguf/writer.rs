@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::reader::{GgufValue, DEFAULT_ALIGNMENT, GGUF_MAGIC};
+use crate::tokenizer::byte_to_char;
 
 pub(crate) struct GgufWriter {
     pub version: u32,
@@ -131,17 +132,6 @@ impl Drop for TempFile {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
     }
-}
-
-/// GPT-2's byte-to-printable-character table (`bytes_to_unicode` in its encoder.py), which
-/// byte-level BPE vocabularies are written in.
-pub(crate) fn byte_to_char(b: u8) -> char {
-    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xa1..=0xac).contains(&b) || b >= 0xae;
-    if printable(b) {
-        return char::from(b);
-    }
-    let rank = (0..b).filter(|&x| !printable(x)).count() as u32;
-    char::from_u32(256 + rank).expect("valid char")
 }
 
 /// Ids of the test tokenizer's extra tokens; they follow the 256 byte tokens, `he` (256) and `ll` (257).

@@ -1,0 +1,275 @@
+//! Where a roofline's bandwidth comes from. A decode step is memory-bound, so `kiln-bench`
+//! scores it as (bytes the step must move / bandwidth) over the measured time; the bandwidth is
+//! measured on the machine the step ran on, or given on the command line:
+//!
+//! * [`BandwidthSource::CpuRead`]: a streaming read over a buffer far above the LLC, with the
+//!   same SIMD kernel the matmuls use, once per thread count.
+//! * [`BandwidthSource::DeviceCopy`]: a device-to-device copy on GPU 0, counting bytes read plus
+//!   bytes written (what `../.library/device/METHOD.md` asks for; PyTorch's `copy_` measured the
+//!   same way is the cross-check in `scripts/torch_compare.py --measure-bandwidth`).
+//! * [`BandwidthSource::Given`]: `--bandwidth-gbs`, e.g. a copy measured by another tool.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::backend::cpu::simd;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BandwidthError {
+    #[error("allocating {mib} MiB to measure bandwidth failed (try a smaller --bandwidth-mib)")]
+    Alloc { mib: usize },
+    #[error("a thread pool of {threads} threads: {reason}")]
+    Threads { threads: usize, reason: String },
+    #[error("measuring GPU bandwidth: {0}")]
+    Device(String),
+    #[error("this build has no CUDA support (build with `--features cuda`)")]
+    NoCuda,
+}
+
+/// A bandwidth and what measured it, for the report.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Bandwidth {
+    pub bytes_per_s: f64,
+    pub source: String,
+}
+
+pub enum BandwidthSource {
+    /// Bytes/s given by the user.
+    Given(f64),
+    /// CPU streaming read of `mib` MiB, measured once per thread count.
+    CpuRead {
+        mib: usize,
+        measured: BTreeMap<usize, f64>,
+    },
+    /// Device-to-device copy of `mib` MiB on GPU 0, measured once.
+    DeviceCopy {
+        mib: usize,
+        measured: Option<DeviceCopy>,
+    },
+}
+
+impl BandwidthSource {
+    pub fn cpu_read(mib: usize) -> BandwidthSource {
+        BandwidthSource::CpuRead {
+            mib,
+            measured: BTreeMap::new(),
+        }
+    }
+
+    pub fn device_copy(mib: usize) -> BandwidthSource {
+        BandwidthSource::DeviceCopy {
+            mib,
+            measured: None,
+        }
+    }
+
+    /// The bandwidth for a run with `threads` CPU threads (ignored by the device and given
+    /// sources), measuring it on first use and logging the measurement to stderr.
+    pub fn get(&mut self, threads: usize) -> Result<Bandwidth, BandwidthError> {
+        match self {
+            BandwidthSource::Given(bw) => Ok(Bandwidth {
+                bytes_per_s: *bw,
+                source: format!("given: {:.1} GB/s", *bw / 1e9),
+            }),
+            BandwidthSource::CpuRead { mib, measured } => {
+                let bw = match measured.get(&threads) {
+                    Some(&bw) => bw,
+                    None => {
+                        let bw = cpu_read(threads, *mib)?;
+                        eprintln!(
+                            "kiln-bench: memory bandwidth {:.1} GB/s (streaming read of {mib} MiB, {threads} threads, median of 5)",
+                            bw / 1e9
+                        );
+                        measured.insert(threads, bw);
+                        bw
+                    }
+                };
+                Ok(Bandwidth {
+                    bytes_per_s: bw,
+                    source: format!("CPU streaming read, {threads} threads"),
+                })
+            }
+            BandwidthSource::DeviceCopy { mib, measured } => {
+                let copy = match measured {
+                    Some(c) => c.clone(),
+                    None => {
+                        let c = device_copy(*mib, 20)?;
+                        eprintln!("kiln-bench: {}", c.summary());
+                        *measured = Some(c.clone());
+                        c
+                    }
+                };
+                Ok(Bandwidth {
+                    bytes_per_s: copy.bytes_per_s,
+                    source: format!("device-to-device copy on {}", copy.device),
+                })
+            }
+        }
+    }
+}
+
+/// Streaming-read bandwidth in bytes/s with `threads` threads: the median of 5 passes over a
+/// buffer of `mib` MiB (after one pass that faults the pages in), each thread reading its
+/// chunks with the same SIMD dot-product kernel the matmuls use.
+pub fn cpu_read(threads: usize, mib: usize) -> Result<f64, BandwidthError> {
+    use rayon::prelude::*;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| BandwidthError::Threads {
+            threads,
+            reason: e.to_string(),
+        })?;
+    let floats = (mib.max(1) << 20) / 4;
+    let mut buf: Vec<f32> = Vec::new();
+    buf.try_reserve_exact(floats)
+        .map_err(|_| BandwidthError::Alloc { mib })?;
+    // Chunks of 1 MiB: small enough to balance across threads, large enough to stream.
+    let chunk = 1 << 18;
+    pool.install(|| {
+        buf.resize(floats, 0.0);
+        buf.par_chunks_mut(chunk).enumerate().for_each(|(i, c)| {
+            c.iter_mut()
+                .enumerate()
+                .for_each(|(j, w)| *w = ((i + j) % 7) as f32)
+        });
+    });
+    let mut secs: Vec<f64> = (0..5)
+        .map(|_| {
+            let t0 = Instant::now();
+            let sum: f32 = pool.install(|| buf.par_chunks(chunk).map(simd::sum_sq).sum());
+            std::hint::black_box(sum);
+            t0.elapsed().as_secs_f64()
+        })
+        .collect();
+    secs.sort_by(f64::total_cmp);
+    Ok((floats * 4) as f64 / super::median(&secs))
+}
+
+/// One device-to-device copy measurement.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DeviceCopy {
+    /// The GPU, as [`crate::backend::cuda::DeviceInfo`] prints it.
+    pub device: String,
+    /// Bytes of the buffer copied.
+    pub buffer_bytes: u64,
+    /// Bytes moved per copy: read plus written.
+    pub bytes_moved: u64,
+    /// Event-timed milliseconds of each copy, in order.
+    pub samples_ms: Vec<f64>,
+    pub median_ms: f64,
+    /// `bytes_moved / median`.
+    pub bytes_per_s: f64,
+}
+
+impl DeviceCopy {
+    pub fn summary(&self) -> String {
+        format!(
+            "device bandwidth {:.1} GB/s ({} MiB device-to-device copy, read + write, median of {} event-timed copies, {})",
+            self.bytes_per_s / 1e9,
+            self.buffer_bytes >> 20,
+            self.samples_ms.len(),
+            self.device
+        )
+    }
+}
+
+/// Copies a `mib` MiB buffer of non-zero bytes to another on GPU 0: 3 warm-up copies, then
+/// `reps` copies each timed by CUDA events on the stream; checks every byte of the destination
+/// afterwards. **UNVERIFIED on a GPU**: compiled against cudarc 0.19, never run.
+#[cfg(feature = "cuda")]
+pub fn device_copy(mib: usize, reps: usize) -> Result<DeviceCopy, BandwidthError> {
+    use cudarc::driver::sys::CUevent_flags;
+    let err =
+        |what: &str, e: &dyn std::fmt::Debug| BandwidthError::Device(format!("{what}: {e:?}"));
+    let (ctx, info) =
+        crate::backend::cuda::probe().map_err(|e| BandwidthError::Device(e.to_string()))?;
+    let stream = ctx.default_stream();
+    let n = mib.max(1) << 20;
+    let mut host: Vec<u8> = Vec::new();
+    host.try_reserve_exact(n)
+        .map_err(|_| BandwidthError::Alloc { mib })?;
+    // Never zeros (a copy engine or cache may treat them specially); a period prime to 2^k.
+    host.extend((0..n).map(|i| (i % 251) as u8 | 1));
+    let src = stream
+        .clone_htod(&host)
+        .map_err(|e| err("uploading the source", &e))?;
+    let mut dst = stream
+        .alloc_zeros::<u8>(n)
+        .map_err(|e| err("allocating the destination", &e))?;
+    let event = || {
+        ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| err("creating an event", &e))
+    };
+    let (start, end) = (event()?, event()?);
+    for _ in 0..3 {
+        stream
+            .memcpy_dtod(&src, &mut dst)
+            .map_err(|e| err("copying", &e))?;
+    }
+    let mut samples_ms = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        start.record(&stream).map_err(|e| err("recording", &e))?;
+        stream
+            .memcpy_dtod(&src, &mut dst)
+            .map_err(|e| err("copying", &e))?;
+        end.record(&stream).map_err(|e| err("recording", &e))?;
+        let ms = start
+            .elapsed_ms(&end)
+            .map_err(|e| err("reading events", &e))?;
+        samples_ms.push(ms as f64);
+    }
+    let back = stream
+        .clone_dtoh(&dst)
+        .map_err(|e| err("downloading the copy", &e))?;
+    if let Some(i) = back.iter().zip(&host).position(|(a, b)| a != b) {
+        return Err(BandwidthError::Device(format!(
+            "the copy is wrong at byte {i} of {n}: {} instead of {}",
+            back[i], host[i]
+        )));
+    }
+    let mut sorted = samples_ms.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median_ms = super::median(&sorted);
+    let bytes_moved = 2 * n as u64;
+    Ok(DeviceCopy {
+        device: info.to_string(),
+        buffer_bytes: n as u64,
+        bytes_moved,
+        samples_ms,
+        median_ms,
+        bytes_per_s: bytes_moved as f64 / (median_ms / 1e3),
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn device_copy(_mib: usize, _reps: usize) -> Result<DeviceCopy, BandwidthError> {
+    Err(BandwidthError::NoCuda)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_given_bandwidth_is_reported_as_given() {
+        let mut s = BandwidthSource::Given(3.0e12);
+        let b = s.get(4).unwrap();
+        assert_eq!(b.bytes_per_s, 3.0e12);
+        assert_eq!(b.source, "given: 3000.0 GB/s");
+    }
+
+    #[test]
+    fn cpu_read_is_measured_once_per_thread_count() {
+        let mut s = BandwidthSource::cpu_read(8);
+        let a = s.get(1).unwrap();
+        assert!(a.bytes_per_s > 1e8, "{a:?}");
+        assert_eq!(s.get(1).unwrap(), a);
+        match &s {
+            BandwidthSource::CpuRead { measured, .. } => assert_eq!(measured.len(), 1),
+            _ => unreachable!(),
+        }
+    }
+}
