@@ -69,7 +69,8 @@ impl From<CpuOptions> for EngineOptions {
     }
 }
 
-/// The compiled model on its device.
+/// The compiled model on its device (one per engine, so the variants' sizes do not matter).
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Backend {
     Cpu {
         backend: CpuBackend,
@@ -284,7 +285,8 @@ impl Backend {
     }
 }
 
-/// A session's memory on its engine's device.
+/// A session's memory on its engine's device (one per session).
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Caches {
     Cpu {
         kv: KvCache,
