@@ -22,28 +22,15 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{demo_model, fixtures};
+use common::{demo_model, fixtures, gpu_or_skip};
 use kiln::backend::cpu::{CpuBackend, CpuOptions, PlanKind, TokenRow, WeightFormat, Workspace};
-use kiln::backend::cuda::{probe, CudaBackend, CudaKvCache, CudaWorkspace, GraphDecoder, GraphRow};
+use kiln::backend::cuda::{CudaBackend, CudaKvCache, CudaWorkspace, GraphDecoder, GraphRow};
 use kiln::model::Model;
 use kiln::sample::{argmax, sample, SamplingParams};
 
 /// Relative L2 error allowed between GPU and CPU logits (bf16 weights and KV cache on the GPU,
 /// different summation order).
 const TOLERANCE: f32 = 3e-2;
-
-fn gpu_or_skip() -> bool {
-    match probe() {
-        Ok((_, info)) => {
-            println!("GPU: {info}");
-            true
-        }
-        Err(e) => {
-            println!("SKIPPED: {e}");
-            false
-        }
-    }
-}
 
 fn models(dir: &Path, out: &mut Vec<PathBuf>) {
     let Ok(rd) = std::fs::read_dir(dir) else {

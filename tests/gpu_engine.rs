@@ -17,25 +17,11 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use common::{demo_model, fixtures};
+use common::{demo_model, fixtures, gpu_or_skip};
 use kiln::backend::cpu::{CpuOptions, WeightFormat};
-use kiln::backend::cuda::probe;
 use kiln::engine::{DecodePath, Device, Engine, EngineOptions, GenerateOptions, Session};
 use kiln::model::Model;
 use kiln::sample::SamplingParams;
-
-fn gpu_or_skip() -> bool {
-    match probe() {
-        Ok((_, info)) => {
-            println!("GPU: {info}");
-            true
-        }
-        Err(e) => {
-            println!("SKIPPED: {e}");
-            false
-        }
-    }
-}
 
 fn engine(path: &Path, device: Device, decode: DecodePath) -> Arc<Engine> {
     let model = Model::load(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));

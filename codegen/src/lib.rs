@@ -32,3 +32,9 @@ pub use schedule::{Access, Resource, Schedule, Tile, TileConfig, Wait};
 
 /// Largest batch bucket one kernel handles (`MK_MAX_BATCH` in `cuda/megakernel/tiles.cuh`).
 pub const MAX_BATCH: usize = 8;
+
+/// The batch bucket a decode graph for `rows` rows is built for: 1, 2, 4 or 8 (padding rows fill
+/// the rest); `None` above [`MAX_BATCH`]. Zero rows take the smallest bucket.
+pub fn bucket_for(rows: usize) -> Option<usize> {
+    (rows <= MAX_BATCH).then(|| rows.max(1).next_power_of_two())
+}

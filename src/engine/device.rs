@@ -321,7 +321,7 @@ impl CudaCaches {
         backend: &CudaBackend,
     ) -> Result<(&mut CudaKvCache, &mut CudaWorkspace), EngineError> {
         if self.kv.is_none() {
-            let slots = graph_bucket(self.slots).unwrap_or(self.slots);
+            let slots = kiln_codegen::bucket_for(self.slots).unwrap_or(self.slots);
             self.kv = Some(backend.new_cache(slots, self.capacity)?);
         }
         Ok((self.kv.as_mut().expect("allocated above"), &mut self.ws))
@@ -517,35 +517,4 @@ impl Caches {
 pub(crate) struct CpuGraphInputs<'a> {
     pub processor: Option<&'a LogitsProcessor>,
     pub contexts: Vec<Vec<u32>>,
-}
-
-/// The decode graph's batch size for `rows` rows: 1, 2, 4 or 8 (padding rows fill the rest on
-/// a GPU); `None` above 8.
-pub(crate) fn graph_bucket(rows: usize) -> Option<usize> {
-    (1..=kiln_codegen::MAX_BATCH)
-        .contains(&rows)
-        .then(|| rows.next_power_of_two())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::graph_bucket;
-
-    #[test]
-    fn buckets_are_powers_of_two_up_to_eight() {
-        let got: Vec<Option<usize>> = (0..=9).map(graph_bucket).collect();
-        let want = [
-            None,
-            Some(1),
-            Some(2),
-            Some(4),
-            Some(4),
-            Some(8),
-            Some(8),
-            Some(8),
-            Some(8),
-            None,
-        ];
-        assert_eq!(got, want);
-    }
 }

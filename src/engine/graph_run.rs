@@ -13,10 +13,11 @@
 //! compiled on machines without one).
 
 use super::cpu_graph::GraphRow;
-use super::device::{graph_bucket, Backend, CpuGraphInputs};
+use super::device::{Backend, CpuGraphInputs};
 use super::session::Session;
 use super::{EngineError, LogitsProcessor};
 use crate::sample::SamplingParams;
+use kiln_codegen::bucket_for;
 
 /// Replays kept in flight ahead of the host.
 pub(super) const DEPTH: usize = 8;
@@ -39,7 +40,7 @@ pub(super) struct GraphRun {
 impl GraphRun {
     /// Whether a graph can take `feed` (rows, tokens and positions of the tokens to embed next).
     pub fn fits(backend: &Backend, rows: usize) -> bool {
-        backend.uses_megakernel() && graph_bucket(rows).is_some()
+        backend.uses_megakernel() && bucket_for(rows).is_some()
     }
 
     /// Starts the graph on `feed` (engine row, token, position) and enqueues its first replays.
@@ -52,7 +53,7 @@ impl GraphRun {
         processor: Option<&LogitsProcessor>,
         budget: usize,
     ) -> Result<GraphRun, EngineError> {
-        let bucket = graph_bucket(feed.len()).expect("GraphRun::fits checked the row count");
+        let bucket = bucket_for(feed.len()).expect("GraphRun::fits checked the row count");
         let rows: Vec<GraphRow> = feed
             .iter()
             .map(|&(r, token, pos)| GraphRow {

@@ -228,3 +228,18 @@ pub fn uniform_model_on(
     };
     std::sync::Arc::new(kiln::engine::Engine::from_model(model, opts).unwrap())
 }
+
+/// Whether a CUDA GPU is usable; without one, prints `SKIPPED: <reason>` for the test log.
+#[cfg(feature = "cuda")]
+pub fn gpu_or_skip() -> bool {
+    match kiln::backend::cuda::probe() {
+        Ok((_, info)) => {
+            println!("GPU: {info}");
+            true
+        }
+        Err(e) => {
+            println!("SKIPPED: {e}");
+            false
+        }
+    }
+}

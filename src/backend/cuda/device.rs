@@ -548,6 +548,23 @@ impl CudaBackend {
         Ok(self.ptr(&ws.ints[name]))
     }
 
+    /// [`crate::backend::check_step`] against this device cache.
+    fn check_step(
+        &self,
+        kv: &CudaKvCache,
+        tokens: &[u32],
+        rows: &[TokenRow],
+    ) -> Result<std::collections::BTreeMap<usize, usize>, CudaError> {
+        Ok(crate::backend::check_step(
+            self.config.vocab_size,
+            tokens,
+            rows,
+            kv.slots,
+            kv.capacity,
+            |slot| kv.lens[slot],
+        )?)
+    }
+
     /// Runs one step like [`crate::backend::cpu::CpuBackend::forward`]: appends `tokens` to the
     /// device cache and writes the logits to `logits` on the host. **UNVERIFIED**.
     #[allow(clippy::too_many_arguments)]
@@ -560,14 +577,7 @@ impl CudaBackend {
         rows: &[TokenRow],
         logits: &mut Vec<f32>,
     ) -> Result<usize, CudaError> {
-        let next = crate::backend::check_step(
-            self.config.vocab_size,
-            tokens,
-            rows,
-            kv.slots,
-            kv.capacity,
-            |slot| kv.lens[slot],
-        )?;
+        let next = self.check_step(kv, tokens, rows)?;
         let plan = self.plan(kind);
         let out = self.run(plan, ws, kv, tokens, rows)?;
         let o = plan.output;
@@ -604,14 +614,7 @@ impl CudaBackend {
         row_ids: &[u32],
     ) -> Result<Vec<u32>, CudaError> {
         let ctl = sampling_control(sampling, &[], &[])?;
-        let next = crate::backend::check_step(
-            self.config.vocab_size,
-            tokens,
-            rows,
-            kv.slots,
-            kv.capacity,
-            |slot| kv.lens[slot],
-        )?;
+        let next = self.check_step(kv, tokens, rows)?;
         let plan = self.plan(kind);
         let o = plan.output;
         // The token row each row of logits comes from (its position + 1 is the sampled token's).

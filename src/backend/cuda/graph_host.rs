@@ -92,16 +92,7 @@ pub enum GraphError {
     NoOccupancy { threads: usize },
 }
 
-/// The batch bucket (graph size) for `rows` rows: 1, 2, 4 or 8; `None` above 8.
-pub fn bucket_for(rows: usize) -> Option<usize> {
-    match rows {
-        0 | 1 => Some(1),
-        2 => Some(2),
-        3 | 4 => Some(4),
-        5..=MAX_BATCH => Some(8),
-        _ => None,
-    }
-}
+pub use kiln_codegen::bucket_for;
 
 /// Persistent blocks for the megakernel: every block must be resident at once (they wait on
 /// each other's counters), so at most `sms × blocks_per_sm` (the occupancy API's answer for
