@@ -10,9 +10,11 @@ use super::{BatchResult, Engine, EngineError, GenerateOptions, RowResult, Step, 
 use crate::backend::cpu::{PlanKind, TokenRow};
 
 pub struct Session {
-    pub(super) engine: Arc<Engine>,
-    /// The cache and scratch memory on the engine's device.
+    /// The cache and scratch memory on the engine's device. Declared (so dropped) before
+    /// `engine`: a CUDA decode graph still in flight reads the backend's weights, and its drop
+    /// waits for it; the weights must not be freed first when this holds the last `Arc<Engine>`.
     pub(super) dev: Caches,
+    pub(super) engine: Arc<Engine>,
     pub(super) logits: Vec<f32>,
     /// What each slot's cache holds.
     pub(super) tokens: Vec<Vec<u32>>,

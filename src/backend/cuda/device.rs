@@ -323,6 +323,28 @@ fn div(a: usize, b: usize) -> u32 {
     a.div_ceil(b) as u32
 }
 
+/// CUDA's limit on `gridDim.y` (every architecture). Kernels with one block row per token row
+/// (grid `(…, rows)`) are launched once per chunk of at most this many rows: a prefill of more
+/// tokens would otherwise fail to launch.
+const MAX_GRID_Y: usize = 65535;
+
+/// `(first row, rows)` of each launch covering `rows` token rows, `MAX_GRID_Y` at most each.
+fn row_chunks(rows: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..rows)
+        .step_by(MAX_GRID_Y)
+        .map(move |s| (s, (rows - s).min(MAX_GRID_Y)))
+}
+
+/// Device pointer `p` (elements of `elem` bytes, rows of `stride` elements) moved to row `row`;
+/// a null pointer (an absent operand) stays null.
+fn row_at(p: u64, stride: i32, elem: usize, row: usize) -> u64 {
+    if p == 0 {
+        0
+    } else {
+        p + (row * stride as usize * elem) as u64
+    }
+}
+
 fn act_code(a: Activation) -> i32 {
     match a {
         Activation::Silu => 0,
@@ -674,8 +696,10 @@ impl CudaBackend {
         use cudarc::cublas::{result::gemm_ex, sys};
         let (k, r) = (m.cols, m.rows);
         let xb = self.scratch(ws, "x_bf16", (n_tok * k).div_ceil(2))?;
-        launch!(self, "f32_to_bf16_rows", cfg((div(k, 256), n_tok as u32, 1), BLOCK);
-            x, xs, xb, k as i32);
+        for (s, n) in row_chunks(n_tok) {
+            launch!(self, "f32_to_bf16_rows", cfg((div(k, 256), n as u32, 1), BLOCK);
+                row_at(x, xs, 4, s), xs, row_at(xb, k as i32, 2, s), k as i32);
+        }
         let direct = bias == 0 && (epi == 0 || (epi == 1 && res == out && rs == os));
         let (c, ldc, beta) = if direct {
             (out, os as usize, if epi == 1 { 1.0f32 } else { 0.0 })
@@ -721,8 +745,11 @@ impl CudaBackend {
         .map_err(|e| CudaError::Cublas(format!("cublasGemmEx {g:?}: {e}")))?;
         if !direct {
             let n = if epi == 3 { r / 2 } else { r };
-            launch!(self, "gemm_epilogue", cfg((div(n, 256), n_tok as u32, 1), BLOCK);
-                c, r as i32, bias, out, os, res, rs, n as i32, epi, act);
+            for (s, rows) in row_chunks(n_tok) {
+                launch!(self, "gemm_epilogue", cfg((div(n, 256), rows as u32, 1), BLOCK);
+                    row_at(c, r as i32, 4, s), r as i32, bias, row_at(out, os, 4, s), os,
+                    row_at(res, rs, 4, s), rs, n as i32, epi, act);
+            }
         }
         Ok(())
     }
@@ -871,8 +898,10 @@ impl CudaBackend {
                         launch!(self, "gemm_bf16", cfg((div(m.rows, 64), div(rows_out, 64), 1), BLOCK);
                             wp, mr, kk, x, xs, ro, bias, g, mr, 0u64, 0i32, 0i32, 0i32);
                         let f = m.rows / 2;
-                        launch!(self, "gated_rows", cfg((div(f, 256), ro as u32, 1), BLOCK);
-                            g, mr, out, os, f as i32, act);
+                        for (s, n) in row_chunks(rows_out) {
+                            launch!(self, "gated_rows", cfg((div(f, 256), n as u32, 1), BLOCK);
+                                row_at(g, mr, 4, s), mr, row_at(out, os, 4, s), os, f as i32, act);
+                        }
                     } else {
                         launch!(self, "gemm_bf16", cfg((div(m.rows, 64), div(rows_out, 64), 1), BLOCK);
                             wp, mr, kk, x, xs, ro, bias, out, os, res, rs, epi, act);
@@ -941,24 +970,36 @@ impl CudaBackend {
                     } else {
                         "mul_rows"
                     };
-                    launch!(self, name, cfg((div(out_slot.cols, 256), ro as u32, 1), BLOCK);
-                        a, as_, b, bs, out, os, out_slot.cols as i32);
+                    for (s, n) in row_chunks(rows_out) {
+                        launch!(self, name, cfg((div(out_slot.cols, 256), n as u32, 1), BLOCK);
+                            row_at(a, as_, 4, s), as_, row_at(b, bs, 4, s), bs,
+                            row_at(out, os, 4, s), os, out_slot.cols as i32);
+                    }
                 }
                 Op::Combine { a, b } => {
                     let (x, xs) = inp(0);
                     let (y, ys) = inp(1);
-                    launch!(self, "combine_rows", cfg((div(out_slot.cols, 256), ro as u32, 1), BLOCK);
-                        x, xs, y, ys, out, os, out_slot.cols as i32, *a, *b);
+                    for (s, n) in row_chunks(rows_out) {
+                        launch!(self, "combine_rows", cfg((div(out_slot.cols, 256), n as u32, 1), BLOCK);
+                            row_at(x, xs, 4, s), xs, row_at(y, ys, 4, s), ys,
+                            row_at(out, os, 4, s), os, out_slot.cols as i32, *a, *b);
+                    }
                 }
                 Op::Act(a) => {
                     let (x, xs) = inp(0);
-                    launch!(self, "act_rows", cfg((div(out_slot.cols, 256), ro as u32, 1), BLOCK);
-                        x, xs, out, os, out_slot.cols as i32, act_code(*a));
+                    for (s, n) in row_chunks(rows_out) {
+                        launch!(self, "act_rows", cfg((div(out_slot.cols, 256), n as u32, 1), BLOCK);
+                            row_at(x, xs, 4, s), xs, row_at(out, os, 4, s), os,
+                            out_slot.cols as i32, act_code(*a));
+                    }
                 }
                 Op::Softcap { cap } => {
                     let (x, xs) = inp(0);
-                    launch!(self, "softcap_rows", cfg((div(out_slot.cols, 256), ro as u32, 1), BLOCK);
-                        x, xs, out, os, out_slot.cols as i32, *cap);
+                    for (s, n) in row_chunks(rows_out) {
+                        launch!(self, "softcap_rows", cfg((div(out_slot.cols, 256), n as u32, 1), BLOCK);
+                            row_at(x, xs, 4, s), xs, row_at(out, os, 4, s), os,
+                            out_slot.cols as i32, *cap);
+                    }
                 }
                 Op::GatedValueAdd {
                     gate,
@@ -1088,6 +1129,37 @@ fn upload_matrix(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Row chunks cover every row once, in order, within CUDA's `gridDim.y` limit, and a chunk's
+    /// pointers land on its first row (null operands stay null).
+    #[test]
+    fn row_chunks_cover_the_rows_within_the_grid_limit() {
+        for rows in [
+            0,
+            1,
+            8,
+            MAX_GRID_Y - 1,
+            MAX_GRID_Y,
+            MAX_GRID_Y + 1,
+            3 * MAX_GRID_Y + 7,
+        ] {
+            let chunks: Vec<_> = row_chunks(rows).collect();
+            let mut next = 0;
+            for &(s, n) in &chunks {
+                assert_eq!(s, next, "{rows} rows: {chunks:?}");
+                assert!((1..=MAX_GRID_Y).contains(&n), "{rows} rows: {chunks:?}");
+                next += n;
+            }
+            assert_eq!(next, rows);
+            assert_eq!(chunks.len(), rows.div_ceil(MAX_GRID_Y));
+        }
+        assert_eq!(row_at(1000, 10, 4, 3), 1120);
+        assert_eq!(
+            row_at(1000, 6, 2, MAX_GRID_Y),
+            1000 + 12 * MAX_GRID_Y as u64
+        );
+        assert_eq!(row_at(0, 10, 4, 3), 0);
+    }
 
     /// Applies `slot_copies` to a host array with the device cache's layout and checks slot
     /// `to` then holds exactly slot `from`'s first `len` positions, nothing else moved.
