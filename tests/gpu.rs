@@ -16,6 +16,9 @@
 //!   logits.
 //!
 //! These tests have NOT been run on a GPU yet (written on a machine without one).
+//!
+//! SAFETY of every `GraphDecoder::new` below: each decoder is declared after the backend it
+//! comes from, in the same scope, so it is dropped first.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -482,7 +485,7 @@ fn megakernel_greedy_matches_per_op_and_cpu_for_256_steps() {
 
         let mut kv = gpu.new_cache(1, cap).expect("cache");
         let first = gpu_prefill(&gpu, &mut ws, &mut kv, 0, &prompt);
-        let mut g = GraphDecoder::new(&gpu, &kv, 1).expect("graph");
+        let mut g = unsafe { GraphDecoder::new(&gpu, &kv, 1) }.expect("graph");
         let (tiles, blocks) = g.geometry();
         println!("{name}: megakernel {tiles} tiles on {blocks} blocks");
         let rows = [GraphRow {
@@ -525,7 +528,8 @@ fn megakernel_started_late_decodes_past_the_attention_splits() {
         // One prefill into slot 0, copied to slot 1: the per-op path decodes slot 0, the graph
         // slot 1.
         let mut kv = gpu.new_cache(2, cap).expect("cache");
-        let g0 = GraphDecoder::new(&gpu, &kv, 1).expect("graph captured before the prefill");
+        let g0 =
+            unsafe { GraphDecoder::new(&gpu, &kv, 1) }.expect("graph captured before the prefill");
         let first = gpu_prefill(&gpu, &mut ws, &mut kv, 0, &prompt);
         kv.copy_slot(&gpu, 0, 1, PROMPT).expect("copy_slot");
         assert_eq!(kv.len(1), PROMPT);
@@ -566,7 +570,7 @@ fn megakernel_restarts_after_stop_and_host_path_steps() {
 
         let mut kv = gpu.new_cache(1, cap).expect("cache");
         gpu_prefill(&gpu, &mut ws, &mut kv, 0, &prompt);
-        let mut g = GraphDecoder::new(&gpu, &kv, 1).expect("graph");
+        let mut g = unsafe { GraphDecoder::new(&gpu, &kv, 1) }.expect("graph");
         let mut got: Vec<u32> = Vec::new();
         let mut last = first;
         // Graph 30 steps; then 20 enqueued, 5 read, stop (15 discarded); 10 host-path steps;
@@ -638,7 +642,7 @@ fn megakernel_batch_with_a_padding_row_and_stop_tokens() {
                 row_id: i as u32,
             })
             .collect();
-        let mut g = GraphDecoder::new(&gpu, &kv, 4).expect("graph");
+        let mut g = unsafe { GraphDecoder::new(&gpu, &kv, 4) }.expect("graph");
         g.start(&kv, &rows, &greedy(), &stops).expect("start");
         let (toks, masks) = graph_steps(&mut g, &mut kv, &rows, STEPS, 12);
         g.stop().expect("stop");
@@ -684,7 +688,7 @@ fn seeded_sampling_is_reproducible_on_the_graph_and_matches_the_per_op_sampler()
             token: first,
             row_id,
         }];
-        let mut g = GraphDecoder::new(&gpu, &kv, 1).expect("graph");
+        let mut g = unsafe { GraphDecoder::new(&gpu, &kv, 1) }.expect("graph");
         let mut runs = Vec::new();
         for _ in 0..2 {
             kv.truncate(0, p);

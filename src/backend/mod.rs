@@ -9,7 +9,8 @@ use crate::kv::KvError;
 use cpu::{ExecError, TokenRow};
 
 /// Checks one step before any backend runs it: every token id is in the vocabulary, every row's
-/// slot exists, each slot's tokens continue its cache contiguously, and they fit. Returns each
+/// slot exists, each slot's tokens are consecutive rows (kernels find a sequence's last row and
+/// carry state from row to row within it), continue its cache contiguously, and fit. Returns each
 /// touched slot's length after the step. `len(slot)` is the slot's current length.
 pub fn check_step(
     vocab: usize,
@@ -29,7 +30,10 @@ pub fn check_step(
         return Err(ExecError::BadToken { id, vocab });
     }
     let mut next: BTreeMap<usize, usize> = BTreeMap::new();
-    for r in rows {
+    for (i, r) in rows.iter().enumerate() {
+        if i > 0 && rows[i - 1].slot != r.slot && next.contains_key(&r.slot) {
+            return Err(ExecError::Interleaved { slot: r.slot });
+        }
         if r.slot >= slots {
             return Err(KvError::NoSlot {
                 slot: r.slot,
@@ -62,3 +66,35 @@ pub fn check_step(
     Ok(next)
 }
 pub mod cuda;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(v: &[(usize, usize)]) -> Vec<TokenRow> {
+        v.iter()
+            .map(|&(slot, pos)| TokenRow { slot, pos })
+            .collect()
+    }
+
+    #[test]
+    fn a_slots_rows_must_be_consecutive() {
+        let check = |r: &[(usize, usize)]| {
+            let r = rows(r);
+            check_step(10, &vec![1; r.len()], &r, 2, 8, |_| 0)
+        };
+        assert!(check(&[(0, 0), (0, 1), (1, 0)]).is_ok());
+        assert_eq!(
+            check(&[(0, 0), (1, 0), (0, 1)]),
+            Err(ExecError::Interleaved { slot: 0 })
+        );
+        assert_eq!(
+            check(&[(0, 1)]),
+            Err(ExecError::BadPosition {
+                slot: 0,
+                expected: 0,
+                found: 1
+            })
+        );
+    }
+}

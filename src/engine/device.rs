@@ -339,7 +339,10 @@ impl CudaCaches {
         let i = match self.graphs.iter().position(|g| g.bucket() == bucket) {
             Some(i) => i,
             None => {
-                self.graphs.push(GraphDecoder::new(backend, kv, bucket)?);
+                // SAFETY: the decoder lives in a session's caches, which the session drops
+                // before its `Arc<Engine>` (field order in `Session`), so the backend outlives it.
+                self.graphs
+                    .push(unsafe { GraphDecoder::new(backend, kv, bucket) }?);
                 self.graphs.len() - 1
             }
         };

@@ -69,6 +69,10 @@ pub enum ExecError {
         "a step needs at least one token and one row per token ({tokens} tokens, {rows} rows)"
     )]
     BadStep { tokens: usize, rows: usize },
+    #[error(
+        "slot {slot}'s tokens must be consecutive rows of a step (another slot's row came between)"
+    )]
+    Interleaved { slot: usize },
 }
 
 /// Which compiled plan a step runs.

@@ -478,7 +478,13 @@ impl GraphDecoder {
     /// Compiles (or reuses) the bucket's megakernel, allocates the decoder's device memory and
     /// the ring, and captures the launch into a graph. `kv` must have at least `bucket` slots
     /// (padding rows need slots of their own) and is the only cache this decoder runs on.
-    pub fn new(
+    ///
+    /// # Safety
+    ///
+    /// The captured graph holds raw pointers into `backend`'s device memory (weights, weight
+    /// tables, RoPE frequencies): `backend` must outlive the decoder (the engine drops a
+    /// session's decoders before the engine they came from).
+    pub unsafe fn new(
         backend: &CudaBackend,
         kv: &CudaKvCache,
         bucket: usize,
