@@ -25,7 +25,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{demo_model, fixtures, gpu_or_skip};
+use common::{demo_model, fixtures, gpu_or_skip, rel_l2};
 use kiln::backend::cpu::{CpuBackend, CpuOptions, PlanKind, TokenRow, WeightFormat, Workspace};
 use kiln::backend::cuda::{CudaBackend, CudaKvCache, CudaWorkspace, GraphDecoder, GraphRow};
 use kiln::model::Model;
@@ -51,16 +51,6 @@ fn models(dir: &Path, out: &mut Vec<PathBuf>) {
             out.push(p);
         }
     }
-}
-
-fn rel_l2(got: &[f32], want: &[f32]) -> f32 {
-    let num: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| ((a - b) as f64).powi(2))
-        .sum();
-    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt() as f32
 }
 
 struct Pair {

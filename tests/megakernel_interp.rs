@@ -21,7 +21,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{demo_model, fixtures};
+use common::{demo_model, fixtures, rel_l2};
 use kiln::backend::cpu::{
     rope_inv_freq, CpuBackend, CpuOptions, PlanKind, TokenRow, WeightFormat, Workspace,
 };
@@ -42,16 +42,6 @@ use kiln_codegen::{DecodeProgram, Ewise, Instr, Schedule, TileConfig};
 const TOLERANCE: f32 = 3e-2;
 const STEPS: usize = 18;
 const SLOTS: usize = 4;
-
-fn rel_l2(got: &[f32], want: &[f32]) -> f32 {
-    let num: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| ((a - b) as f64).powi(2))
-        .sum();
-    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt() as f32
-}
 
 /// Every fixture model: the HF directories and the GGUF files.
 fn fixture_models() -> Vec<PathBuf> {
@@ -151,6 +141,44 @@ fn rows_for(p: &DecodeProgram, batch: usize) -> Vec<(usize, usize)> {
     [(2, long), (0, 5), (3, 9), (1, 13)][..batch].to_vec()
 }
 
+/// The CPU's cache and scratch, and the interpreter with every row prefilled: row `b` at
+/// `rows[b] = (slot, len)` gets prompt tokens `prompt(b, i)` run on the CPU, whose cache is
+/// copied into the machine with the row's slot, position and greedy first token.
+struct Started {
+    ws: Workspace,
+    kv: KvCache,
+    logits: Vec<f32>,
+    m: Machine,
+}
+
+fn start(
+    s: &Setup,
+    sched: &Schedule,
+    rows: &[(usize, usize)],
+    capacity: usize,
+    prompt: impl Fn(usize, usize) -> u32,
+) -> Started {
+    let p = &s.program;
+    let mut ws = Workspace::new();
+    let mut kv = s.cpu.new_cache(SLOTS, capacity);
+    let mut logits = Vec::new();
+    let weights = weight_data(p, &s.model.weights).unwrap();
+    let inv_freq = rope_inv_freq(&s.cpu.plan(PlanKind::Decode).graph.rope);
+    let mut m = Machine::new(p, sched, weights, SLOTS, capacity, inv_freq).unwrap();
+    for (b, &(slot, len)) in rows.iter().enumerate() {
+        let ids: Vec<u32> = (0..len).map(|i| prompt(b, i)).collect();
+        let tr: Vec<TokenRow> = (0..len).map(|pos| TokenRow { slot, pos }).collect();
+        s.cpu
+            .forward(PlanKind::Prefill, &mut ws, &mut kv, &ids, &tr, &mut logits)
+            .unwrap();
+        copy_cache(&mut m, p, &kv, slot, len);
+        m.slots[b] = slot as i32;
+        m.pos[b] = len as i32;
+        m.tokens[b] = argmax(&logits) as i32;
+    }
+    Started { ws, kv, logits, m }
+}
+
 /// Prefills every row on the CPU, then decodes `steps` steps in the interpreter (tile order
 /// from `seed`) and on the CPU side by side, both fed the interpreter's tokens. Greedy tokens
 /// must be identical; with `near_ties_allowed` (random-weight fixtures, whose logits are nearly
@@ -169,32 +197,14 @@ fn decode_against_cpu(
     let vocab = p.vocab;
     let rows = rows_for(p, batch);
     let capacity = rows.iter().map(|r| r.1).max().unwrap() + steps + 4;
-    let mut ws = Workspace::new();
-    let mut kv = s.cpu.new_cache(SLOTS, capacity);
-    let mut logits = Vec::new();
-    let weights = weight_data(p, &s.model.weights).unwrap();
-    let inv_freq = rope_inv_freq(&s.cpu.plan(PlanKind::Decode).graph.rope);
-    let mut m = Machine::new(p, &s.schedule, weights, SLOTS, capacity, inv_freq).unwrap();
-    for (b, &(slot, len)) in rows.iter().enumerate() {
-        let prompt: Vec<u32> = (0..len)
-            .map(|i| ((i * 7 + 3 + 11 * b) % vocab) as u32)
-            .collect();
-        let tr: Vec<TokenRow> = (0..len).map(|pos| TokenRow { slot, pos }).collect();
-        s.cpu
-            .forward(
-                PlanKind::Prefill,
-                &mut ws,
-                &mut kv,
-                &prompt,
-                &tr,
-                &mut logits,
-            )
-            .unwrap();
-        copy_cache(&mut m, p, &kv, slot, len);
-        m.slots[b] = slot as i32;
-        m.pos[b] = len as i32;
-        m.tokens[b] = argmax(&logits) as i32;
-    }
+    let Started {
+        mut ws,
+        mut kv,
+        mut logits,
+        mut m,
+    } = start(s, &s.schedule, &rows, capacity, |b, i| {
+        ((i * 7 + 3 + 11 * b) % vocab) as u32
+    });
     let Some(Instr::Sample { logits: lr, .. }) = p.instrs.iter().rev().nth(1) else {
         panic!("{what}: the program does not end with sample, step_end");
     };
@@ -358,30 +368,9 @@ fn run_mutant(s: &Setup, sched: &Schedule, pick: &mut dyn FnMut(&[usize]) -> usi
     let p = &s.program;
     let rows = rows_for(p, p.batch);
     let capacity = rows.iter().map(|r| r.1).max().unwrap() + 4;
-    let mut ws = Workspace::new();
-    let mut kv = s.cpu.new_cache(SLOTS, capacity);
-    let mut logits = Vec::new();
-    let weights = weight_data(p, &s.model.weights).unwrap();
-    let inv_freq = rope_inv_freq(&s.cpu.plan(PlanKind::Decode).graph.rope);
-    let mut m = Machine::new(p, sched, weights, SLOTS, capacity, inv_freq).unwrap();
-    for (b, &(slot, len)) in rows.iter().enumerate() {
-        let prompt: Vec<u32> = (0..len).map(|i| ((i * 5 + b) % p.vocab) as u32).collect();
-        let tr: Vec<TokenRow> = (0..len).map(|pos| TokenRow { slot, pos }).collect();
-        s.cpu
-            .forward(
-                PlanKind::Prefill,
-                &mut ws,
-                &mut kv,
-                &prompt,
-                &tr,
-                &mut logits,
-            )
-            .unwrap();
-        copy_cache(&mut m, p, &kv, slot, len);
-        m.slots[b] = slot as i32;
-        m.pos[b] = len as i32;
-        m.tokens[b] = argmax(&logits) as i32;
-    }
+    let Started { mut m, .. } = start(s, sched, &rows, capacity, |b, i| {
+        ((i * 5 + b) % p.vocab) as u32
+    });
     let Some(Instr::Sample { logits: lr, .. }) = p.instrs.iter().rev().nth(1) else {
         panic!("no sample");
     };

@@ -243,3 +243,14 @@ pub fn gpu_or_skip() -> bool {
         }
     }
 }
+
+/// ‖got − want‖₂ / ‖want‖₂, in f64.
+pub fn rel_l2(got: &[f32], want: &[f32]) -> f32 {
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt() as f32
+}
