@@ -13,19 +13,9 @@ use std::collections::VecDeque;
 
 use super::{EngineError, LogitsProcessor};
 use crate::backend::cpu::{CpuBackend, PlanKind, TokenRow, Workspace};
+use crate::backend::cuda::GraphRow;
 use crate::kv::KvCache;
 use crate::sample::{self, SamplingParams};
-
-/// One row of a started graph.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct GraphRow {
-    pub slot: usize,
-    /// Position of `token`, the token the first step embeds.
-    pub pos: usize,
-    pub token: u32,
-    /// The row's Philox key.
-    pub row_id: u32,
-}
 
 #[derive(Default)]
 pub(crate) struct CpuGraph {

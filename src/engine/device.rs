@@ -14,13 +14,12 @@ use crate::model::{Model, ModelConfig};
 use crate::plan::ExecutionPlan;
 use crate::sample::SamplingParams;
 
-use super::cpu_graph::{CpuGraph, GraphRow};
+use super::cpu_graph::CpuGraph;
 use super::{EngineError, LogitsProcessor};
+use crate::backend::cuda::GraphRow;
 
 #[cfg(feature = "cuda")]
-use crate::backend::cuda::{
-    CudaBackend, CudaKvCache, CudaWorkspace, GraphDecoder, GraphRow as CudaGraphRow,
-};
+use crate::backend::cuda::{CudaBackend, CudaKvCache, CudaWorkspace, GraphDecoder};
 
 /// Which backend an engine asks for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -445,16 +444,7 @@ impl Caches {
             (Caches::Cuda(c), Backend::Cuda { backend, .. }) => {
                 let _ = emulation;
                 let (g, kv) = c.graph(backend, bucket)?;
-                let rows: Vec<CudaGraphRow> = rows
-                    .iter()
-                    .map(|r| CudaGraphRow {
-                        slot: r.slot,
-                        pos: r.pos,
-                        token: r.token,
-                        row_id: r.row_id,
-                    })
-                    .collect();
-                Ok(g.start(kv, &rows, sampling, stop_tokens)?)
+                Ok(g.start(kv, rows, sampling, stop_tokens)?)
             }
             #[cfg(feature = "cuda")]
             _ => unreachable!("a session's caches come from its engine's backend"),

@@ -12,10 +12,10 @@
 //! ahead like the device; with the CUDA graph decoder it is UNVERIFIED on a GPU (written and
 //! compiled on machines without one).
 
-use super::cpu_graph::GraphRow;
 use super::device::{Backend, CpuGraphInputs};
 use super::session::Session;
 use super::{EngineError, LogitsProcessor};
+use crate::backend::cuda::GraphRow;
 use crate::sample::SamplingParams;
 use kiln_codegen::bucket_for;
 
@@ -38,48 +38,39 @@ pub(super) struct GraphRun {
 }
 
 impl GraphRun {
-    /// Whether a graph can take `feed` (rows, tokens and positions of the tokens to embed next).
+    /// Whether a graph can take `rows` rows.
     pub fn fits(backend: &Backend, rows: usize) -> bool {
         backend.uses_megakernel() && bucket_for(rows).is_some()
     }
 
-    /// Starts the graph on `feed` (engine row, token, position) and enqueues its first replays.
-    /// `budget` is how many replays can still produce a token anyone reads.
+    /// Starts the graph on `feed` (each row's slot is its engine row) and enqueues its first
+    /// replays. `budget` is how many replays can still produce a token anyone reads.
     pub fn start(
         s: &mut Session,
-        feed: &[(usize, u32, usize)],
+        feed: &[GraphRow],
         sampling: &SamplingParams,
         stop_tokens: &[u32],
         processor: Option<&LogitsProcessor>,
         budget: usize,
     ) -> Result<GraphRun, EngineError> {
         let bucket = bucket_for(feed.len()).expect("GraphRun::fits checked the row count");
-        let rows: Vec<GraphRow> = feed
-            .iter()
-            .map(|&(r, token, pos)| GraphRow {
-                slot: r,
-                pos,
-                token,
-                row_id: r as u32,
-            })
-            .collect();
         let backend = &s.engine.backend;
         let emulation = CpuGraphInputs {
             processor,
             contexts: if backend.emulates_graph() {
                 feed.iter()
-                    .map(|&(r, t, _)| [s.tokens[r].as_slice(), &[t]].concat())
+                    .map(|f| [s.tokens[f.slot].as_slice(), &[f.token]].concat())
                     .collect()
             } else {
                 Vec::new()
             },
         };
         s.dev
-            .graph_start(backend, bucket, &rows, sampling, stop_tokens, emulation)?;
+            .graph_start(backend, bucket, feed, sampling, stop_tokens, emulation)?;
         let mut run = GraphRun {
             bucket,
-            rows: feed.iter().map(|f| f.0).collect(),
-            pending: feed.iter().map(|&(_, t, p)| Some((t, p))).collect(),
+            rows: feed.iter().map(|f| f.slot).collect(),
+            pending: feed.iter().map(|f| Some((f.token, f.pos))).collect(),
             budget,
             in_flight: 0,
         };
@@ -116,14 +107,14 @@ impl GraphRun {
 
     /// Whether the graph's rows can go on: every row in `feed` is one of the graph's rows,
     /// embedding the token it just sampled.
-    pub fn covers(&self, feed: &[(usize, u32, usize)]) -> bool {
-        feed.iter().all(|f| self.rows.contains(&f.0))
+    pub fn covers(&self, feed: &[GraphRow]) -> bool {
+        feed.iter().all(|f| self.rows.contains(&f.slot))
     }
 
     /// Records what the next replay embeds: `feed` rows go on, the others have finished.
-    pub fn feed(&mut self, feed: &[(usize, u32, usize)]) {
+    pub fn feed(&mut self, feed: &[GraphRow]) {
         for (b, r) in self.rows.iter().enumerate() {
-            self.pending[b] = feed.iter().find(|f| f.0 == *r).map(|&(_, t, p)| (t, p));
+            self.pending[b] = feed.iter().find(|f| f.slot == *r).map(|f| (f.token, f.pos));
         }
     }
 

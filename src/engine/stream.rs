@@ -9,6 +9,7 @@ use super::stop::TextTracker;
 use super::tools::{ToolState, ToolTokens};
 use super::{EngineError, FinishReason, GenerateOptions, RowStep, Step, Timings, Usage};
 use crate::backend::cpu::{PlanKind, TokenRow};
+use crate::backend::cuda::GraphRow;
 use crate::sample;
 
 /// Where the next step's tokens come from.
@@ -229,10 +230,16 @@ impl<'a> Stream<'a> {
             .iter()
             .any(|t| !self.rows[t.slot].tool.forced.is_empty());
         {
-            let rows: Vec<(usize, u32, usize)> = feed
+            // A row's cache slot is its engine row, which keys its Philox draws.
+            let rows: Vec<GraphRow> = feed
                 .iter()
                 .zip(feed_rows)
-                .map(|(&t, r)| (r.slot, t, r.pos))
+                .map(|(&token, r)| GraphRow {
+                    slot: r.slot,
+                    pos: r.pos,
+                    token,
+                    row_id: r.slot as u32,
+                })
                 .collect();
             let backend = &self.s.engine.backend;
             // The CPU stand-in for the graph applies logits processors (tests script tool

@@ -36,7 +36,7 @@ use kiln_codegen::{Weight, WeightDtype};
 use super::device::{drv, CudaBackend, CudaError, CudaKvCache, DevMatrix};
 use super::graph_host::{
     batch_arrays, bucket_for, check_rows, control_words, grid_blocks, host_stop_mask, padding_rows,
-    row_mask, sampling_control, wait_epoch, GraphError, RingBook, StartRow, StreamState, WaitError,
+    row_mask, sampling_control, wait_epoch, GraphError, GraphRow, RingBook, StreamState, WaitError,
     CONTROL_WORDS,
 };
 use super::megakernel::{generate, lower_decode};
@@ -54,16 +54,6 @@ const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Spins between polls of the stream while waiting on the ring.
 const POLL_SPINS: u32 = 1024;
-
-/// One row to decode: the token it embeds at position `pos` of cache slot `slot`, and the
-/// engine row keying its Philox draws.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GraphRow {
-    pub slot: usize,
-    pub pos: usize,
-    pub token: u32,
-    pub row_id: u32,
-}
 
 /// One decode step's results: the sampled token of each started row (in `start`'s order), and
 /// a bit per row whose token is one of the stop tokens.
@@ -590,23 +580,14 @@ impl GraphDecoder {
         if !self.kv.is(kv) {
             return Err(GraphError::OtherCache.into());
         }
-        let starts: Vec<StartRow> = rows
-            .iter()
-            .map(|r| StartRow {
-                slot: r.slot,
-                pos: r.pos,
-                token: r.token,
-                row_id: r.row_id,
-            })
-            .collect();
-        check_rows(&starts, self.bucket, &kv.lens, kv.capacity, self.vocab)?;
-        let pads = padding_rows(&starts, self.bucket, &kv.lens)?;
+        check_rows(rows, self.bucket, &kv.lens, kv.capacity, self.vocab)?;
+        let pads = padding_rows(rows, self.bucket, &kv.lens)?;
         let ids: Vec<u32> = rows.iter().map(|r| r.row_id).collect();
         let ctl = sampling_control(sampling, &ids, stop_tokens)?;
         if self.book.in_flight() > 0 || self.unsynced {
             self.stop()?;
         }
-        let (pos, tok, slot) = batch_arrays(&starts, &pads);
+        let (pos, tok, slot) = batch_arrays(rows, &pads);
         self.stream.join(&self.backend_stream).map_err(drv)?;
         self.stream.memcpy_htod(&pos, &mut self.pos).map_err(drv)?;
         self.stream

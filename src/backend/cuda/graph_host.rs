@@ -109,10 +109,10 @@ pub fn grid_blocks(
     Ok((sms.max(1) * blocks_per_sm).min(tiles).max(1))
 }
 
-/// One row the graph decodes: the token it embeds at `pos` in cache slot `slot`, sampled with
-/// Philox row `row_id`. (Mirrors the public `GraphRow`, which needs the `cuda` feature.)
+/// One row to decode: the token it embeds at position `pos` of cache slot `slot`, and the
+/// engine row keying its Philox draws.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StartRow {
+pub struct GraphRow {
     pub slot: usize,
     pub pos: usize,
     pub token: u32,
@@ -130,7 +130,7 @@ pub struct PadRow {
 /// Checks the started rows against the cache (`lens[slot]` positions cached, `capacity`) and the
 /// vocabulary.
 pub fn check_rows(
-    rows: &[StartRow],
+    rows: &[GraphRow],
     bucket: usize,
     lens: &[usize],
     capacity: usize,
@@ -200,7 +200,7 @@ pub fn check_rows(
 /// lengths, so such a slot must not be read again without being refilled. Slot lengths alone
 /// cannot tell a finished row from a paused one: callers pad only with slots they no longer read.
 pub fn padding_rows(
-    rows: &[StartRow],
+    rows: &[GraphRow],
     bucket: usize,
     lens: &[usize],
 ) -> Result<Vec<PadRow>, GraphError> {
@@ -227,7 +227,7 @@ pub fn padding_rows(
 
 /// The per-batch-row device arrays of a start: positions, tokens, slots (started rows, then
 /// padding rows with token 0).
-pub fn batch_arrays(rows: &[StartRow], pads: &[PadRow]) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
+pub fn batch_arrays(rows: &[GraphRow], pads: &[PadRow]) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
     let mut pos = Vec::with_capacity(rows.len() + pads.len());
     let mut tok = Vec::with_capacity(rows.len() + pads.len());
     let mut slot = Vec::with_capacity(rows.len() + pads.len());
@@ -519,8 +519,8 @@ mod tests {
         );
     }
 
-    fn row(slot: usize, pos: usize) -> StartRow {
-        StartRow {
+    fn row(slot: usize, pos: usize) -> GraphRow {
+        GraphRow {
             slot,
             pos,
             token: 1,
@@ -570,7 +570,7 @@ mod tests {
             check_rows(&[row(0, 4), row(2, 3)], 2, &lens, 16, 10),
             Ok(())
         );
-        let err = |rows: &[StartRow], bucket| check_rows(rows, bucket, &lens, 16, 10).unwrap_err();
+        let err = |rows: &[GraphRow], bucket| check_rows(rows, bucket, &lens, 16, 10).unwrap_err();
         assert_eq!(
             err(&[row(0, 4), row(0, 4)], 2),
             GraphError::DuplicateSlot { row: 1, slot: 0 }

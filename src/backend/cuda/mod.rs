@@ -34,5 +34,5 @@ pub mod nvrtc;
 #[cfg(feature = "cuda")]
 pub use device::{probe, CudaBackend, CudaError, CudaKvCache, CudaWorkspace, DeviceInfo};
 #[cfg(feature = "cuda")]
-pub use graph::{GraphDecoder, GraphRow, GraphStep};
-pub use graph_host::{bucket_for, GraphError, MkControl, RING};
+pub use graph::{GraphDecoder, GraphStep};
+pub use graph_host::{bucket_for, GraphError, GraphRow, MkControl, RING};
