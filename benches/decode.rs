@@ -54,7 +54,7 @@ fn decode_step(c: &mut Criterion) {
         .map(|i| (i * 7919) % model.config.vocab_size as u32)
         .collect();
     let rows: Vec<TokenRow> = (0..ctx).map(|pos| TokenRow { slot: 0, pos }).collect();
-    let mut kv = b.new_cache(1, ctx + 1);
+    let mut kv = b.new_cache(1, ctx + 1).expect("cache");
     let mut ws = Workspace::new();
     let mut logits = Vec::new();
     b.forward(
@@ -128,7 +128,8 @@ fn attention_decode(c: &mut Criterion) {
         head_dim: d,
         state_dim: 0,
     };
-    let mut kv = KvCache::new(spec, 1, ctx);
+    let mut kv = KvCache::new(spec, 1, ctx).expect("cache");
+    kv.prepare(0, ctx).expect("cache blocks");
     for pos in 0..ctx {
         let k = rand_vec(kv_heads * d, pos as u64 + 1);
         let v = rand_vec(kv_heads * d, pos as u64 + 10_000);

@@ -97,7 +97,7 @@ fn gpu_logits_match_cpu_on_every_fixture() {
             .map(|pos| TokenRow { slot: 0, pos })
             .collect();
         let (mut cws, mut gws) = (Workspace::new(), CudaWorkspace::new());
-        let mut ckv = cpu.new_cache(1, 64);
+        let mut ckv = cpu.new_cache(1, 64).expect("cache");
         let mut gkv = gpu.new_cache(1, 64).expect("device cache");
         let (mut cl, mut gl) = (Vec::new(), Vec::new());
         cpu.forward(
@@ -159,7 +159,7 @@ fn greedy_tokens_match_cpu_for_128_steps_on_smollm2() {
         .map(|pos| TokenRow { slot: 0, pos })
         .collect();
     let (mut cws, mut gws) = (Workspace::new(), CudaWorkspace::new());
-    let mut ckv = cpu.new_cache(1, 256);
+    let mut ckv = cpu.new_cache(1, 256).expect("cache");
     let mut gkv = gpu.new_cache(1, 256).expect("device cache");
     let (mut cl, mut gl) = (Vec::new(), Vec::new());
     cpu.forward(
@@ -237,7 +237,7 @@ fn prefill_through_cublas_matches_the_fallback_gemm_and_cpu() {
         cpu.forward(
             PlanKind::AllLogits,
             &mut Workspace::new(),
-            &mut cpu.new_cache(1, 64),
+            &mut cpu.new_cache(1, 64).expect("cache"),
             &prompt,
             &rows,
             &mut cl,
@@ -307,7 +307,8 @@ fn token_rows(slot: usize, from: usize, n: usize) -> Vec<TokenRow> {
 /// CPU greedy decode: `steps` tokens (the prefill's first) and each step's top-2 logit gap
 /// relative to the logits' RMS (how close to a tie the choice was).
 fn cpu_greedy(cpu: &CpuBackend, prompt: &[u32], steps: usize, cap: usize) -> (Vec<u32>, Vec<f32>) {
-    let (mut ws, mut kv, mut l) = (Workspace::new(), cpu.new_cache(1, cap), Vec::new());
+    let (mut ws, mut kv, mut l) =
+        (Workspace::new(), cpu.new_cache(1, cap), Vec::new()).expect("cache");
     cpu.forward(
         PlanKind::Prefill,
         &mut ws,

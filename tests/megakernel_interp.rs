@@ -160,7 +160,7 @@ fn start(
 ) -> Started {
     let p = &s.program;
     let mut ws = Workspace::new();
-    let mut kv = s.cpu.new_cache(SLOTS, capacity);
+    let mut kv = s.cpu.new_cache(SLOTS, capacity).expect("cache");
     let mut logits = Vec::new();
     let weights = weight_data(p, &s.model.weights).unwrap();
     let inv_freq = rope_inv_freq(&s.cpu.plan(PlanKind::Decode).graph.rope);

@@ -54,7 +54,7 @@ fn check(era: &str) {
     let mut ws = Workspace::new();
     let mut logits = Vec::new();
 
-    let mut kv = be.new_cache(1, p + 17);
+    let mut kv = be.new_cache(1, p + 17).expect("cache");
     be.forward(
         PlanKind::AllLogits,
         &mut ws,
@@ -73,7 +73,7 @@ fn check(era: &str) {
     }
 
     let (split, want_chunked) = chunked(&dir.join("reference.safetensors"));
-    let mut kv = be.new_cache(1, p + 17);
+    let mut kv = be.new_cache(1, p + 17).expect("cache");
     let mut got = Vec::new();
     for (a, b) in [(0, split), (split, p)] {
         be.forward(
@@ -95,7 +95,7 @@ fn check(era: &str) {
         );
     }
 
-    let mut kv = be.new_cache(1, p + 17);
+    let mut kv = be.new_cache(1, p + 17).expect("cache");
     be.forward(
         PlanKind::Prefill,
         &mut ws,

@@ -31,7 +31,7 @@ fn check(model_path: &str, reference: &str) {
 
     // Prefill, logits for every position.
     let mut ws = Workspace::new();
-    let mut kv = backend.new_cache(1, p + 17);
+    let mut kv = backend.new_cache(1, p + 17).expect("cache");
     let mut logits = Vec::new();
     let n = backend
         .forward(
@@ -53,7 +53,7 @@ fn check(model_path: &str, reference: &str) {
     }
 
     // Prefill for generation (last row only), then greedy decode through the cache.
-    let mut kv = backend.new_cache(1, p + 17);
+    let mut kv = backend.new_cache(1, p + 17).expect("cache");
     backend
         .forward(
             PlanKind::Prefill,

@@ -459,7 +459,7 @@ impl Target for CpuTarget {
 fn time_prefill(b: &CpuBackend, n: usize, seed: u64) -> Result<Duration> {
     let ids = token_ids(n, b.config().vocab_size, seed);
     let rows: Vec<TokenRow> = (0..n).map(|pos| TokenRow { slot: 0, pos }).collect();
-    let mut kv = b.new_cache(1, n);
+    let mut kv = b.new_cache(1, n)?;
     let mut ws = Workspace::new();
     let mut logits = Vec::new();
     let t0 = Instant::now();
@@ -478,7 +478,7 @@ fn time_prefill(b: &CpuBackend, n: usize, seed: u64) -> Result<Duration> {
 /// step that gives each its first token.
 fn time_decode(b: &CpuBackend, batch: usize, n: usize, seed: u64) -> Result<Duration> {
     let ids = token_ids((n + 1) * batch, b.config().vocab_size, seed);
-    let mut kv = b.new_cache(batch, n + 1);
+    let mut kv = b.new_cache(batch, n + 1)?;
     let mut ws = Workspace::new();
     let mut logits = Vec::new();
     let mut step = |pos: usize| {
@@ -504,7 +504,7 @@ fn time_decode(b: &CpuBackend, batch: usize, n: usize, seed: u64) -> Result<Dura
 fn profile_decode(b: &CpuBackend, n: usize, seed: u64) -> Result<()> {
     use std::collections::BTreeMap;
     let ids = token_ids(n + 1, b.config().vocab_size, seed);
-    let mut kv = b.new_cache(1, n + 1);
+    let mut kv = b.new_cache(1, n + 1)?;
     let mut ws = Workspace::new();
     let mut logits = Vec::new();
     ws.enable_profile();

@@ -183,8 +183,12 @@ impl Backend {
     /// first use, so that creating a session cannot fail).
     pub fn new_caches(&self, slots: usize, capacity: usize) -> Caches {
         match self {
-            Backend::Cpu { backend: b, .. } => Caches::Cpu {
-                kv: b.new_cache(slots, capacity),
+            Backend::Cpu { .. } => Caches::Cpu {
+                kv: CpuCache {
+                    slots,
+                    capacity,
+                    kv: None,
+                },
                 ws: Workspace::new(),
                 graph: CpuGraph::default(),
             },
@@ -210,7 +214,7 @@ impl Backend {
     ) -> Result<usize, EngineError> {
         match (self, caches) {
             (Backend::Cpu { backend: b, .. }, Caches::Cpu { kv, ws, .. }) => {
-                Ok(b.forward(kind, ws, kv, tokens, rows, logits)?)
+                Ok(b.forward(kind, ws, kv.get(b)?, tokens, rows, logits)?)
             }
             #[cfg(feature = "cuda")]
             (Backend::Cuda { backend, .. }, Caches::Cuda(c)) => {
@@ -288,12 +292,46 @@ impl Backend {
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum Caches {
     Cpu {
-        kv: KvCache,
+        kv: CpuCache,
         ws: Workspace,
         graph: CpuGraph,
     },
     #[cfg(feature = "cuda")]
     Cuda(Box<CudaCaches>),
+}
+
+/// A session's CPU cache, made on first use (like the device's), so that creating a session
+/// cannot fail.
+pub(crate) struct CpuCache {
+    slots: usize,
+    capacity: usize,
+    kv: Option<KvCache>,
+}
+
+impl CpuCache {
+    pub fn get(&mut self, backend: &CpuBackend) -> Result<&mut KvCache, EngineError> {
+        let kv = match self.kv.take() {
+            Some(kv) => kv,
+            None => backend.new_cache(self.slots, self.capacity)?,
+        };
+        Ok(self.kv.insert(kv))
+    }
+
+    pub fn made(&self) -> Option<&KvCache> {
+        self.kv.as_ref()
+    }
+
+    pub fn made_mut(&mut self) -> Option<&mut KvCache> {
+        self.kv.as_mut()
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -352,7 +390,7 @@ impl CudaCaches {
 impl Caches {
     pub fn len(&self, slot: usize) -> usize {
         match self {
-            Caches::Cpu { kv, .. } => kv.len(slot),
+            Caches::Cpu { kv, .. } => kv.made().map_or(0, |kv| kv.len(slot)),
             #[cfg(feature = "cuda")]
             Caches::Cuda(c) => c.kv.as_ref().map_or(0, |kv| kv.len(slot)),
         }
@@ -378,7 +416,11 @@ impl Caches {
     /// Forgets positions from `len` on.
     pub fn truncate(&mut self, slot: usize, len: usize) {
         match self {
-            Caches::Cpu { kv, .. } => kv.truncate(slot, len),
+            Caches::Cpu { kv, .. } => {
+                if let Some(kv) = kv.made_mut() {
+                    kv.truncate(slot, len)
+                }
+            }
             #[cfg(feature = "cuda")]
             Caches::Cuda(c) => {
                 if let Some(kv) = c.kv.as_mut() {
@@ -397,8 +439,8 @@ impl Caches {
         len: usize,
     ) -> Result<(), EngineError> {
         match (self, backend) {
-            (Caches::Cpu { kv, .. }, _) => {
-                kv.copy_slot(from, to, len);
+            (Caches::Cpu { kv, .. }, Backend::Cpu { backend, .. }) => {
+                kv.get(backend)?.copy_slot(from, to, len);
                 Ok(())
             }
             #[cfg(feature = "cuda")]
@@ -414,7 +456,11 @@ impl Caches {
     /// Sets a slot's confirmed length (positions a graph step wrote, once consumed).
     pub fn set_len(&mut self, slot: usize, len: usize) {
         match self {
-            Caches::Cpu { kv, .. } => kv.set_len(slot, len),
+            Caches::Cpu { kv, .. } => {
+                if let Some(kv) = kv.made_mut() {
+                    kv.set_len(slot, len)
+                }
+            }
             #[cfg(feature = "cuda")]
             Caches::Cuda(c) => {
                 if let Some(kv) = c.kv.as_mut() {
@@ -456,7 +502,7 @@ impl Caches {
         match (self, backend) {
             (Caches::Cpu { kv, ws, graph }, Backend::Cpu { backend, .. }) => {
                 let _ = bucket;
-                graph.enqueue(backend, kv, ws)
+                graph.enqueue(backend, kv.get(backend)?, ws)
             }
             #[cfg(feature = "cuda")]
             (Caches::Cuda(c), Backend::Cuda { backend, .. }) => {

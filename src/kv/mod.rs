@@ -1,8 +1,22 @@
-//! The contiguous KV cache: every slot (sequence) pre-allocates `capacity` positions per layer
-//! and KV head, laid out so that one head's keys for all positions are contiguous — the order
-//! attention reads them in.
+//! The KV cache: one layout ([`layout`]), a pool of blocks with reference counts ([`pool`]),
+//! a page table per sequence, copy-on-write of shared blocks, and a prefix cache ([`prefix`])
+//! over full blocks of token ids.
+//!
+//! A [`KvCache`] is the memory one step runs against: its sequences are numbered *slots*, each a
+//! page table and a length. A session's cache has a fixed number of slots (its sample rows); an
+//! engine's serving cache opens and closes slots as requests come and go. Backends address
+//! positions only through [`layout::KvLayout`] and the slot's page table.
+
+pub mod layout;
+pub mod pool;
+pub mod prefix;
+pub mod storage;
 
 use crate::graph::KvSpec;
+pub use layout::{KvLayout, LayoutError, DEFAULT_BLOCK_SIZE};
+pub use pool::{BlockPool, KvBudget, PoolError};
+pub use prefix::PrefixCache;
+pub use storage::KvDtype;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum KvError {
@@ -15,79 +29,195 @@ pub enum KvError {
     },
     #[error("KV cache slot {slot} does not exist (cache has {slots})")]
     NoSlot { slot: usize, slots: usize },
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+}
+
+/// One sequence's blocks, in position order, and how many positions count as filled. Blocks
+/// past `len` may exist (written ahead by a decode graph, not yet confirmed).
+#[derive(Clone, Debug, Default)]
+struct PageTable {
+    blocks: Vec<u32>,
+    len: usize,
+    open: bool,
+}
+
+/// How a cache is cut and stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvOptions {
+    pub block_size: usize,
+    pub dtype: KvDtype,
+}
+
+impl Default for KvOptions {
+    fn default() -> Self {
+        KvOptions {
+            block_size: DEFAULT_BLOCK_SIZE,
+            dtype: KvDtype::F32,
+        }
+    }
 }
 
 pub struct KvCache {
     spec: KvSpec,
-    slots: usize,
+    pool: BlockPool,
+    prefix: PrefixCache,
+    tables: Vec<PageTable>,
+    /// Positions a slot may hold at most.
     capacity: usize,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    /// `spec.state_dim` floats per slot and position (nanochat's smear input), kept per position
-    /// so truncation and prefix reuse stay exact.
-    state: Vec<f32>,
-    lens: Vec<usize>,
 }
 
 impl KvCache {
-    pub fn new(spec: KvSpec, slots: usize, capacity: usize) -> KvCache {
-        let n = spec.layers * slots * spec.kv_heads * capacity * spec.head_dim;
-        KvCache {
+    /// `slots` sequences of up to `capacity` positions each, f32, default blocks; memory is
+    /// taken as positions are written.
+    pub fn new(spec: KvSpec, slots: usize, capacity: usize) -> Result<KvCache, KvError> {
+        let blocks = capacity.div_ceil(DEFAULT_BLOCK_SIZE).saturating_mul(slots);
+        let mut c = KvCache::with_budget(
             spec,
-            slots,
+            KvOptions::default(),
+            KvBudget::Blocks(blocks),
             capacity,
-            k: vec![0.0; n],
-            v: vec![0.0; n],
-            state: vec![0.0; slots * capacity * spec.state_dim],
-            lens: vec![0; slots],
+        )?;
+        for _ in 0..slots {
+            c.open_slot();
         }
+        Ok(c)
+    }
+
+    /// An empty cache (no slots) over a pool sized by `budget`; every slot may hold up to
+    /// `capacity` positions.
+    pub fn with_budget(
+        spec: KvSpec,
+        opts: KvOptions,
+        budget: KvBudget,
+        capacity: usize,
+    ) -> Result<KvCache, KvError> {
+        let layout = KvLayout {
+            layers: spec.layers,
+            kv_heads: spec.kv_heads,
+            head_dim: spec.head_dim,
+            state_dim: spec.state_dim,
+            block_size: opts.block_size,
+            num_blocks: 1,
+            dtype: opts.dtype,
+        };
+        // A ceiling no array index can overflow: the pool grows toward it as it is used.
+        let most =
+            (isize::MAX as usize / layout.bytes_per_block().max(1)).min(u32::MAX as usize - 1);
+        let budget = match budget {
+            KvBudget::Blocks(n) => KvBudget::Blocks(n.min(most)),
+            KvBudget::Bytes(b) => KvBudget::Blocks((b / layout.bytes_per_block().max(1)).min(most)),
+        };
+        if budget == KvBudget::Blocks(0) {
+            return Err(PoolError::BudgetTooSmall {
+                budget: 0,
+                block: layout.bytes_per_block(),
+            }
+            .into());
+        }
+        let pool = BlockPool::new(layout, budget)?;
+        Ok(KvCache {
+            spec,
+            prefix: PrefixCache::new(opts.block_size),
+            pool,
+            tables: Vec::new(),
+            capacity,
+        })
     }
 
     pub fn spec(&self) -> KvSpec {
         self.spec
     }
 
+    pub fn layout(&self) -> &KvLayout {
+        self.pool.layout()
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Slot numbers in use or reusable (one past the highest).
     pub fn slots(&self) -> usize {
-        self.slots
+        self.tables.len()
     }
 
     pub fn capacity(&self) -> usize {
         self.capacity
     }
 
+    /// A new empty slot (reusing a closed one).
+    pub fn open_slot(&mut self) -> usize {
+        let slot = match self.tables.iter().position(|t| !t.open) {
+            Some(s) => s,
+            None => {
+                self.tables.push(PageTable::default());
+                self.tables.len() - 1
+            }
+        };
+        self.tables[slot].open = true;
+        slot
+    }
+
+    /// Gives back a slot's blocks; the slot number may be handed out again.
+    pub fn close_slot(&mut self, slot: usize) {
+        if let Some(t) = self.tables.get_mut(slot) {
+            for b in t.blocks.drain(..) {
+                self.pool.release(b);
+            }
+            t.len = 0;
+            t.open = false;
+        }
+    }
+
+    fn table(&self, slot: usize) -> Result<&PageTable, KvError> {
+        self.tables
+            .get(slot)
+            .filter(|t| t.open)
+            .ok_or(KvError::NoSlot {
+                slot,
+                slots: self.tables.len(),
+            })
+    }
+
+    /// Whether `slot` is open.
+    pub fn has_slot(&self, slot: usize) -> bool {
+        self.table(slot).is_ok()
+    }
+
     /// Positions filled in `slot`.
     pub fn len(&self, slot: usize) -> usize {
-        self.lens[slot]
+        self.tables[slot].len
     }
 
     pub fn is_empty(&self, slot: usize) -> bool {
-        self.lens[slot] == 0
+        self.tables[slot].len == 0
     }
 
+    /// The blocks of `slot`, in position order.
+    pub fn page_table(&self, slot: usize) -> &[u32] {
+        &self.tables[slot].blocks
+    }
+
+    /// Bytes of cache memory taken so far.
     pub fn bytes(&self) -> usize {
-        (self.k.len() + self.v.len() + self.state.len()) * 4
+        self.pool.bytes()
     }
 
-    /// The per-position state of `slot` at `pos` (`state_dim` floats).
-    pub fn state(&self, slot: usize, pos: usize) -> &[f32] {
-        let d = self.spec.state_dim;
-        let at = (slot * self.capacity + pos) * d;
-        &self.state[at..at + d]
+    /// Bytes one position takes.
+    pub fn bytes_per_position(&self) -> usize {
+        self.layout().bytes_per_position()
     }
 
-    pub fn write_state(&mut self, slot: usize, pos: usize, values: &[f32]) {
-        let d = self.spec.state_dim;
-        let at = (slot * self.capacity + pos) * d;
-        self.state[at..at + d].copy_from_slice(values);
+    /// Blocks a new position could still get: free ones plus what the prefix cache can evict.
+    pub fn available_blocks(&self) -> usize {
+        self.pool.free_blocks() + self.prefix.evictable(&self.pool)
     }
 
-    /// Checks that `n` more positions fit in `slot`.
+    /// Checks that `n` more positions fit in `slot`'s capacity.
     pub fn reserve(&self, slot: usize, n: usize) -> Result<(), KvError> {
-        let len = *self.lens.get(slot).ok_or(KvError::NoSlot {
-            slot,
-            slots: self.slots,
-        })?;
-        if len + n > self.capacity {
+        let len = self.table(slot)?.len;
+        if len.saturating_add(n) > self.capacity {
             return Err(KvError::Full {
                 slot,
                 len,
@@ -98,117 +228,190 @@ impl KvCache {
         Ok(())
     }
 
-    /// Marks `n` more positions of `slot` as filled (after every layer wrote them).
-    pub fn advance(&mut self, slot: usize, n: usize) {
-        self.lens[slot] += n;
-        debug_assert!(self.lens[slot] <= self.capacity);
-    }
-
-    /// Sets how many positions of `slot` count as filled (what was written past it stays in
-    /// memory, unread). Used to run ahead of what the engine has confirmed.
-    pub(crate) fn set_len(&mut self, slot: usize, len: usize) {
-        assert!(len <= self.capacity, "slot {slot}: length {len} > capacity");
-        self.lens[slot] = len;
-    }
-
-    /// Forgets positions from `len` on (rollback); the memory is simply overwritten later.
-    pub fn truncate(&mut self, slot: usize, len: usize) {
-        self.lens[slot] = self.lens[slot].min(len);
-    }
-
-    fn base(&self, layer: usize, slot: usize, head: usize) -> usize {
-        ((layer * self.slots + slot) * self.spec.kv_heads + head)
-            * self.capacity
-            * self.spec.head_dim
-    }
-
-    /// Writes one position's keys and values (`kv_heads × head_dim` each).
-    pub fn write(&mut self, layer: usize, slot: usize, pos: usize, k: &[f32], v: &[f32]) {
-        let d = self.spec.head_dim;
-        assert!(
-            pos < self.capacity,
-            "KV write at {pos} past capacity {}",
-            self.capacity
-        );
-        for h in 0..self.spec.kv_heads {
-            let at = self.base(layer, slot, h) + pos * d;
-            self.k[at..at + d].copy_from_slice(&k[h * d..(h + 1) * d]);
-            self.v[at..at + d].copy_from_slice(&v[h * d..(h + 1) * d]);
+    /// A block from the pool, evicting from the prefix cache when none is free.
+    fn alloc(&mut self) -> Result<u32, KvError> {
+        match self.pool.alloc() {
+            Ok(b) => Ok(b),
+            Err(PoolError::Exhausted { .. }) if self.prefix.evict(&mut self.pool, 1) == 1 => {
+                Ok(self.pool.alloc()?)
+            }
+            Err(e) => Err(e.into()),
         }
     }
 
-    /// Keys and values of positions `0..len` of one head, each `len × head_dim`.
-    pub fn head(&self, layer: usize, slot: usize, head: usize, len: usize) -> (&[f32], &[f32]) {
-        let at = self.base(layer, slot, head);
-        let n = len * self.spec.head_dim;
-        (&self.k[at..at + n], &self.v[at..at + n])
-    }
-
-    /// Copies the first `len` positions of `from` into `to` (one prefill, many samples).
-    pub fn copy_slot(&mut self, from: usize, to: usize, len: usize) {
-        let d = self.spec.head_dim;
-        for layer in 0..self.spec.layers {
-            for h in 0..self.spec.kv_heads {
-                let (src, dst) = (self.base(layer, from, h), self.base(layer, to, h));
-                self.k.copy_within(src..src + len * d, dst);
-                self.v.copy_within(src..src + len * d, dst);
+    /// Makes positions `len(slot)..end` writable: blocks are added where the page table has
+    /// none, and a block shared with another holder is first copied into one of the slot's own
+    /// (copy-on-write). Backends call this before a step writes.
+    pub fn prepare(&mut self, slot: usize, end: usize) -> Result<(), KvError> {
+        let start = self.table(slot)?.len;
+        if end > self.capacity {
+            return Err(KvError::Full {
+                slot,
+                len: start,
+                capacity: self.capacity,
+                needed: end - start,
+            });
+        }
+        if end <= start {
+            return Ok(());
+        }
+        let bs = self.layout().block_size;
+        for i in start / bs..end.div_ceil(bs) {
+            match self.tables[slot].blocks.get(i).copied() {
+                None => {
+                    let b = self.alloc()?;
+                    self.tables[slot].blocks.push(b);
+                }
+                Some(b) if self.pool.refcount(b) > 1 => {
+                    let own = self.alloc()?;
+                    self.pool.copy_block(b, own);
+                    self.pool.release(b);
+                    self.tables[slot].blocks[i] = own;
+                }
+                Some(_) => {}
             }
         }
-        let d = self.spec.state_dim;
-        let (src, dst) = (from * self.capacity * d, to * self.capacity * d);
-        self.state.copy_within(src..src + len * d, dst);
-        self.lens[to] = len;
+        Ok(())
+    }
+
+    /// Marks `n` more positions of `slot` as filled (after every layer wrote them).
+    pub fn advance(&mut self, slot: usize, n: usize) {
+        let t = &mut self.tables[slot];
+        t.len += n;
+        debug_assert!(t.len <= t.blocks.len() * self.pool.layout().block_size);
+    }
+
+    /// Sets how many positions of `slot` count as filled (what was written past it stays,
+    /// unread). Used to run ahead of what the engine has confirmed.
+    pub(crate) fn set_len(&mut self, slot: usize, len: usize) {
+        let bs = self.layout().block_size;
+        let t = &mut self.tables[slot];
+        assert!(
+            len <= t.blocks.len() * bs,
+            "slot {slot}: length {len} past its blocks"
+        );
+        t.len = len;
+    }
+
+    /// Forgets positions from `len` on (rollback); blocks wholly past it go back to the pool.
+    pub fn truncate(&mut self, slot: usize, len: usize) {
+        let bs = self.layout().block_size;
+        let t = &mut self.tables[slot];
+        t.len = t.len.min(len);
+        let keep = t.len.div_ceil(bs).min(t.blocks.len());
+        for b in t.blocks.drain(keep..) {
+            self.pool.release(b);
+        }
+    }
+
+    /// Writes one position's keys and values (`kv_heads × head_dim` each) of one layer. The
+    /// position must have been [`KvCache::prepare`]d.
+    pub fn write(&mut self, layer: usize, slot: usize, pos: usize, k: &[f32], v: &[f32]) {
+        let (block, off) = self.layout().locate(&self.tables[slot].blocks, pos);
+        debug_assert_eq!(
+            self.pool.refcount(block as u32),
+            1,
+            "write to a shared block"
+        );
+        self.pool.write(layer, block as u32, off, k, v);
+    }
+
+    /// The per-position state of `slot` at `pos` (`state_dim` floats).
+    pub fn state(&self, slot: usize, pos: usize) -> &[f32] {
+        let (block, off) = self.layout().locate(&self.tables[slot].blocks, pos);
+        self.pool.state(block as u32, off)
+    }
+
+    pub fn write_state(&mut self, slot: usize, pos: usize, values: &[f32]) {
+        let (block, off) = self.layout().locate(&self.tables[slot].blocks, pos);
+        self.pool.write_state(block as u32, off, values);
+    }
+
+    /// Makes `to` hold the first `len` positions of `from` by sharing its blocks (one prefill,
+    /// many samples: no copy; the shared partial block is copied when either writes to it).
+    pub fn copy_slot(&mut self, from: usize, to: usize, len: usize) {
+        let bs = self.layout().block_size;
+        for b in self.tables[to].blocks.drain(..) {
+            self.pool.release(b);
+        }
+        let blocks: Vec<u32> = self.tables[from].blocks[..len.div_ceil(bs)].to_vec();
+        for &b in &blocks {
+            self.pool.retain(b);
+        }
+        let t = &mut self.tables[to];
+        t.blocks = blocks;
+        t.len = len;
+    }
+
+    /// Starts empty `slot` with the longest cached prefix of `tokens` no longer than
+    /// `max_positions`, in whole blocks. Returns the positions it now holds.
+    pub fn attach_prefix(
+        &mut self,
+        slot: usize,
+        tokens: &[u32],
+        max_positions: usize,
+    ) -> Result<usize, KvError> {
+        self.table(slot)?;
+        self.truncate(slot, 0);
+        let bs = self.layout().block_size;
+        let max = max_positions.min(tokens.len()).min(self.capacity) / bs;
+        let blocks = self.prefix.lookup(&mut self.pool, tokens, max);
+        let t = &mut self.tables[slot];
+        t.len = blocks.len() * bs;
+        t.blocks = blocks;
+        Ok(t.len)
+    }
+
+    /// Offers `slot`'s whole blocks to the prefix cache; `tokens` are the tokens it holds.
+    pub fn publish_prefix(&mut self, slot: usize, tokens: &[u32]) {
+        let t = &self.tables[slot];
+        let n = t.len.min(tokens.len());
+        self.prefix.insert(&mut self.pool, &tokens[..n], &t.blocks);
+    }
+
+    /// Blocks the prefix cache holds.
+    pub fn prefix_blocks(&self) -> usize {
+        self.prefix.len()
+    }
+
+    /// Frees up to `n` blocks held only by the prefix cache; returns how many.
+    pub fn evict_prefix(&mut self, n: usize) -> usize {
+        self.prefix.evict(&mut self.pool, n)
+    }
+
+    /// Checks every block's reference count equals the page tables and prefix nodes that hold
+    /// it, and that free blocks are exactly the unreferenced ones (tests).
+    #[doc(hidden)]
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.pool.check_free_list()?;
+        self.prefix.check_links()?;
+        let mut refs = vec![0u32; self.pool.allocated_blocks()];
+        for t in &self.tables {
+            if !t.open && !t.blocks.is_empty() {
+                return Err("a closed slot holds blocks".into());
+            }
+            let bs = self.layout().block_size;
+            if t.len > t.blocks.len() * bs {
+                return Err(format!("length {} past {} blocks", t.len, t.blocks.len()));
+            }
+            for &b in &t.blocks {
+                refs[b as usize] += 1;
+            }
+        }
+        for b in self.prefix.blocks() {
+            refs[b as usize] += 1;
+        }
+        for (b, &r) in refs.iter().enumerate() {
+            if self.pool.refcount(b as u32) != r {
+                return Err(format!(
+                    "block {b}: refcount {} but {r} holders",
+                    self.pool.refcount(b as u32)
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn spec() -> KvSpec {
-        KvSpec {
-            layers: 2,
-            kv_heads: 2,
-            head_dim: 3,
-            state_dim: 2,
-        }
-    }
-
-    #[test]
-    fn writes_land_per_head_and_copy_between_slots() {
-        let mut c = KvCache::new(spec(), 2, 4);
-        c.reserve(0, 4).unwrap();
-        for pos in 0..2 {
-            let k: Vec<f32> = (0..6).map(|i| (pos * 10 + i) as f32).collect();
-            let v: Vec<f32> = k.iter().map(|x| -x).collect();
-            c.write(1, 0, pos, &k, &v);
-        }
-        c.write_state(0, 1, &[7.0, 8.0]);
-        c.advance(0, 2);
-        let (k, v) = c.head(1, 0, 1, 2);
-        assert_eq!(k, &[3.0, 4.0, 5.0, 13.0, 14.0, 15.0]);
-        assert_eq!(v, &[-3.0, -4.0, -5.0, -13.0, -14.0, -15.0]);
-        let k = k.to_vec();
-        c.copy_slot(0, 1, 2);
-        assert_eq!(c.len(1), 2);
-        assert_eq!(c.state(1, 1), &[7.0, 8.0]);
-        assert_eq!(c.head(1, 1, 1, 2).0, k.as_slice());
-    }
-
-    #[test]
-    fn full_cache_is_an_error_not_a_silent_overwrite() {
-        let mut c = KvCache::new(spec(), 1, 4);
-        c.advance(0, 3);
-        assert_eq!(
-            c.reserve(0, 2),
-            Err(KvError::Full {
-                slot: 0,
-                len: 3,
-                capacity: 4,
-                needed: 2
-            })
-        );
-        assert!(c.reserve(0, 1).is_ok());
-        assert!(matches!(c.reserve(5, 1), Err(KvError::NoSlot { .. })));
-    }
-}
+mod tests;

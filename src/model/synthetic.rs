@@ -236,7 +236,7 @@ mod tests {
             },
         )
         .unwrap();
-        let mut kv = backend.new_cache(1, ids.len() + 8);
+        let mut kv = backend.new_cache(1, ids.len() + 8).unwrap();
         let mut ws = Workspace::new();
         let mut logits = Vec::new();
         let rows: Vec<TokenRow> = (0..ids.len())

@@ -5,7 +5,7 @@
 use rayon::prelude::*;
 
 use super::simd;
-use crate::kv::KvCache;
+use crate::kv::{KvCache, KvDtype};
 
 /// Where one token row of the step sits: its cache slot and absolute position.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,7 +29,9 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
-/// Appends `k`/`v` of every token to the cache, then attends.
+/// Appends `k`/`v` of every token to the cache, then attends. Keys and values are read through
+/// the slot's page table in the cache's one layout ([`crate::kv::layout`]); with f32 storage the
+/// arithmetic is exactly that of a contiguous cache.
 ///
 /// `q`, `k`, `v`, `out` are row views: `(data, stride, col)` with row `t` at
 /// `data[t·stride + col ..]`.
@@ -57,16 +59,50 @@ pub fn attention(
         rows.is_empty() || out_data.len() >= (rows.len() - 1) * out_stride + out_col + s.heads * d
     );
     let ptr = OutPtr(out_data.as_mut_ptr());
+    let layout = *kv.layout();
+    let f32_in_place = layout.dtype == KvDtype::F32;
     (0..rows.len() * s.heads).into_par_iter().for_each(|task| {
         let (t, h) = (task / s.heads, task % s.heads);
         let r = rows[t];
         let lo = s.window.map_or(0, |w| r.pos.saturating_sub(w));
         let n = r.pos + 1;
-        let (keys, values) = kv.head(s.layer, r.slot, h / group, n);
+        let table = kv.page_table(r.slot);
         let qh = &q.0[t * q.1 + q.2 + h * d..t * q.1 + q.2 + (h + 1) * d];
-        let mut scores: Vec<f32> = (lo..n)
-            .map(|j| simd::dot_f32(qh, &keys[j * d..(j + 1) * d]) * s.scale)
-            .collect();
+        // One head's keys and values, a block at a time through the page table: read in place
+        // when stored as f32, else decoded into this task's scratch.
+        let bs = layout.block_size;
+        let (mut kbuf, mut vbuf) = if f32_in_place {
+            (Vec::new(), Vec::new())
+        } else {
+            (vec![0.0f32; bs * d], vec![0.0f32; bs * d])
+        };
+        let mut scores: Vec<f32> = Vec::with_capacity(n - lo);
+        let mut each_block = |f: &mut dyn FnMut(usize, &[f32], &[f32])| {
+            let mut start = lo - lo % bs;
+            while start < n {
+                let block = table[start / bs];
+                let rows_here = bs.min(n - start);
+                let (keys, values): (&[f32], &[f32]) = if f32_in_place {
+                    kv.pool().head_block_f32(s.layer, block, h / group)
+                } else {
+                    kv.pool().decode_head_block(
+                        s.layer,
+                        block,
+                        h / group,
+                        rows_here,
+                        &mut kbuf,
+                        &mut vbuf,
+                    );
+                    (&kbuf, &vbuf)
+                };
+                for j in start.max(lo)..start + rows_here {
+                    let o = (j - start) * d;
+                    f(j, &keys[o..o + d], &values[o..o + d]);
+                }
+                start += bs;
+            }
+        };
+        each_block(&mut |_, key, _| scores.push(simd::dot_f32(qh, key) * s.scale));
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0.0f32;
         for sc in &mut scores {
@@ -74,9 +110,7 @@ pub fn attention(
             sum += *sc;
         }
         let mut acc = vec![0.0f32; d];
-        for (i, j) in (lo..n).enumerate() {
-            simd::axpy(scores[i] / sum, &values[j * d..(j + 1) * d], &mut acc);
-        }
+        each_block(&mut |j, _, value| simd::axpy(scores[j - lo] / sum, value, &mut acc));
         let p = ptr;
         // SAFETY: each task writes its own `d` floats of row `t`, head `h`; bounds asserted above.
         unsafe {
@@ -101,7 +135,8 @@ mod tests {
             head_dim: d,
             state_dim: 0,
         };
-        let mut kv = KvCache::new(spec, 1, 8);
+        let mut kv = KvCache::new(spec, 1, 8).unwrap();
+        kv.prepare(0, 3).unwrap();
         let t = 3;
         let q: Vec<f32> = (0..t * heads * d)
             .map(|i| ((i * 7) % 5) as f32 * 0.3 - 0.5)

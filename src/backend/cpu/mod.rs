@@ -19,7 +19,7 @@ pub use exec::Workspace;
 pub use rope::inv_freq as rope_inv_freq;
 
 use crate::graph::{passes, Graph, Linear, Op};
-use crate::kv::{KvCache, KvError};
+use crate::kv::{KvBudget, KvCache, KvError, KvOptions};
 use crate::model::arch::{build_graph, LogitRows};
 use crate::model::{DType, LoadError, ModelConfig, Weights};
 use crate::plan::{ExecutionPlan, Phase};
@@ -236,9 +236,20 @@ impl CpuBackend {
             + self.vectors.values().map(|v| v.len() * 4).sum::<usize>()
     }
 
-    /// A KV cache shaped for this model.
-    pub fn new_cache(&self, slots: usize, capacity: usize) -> KvCache {
+    /// A KV cache shaped for this model: `slots` sequences of up to `capacity` positions
+    /// (memory is taken as positions are written).
+    pub fn new_cache(&self, slots: usize, capacity: usize) -> Result<KvCache, KvError> {
         KvCache::new(self.prefill.graph.kv, slots, capacity)
+    }
+
+    /// An empty serving cache (slots opened per sequence) over a pool sized by `budget`.
+    pub fn new_pool(
+        &self,
+        opts: KvOptions,
+        budget: KvBudget,
+        capacity: usize,
+    ) -> Result<KvCache, KvError> {
+        KvCache::with_budget(self.prefill.graph.kv, opts, budget, capacity)
     }
 
     /// Runs one step: appends `tokens` (placed by `rows`) to the cache and writes logits, one
@@ -261,6 +272,9 @@ impl CpuBackend {
             kv.capacity(),
             |slot| kv.len(slot),
         )?;
+        for (&slot, &end) in &next {
+            kv.prepare(slot, end)?;
+        }
         let plan = self.plan(kind);
         let mats = &self.plan_matrices[kind as usize];
         let n = self

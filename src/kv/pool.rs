@@ -1,0 +1,299 @@
+//! The block pool: the memory of every cached position, in [`KvLayout`]'s blocks, with a
+//! reference count per block. A block belongs to every page table (and prefix-cache node) that
+//! holds it; it returns to the free list when the last one lets go. Shared blocks are never
+//! written: a writer first copies a shared block into one of its own (copy-on-write, done by
+//! [`super::KvCache`]).
+//!
+//! The pool has a ceiling (`layout.num_blocks`, from a memory budget) and takes memory as it is
+//! used: storage for blocks is added in growing chunks when the free list runs dry, so a cache
+//! sized for a long context costs only what its sequences hold. A device pool mirrors the same
+//! layout but is allocated whole.
+
+use super::layout::{KvLayout, LayoutError};
+use super::storage::{decode_row, encode_row, KvDtype};
+
+/// Why a pool could not be made.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PoolError {
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error("KV pool: a budget of {budget} bytes holds no block of {block} bytes")]
+    BudgetTooSmall { budget: usize, block: usize },
+    #[error("KV pool: could not allocate {bytes} bytes for {blocks} blocks")]
+    Alloc { bytes: usize, blocks: usize },
+    #[error("KV pool: all {blocks} blocks are in use")]
+    Exhausted { blocks: usize },
+}
+
+/// How much memory a pool takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvBudget {
+    Bytes(usize),
+    Blocks(usize),
+}
+
+/// Grows `v` to `n` zeros, or fails instead of aborting when memory is short.
+fn grow(v: &mut Vec<f32>, n: usize, blocks: usize) -> Result<(), PoolError> {
+    v.try_reserve_exact(n.saturating_sub(v.len()))
+        .map_err(|_| PoolError::Alloc {
+            bytes: n.saturating_mul(4),
+            blocks,
+        })?;
+    v.resize(n, 0.0);
+    Ok(())
+}
+
+/// Blocks a pool takes memory for at first (and the least it grows by).
+const FIRST_CHUNK: usize = 16;
+
+pub struct BlockPool {
+    layout: KvLayout,
+    /// K and V element bytes, held in f32 words (so f32 storage is readable in place).
+    k: Vec<f32>,
+    v: Vec<f32>,
+    k_scale: Vec<f32>,
+    v_scale: Vec<f32>,
+    state: Vec<f32>,
+    refs: Vec<u32>,
+    /// Free blocks with storage, the next to hand out last.
+    free: Vec<u32>,
+    /// Blocks with storage (≤ `layout.num_blocks`).
+    allocated: usize,
+}
+
+impl BlockPool {
+    /// A pool of blocks for `layout` (whose `num_blocks` is replaced by what `budget` allows).
+    pub fn new(mut layout: KvLayout, budget: KvBudget) -> Result<BlockPool, PoolError> {
+        layout.num_blocks = 1;
+        layout.validate()?;
+        layout.num_blocks = match budget {
+            KvBudget::Blocks(n) => n,
+            KvBudget::Bytes(b) => {
+                let block = layout.bytes_per_block();
+                let n = b / block;
+                if n == 0 {
+                    return Err(PoolError::BudgetTooSmall { budget: b, block });
+                }
+                n
+            }
+        };
+        layout.validate()?;
+        if u32::try_from(layout.num_blocks).is_err() {
+            return Err(PoolError::Alloc {
+                bytes: usize::MAX,
+                blocks: layout.num_blocks,
+            });
+        }
+        Ok(BlockPool {
+            k: Vec::new(),
+            v: Vec::new(),
+            k_scale: Vec::new(),
+            v_scale: Vec::new(),
+            state: Vec::new(),
+            refs: Vec::new(),
+            free: Vec::new(),
+            allocated: 0,
+            layout,
+        })
+    }
+
+    /// Takes memory for more blocks: double what there is, at least [`FIRST_CHUNK`], at most
+    /// the ceiling. Memory is only checked here, so a budget larger than the machine fails
+    /// cleanly when it is reached, not at start.
+    fn grow(&mut self) -> Result<(), PoolError> {
+        let l = self.layout;
+        let n = (self.allocated * 2).max(FIRST_CHUNK).min(l.num_blocks);
+        if n <= self.allocated {
+            return Err(PoolError::Exhausted {
+                blocks: l.num_blocks,
+            });
+        }
+        let words = (n * l.block_elems() * l.dtype.bytes_per_elem()).div_ceil(4);
+        let scales = l.dtype.group().map_or(0, |g| n * l.block_elems() / g);
+        grow(&mut self.k, words, n)?;
+        grow(&mut self.v, words, n)?;
+        grow(&mut self.k_scale, scales, n)?;
+        grow(&mut self.v_scale, scales, n)?;
+        grow(&mut self.state, n * l.block_size * l.state_dim, n)?;
+        self.refs.resize(n, 0);
+        self.free.extend((self.allocated as u32..n as u32).rev());
+        self.allocated = n;
+        Ok(())
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.layout.num_blocks
+    }
+
+    /// Blocks not held by anyone (with or without memory yet).
+    pub fn free_blocks(&self) -> usize {
+        self.free.len() + (self.layout.num_blocks - self.allocated)
+    }
+
+    /// Blocks that have memory.
+    pub fn allocated_blocks(&self) -> usize {
+        self.allocated
+    }
+
+    /// Bytes of K, V, scales and state taken so far.
+    pub fn bytes(&self) -> usize {
+        (self.k.len() + self.v.len() + self.k_scale.len() + self.v_scale.len() + self.state.len())
+            * 4
+    }
+
+    /// A free block with one reference.
+    pub fn alloc(&mut self) -> Result<u32, PoolError> {
+        if self.free.is_empty() {
+            self.grow()?;
+        }
+        let b = self.free.pop().ok_or(PoolError::Exhausted {
+            blocks: self.layout.num_blocks,
+        })?;
+        debug_assert_eq!(self.refs[b as usize], 0);
+        self.refs[b as usize] = 1;
+        Ok(b)
+    }
+
+    /// One more holder of `block`.
+    pub fn retain(&mut self, block: u32) {
+        let r = &mut self.refs[block as usize];
+        assert!(*r > 0, "retain of free block {block}");
+        *r += 1;
+    }
+
+    /// One holder fewer; returns whether the block went back to the free list.
+    pub fn release(&mut self, block: u32) -> bool {
+        let r = &mut self.refs[block as usize];
+        assert!(*r > 0, "release of free block {block}");
+        *r -= 1;
+        if *r == 0 {
+            self.free.push(block);
+            true
+        } else {
+            false
+        }
+    }
+
+    pub fn refcount(&self, block: u32) -> u32 {
+        self.refs[block as usize]
+    }
+
+    /// Copies every layer's K/V (and scales) and the state of `src` into `dst`.
+    pub fn copy_block(&mut self, src: u32, dst: u32) {
+        let l = self.layout;
+        let (src, dst) = (src as usize, dst as usize);
+        let eb = l.dtype.bytes_per_elem();
+        let run = l.block_elems();
+        let (s, d) = (l.head_block(0, src, 0), l.head_block(0, dst, 0));
+        for arr in [&mut self.k, &mut self.v] {
+            let bytes: &mut [u8] = bytemuck::cast_slice_mut(arr.as_mut_slice());
+            bytes.copy_within(s * eb..(s + run) * eb, d * eb);
+        }
+        if let Some(g) = l.dtype.group() {
+            for arr in [&mut self.k_scale, &mut self.v_scale] {
+                arr.copy_within(s / g..(s + run) / g, d / g);
+            }
+        }
+        let n = l.block_size * l.state_dim;
+        let (s, d) = (l.state_row(src, 0), l.state_row(dst, 0));
+        self.state.copy_within(s..s + n, d);
+    }
+
+    /// Stores one position's keys and values (`kv_heads × head_dim` each) of one layer.
+    pub fn write(&mut self, layer: usize, block: u32, offset: usize, k: &[f32], v: &[f32]) {
+        let l = self.layout;
+        let d = l.head_dim;
+        let eb = l.dtype.bytes_per_elem();
+        for h in 0..l.kv_heads {
+            let at = l.row(layer, block as usize, h, offset);
+            let g = l.dtype.group().unwrap_or(1);
+            for (arr, scales, src) in [
+                (&mut self.k, &mut self.k_scale, k),
+                (&mut self.v, &mut self.v_scale, v),
+            ] {
+                let bytes: &mut [u8] = bytemuck::cast_slice_mut(arr.as_mut_slice());
+                let sc: &mut [f32] = if l.dtype.group().is_some() {
+                    &mut scales[at / g..(at + d) / g]
+                } else {
+                    &mut []
+                };
+                encode_row(
+                    l.dtype,
+                    &src[h * d..(h + 1) * d],
+                    &mut bytes[at * eb..(at + d) * eb],
+                    sc,
+                );
+            }
+        }
+    }
+
+    /// One head's keys and values of one block (`block_size × head_dim` f32s each), read in
+    /// place. Only for f32 storage; other types go through [`BlockPool::decode_head_block`].
+    #[inline]
+    pub fn head_block_f32(&self, layer: usize, block: u32, head: usize) -> (&[f32], &[f32]) {
+        debug_assert_eq!(self.layout.dtype, KvDtype::F32);
+        let at = self.layout.head_block(layer, block as usize, head);
+        let n = self.layout.head_block_elems();
+        (&self.k[at..at + n], &self.v[at..at + n])
+    }
+
+    /// One head's keys and values of the first `rows` positions of one block, decoded to f32
+    /// into `k` and `v` (`rows × head_dim` each).
+    pub fn decode_head_block(
+        &self,
+        layer: usize,
+        block: u32,
+        head: usize,
+        rows: usize,
+        k: &mut [f32],
+        v: &mut [f32],
+    ) {
+        let l = &self.layout;
+        let at = l.head_block(layer, block as usize, head);
+        let n = rows * l.head_dim;
+        let eb = l.dtype.bytes_per_elem();
+        let g = l.dtype.group().unwrap_or(1);
+        for (arr, scales, dst) in [(&self.k, &self.k_scale, k), (&self.v, &self.v_scale, v)] {
+            let bytes: &[u8] = bytemuck::cast_slice(arr.as_slice());
+            let sc: &[f32] = if l.dtype.group().is_some() {
+                &scales[at / g..(at + n) / g]
+            } else {
+                &[]
+            };
+            decode_row(l.dtype, &bytes[at * eb..(at + n) * eb], sc, &mut dst[..n]);
+        }
+    }
+
+    /// The state of one position (`state_dim` f32s).
+    pub fn state(&self, block: u32, offset: usize) -> &[f32] {
+        let at = self.layout.state_row(block as usize, offset);
+        &self.state[at..at + self.layout.state_dim]
+    }
+
+    pub fn write_state(&mut self, block: u32, offset: usize, values: &[f32]) {
+        let at = self.layout.state_row(block as usize, offset);
+        self.state[at..at + self.layout.state_dim].copy_from_slice(values);
+    }
+
+    /// Checks the free list and reference counts agree (tests).
+    #[doc(hidden)]
+    pub fn check_free_list(&self) -> Result<(), String> {
+        let mut free = vec![false; self.allocated];
+        for &b in &self.free {
+            if free[b as usize] {
+                return Err(format!("block {b} is twice on the free list"));
+            }
+            free[b as usize] = true;
+        }
+        for (b, (&r, &f)) in self.refs.iter().zip(&free).enumerate() {
+            if (r == 0) != f {
+                return Err(format!("block {b}: {r} references but free = {f}"));
+            }
+        }
+        Ok(())
+    }
+}
