@@ -9,6 +9,7 @@ pub mod calculator;
 mod cpu_graph;
 mod device;
 mod graph_run;
+mod row;
 mod session;
 mod stop;
 mod stream;

@@ -5,12 +5,11 @@ use std::time::{Duration, Instant};
 
 use super::graph_run::GraphRun;
 use super::session::Session;
-use super::stop::TextTracker;
-use super::tools::{ToolState, ToolTokens};
+use super::row::{RowRules, RowState};
+use super::tools::ToolTokens;
 use super::{EngineError, FinishReason, GenerateOptions, RowStep, Step, Timings, Usage};
 use crate::backend::cpu::{PlanKind, TokenRow};
 use crate::backend::cuda::GraphRow;
-use crate::sample;
 
 /// Where the next step's tokens come from.
 enum Next {
@@ -20,13 +19,6 @@ enum Next {
     Tokens(Vec<u32>),
     /// The running decode graph's next replay.
     Graph,
-}
-
-struct RowState {
-    generated: usize,
-    text: TextTracker,
-    tool: ToolState,
-    finished: bool,
 }
 
 pub struct Stream<'a> {
@@ -64,14 +56,7 @@ impl<'a> Stream<'a> {
             .clone()
             .unwrap_or_else(|| s.engine.default_stop_tokens());
         Stream {
-            rows: (0..n)
-                .map(|_| RowState {
-                    generated: 0,
-                    text: TextTracker::new(&opts.stop_strings),
-                    tool: ToolState::default(),
-                    finished: false,
-                })
-                .collect(),
+            rows: (0..n).map(|_| RowState::new(opts)).collect(),
             live: (0..n).collect(),
             tools: if opts.tools {
                 ToolTokens::of(s.engine.tokenizer())
@@ -148,65 +133,36 @@ impl<'a> Stream<'a> {
                 )
             }
         };
-        let tok = self.s.engine.tokenizer();
         let mut out: Vec<Option<RowStep>> = vec![None; self.rows.len()];
         let mut feed = Vec::new();
         let mut feed_rows = Vec::new();
+        let rules = RowRules {
+            tokenizer: self.s.engine.tokenizer(),
+            opts: &self.opts,
+            stop_tokens: &self.stop_tokens,
+            tools: self.tools.as_ref(),
+            capacity: self.s.dev.capacity(),
+        };
         for (li, &r) in self.live.iter().enumerate() {
             let pos = self.s.dev.len(r);
             let row = &mut self.rows[r];
-            let (token, mask) = match (row.tool.forced.pop_front(), &sampled) {
-                (Some(forced), _) => (forced, 0u8),
-                (None, Some(t)) => (t[li], 1u8),
-                (None, None) => {
-                    let logits = &mut self.logits[li * vocab..(li + 1) * vocab];
-                    if let Some(p) = &self.opts.logits_processor {
-                        (p.0)(r, &self.s.tokens[r], logits);
-                    }
-                    if let Some(p) = self.opts.sampling.repetition_penalty {
-                        sample::apply_repetition_penalty(logits, &self.s.tokens[r], p);
-                    }
-                    (
-                        sample::sample(logits, &self.opts.sampling, r as u32, pos as u64),
-                        1u8,
-                    )
-                }
+            let (token, mask) = match (&sampled, row.tool.forced.is_empty()) {
+                (Some(t), true) => (t[li], 1u8),
+                _ => row.choose(
+                    &rules,
+                    r,
+                    &self.s.tokens[r],
+                    pos,
+                    &mut self.logits[li * vocab..(li + 1) * vocab],
+                ),
             };
-            if let Some(t) = &self.tools {
-                row.tool.on_token(t, tok, token)?;
-            }
-            row.generated += 1;
+            let step = row.accept(&rules, token, mask, pos)?;
             self.usage.completion_tokens += 1;
-            let (mut text, finished) = if self.stop_tokens.contains(&token) {
-                (row.text.finish(tok)?, Some(FinishReason::StopToken))
-            } else {
-                let (piece, matched) = row.text.push(tok, token)?;
-                let reason = if matched {
-                    Some(FinishReason::StopString)
-                } else if self.opts.max_tokens.is_some_and(|m| row.generated >= m) {
-                    Some(FinishReason::MaxTokens)
-                } else if pos >= self.s.dev.capacity() {
-                    Some(FinishReason::ContextFull)
-                } else {
-                    None
-                };
-                (piece, reason)
-            };
-            if let Some(reason) = finished {
-                if reason != FinishReason::StopToken && reason != FinishReason::StopString {
-                    text.push_str(&row.text.finish(tok)?);
-                }
-                row.finished = true;
-            } else {
+            if step.finished.is_none() {
                 feed.push(token);
                 feed_rows.push(TokenRow { slot: r, pos });
             }
-            out[r] = Some(RowStep {
-                token,
-                mask,
-                text,
-                finished,
-            });
+            out[r] = Some(step);
         }
         self.live = feed_rows.iter().map(|t| t.slot).collect();
         if feed.is_empty() {

@@ -1,0 +1,107 @@
+//! One generating row's rules, shared by a session's [`super::Stream`] and the scheduler's
+//! [`super::sequence::Sequence`]: where its next token comes from (a forced tool token, or a
+//! draw from its logits with its own sampling parameters, keyed by its row id and position),
+//! the tool state machine, stop tokens, stop strings, `max_tokens` and the context limit.
+
+use super::stop::TextTracker;
+use super::tools::{ToolState, ToolTokens};
+use super::{EngineError, FinishReason, GenerateOptions, RowStep};
+use crate::sample;
+use crate::tokenizer::Tokenizer;
+
+pub(super) struct RowState {
+    pub generated: usize,
+    pub text: TextTracker,
+    pub tool: ToolState,
+    pub finished: bool,
+}
+
+/// What every row of one request shares.
+pub(super) struct RowRules<'a> {
+    pub tokenizer: &'a Tokenizer,
+    pub opts: &'a GenerateOptions,
+    pub stop_tokens: &'a [u32],
+    pub tools: Option<&'a ToolTokens>,
+    /// Positions the row's cache may hold.
+    pub capacity: usize,
+}
+
+impl RowState {
+    pub fn new(opts: &GenerateOptions) -> RowState {
+        RowState {
+            generated: 0,
+            text: TextTracker::new(&opts.stop_strings),
+            tool: ToolState::default(),
+            finished: false,
+        }
+    }
+
+    /// The host's choice of the row's next token: a forced tool token if one is queued, else
+    /// a draw from `logits` (after the logits processor and repetition penalty) keyed by
+    /// `row_id` and `pos`. Returns the token and its mask (0 forced, 1 sampled).
+    pub fn choose(
+        &mut self,
+        rules: &RowRules<'_>,
+        row_id: usize,
+        context: &[u32],
+        pos: usize,
+        logits: &mut [f32],
+    ) -> (u32, u8) {
+        if let Some(forced) = self.tool.forced.pop_front() {
+            return (forced, 0);
+        }
+        if let Some(p) = &rules.opts.logits_processor {
+            (p.0)(row_id, context, logits);
+        }
+        if let Some(p) = rules.opts.sampling.repetition_penalty {
+            sample::apply_repetition_penalty(logits, context, p);
+        }
+        (
+            sample::sample(logits, &rules.opts.sampling, row_id as u32, pos as u64),
+            1,
+        )
+    }
+
+    /// Takes `token` (chosen for position `pos`) into the row: tool state, counts, text and
+    /// stop rules. Returns the row's step; `finished` is set when this was its last token.
+    pub fn accept(
+        &mut self,
+        rules: &RowRules<'_>,
+        token: u32,
+        mask: u8,
+        pos: usize,
+    ) -> Result<RowStep, EngineError> {
+        let tok = rules.tokenizer;
+        if let Some(t) = rules.tools {
+            self.tool.on_token(t, tok, token)?;
+        }
+        self.generated += 1;
+        let (mut text, finished) = if rules.stop_tokens.contains(&token) {
+            (self.text.finish(tok)?, Some(FinishReason::StopToken))
+        } else {
+            let (piece, matched) = self.text.push(tok, token)?;
+            let reason = if matched {
+                Some(FinishReason::StopString)
+            } else if rules.opts.max_tokens.is_some_and(|m| self.generated >= m) {
+                Some(FinishReason::MaxTokens)
+            } else if pos >= rules.capacity {
+                Some(FinishReason::ContextFull)
+            } else {
+                None
+            };
+            (piece, reason)
+        };
+        if let Some(reason) = finished {
+            if reason != FinishReason::StopToken && reason != FinishReason::StopString {
+                text.push_str(&self.text.finish(tok)?);
+            }
+            self.finished = true;
+        }
+        Ok(RowStep {
+            token,
+            mask,
+            text,
+            finished,
+        })
+    }
+}
