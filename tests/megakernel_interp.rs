@@ -108,22 +108,11 @@ fn min_window(p: &DecodeProgram) -> Option<usize> {
 
 /// Copies positions `0..len` of `slot` (every layer, and the state) into the interpreter.
 fn copy_cache(m: &mut Machine, p: &DecodeProgram, kv: &KvCache, slot: usize, len: usize) {
-    let d = p.head_dim;
+    let n = p.kv_heads * p.head_dim;
+    let (mut k, mut v) = (vec![0f32; n], vec![0f32; n]);
     for layer in 0..p.layers {
-        let heads: Vec<(&[f32], &[f32])> = (0..p.kv_heads)
-            .map(|g| kv.head(layer, slot, g, len))
-            .collect();
         for pos in 0..len {
-            let k: Vec<f32> = heads
-                .iter()
-                .flat_map(|h| &h.0[pos * d..(pos + 1) * d])
-                .copied()
-                .collect();
-            let v: Vec<f32> = heads
-                .iter()
-                .flat_map(|h| &h.1[pos * d..(pos + 1) * d])
-                .copied()
-                .collect();
+            kv.read(layer, slot, pos, &mut k, &mut v);
             m.write_kv(layer, slot, pos, &k, &v);
         }
     }

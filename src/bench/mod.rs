@@ -7,6 +7,7 @@
 pub mod bandwidth;
 pub mod bytes;
 pub mod report;
+pub mod serving;
 
 /// A xorshift stream of token ids below the vocabulary size.
 pub fn token_ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {

@@ -29,7 +29,8 @@ use kiln::bench::bytes::{self, Layout};
 use kiln::bench::report::{self, Row};
 use kiln::bench::{mean_sd, median, params_text, token_ids};
 use kiln::engine::{
-    DecodePath, Device as EngineDevice, Engine, EngineOptions, GenerateOptions, Session,
+    DecodePath, Device as EngineDevice, Engine, EngineOptions, GenerateOptions, ServeOptions,
+    Session,
 };
 use kiln::graph::Dims;
 use kiln::model::{synthetic, Model};
@@ -142,6 +143,11 @@ struct Args {
     /// bytes read + written, median of 20 event-timed copies) and print it.
     #[arg(long)]
     measure_gpu_bandwidth: bool,
+    /// Serving throughput instead of pp/tg tests: for each count (comma list), that many
+    /// sequences (random prompts of the first -p length, -n tokens each, greedy) decode together
+    /// through the scheduler; prints aggregate decode tokens/s and KV memory per sequence.
+    #[arg(long, value_delimiter = ',', value_name = "N")]
+    concurrency: Vec<usize>,
 }
 
 fn main() {
@@ -230,6 +236,9 @@ fn run() -> Result<()> {
         Weights::F32 => WeightFormat::F32,
         Weights::Bf16 => WeightFormat::BF16,
     };
+    if !args.concurrency.is_empty() {
+        return run_serving(&args, &sources, &threads, weights);
+    }
     let mut bandwidth = match args.bandwidth_gbs {
         Some(gbs) if !(gbs > 0.0 && gbs.is_finite()) => {
             bail!("--bandwidth-gbs must be a positive number, not {gbs}")
@@ -734,4 +743,58 @@ impl Target for CudaTarget {
         let bytes = self.engine.plan(kind).cost(&dims).bytes as f64 / dims.tokens as f64;
         (bytes, "plan cost model".into())
     }
+}
+
+/// `--concurrency`: the scheduler's aggregate decode throughput per number of sequences.
+fn run_serving(
+    args: &Args,
+    sources: &[Source],
+    threads: &[usize],
+    weights: WeightFormat,
+) -> Result<()> {
+    const MAX_CONCURRENCY: usize = 4096;
+    if let Some(&c) = args
+        .concurrency
+        .iter()
+        .find(|&&c| c == 0 || c > MAX_CONCURRENCY)
+    {
+        bail!("--concurrency values must be between 1 and {MAX_CONCURRENCY}, not {c}");
+    }
+    let prompt = args.n_prompt.first().copied().unwrap_or(16).max(1);
+    let n_gen = args.n_gen.first().copied().unwrap_or(64).max(2);
+    println!("| model | threads | sequences | prompt | tokens each | decode t/s (all) | t/s per sequence | steps | KV per sequence |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for src in sources {
+        for &t in threads {
+            let engine = Arc::new(Engine::from_model(
+                src.load(args.seed)?,
+                CpuOptions {
+                    threads: t,
+                    weights,
+                },
+            )?);
+            // One short run first so the pool and caches are warm.
+            kiln::bench::serving::run(&engine, ServeOptions::default(), 1, prompt, 4, args.seed)?;
+            for &c in &args.concurrency {
+                eprintln!("kiln-bench: {} sequences, {t} threads", c);
+                let r = kiln::bench::serving::run(
+                    &engine,
+                    ServeOptions::default(),
+                    c,
+                    prompt,
+                    n_gen,
+                    args.seed,
+                )?;
+                println!(
+                    "| {} | {t} | {c} | {prompt} | {n_gen} | {:.1} | {:.1} | {} | {:.1} KiB |",
+                    src.name(),
+                    r.decode_tokens_per_s,
+                    r.decode_tokens_per_s / c as f64,
+                    r.decode_steps,
+                    r.kv_bytes_per_seq as f64 / 1024.0
+                );
+            }
+        }
+    }
+    Ok(())
 }

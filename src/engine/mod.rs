@@ -6,10 +6,14 @@
 //! token column (one token per row) and the mask column (1 sampled, 0 forced by the tool).
 
 pub mod calculator;
+mod collect;
 mod cpu_graph;
 mod device;
 mod graph_run;
 mod row;
+mod scheduler;
+mod sequence;
+mod serve;
 mod session;
 mod stop;
 mod stream;
@@ -22,6 +26,11 @@ use std::time::Duration;
 use serde::Serialize;
 
 pub use device::{DecodePath, Device, EngineOptions};
+pub use scheduler::{
+    Event, Finished, Request, Scheduler, SchedulerStats, ServeError, ServeOptions, Sink,
+};
+pub use sequence::RequestId;
+pub use serve::{EngineHandle, RequestHandle};
 pub use session::Session;
 pub use stream::Stream;
 
@@ -51,6 +60,12 @@ pub enum EngineError {
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]
     Sampling(#[from] SampleError),
+    #[error(transparent)]
+    Serve(#[from] ServeError),
+    #[error("{0}")]
+    Request(String),
+    #[error("the serving engine has stopped")]
+    Stopped,
     #[error("the prompt is empty")]
     EmptyPrompt,
     #[error("the prompt has {len} tokens but the context holds {capacity}")]
@@ -305,6 +320,13 @@ pub struct Usage {
     pub prompt_tokens: usize,
     /// Tokens produced over all rows (forced ones included).
     pub completion_tokens: usize,
+    /// Prompt tokens whose cache came from the prefix cache instead of being computed.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub cached_tokens: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize)]

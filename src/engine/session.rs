@@ -4,9 +4,10 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::collect::RowsCollector;
 use super::device::Caches;
 use super::stream::Stream;
-use super::{BatchResult, Engine, EngineError, GenerateOptions, RowResult, Step, Usage};
+use super::{BatchResult, Engine, EngineError, GenerateOptions, Step, Usage};
 use crate::backend::cpu::{PlanKind, TokenRow};
 
 pub struct Session {
@@ -154,55 +155,20 @@ impl Session {
         opts: &GenerateOptions,
         mut on_step: impl FnMut(&Step) -> bool,
     ) -> Result<BatchResult, EngineError> {
-        let n = opts.num_samples;
-        let mut generated: Vec<Vec<u32>> = vec![Vec::new(); n];
-        let mut masks: Vec<Vec<u8>> = vec![Vec::new(); n];
-        let mut texts: Vec<String> = vec![String::new(); n];
-        let mut reasons = vec![None; n];
+        let mut rows = RowsCollector::new(opts.num_samples);
         let mut stream = self.stream(prompt, opts)?;
         while let Some(step) = stream.next() {
             let step = step?;
-            for (r, row) in step.rows.iter().enumerate() {
-                if let Some(row) = row {
-                    generated[r].push(row.token);
-                    masks[r].push(row.mask);
-                    texts[r].push_str(&row.text);
-                    reasons[r] = row.finished;
-                }
-            }
+            rows.push(&step);
             if !on_step(&step) {
                 stream.cancel();
             }
         }
         for (r, reason) in stream.cancelled_rows() {
-            reasons[r] = Some(reason);
+            rows.set_reason(r, reason);
         }
         let (usage, timings) = (stream.usage(), stream.timings());
-        let stop = stream.stop_tokens().to_vec();
-        let rows = (0..n)
-            .map(|r| {
-                let finish_reason = reasons[r].unwrap_or(super::FinishReason::Cancelled);
-                let mut tokens = prompt.to_vec();
-                let mut m = vec![0u8; prompt.len()];
-                let keep = match generated[r].last() {
-                    Some(t)
-                        if finish_reason == super::FinishReason::StopToken && stop.contains(t) =>
-                    {
-                        generated[r].len() - 1
-                    }
-                    _ => generated[r].len(),
-                };
-                tokens.extend_from_slice(&generated[r][..keep]);
-                m.extend_from_slice(&masks[r][..keep]);
-                RowResult {
-                    tokens,
-                    masks: m,
-                    generated: std::mem::take(&mut generated[r]),
-                    text: std::mem::take(&mut texts[r]),
-                    finish_reason,
-                }
-            })
-            .collect();
+        let rows = rows.finish(prompt, stream.stop_tokens());
         Ok(BatchResult {
             rows,
             usage: Usage {

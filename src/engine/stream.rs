@@ -4,8 +4,8 @@
 use std::time::{Duration, Instant};
 
 use super::graph_run::GraphRun;
-use super::session::Session;
 use super::row::{RowRules, RowState};
+use super::session::Session;
 use super::tools::ToolTokens;
 use super::{EngineError, FinishReason, GenerateOptions, RowStep, Step, Timings, Usage};
 use crate::backend::cpu::{PlanKind, TokenRow};
@@ -71,7 +71,7 @@ impl<'a> Stream<'a> {
             stop_tokens,
             usage: Usage {
                 prompt_tokens: prompt_len,
-                completion_tokens: 0,
+                ..Usage::default()
             },
             timings: Timings {
                 prefill_tokens,

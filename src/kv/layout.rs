@@ -76,7 +76,7 @@ impl KvLayout {
             }
         }
         if let Some(group) = self.dtype.group() {
-            if self.head_dim % group != 0 {
+            if !self.head_dim.is_multiple_of(group) {
                 return Err(LayoutError::Group {
                     dtype: self.dtype,
                     head_dim: self.head_dim,

@@ -316,6 +316,19 @@ impl KvCache {
         self.pool.write(layer, block as u32, off, k, v);
     }
 
+    /// One position's keys and values of one layer (`kv_heads × head_dim` f32s each), decoded
+    /// from the storage type.
+    pub fn read(&self, layer: usize, slot: usize, pos: usize, k: &mut [f32], v: &mut [f32]) {
+        let l = *self.layout();
+        let (block, off) = l.locate(&self.tables[slot].blocks, pos);
+        let d = l.head_dim;
+        for h in 0..l.kv_heads {
+            let r = h * d..(h + 1) * d;
+            self.pool
+                .decode_rows(layer, block as u32, h, off, 1, &mut k[r.clone()], &mut v[r]);
+        }
+    }
+
     /// The per-position state of `slot` at `pos` (`state_dim` floats).
     pub fn state(&self, slot: usize, pos: usize) -> &[f32] {
         let (block, off) = self.layout().locate(&self.tables[slot].blocks, pos);

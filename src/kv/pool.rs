@@ -241,19 +241,21 @@ impl BlockPool {
         (&self.k[at..at + n], &self.v[at..at + n])
     }
 
-    /// One head's keys and values of the first `rows` positions of one block, decoded to f32
-    /// into `k` and `v` (`rows × head_dim` each).
-    pub fn decode_head_block(
+    /// One head's keys and values of positions `first..first + rows` of one block, decoded to
+    /// f32 into `k` and `v` (`rows × head_dim` each).
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_rows(
         &self,
         layer: usize,
         block: u32,
         head: usize,
+        first: usize,
         rows: usize,
         k: &mut [f32],
         v: &mut [f32],
     ) {
         let l = &self.layout;
-        let at = l.head_block(layer, block as usize, head);
+        let at = l.row(layer, block as usize, head, first);
         let n = rows * l.head_dim;
         let eb = l.dtype.bytes_per_elem();
         let g = l.dtype.group().unwrap_or(1);

@@ -24,6 +24,9 @@ pub struct AttentionShape {
     pub window: Option<usize>,
 }
 
+/// Called per attended position with its index, key row and value row.
+type PositionFn<'a> = dyn FnMut(usize, &[f32], &[f32]) + 'a;
+
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
@@ -77,7 +80,7 @@ pub fn attention(
             (vec![0.0f32; bs * d], vec![0.0f32; bs * d])
         };
         let mut scores: Vec<f32> = Vec::with_capacity(n - lo);
-        let mut each_block = |f: &mut dyn FnMut(usize, &[f32], &[f32])| {
+        let mut each_block = |f: &mut PositionFn| {
             let mut start = lo - lo % bs;
             while start < n {
                 let block = table[start / bs];
@@ -85,10 +88,11 @@ pub fn attention(
                 let (keys, values): (&[f32], &[f32]) = if f32_in_place {
                     kv.pool().head_block_f32(s.layer, block, h / group)
                 } else {
-                    kv.pool().decode_head_block(
+                    kv.pool().decode_rows(
                         s.layer,
                         block,
                         h / group,
+                        0,
                         rows_here,
                         &mut kbuf,
                         &mut vbuf,

@@ -1,0 +1,599 @@
+//! The scheduler: many requests' sequences over one shared KV pool, advanced together.
+//!
+//! Each [`Scheduler::step`] is one forward pass over the rows of many sequences: one decode row
+//! for every running sequence that has chosen its next token, then chunks of prompt (or of
+//! recomputation after preemption) from the others, under a token budget per step — so a long
+//! prompt is prefilled a chunk at a time beside the running streams instead of stalling them.
+//! Sequences join and leave between steps. A new sequence first takes the longest cached prefix
+//! of its tokens from the prefix cache; its own whole blocks are offered to the cache once its
+//! prompt is in, and again when it finishes. When the pool runs out of blocks, the most recently
+//! admitted sequence is preempted (its blocks freed; it is recomputed from its tokens later), so
+//! a request that fits the pool on its own never fails because of others.
+//!
+//! Every row keeps its own sampling parameters and seed, and its draws are keyed by its row
+//! within its request and its position, exactly as in a [`super::Session`]: a request's tokens
+//! do not depend on what else runs beside it (up to the summation order of batched kernels).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::row::{RowRules, RowState};
+use super::sequence::{RequestId, Sequence};
+use super::tools::ToolTokens;
+use super::{Engine, EngineError, FinishReason, GenerateOptions, RowStep, Step, Usage};
+use crate::backend::cpu::{PlanKind, TokenRow, Workspace};
+use crate::kv::{KvBudget, KvCache, KvError, KvOptions, PoolError};
+
+/// How a serving engine shares its memory and its steps.
+#[derive(Clone, Copy, Debug)]
+pub struct ServeOptions {
+    /// Memory for the KV pool.
+    pub kv_budget: KvBudget,
+    /// Block size and storage type of the pool.
+    pub kv: KvOptions,
+    /// Sequences running at once (more wait in the queue).
+    pub max_running: usize,
+    /// Tokens one step may run (decode rows count one each; prefill is chunked to fit).
+    pub max_step_tokens: usize,
+    /// Reuse cached prompt prefixes across requests.
+    pub prefix_cache: bool,
+}
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        ServeOptions {
+            kv_budget: KvBudget::Bytes(512 << 20),
+            kv: KvOptions::default(),
+            max_running: 64,
+            max_step_tokens: 256,
+            prefix_cache: true,
+        }
+    }
+}
+
+/// One request: a prompt and how to continue it (`num_samples` rows, each with the request's
+/// sampling parameters and seed).
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub options: GenerateOptions,
+}
+
+/// What a request's consumer receives, in order: steps, then one `Done` (or one `Error`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// Tokens of the rows that advanced in one scheduler step (`None` for the others).
+    Step(Step),
+    /// Every row finished.
+    Done(Finished),
+    /// The request could not be served.
+    Error(String),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Finished {
+    pub usage: Usage,
+    pub finish_reasons: Vec<FinishReason>,
+}
+
+/// Delivers a request's events; returns `false` once nobody listens (the request is then
+/// cancelled and its blocks freed).
+pub type Sink = Box<dyn FnMut(Event) -> bool + Send>;
+
+struct RequestState {
+    sink: Sink,
+    usage: Usage,
+    reasons: Vec<Option<FinishReason>>,
+    /// The step being assembled for this request.
+    step: Option<Vec<Option<RowStep>>>,
+}
+
+/// Counters a service reads (queue depth, memory, cache hits).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    pub waiting: usize,
+    pub running: usize,
+    pub blocks_total: usize,
+    pub blocks_free: usize,
+    pub prefix_blocks: usize,
+    pub prefix_hit_tokens: u64,
+    pub prompt_tokens: u64,
+    pub generated_tokens: u64,
+    pub steps: u64,
+    pub preemptions: u64,
+    /// Tokens forward passes ran (prefill chunks, recomputation and decode rows).
+    pub computed_tokens: u64,
+}
+
+pub struct Scheduler {
+    engine: Arc<Engine>,
+    opts: ServeOptions,
+    kv: KvCache,
+    ws: Workspace,
+    logits: Vec<f32>,
+    seqs: Vec<Sequence>,
+    requests: HashMap<RequestId, RequestState>,
+    next_order: u64,
+    tools: Option<ToolTokens>,
+    stats: SchedulerStats,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("serving runs on the CPU backend for now (this engine runs on {0})")]
+    Device(String),
+    #[error("serve option {name} must be at least 1")]
+    Zero { name: &'static str },
+    #[error("request {id}: the prompt needs {needed} KV blocks but the pool holds {total}")]
+    TooBig {
+        id: RequestId,
+        needed: usize,
+        total: usize,
+    },
+    #[error("request id {0} is already in use")]
+    DuplicateId(RequestId),
+}
+
+impl Scheduler {
+    pub fn new(engine: Arc<Engine>, opts: ServeOptions) -> Result<Scheduler, EngineError> {
+        for (name, v) in [
+            ("max_running", opts.max_running),
+            ("max_step_tokens", opts.max_step_tokens),
+        ] {
+            if v == 0 {
+                return Err(ServeError::Zero { name }.into());
+            }
+        }
+        let backend = engine
+            .cpu_backend()
+            .ok_or_else(|| ServeError::Device(engine.device()))?;
+        let kv = backend.new_pool(opts.kv, opts.kv_budget, engine.max_context())?;
+        Ok(Scheduler {
+            tools: ToolTokens::of(engine.tokenizer()),
+            engine,
+            opts,
+            kv,
+            ws: Workspace::new(),
+            logits: Vec::new(),
+            seqs: Vec::new(),
+            requests: HashMap::new(),
+            next_order: 0,
+            stats: SchedulerStats::default(),
+        })
+    }
+
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
+    /// Whether nothing is waiting or running.
+    pub fn is_idle(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        let mut s = self.stats;
+        s.running = self.seqs.iter().filter(|q| q.slot.is_some()).count();
+        s.waiting = self.seqs.len() - s.running;
+        s.blocks_total = self.kv.pool().num_blocks();
+        s.blocks_free = self.kv.pool().free_blocks();
+        s.prefix_blocks = self.kv.prefix_blocks();
+        s
+    }
+
+    /// The serving cache (tests check its invariants).
+    #[doc(hidden)]
+    pub fn cache(&self) -> &KvCache {
+        &self.kv
+    }
+
+    /// Queues a request under `id`; its events go to `sink`. Errors in the request itself
+    /// (empty prompt, unknown token, bad sampling parameters, a prompt no pool could hold)
+    /// are returned here and nothing is queued.
+    pub fn submit(&mut self, id: RequestId, req: Request, sink: Sink) -> Result<(), EngineError> {
+        if self.requests.contains_key(&id) {
+            return Err(ServeError::DuplicateId(id).into());
+        }
+        let Request { prompt, options } = req;
+        options.sampling.validate()?;
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if options.num_samples == 0 {
+            return Err(EngineError::NoSamples);
+        }
+        let vocab = self.engine.config().vocab_size;
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(crate::backend::cpu::ExecError::BadToken { id: bad, vocab }.into());
+        }
+        if prompt.len() >= self.kv.capacity() {
+            return Err(EngineError::PromptTooLong {
+                len: prompt.len(),
+                capacity: self.kv.capacity(),
+            });
+        }
+        let needed = self.kv.layout().blocks_for(prompt.len() + 1);
+        let total = self.kv.pool().num_blocks();
+        if needed > total {
+            return Err(ServeError::TooBig { id, needed, total }.into());
+        }
+        let stop_tokens = Arc::new(
+            options
+                .stop_tokens
+                .clone()
+                .unwrap_or_else(|| self.engine.default_stop_tokens()),
+        );
+        let n = options.num_samples;
+        let opts = Arc::new(options);
+        let order = self.next_order;
+        self.next_order += 1;
+        for row in 0..n {
+            self.seqs.push(Sequence {
+                request: id,
+                row,
+                opts: Arc::clone(&opts),
+                stop_tokens: Arc::clone(&stop_tokens),
+                tokens: prompt.clone(),
+                prompt_len: prompt.len(),
+                computed: 0,
+                slot: None,
+                state: RowState::new(&opts),
+                waits_for_prompt: row > 0,
+                order,
+            });
+        }
+        self.stats.prompt_tokens += prompt.len() as u64;
+        self.requests.insert(
+            id,
+            RequestState {
+                sink,
+                usage: Usage {
+                    prompt_tokens: prompt.len(),
+                    ..Usage::default()
+                },
+                reasons: vec![None; n],
+                step: None,
+            },
+        );
+        if opts.max_tokens == Some(0) {
+            for i in self.rows_of(id) {
+                self.finish(i, FinishReason::MaxTokens);
+            }
+            self.flush();
+        }
+        Ok(())
+    }
+
+    fn rows_of(&self, id: RequestId) -> Vec<usize> {
+        (0..self.seqs.len())
+            .filter(|&i| self.seqs[i].request == id)
+            .collect()
+    }
+
+    /// Ends every row of a request with [`FinishReason::Cancelled`] and frees its blocks.
+    pub fn cancel(&mut self, id: RequestId) {
+        for i in self.rows_of(id) {
+            if !self.seqs[i].finished() {
+                self.seqs[i].state.finished = true;
+                self.finish(i, FinishReason::Cancelled);
+            }
+        }
+        self.flush();
+    }
+
+    /// Records a row's end and frees its slot (its whole blocks stay in the prefix cache).
+    fn finish(&mut self, i: usize, reason: FinishReason) {
+        let s = &mut self.seqs[i];
+        s.state.finished = true;
+        if let Some(r) = self.requests.get_mut(&s.request) {
+            r.reasons[s.row] = Some(reason);
+        }
+        if let Some(slot) = s.slot.take() {
+            if self.opts.prefix_cache {
+                self.kv.publish_prefix(slot, &s.tokens[..s.computed]);
+            }
+            self.kv.close_slot(slot);
+        }
+    }
+
+    /// Sends each request its assembled step, and `Done` to requests whose rows all finished;
+    /// drops finished sequences and requests whose consumer has gone.
+    fn flush(&mut self) {
+        let mut gone = Vec::new();
+        for (&id, r) in self.requests.iter_mut() {
+            if let Some(rows) = r.step.take() {
+                if !(r.sink)(Event::Step(Step { rows })) {
+                    gone.push(id);
+                    continue;
+                }
+            }
+            if r.reasons.iter().all(Option::is_some) {
+                let reasons = r.reasons.iter().flatten().copied().collect();
+                (r.sink)(Event::Done(Finished {
+                    usage: r.usage,
+                    finish_reasons: reasons,
+                }));
+                gone.push(id);
+            }
+        }
+        for id in gone {
+            for i in self.rows_of(id) {
+                if !self.seqs[i].finished() {
+                    self.finish(i, FinishReason::Cancelled);
+                }
+            }
+            self.requests.remove(&id);
+        }
+        self.seqs.retain(|s| !s.state.finished);
+    }
+
+    /// Gives a waiting sequence a slot, starting from the longest cached prefix of its tokens.
+    fn admit(&mut self, i: usize) {
+        let slot = self.kv.open_slot();
+        let s = &mut self.seqs[i];
+        s.slot = Some(slot);
+        s.computed = 0;
+        if self.opts.prefix_cache {
+            // The last token must run to produce the logits that follow it.
+            let cached = self
+                .kv
+                .attach_prefix(slot, &s.tokens, s.tokens.len() - 1)
+                .unwrap_or(0);
+            s.computed = cached;
+            let hit = cached.min(s.prompt_len);
+            self.stats.prefix_hit_tokens += hit as u64;
+            if s.row == 0 && s.state.generated == 0 {
+                if let Some(r) = self.requests.get_mut(&s.request) {
+                    r.usage.cached_tokens = r.usage.cached_tokens.max(hit);
+                }
+            }
+        }
+    }
+
+    /// Frees sequence `i`'s blocks; it waits again and is recomputed from its tokens.
+    fn preempt(&mut self, i: usize) {
+        let s = &mut self.seqs[i];
+        if let Some(slot) = s.slot.take() {
+            if self.opts.prefix_cache {
+                self.kv.publish_prefix(slot, &s.tokens[..s.computed]);
+            }
+            self.kv.close_slot(slot);
+        }
+        s.computed = 0;
+        self.stats.preemptions += 1;
+    }
+
+    /// Runs one step. Returns whether any work remains.
+    pub fn step(&mut self) -> Result<bool, EngineError> {
+        self.admit_waiting();
+        let plan = self.plan()?;
+        if plan.is_empty() {
+            self.flush();
+            return Ok(!self.seqs.is_empty());
+        }
+        let mut tokens = Vec::new();
+        let mut rows = Vec::new();
+        for &(i, n) in &plan {
+            let s = &self.seqs[i];
+            let slot = s.slot.expect("planned sequences hold a slot");
+            tokens.extend_from_slice(&s.tokens[s.computed..s.computed + n]);
+            rows.extend((s.computed..s.computed + n).map(|pos| TokenRow { slot, pos }));
+        }
+        let kind = if plan.iter().all(|&(_, n)| n == 1) {
+            PlanKind::Decode
+        } else {
+            PlanKind::Prefill
+        };
+        let engine = Arc::clone(&self.engine);
+        let backend = engine
+            .cpu_backend()
+            .expect("checked to be a CPU engine in Scheduler::new");
+        backend.forward(
+            kind,
+            &mut self.ws,
+            &mut self.kv,
+            &tokens,
+            &rows,
+            &mut self.logits,
+        )?;
+        self.stats.steps += 1;
+        self.stats.computed_tokens += tokens.len() as u64;
+        let vocab = self.engine.config().vocab_size;
+        for (li, &(i, n)) in plan.iter().enumerate() {
+            self.seqs[i].computed += n;
+            if self.seqs[i].pending() > 0 {
+                continue;
+            }
+            let logits = self.logits[li * vocab..(li + 1) * vocab].to_vec();
+            if self.seqs[i].row == 0 && self.seqs[i].state.generated == 0 {
+                self.on_prompt_done(i, &logits)?;
+            }
+            self.take_token(i, logits)?;
+        }
+        self.flush();
+        Ok(!self.seqs.is_empty())
+    }
+
+    /// Row 0 of a request just finished its prompt: its whole blocks go to the prefix cache and
+    /// every sibling row starts from them, with the same logits.
+    fn on_prompt_done(&mut self, i: usize, logits: &[f32]) -> Result<(), EngineError> {
+        let slot = self.seqs[i].slot.expect("a computed sequence holds a slot");
+        let len = self.seqs[i].computed;
+        if self.opts.prefix_cache {
+            let t = self.seqs[i].tokens.clone();
+            self.kv.publish_prefix(slot, &t);
+        }
+        let id = self.seqs[i].request;
+        for j in self.rows_of(id) {
+            if !self.seqs[j].waits_for_prompt {
+                continue;
+            }
+            self.seqs[j].waits_for_prompt = false;
+            let to = self.kv.open_slot();
+            self.kv.copy_slot(slot, to, len);
+            self.seqs[j].slot = Some(to);
+            self.seqs[j].computed = len;
+            self.take_token(j, logits.to_vec())?;
+        }
+        Ok(())
+    }
+
+    /// The row chooses its next token from `logits` (or takes a forced one) and applies its
+    /// stop rules.
+    fn take_token(&mut self, i: usize, mut logits: Vec<f32>) -> Result<(), EngineError> {
+        let engine = Arc::clone(&self.engine);
+        let s = &mut self.seqs[i];
+        let opts = Arc::clone(&s.opts);
+        let stop_tokens = Arc::clone(&s.stop_tokens);
+        let rules = RowRules {
+            tokenizer: engine.tokenizer(),
+            opts: &opts,
+            stop_tokens: &stop_tokens,
+            tools: if opts.tools {
+                self.tools.as_ref()
+            } else {
+                None
+            },
+            capacity: self.kv.capacity(),
+        };
+        let pos = s.tokens.len();
+        let (token, mask) = s.state.choose(&rules, s.row, &s.tokens, pos, &mut logits);
+        let step = s.state.accept(&rules, token, mask, pos)?;
+        let finished = step.finished;
+        if finished.is_none() {
+            s.tokens.push(token);
+        }
+        let (request, row) = (s.request, s.row);
+        self.stats.generated_tokens += 1;
+        if let Some(r) = self.requests.get_mut(&request) {
+            r.usage.completion_tokens += 1;
+            let n = r.reasons.len();
+            r.step.get_or_insert_with(|| vec![None; n])[row] = Some(step);
+        }
+        if let Some(reason) = finished {
+            self.finish(i, reason);
+        }
+        Ok(())
+    }
+
+    /// Admits waiting sequences in arrival order while there is room.
+    fn admit_waiting(&mut self) {
+        let mut order: Vec<usize> = (0..self.seqs.len())
+            .filter(|&i| self.seqs[i].slot.is_none() && !self.seqs[i].waits_for_prompt)
+            .collect();
+        order.sort_by_key(|&i| (self.seqs[i].order, self.seqs[i].row));
+        let running = self.seqs.iter().filter(|s| s.slot.is_some()).count();
+        for (running, i) in (running..).zip(order) {
+            if running >= self.opts.max_running {
+                break;
+            }
+            // Room for the first chunk; later chunks preempt if they must.
+            let first = self.seqs[i].tokens.len().min(self.opts.max_step_tokens) + 1;
+            if self.kv.available_blocks() < self.kv.layout().blocks_for(first) + 1 && running > 0 {
+                break;
+            }
+            self.admit(i);
+        }
+    }
+
+    /// The rows of the next step: `(sequence, tokens to feed)`, decode rows first, then prefill
+    /// chunks under the token budget, with blocks prepared for each (preempting the latest
+    /// admitted sequences when the pool runs out).
+    fn plan(&mut self) -> Result<Vec<(usize, usize)>, EngineError> {
+        let mut running: Vec<usize> = (0..self.seqs.len())
+            .filter(|&i| self.seqs[i].slot.is_some() && self.seqs[i].pending() > 0)
+            .collect();
+        running.sort_by_key(|&i| (self.seqs[i].order, self.seqs[i].row));
+        let mut budget = self.opts.max_step_tokens;
+        let mut want: Vec<(usize, usize)> = Vec::new();
+        for &i in &running {
+            if self.seqs[i].pending() == 1 && budget > 0 {
+                want.push((i, 1));
+                budget -= 1;
+            }
+        }
+        for &i in &running {
+            let p = self.seqs[i].pending();
+            if p > 1 && budget > 0 {
+                let n = p.min(budget);
+                want.push((i, n));
+                budget -= n;
+            }
+        }
+        want.sort_by_key(|&(i, _)| (self.seqs[i].order, self.seqs[i].row));
+        let mut plan = Vec::new();
+        let mut k = 0;
+        while k < want.len() {
+            let (i, n) = want[k];
+            let Some(slot) = self.seqs[i].slot else {
+                k += 1;
+                continue;
+            };
+            match self.kv.prepare(slot, self.seqs[i].computed + n) {
+                Ok(()) => {
+                    plan.push((i, n));
+                    k += 1;
+                }
+                Err(KvError::Pool(PoolError::Exhausted { .. })) => {
+                    // Preempt the latest admitted other sequence, planned or not; else this one.
+                    let victim = (0..self.seqs.len())
+                        .filter(|&j| j != i && self.seqs[j].slot.is_some())
+                        .max_by_key(|&j| (self.seqs[j].order, self.seqs[j].row));
+                    match victim {
+                        Some(j)
+                            if (self.seqs[j].order, self.seqs[j].row)
+                                > (self.seqs[i].order, self.seqs[i].row) =>
+                        {
+                            self.preempt(j);
+                            plan.retain(|&(p, _)| p != j);
+                        }
+                        _ if plan.is_empty() && !self.others_running(i) => {
+                            let e = KvError::Pool(PoolError::Exhausted {
+                                blocks: self.kv.pool().num_blocks(),
+                            });
+                            self.fail_request(self.seqs[i].request, &e.to_string());
+                            k += 1;
+                        }
+                        _ => {
+                            self.preempt(i);
+                            k += 1;
+                        }
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        plan.retain(|&(i, _)| self.seqs[i].slot.is_some());
+        Ok(plan)
+    }
+
+    fn others_running(&self, i: usize) -> bool {
+        self.seqs
+            .iter()
+            .enumerate()
+            .any(|(j, s)| j != i && s.slot.is_some())
+    }
+
+    /// Ends every request with an error event (a step failed).
+    pub fn fail_all(&mut self, message: &str) {
+        let ids: Vec<RequestId> = self.requests.keys().copied().collect();
+        for id in ids {
+            self.fail_request(id, message);
+        }
+        self.seqs.retain(|s| !s.state.finished);
+    }
+
+    /// Ends a request with an error event.
+    fn fail_request(&mut self, id: RequestId, message: &str) {
+        for i in self.rows_of(id) {
+            let s = &mut self.seqs[i];
+            s.state.finished = true;
+            if let Some(slot) = s.slot.take() {
+                self.kv.close_slot(slot);
+            }
+        }
+        if let Some(mut r) = self.requests.remove(&id) {
+            (r.sink)(Event::Error(message.to_string()));
+        }
+    }
+}
