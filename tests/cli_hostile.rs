@@ -373,6 +373,35 @@ fn a_closed_pipe_ends_quietly_and_a_full_disk_is_an_error() {
         let r = into_dev_full(exe, args);
         assert_refused(&r, 1, "writing to stdout: No space left on device");
     }
+    // Errors writing stderr are dropped: there is nowhere to report them.
+    let bench_measuring = [
+        "-m",
+        &m,
+        "-p",
+        "0",
+        "-n",
+        "2",
+        "-r",
+        "1",
+        "--bandwidth-mib",
+        "1",
+    ];
+    for (exe, args) in [(KILN, &gen[..]), (DUMP, &dump), (BENCH, &bench_measuring)] {
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap();
+        let r = run_with(
+            Command::new(exe)
+                .args(args)
+                .stdout(Stdio::piped())
+                .stderr(full),
+            None,
+            LIMIT,
+        );
+        assert_ok(&r);
+        assert!(!r.stdout.is_empty(), "{exe}");
+    }
     let r = run_with(
         Command::new(KILN)
             .args(["chat", "-m", &m, "-n", "2"])

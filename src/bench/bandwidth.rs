@@ -78,7 +78,7 @@ impl BandwidthSource {
                     Some(&bw) => bw,
                     None => {
                         let bw = cpu_read(threads, *mib)?;
-                        eprintln!(
+                        crate::note!(
                             "kiln-bench: memory bandwidth {:.1} GB/s (streaming read of {mib} MiB, {threads} threads, median of 5)",
                             bw / 1e9
                         );
@@ -96,7 +96,7 @@ impl BandwidthSource {
                     Some(c) => c.clone(),
                     None => {
                         let c = device_copy(*mib, 20)?;
-                        eprintln!("kiln-bench: {}", c.summary());
+                        crate::note!("kiln-bench: {}", c.summary());
                         *measured = Some(c.clone());
                         c
                     }
