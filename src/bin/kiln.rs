@@ -210,7 +210,12 @@ fn template_source(model: &Path) -> String {
     let in_config = std::fs::read(&config)
         .ok()
         .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-        .is_some_and(|v| v.get("chat_template").is_some());
+        .is_some_and(|v| {
+            matches!(
+                v.get("chat_template"),
+                Some(serde_json::Value::String(_) | serde_json::Value::Array(_))
+            )
+        });
     if in_config {
         config.display().to_string()
     } else {
