@@ -8,7 +8,7 @@
 //! panic (101), a signal (an abort, a crash) or a hang.
 //!
 //! ```text
-//! cargo test --release --test fuzz_cli                                   # 1000 cases, seed 1
+//! cargo test --release --test fuzz_cli                                   # 500 cases, seed 1
 //! KILN_FUZZ_CLI_CASES=5000 KILN_FUZZ_CLI_SEED=7 cargo test --release --test fuzz_cli -- --nocapture
 //! KILN_FUZZ_CLI_SHOW=1 ...   # also print every case's exit status and error line
 //! ```
@@ -463,7 +463,7 @@ fn hostile_command_lines_never_crash_or_hang() {
     let cases: usize = std::env::var("KILN_FUZZ_CLI_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(1000);
+        .unwrap_or(500);
     let seed: u64 = std::env::var("KILN_FUZZ_CLI_SEED")
         .ok()
         .and_then(|v| v.parse().ok())
