@@ -29,8 +29,10 @@
 #  7. The stage table, the bandwidths, and per kiln row: t/s, ms/token, % of bandwidth, PyTorch's
 #     t/s on the same model and batch, and the ratio (scripts/gpu_report.py).
 #
-# Method: ../.library/device/METHOD.md. Bytes per token (docs/gpu-method.md): bf16 weights read
-# once + bf16 KV read to the mean context + new K/V written, `kiln-bench --bytes-per-token`.
+# Method (docs/gpu-method.md): device time after a warm-up, the median of repeated runs, random
+# non-zero weights, and a measured device-to-device copy (bytes read + bytes written) as the
+# bandwidth ceiling. Bytes per token: bf16 weights read once + bf16 KV read to the mean context
+# + new K/V written, `kiln-bench --bytes-per-token`.
 #
 # Status: written without access to a GPU; this script and everything it runs on the device are
 # UNVERIFIED until run on one. The CPU-side pieces (kiln-bench flags, torch_compare.py's refusal

@@ -5,7 +5,7 @@
 //! * [`BandwidthSource::CpuRead`]: a streaming read over a buffer far above the LLC, with the
 //!   same SIMD kernel the matmuls use, once per thread count.
 //! * [`BandwidthSource::DeviceCopy`]: a device-to-device copy on GPU 0, counting bytes read plus
-//!   bytes written (what `../.library/device/METHOD.md` asks for; PyTorch's `copy_` measured the
+//!   bytes written, the usual way to state a copy's bandwidth (PyTorch's `copy_` measured the
 //!   same way is the cross-check in `scripts/torch_compare.py --measure-bandwidth`).
 //! * [`BandwidthSource::Given`]: `--bandwidth-gbs`, e.g. a copy measured by another tool.
 
@@ -78,7 +78,7 @@ impl BandwidthSource {
                     Some(&bw) => bw,
                     None => {
                         let bw = cpu_read(threads, *mib)?;
-                        eprintln!(
+                        crate::note!(
                             "kiln-bench: memory bandwidth {:.1} GB/s (streaming read of {mib} MiB, {threads} threads, median of 5)",
                             bw / 1e9
                         );
@@ -96,7 +96,7 @@ impl BandwidthSource {
                     Some(c) => c.clone(),
                     None => {
                         let c = device_copy(*mib, 20)?;
-                        eprintln!("kiln-bench: {}", c.summary());
+                        crate::note!("kiln-bench: {}", c.summary());
                         *measured = Some(c.clone());
                         c
                     }
@@ -122,7 +122,10 @@ pub fn cpu_read(threads: usize, mib: usize) -> Result<f64, BandwidthError> {
             threads,
             reason: e.to_string(),
         })?;
-    let floats = (mib.max(1) << 20) / 4;
+    let floats = mib
+        .max(1)
+        .checked_mul(1 << 18)
+        .ok_or(BandwidthError::Alloc { mib })?;
     let mut buf: Vec<f32> = Vec::new();
     buf.try_reserve_exact(floats)
         .map_err(|_| BandwidthError::Alloc { mib })?;

@@ -28,12 +28,18 @@ use kiln::bench::bandwidth::{self, BandwidthSource};
 use kiln::bench::bytes::{self, Layout};
 use kiln::bench::report::{self, Row};
 use kiln::bench::{mean_sd, median, params_text, token_ids};
+use kiln::cli::args::{check_model_path, check_threads, Text};
+use kiln::cli::context::kv_bytes_per_position;
+use kiln::cli::memory;
+use kiln::cli::output::{die_on_closed_pipe, Stdout};
 use kiln::engine::{
     DecodePath, Device as EngineDevice, Engine, EngineOptions, GenerateOptions, ServeOptions,
     Session,
 };
-use kiln::graph::Dims;
+use kiln::graph::{human_bytes as human, Dims, Rows};
 use kiln::model::{synthetic, Model};
+use kiln::note;
+use kiln::plan::ExecutionPlan;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Device {
@@ -80,7 +86,7 @@ struct Args {
     model: Vec<PathBuf>,
     /// A random-weight model of a named shape instead of a file (repeat or comma list):
     /// llama-3.2-1b, smollm2-135m, tiny. bf16 weights drawn from --seed; nothing is downloaded.
-    #[arg(long, value_delimiter = ',', value_name = "SHAPE")]
+    #[arg(long, value_delimiter = ',', value_name = "SHAPE", value_parser = Text::NON_EMPTY)]
     synthetic: Vec<String>,
     /// Prompt lengths to time as one prefill step (comma list; 0 disables).
     #[arg(
@@ -150,11 +156,79 @@ struct Args {
     concurrency: Vec<usize>,
 }
 
+/// The largest -p and -n values: more positions than any model's context, and small enough
+/// that byte and flop counts cannot overflow.
+const MAX_TOKENS: usize = 1 << 24;
+/// The largest --batch.
+const MAX_BATCH: usize = 1 << 16;
+/// The largest -r.
+const MAX_REPETITIONS: usize = 10_000;
+/// The largest --bandwidth-mib (1 TiB).
+const MAX_BANDWIDTH_MIB: usize = 1 << 20;
+
 fn main() {
+    die_on_closed_pipe();
     if let Err(e) = run() {
-        eprintln!("error: {e:#}");
+        note!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// Refuses sizes no run could use before anything is loaded or allocated.
+fn check_sizes(args: &Args) -> Result<()> {
+    let lists: [(&str, &[usize], usize); 3] = [
+        ("-p", &args.n_prompt, MAX_TOKENS),
+        ("-n", &args.n_gen, MAX_TOKENS),
+        ("--batch", &args.batch, MAX_BATCH),
+    ];
+    for (flag, values, max) in lists {
+        if let Some(v) = values.iter().find(|&&v| v > max) {
+            bail!("{flag} {v}: at most {max}");
+        }
+    }
+    if args.repetitions > MAX_REPETITIONS {
+        bail!("-r {}: at most {MAX_REPETITIONS}", args.repetitions);
+    }
+    if args.bandwidth_mib > MAX_BANDWIDTH_MIB {
+        bail!(
+            "--bandwidth-mib {}: at most {MAX_BANDWIDTH_MIB}",
+            args.bandwidth_mib
+        );
+    }
+    for &t in args.threads.iter().flatten() {
+        check_threads("-t", t)?;
+    }
+    for path in &args.model {
+        check_model_path("-m", path)?;
+    }
+    Ok(())
+}
+
+/// Host bytes one run of `test` allocates: the KV cache, the plan's activation buffers, the
+/// logits and the token ids; `None` when the count overflows.
+fn run_bytes(plan: &ExecutionPlan, vocab: usize, test: &Test) -> Option<u64> {
+    let (slots, positions, rows) = if test.n_prompt > 0 {
+        (1, test.n_prompt, test.n_prompt)
+    } else {
+        (test.batch, test.n_gen.checked_add(1)?, test.batch)
+    };
+    let kv = kv_bytes_per_position(&plan.graph.kv)?
+        .checked_mul(positions)?
+        .checked_mul(slots)?;
+    let activations = plan.buffers.iter().try_fold(0usize, |acc, b| {
+        let r = match b.rows {
+            Rows::Tokens => rows,
+            Rows::Sequences => slots,
+        };
+        acc.checked_add(r.checked_mul(b.cols)?.checked_mul(4)?)
+    })?;
+    let logits = rows.checked_mul(vocab)?.checked_mul(4)?;
+    let ids = positions.checked_mul(slots)?.checked_mul(4)?;
+    let total = kv
+        .checked_add(activations)?
+        .checked_add(logits)?
+        .checked_add(ids)?;
+    u64::try_from(total).ok()
 }
 
 /// A model to benchmark, as named on the command line.
@@ -186,14 +260,14 @@ impl Source {
     fn load(&self, seed: u64) -> Result<Model> {
         match self {
             Source::File(path) => {
-                eprintln!("kiln-bench: loading {}", path.display());
+                note!("kiln-bench: loading {}", path.display());
                 Model::load(path).with_context(|| format!("loading {}", path.display()))
             }
             Source::Synthetic(shape) => {
-                eprintln!("kiln-bench: building synthetic {shape} (seed {seed})");
+                note!("kiln-bench: building synthetic {shape} (seed {seed})");
                 let t0 = Instant::now();
                 let m = synthetic::load(shape, seed)?;
-                eprintln!(
+                note!(
                     "kiln-bench: {} random bf16 parameters in {:.1} s",
                     m.weights.num_params(),
                     t0.elapsed().as_secs_f64()
@@ -206,6 +280,7 @@ impl Source {
 
 fn run() -> Result<()> {
     let args = Args::parse();
+    check_sizes(&args)?;
     if args.measure_gpu_bandwidth {
         return measure_gpu_bandwidth(&args);
     }
@@ -231,6 +306,21 @@ fn run() -> Result<()> {
         Some(t) => t.clone(),
         None => vec![std::thread::available_parallelism().map_or(1, |n| n.get())],
     };
+    if let (Device::Cpu, None, Some(avail)) = (args.device, args.bandwidth_gbs, memory::available())
+    {
+        let need = (args.bandwidth_mib.max(1) as u64) << 20;
+        if need > avail.usable() {
+            bail!(
+                "--bandwidth-mib {}: the buffer needs {} but may take at most {}, 3/4 of the {} \
+                 available ({})",
+                args.bandwidth_mib,
+                human(need),
+                human(avail.usable()),
+                human(avail.bytes),
+                avail.limit
+            );
+        }
+    }
     let weights = match args.weights {
         Weights::Auto => WeightFormat::AsStored,
         Weights::F32 => WeightFormat::F32,
@@ -287,20 +377,21 @@ fn run() -> Result<()> {
                 }
             };
             for test in tests(&args) {
-                let positions = test.n_prompt.max(test.n_gen + 1);
+                let positions = test.n_prompt.max(test.n_gen.saturating_add(1));
                 if positions > max_ctx {
                     bail!(
                         "{} needs {positions} positions but {name} holds {max_ctx}",
                         test.name()
                     );
                 }
-                eprintln!(
+                target.check_memory(&test)?;
+                note!(
                     "kiln-bench: {name} threads={t} batch={} {}: 1 warm-up + {} runs",
                     test.batch,
                     test.name(),
                     args.repetitions
                 );
-                let mut samples = Vec::with_capacity(args.repetitions);
+                let mut samples = Vec::new();
                 for rep in 0..=args.repetitions {
                     let d = target.time(&test, args.seed)?;
                     if rep > 0 {
@@ -350,7 +441,14 @@ fn run() -> Result<()> {
         Output::Json => serde_json::to_string_pretty(&rows)? + "\n",
         Output::Csv => report::csv(&rows),
     };
-    print!("{out}");
+    print_out(&out)
+}
+
+/// Writes the report to stdout (a full disk is an error; a closed pipe ends the process).
+fn print_out(text: &str) -> Result<()> {
+    let mut out = Stdout::lock();
+    out.write(text)?;
+    out.flush()?;
     Ok(())
 }
 
@@ -376,7 +474,7 @@ impl Test {
         if self.n_prompt > 0 {
             self.n_prompt
         } else {
-            self.n_gen * self.batch
+            self.n_gen.saturating_mul(self.batch)
         }
     }
 }
@@ -415,6 +513,10 @@ trait Target {
     fn bytes_per_token(&self, test: &Test) -> (f64, String);
     /// `--profile`: a per-op breakdown of decode on stderr, where the backend has one.
     fn profile(&self, _n_gen: usize, _seed: u64) -> Result<()> {
+        Ok(())
+    }
+    /// Refuses `test` when what it allocates in host memory does not fit.
+    fn check_memory(&self, _test: &Test) -> Result<()> {
         Ok(())
     }
 }
@@ -462,6 +564,35 @@ impl Target for CpuTarget {
 
     fn profile(&self, n_gen: usize, seed: u64) -> Result<()> {
         profile_decode(&self.backend, n_gen, seed)
+    }
+
+    fn check_memory(&self, test: &Test) -> Result<()> {
+        let kind = if test.n_prompt > 0 {
+            PlanKind::Prefill
+        } else {
+            PlanKind::Decode
+        };
+        let vocab = self.backend.config().vocab_size;
+        let Some(need) = run_bytes(self.backend.plan(kind), vocab, test) else {
+            bail!(
+                "{} at batch {}: its buffers are too large to count in bytes",
+                test.name(),
+                test.batch
+            );
+        };
+        if let Some(avail) = memory::available().filter(|a| need > a.usable()) {
+            bail!(
+                "{} at batch {} needs {} but may take at most {}, 3/4 of the {} available ({}); \
+                 pass a smaller -p, -n or --batch",
+                test.name(),
+                test.batch,
+                human(need),
+                human(avail.usable()),
+                human(avail.bytes),
+                avail.limit
+            );
+        }
+        Ok(())
     }
 }
 
@@ -548,18 +679,18 @@ fn profile_decode(b: &CpuBackend, n: usize, seed: u64) -> Result<()> {
     }
     let total: Duration = times.iter().sum();
     let steps = (n + 1) as f64;
-    eprintln!(
+    note!(
         "kiln-bench: decode profile over {} steps, {:.3} ms/token in instructions",
         n + 1,
         total.as_secs_f64() * 1e3 / steps
     );
-    eprintln!("| op | count | ms/token | share | bytes/token | GB/s |");
-    eprintln!("|---|---:|---:|---:|---:|---:|");
+    note!("| op | count | ms/token | share | bytes/token | GB/s |");
+    note!("|---|---:|---:|---:|---:|---:|");
     let mut rows: Vec<_> = groups.into_iter().collect();
     rows.sort_by(|a, b| b.1 .1.cmp(&a.1 .1).then(a.0.cmp(&b.0)));
     for (name, (count, t, bytes)) in rows {
         let ms = t.as_secs_f64() * 1e3 / steps;
-        eprintln!(
+        note!(
             "| {name} | {count} | {ms:.3} | {:.1}% | {bytes} | {:.1} |",
             100.0 * t.as_secs_f64() / total.as_secs_f64().max(1e-12),
             bytes as f64 / (ms / 1e3) / 1e9
@@ -617,7 +748,7 @@ fn print_bytes_per_token(args: &Args, sources: &[Source]) -> Result<()> {
         }
     }
     match args.output {
-        Output::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
+        Output::Json => print_out(&(serde_json::to_string_pretty(&rows)? + "\n")),
         Output::Md | Output::Csv => {
             let head = [
                 "model",
@@ -645,20 +776,18 @@ fn print_bytes_per_token(args: &Args, sources: &[Source]) -> Result<()> {
                     ]
                 })
                 .collect();
-            print!("{}", report::table(&head, &body, |c| c >= 2));
+            print_out(&report::table(&head, &body, |c| c >= 2))
         }
     }
-    Ok(())
 }
 
 fn measure_gpu_bandwidth(args: &Args) -> Result<()> {
     let copy = bandwidth::device_copy(args.bandwidth_mib, 20)?;
-    eprintln!("kiln-bench: {}", copy.summary());
+    note!("kiln-bench: {}", copy.summary());
     match args.output {
-        Output::Json => println!("{}", serde_json::to_string(&copy)?),
-        Output::Md | Output::Csv => println!("{:.1} GB/s", copy.bytes_per_s / 1e9),
+        Output::Json => print_out(&(serde_json::to_string(&copy)? + "\n")),
+        Output::Md | Output::Csv => print_out(&format!("{:.1} GB/s\n", copy.bytes_per_s / 1e9)),
     }
-    Ok(())
 }
 
 /// The engine on CUDA for one model: prefill through the per-op kernels (cuBLAS GEMMs), decode
@@ -681,7 +810,7 @@ impl CudaTarget {
             ..EngineOptions::default()
         };
         let engine = Arc::new(Engine::from_model(model, opts)?);
-        eprintln!("kiln-bench: on {}", engine.device());
+        note!("kiln-bench: on {}", engine.device());
         Ok(CudaTarget { engine })
     }
 }

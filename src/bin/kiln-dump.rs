@@ -7,9 +7,11 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 
+use kiln::cli::args::check_model_path;
+use kiln::cli::output::{die_on_closed_pipe, Stdout};
 use kiln::dump::{concat, dump, DumpOptions, Format, Stage};
 use kiln::model::Model;
 use kiln::plan::Phase;
@@ -71,10 +73,10 @@ struct Args {
     /// Which plan to dump, and whose dimensions the costs use.
     #[arg(long, value_enum, default_value_t = PhaseArg::Decode)]
     phase: PhaseArg,
-    /// Cached positions for decode costs.
+    /// Cached positions for decode costs (at most 2^24).
     #[arg(long, default_value_t = 512)]
     context: usize,
-    /// Prompt tokens for prefill costs.
+    /// Prompt tokens for prefill costs (at most 2^24).
     #[arg(long, default_value_t = 512)]
     tokens: usize,
     /// Write one file per stage into this directory instead of stdout.
@@ -82,15 +84,26 @@ struct Args {
     output: Option<PathBuf>,
 }
 
+/// The most positions or tokens costs are counted for: more than any model's context, and
+/// small enough that byte and flop counts stay far from overflowing.
+const MAX_DIM: usize = 1 << 24;
+
 fn main() {
+    die_on_closed_pipe();
     if let Err(e) = run() {
-        eprintln!("error: {e:#}");
+        kiln::note!("error: {e:#}");
         std::process::exit(1);
     }
 }
 
 fn run() -> Result<()> {
     let args = Args::parse();
+    for (flag, v) in [("--context", args.context), ("--tokens", args.tokens)] {
+        if v > MAX_DIM {
+            bail!("{flag} {v}: at most {MAX_DIM}");
+        }
+    }
+    check_model_path("-m", &args.model)?;
     let opts = DumpOptions {
         stage: match args.stage {
             StageArg::All => Stage::All,
@@ -122,10 +135,14 @@ fn run() -> Result<()> {
                 let path = dir.join(f.file_name());
                 std::fs::write(&path, &f.contents)
                     .with_context(|| format!("writing {}", path.display()))?;
-                eprintln!("wrote {}", path.display());
+                kiln::note!("wrote {}", path.display());
             }
         }
-        None => print!("{}", concat(&files, opts.format)),
+        None => {
+            let mut out = Stdout::lock();
+            out.write(&concat(&files, opts.format))?;
+            out.flush()?;
+        }
     }
     Ok(())
 }

@@ -5,8 +5,8 @@
 //! kiln chat -m models/SmolLM2-135M-Instruct.Q4_1.gguf
 //! ```
 
-use std::io::{BufRead, Write};
-use std::path::PathBuf;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -14,13 +14,19 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, ValueEnum};
 use serde::Serialize;
 
-use kiln::backend::cpu::{CpuOptions, WeightFormat};
+use kiln::backend::cpu::{CpuOptions, PlanKind, WeightFormat};
+use kiln::cli::args::{check_model_path, check_threads, Text};
+use kiln::cli::context::{self, CacheRequest};
+use kiln::cli::input::{read_chat_line, read_prompt, ChatLine, MAX_TEXT_BYTES};
+use kiln::cli::memory;
+use kiln::cli::output::{die_on_closed_pipe, Stdout};
 use kiln::engine::{
     DecodePath, Engine, EngineOptions, FinishReason, GenerateOptions, Session, Timings, Usage,
 };
+use kiln::note;
 use kiln::sample::SamplingParams;
 use kiln::tokenizer::nanochat::NanochatTokens;
-use kiln::tokenizer::ChatMessage;
+use kiln::tokenizer::{ChatMessage, TokenizerError};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Device {
@@ -60,6 +66,11 @@ struct Common {
     /// Tokens to generate at most (per reply in chat).
     #[arg(short = 'n', long, default_value_t = 256)]
     n_predict: usize,
+    /// Context: positions the KV cache holds (0 = the model's whole context). Default: what the
+    /// run needs (prompt + -n; in chat, the whole context), at most 4096 and at most what memory
+    /// holds.
+    #[arg(short = 'c', long = "ctx-size", value_name = "N")]
+    ctx_size: Option<usize>,
     /// Sampling temperature; 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     temp: f32,
@@ -74,8 +85,8 @@ struct Common {
     repeat_penalty: Option<f32>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Stop when the text contains this string (repeatable); the match is not printed.
-    #[arg(long = "stop")]
+    /// Stop when the text contains this string (repeatable, not empty); the match is not printed.
+    #[arg(long = "stop", value_parser = Text::NON_EMPTY)]
     stop: Vec<String>,
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
@@ -83,10 +94,7 @@ struct Common {
     /// Do not run the calculator tool on <|python_start|>…<|python_end|> (nanochat models).
     #[arg(long)]
     no_tools: bool,
-    /// System message (chat).
-    #[arg(long)]
-    system: Option<String>,
-    /// CPU threads (0 = all cores).
+    /// CPU threads (0 = all cores; at most 4 × the cores, or 64).
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
     /// How weights are held in memory.
@@ -111,14 +119,20 @@ struct GenerateArgs {
     #[command(flatten)]
     common: Common,
     /// Prompt text.
-    #[arg(short, long, conflicts_with = "prompt_ids")]
+    #[arg(short, long, value_parser = Text::ANY, conflicts_with_all = ["prompt_ids", "file"])]
     prompt: Option<String>,
+    /// Read the prompt from a file (`-` for stdin), for prompts longer than the argument limit.
+    #[arg(short = 'f', long, value_name = "FILE", conflicts_with = "prompt_ids")]
+    file: Option<PathBuf>,
     /// Prompt as comma-separated token ids instead of text.
     #[arg(long, value_delimiter = ',')]
     prompt_ids: Option<Vec<u32>>,
     /// Wrap the prompt in the model's chat template as a user message.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "prompt_ids")]
     chat: bool,
+    /// System message (with --chat).
+    #[arg(long, requires = "chat", value_parser = Text::ANY)]
+    system: Option<String>,
     /// Independent samples of the prompt from one prefill.
     #[arg(long, default_value_t = 1)]
     samples: usize,
@@ -136,20 +150,84 @@ struct GenerateArgs {
 struct ChatArgs {
     #[command(flatten)]
     common: Common,
+    /// System message.
+    #[arg(long, value_parser = Text::ANY)]
+    system: Option<String>,
 }
 
 fn main() {
-    let argv: Vec<String> = std::env::args().collect();
-    let res = if argv.get(1).map(String::as_str) == Some("chat") {
-        let mut rest = vec![format!("{} chat", argv[0])];
-        rest.extend(argv[2..].iter().cloned());
-        chat(ChatArgs::parse_from(rest))
+    die_on_closed_pipe();
+    // Arguments as the OS gave them: a non-UTF-8 path is still a path, and non-UTF-8 text is
+    // an error naming its flag (`Text`), not a panic in `std::env::args`.
+    let mut argv: Vec<OsString> = std::env::args_os().collect();
+    let res = if argv.get(1).is_some_and(|a| a == "chat") {
+        argv.splice(..2, [OsString::from("kiln chat")]);
+        chat(ChatArgs::parse_from(argv))
     } else {
-        generate(GenerateArgs::parse())
+        generate(GenerateArgs::parse_from(argv))
     };
     if let Err(e) = res {
-        eprintln!("error: {e:#}");
+        note!("error: {e:#}");
         std::process::exit(1);
+    }
+}
+
+/// Checks what can be checked before the model is loaded.
+fn check_common(c: &Common) -> Result<()> {
+    check_model_path("-m", &c.model)?;
+    check_threads("-t", c.threads)?;
+    Ok(())
+}
+
+/// Positions for a session's cache: what `needed` asks (all of the context when `None`), cut
+/// to `-c`, the default context and the memory available. Says so on stderr when the model's
+/// context was cut.
+fn context_size(c: &Common, engine: &Engine, needed: Option<usize>, slots: usize) -> Result<usize> {
+    let plan = context::plan(&CacheRequest {
+        model_context: engine.max_context(),
+        ctx_flag: c.ctx_size,
+        needed,
+        slots,
+        bytes_per_position: context::kv_bytes_per_position(&engine.plan(PlanKind::Decode).graph.kv),
+        bytes_per_slot: engine.config().vocab_size.saturating_mul(4),
+        // The cache lives in host memory only on the CPU.
+        available: engine.cpu_backend().and(memory::available()),
+    })?;
+    if let Some(line) = &plan.note {
+        note!("{line}");
+    }
+    Ok(plan.positions)
+}
+
+/// Where the model's chat template came from, for a template error: the loader takes
+/// `chat_template` from tokenizer_config.json, else chat_template.jinja, in a directory, and
+/// the `tokenizer.chat_template` key in a GGUF file.
+fn template_source(model: &Path) -> String {
+    if !model.is_dir() {
+        return format!("{} (tokenizer.chat_template)", model.display());
+    }
+    let config = model.join("tokenizer_config.json");
+    let in_config = std::fs::read(&config)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .is_some_and(|v| {
+            matches!(
+                v.get("chat_template"),
+                Some(serde_json::Value::String(_) | serde_json::Value::Array(_))
+            )
+        });
+    if in_config {
+        config.display().to_string()
+    } else {
+        model.join("chat_template.jinja").display().to_string()
+    }
+}
+
+/// A tokenizer error, naming the template's file when the template failed.
+fn chat_error(model: &Path, e: TokenizerError) -> anyhow::Error {
+    match e {
+        TokenizerError::Template(_) => anyhow::Error::new(e).context(template_source(model)),
+        e => e.into(),
     }
 }
 
@@ -179,10 +257,10 @@ fn load(c: &Common) -> Result<Arc<Engine>> {
     let engine =
         Engine::load(&c.model, opts).with_context(|| format!("loading {}", c.model.display()))?;
     if let Some(why) = engine.fallback_reason() {
-        eprintln!("kiln: CUDA unavailable ({why}); running on the CPU");
+        note!("kiln: CUDA unavailable ({why}); running on the CPU");
     }
     let cfg = engine.config();
-    eprintln!(
+    note!(
         "kiln: {} ({}, {} layers, {} params, {} weights) loaded in {:.2} s, on {}",
         c.model.display(),
         cfg.architecture.name(),
@@ -219,7 +297,7 @@ fn options(c: &Common, engine: &Engine, samples: usize) -> GenerateOptions {
 }
 
 fn report(t: &Timings, reason: FinishReason) {
-    eprintln!(
+    note!(
         "\nprefill: {} tokens in {:.1} ms ({:.1} tok/s) | decode: {} tokens in {:.1} ms ({:.1} tok/s) | finish: {:?}",
         t.prefill_tokens,
         t.prefill.as_secs_f64() * 1e3,
@@ -256,44 +334,57 @@ struct JsonOut<'a> {
 
 fn generate(args: GenerateArgs) -> Result<()> {
     let c = &args.common;
+    check_common(c)?;
+    if args.samples == 0 {
+        bail!("--samples must be at least 1");
+    }
+    let file_prompt = match &args.file {
+        Some(path) => Some(read_prompt(path)?),
+        None => None,
+    };
     let engine = load(c)?;
     let tok = engine.tokenizer();
-    let prompt_ids = match (&args.prompt_ids, &args.prompt) {
+    let text = args.prompt.as_ref().or(file_prompt.as_ref());
+    let prompt_ids = match (&args.prompt_ids, text) {
         (Some(ids), _) => ids.clone(),
         (None, Some(text)) if args.chat => {
             let mut messages = Vec::new();
-            if let Some(s) = &c.system {
+            if let Some(s) = &args.system {
                 messages.push(ChatMessage::new("system", s));
             }
             messages.push(ChatMessage::new("user", text));
-            tok.chat_prompt(&messages)?
+            tok.chat_prompt(&messages)
+                .map_err(|e| chat_error(&c.model, e))?
         }
         (None, Some(text)) => tok.encode(text)?,
-        (None, None) => bail!("give a prompt with -p TEXT or --prompt-ids 1,2,3"),
+        (None, None) => bail!("give a prompt with -p TEXT, -f FILE or --prompt-ids 1,2,3"),
     };
     if prompt_ids.is_empty() {
         bail!("the prompt encodes to no tokens");
     }
-    if args.samples == 0 {
-        bail!("--samples must be at least 1");
-    }
     let opts = options(c, &engine, args.samples);
-    let mut session = Session::new(engine.clone(), prompt_ids.len() + c.n_predict, args.samples);
-    let mut stdout = std::io::stdout().lock();
+    let needed = prompt_ids.len().saturating_add(c.n_predict);
+    let positions = context_size(c, &engine, Some(needed), args.samples)?;
+    let mut session = Session::new(engine.clone(), positions, args.samples);
+    let mut out = Stdout::lock();
     let stream_text = !args.json && args.samples == 1;
+    let mut write_error = None;
     let result = session.generate(&prompt_ids, &opts, |step| {
-        if stream_text {
-            if let Some(Some(row)) = step.rows.first() {
-                let _ = stdout.write_all(row.text.as_bytes());
-                let _ = stdout.flush();
+        if let (true, Some(Some(row))) = (stream_text, step.rows.first()) {
+            if let Err(e) = out.write(&row.text).and_then(|()| out.flush()) {
+                write_error = Some(e);
+                return false;
             }
         }
         true
     })?;
+    if let Some(e) = write_error {
+        return Err(e.into());
+    }
     let t = &result.timings;
     let first = &result.rows[0];
     if args.json {
-        let out = JsonOut {
+        let json = JsonOut {
             model: c.model.display().to_string(),
             prompt_ids: &prompt_ids,
             generated_ids: &first.generated,
@@ -314,22 +405,28 @@ fn generate(args: GenerateArgs) -> Result<()> {
             prefill_tokens_per_s: t.prefill_tokens_per_s(),
             decode_tokens_per_s: t.decode_tokens_per_s(),
         };
-        writeln!(stdout, "{}", serde_json::to_string(&out)?)?;
+        out.line(&serde_json::to_string(&json)?)?;
+        out.flush()?;
         return Ok(());
     }
     if args.samples > 1 {
         for (i, r) in result.rows.iter().enumerate() {
-            writeln!(stdout, "--- sample {i} ({:?})\n{}", r.finish_reason, r.text)?;
+            out.line(&format!(
+                "--- sample {i} ({:?})\n{}",
+                r.finish_reason, r.text
+            ))?;
         }
     } else {
-        writeln!(stdout)?;
+        out.line("")?;
     }
+    out.flush()?;
     report(t, first.finish_reason);
     Ok(())
 }
 
 fn chat(args: ChatArgs) -> Result<()> {
     let c = &args.common;
+    check_common(c)?;
     let engine = load(c)?;
     let tok = engine.tokenizer();
     // Models without a chat template but with nanochat's tokens keep the conversation as ids,
@@ -340,32 +437,43 @@ fn chat(args: ChatArgs) -> Result<()> {
         (Some(_), _) => None,
     };
     let opts = options(c, &engine, 1);
-    let mut session = engine.session(engine.max_context());
-    let mut messages: Vec<ChatMessage> = c
+    let mut session = engine.session(context_size(c, &engine, None, 1)?);
+    let mut messages: Vec<ChatMessage> = args
         .system
         .iter()
         .map(|s| ChatMessage::new("system", s))
         .collect();
     let mut conv: Vec<u32> = nanochat.map(|t| vec![t.bos]).unwrap_or_default();
-    let mut pending_system = c.system.clone();
-    let stdin = std::io::stdin();
-    let mut stdout = std::io::stdout();
-    eprintln!("kiln chat: type a message; /reset starts over, /exit or end of input quits.");
+    let mut pending_system = args.system.clone();
+    let mut stdin = std::io::stdin().lock();
+    let mut out = Stdout::lock();
+    note!("kiln chat: type a message; /reset starts over, /exit or end of input quits.");
     loop {
-        write!(stdout, "\n> ")?;
-        stdout.flush()?;
-        let mut line = String::new();
-        if stdin.lock().read_line(&mut line)? == 0 {
-            break;
-        }
-        let line = line.trim_end_matches(['\n', '\r']);
+        out.write("\n> ")?;
+        out.flush()?;
+        let line = match read_chat_line(&mut stdin, MAX_TEXT_BYTES).context("reading stdin")? {
+            ChatLine::End => break,
+            ChatLine::Text(line) => line,
+            ChatLine::NotUtf8(at) => {
+                note!("kiln chat: that line is not valid UTF-8 (byte {at}); it was skipped");
+                continue;
+            }
+            ChatLine::TooLong => {
+                note!(
+                    "kiln chat: that line is longer than {} MiB; it was skipped",
+                    MAX_TEXT_BYTES >> 20
+                );
+                continue;
+            }
+        };
+        let line = line.as_str();
         match line.trim() {
             "" => continue,
             "/exit" | "/quit" => break,
             "/reset" => {
                 messages.retain(|m| m.role == "system");
                 conv.truncate(1);
-                pending_system = c.system.clone();
+                pending_system = args.system.clone();
                 session.truncate(0);
                 continue;
             }
@@ -374,7 +482,7 @@ fn chat(args: ChatArgs) -> Result<()> {
         let prompt = match nanochat {
             Some(t) => {
                 // nanochat folds the system message into the first user turn.
-                let text = match pending_system.take() {
+                let text = match &pending_system {
                     Some(sys) => format!("{sys}\n\n{line}"),
                     None => line.to_string(),
                 };
@@ -388,27 +496,38 @@ fn chat(args: ChatArgs) -> Result<()> {
                 messages.push(ChatMessage::new("user", line));
                 match tok.chat_prompt(&messages) {
                     Ok(p) => p,
-                    Err(e) => bail!("{}: {e}", c.model.display()),
+                    Err(e) => {
+                        note!("error: {:#}", chat_error(&c.model, e));
+                        messages.pop();
+                        continue;
+                    }
                 }
             }
         };
+        let mut write_error = None;
         let result = session.generate(&prompt, &opts, |step| {
             if let Some(Some(row)) = step.rows.first() {
-                let _ = stdout.write_all(row.text.as_bytes());
-                let _ = stdout.flush();
+                if let Err(e) = out.write(&row.text).and_then(|()| out.flush()) {
+                    write_error = Some(e);
+                    return false;
+                }
             }
             true
         });
+        if let Some(e) = write_error {
+            return Err(e.into());
+        }
         let result = match result {
             Ok(r) => r,
             Err(e) => {
-                eprintln!("\nerror: {e}");
+                note!("\nerror: {e}");
                 if nanochat.is_none() {
                     messages.pop();
                 }
                 continue;
             }
         };
+        pending_system = None;
         let row = &result.rows[0];
         match nanochat {
             Some(t) => {
