@@ -891,8 +891,7 @@ fn run_serving(
     }
     let prompt = args.n_prompt.first().copied().unwrap_or(16).max(1);
     let n_gen = args.n_gen.first().copied().unwrap_or(64).max(2);
-    println!("| model | threads | sequences | prompt | tokens each | decode t/s (all) | t/s per sequence | steps | KV per sequence |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    print_out("| model | threads | sequences | prompt | tokens each | decode t/s (all) | t/s per sequence | steps | KV per sequence |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")?;
     for src in sources {
         for &t in threads {
             let engine = Arc::new(Engine::from_model(
@@ -905,7 +904,7 @@ fn run_serving(
             // One short run first so the pool and caches are warm.
             kiln::bench::serving::run(&engine, ServeOptions::default(), 1, prompt, 4, args.seed)?;
             for &c in &args.concurrency {
-                eprintln!("kiln-bench: {} sequences, {t} threads", c);
+                kiln::note!("kiln-bench: {c} sequences, {t} threads");
                 let r = kiln::bench::serving::run(
                     &engine,
                     ServeOptions::default(),
@@ -914,14 +913,14 @@ fn run_serving(
                     n_gen,
                     args.seed,
                 )?;
-                println!(
-                    "| {} | {t} | {c} | {prompt} | {n_gen} | {:.1} | {:.1} | {} | {:.1} KiB |",
+                print_out(&format!(
+                    "| {} | {t} | {c} | {prompt} | {n_gen} | {:.1} | {:.1} | {} | {:.1} KiB |\n",
                     src.name(),
                     r.decode_tokens_per_s,
                     r.decode_tokens_per_s / c as f64,
                     r.decode_steps,
                     r.kv_bytes_per_seq as f64 / 1024.0
-                );
+                ))?;
             }
         }
     }

@@ -20,6 +20,7 @@ use kiln::cli::context::{self, CacheRequest};
 use kiln::cli::input::{read_chat_line, read_prompt, ChatLine, MAX_TEXT_BYTES};
 use kiln::cli::memory;
 use kiln::cli::output::{die_on_closed_pipe, Stdout};
+use kiln::kv::KvDtype;
 use kiln::engine::{
     DecodePath, Engine, EngineOptions, FinishReason, GenerateOptions, Session, Timings, Usage,
 };
@@ -46,6 +47,15 @@ enum Decode {
     /// One generated kernel per step, replayed as a CUDA graph (fails if the model does not
     /// lower to it).
     Megakernel,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum KvType {
+    F32,
+    Bf16,
+    F16,
+    Fp8,
+    Q8,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -100,6 +110,10 @@ struct Common {
     /// How weights are held in memory.
     #[arg(long, value_enum, default_value_t = Weights::Auto)]
     weights: Weights,
+    /// How the KV cache stores keys and values on the CPU: f32 (exact), bf16, f16, fp8
+    /// (e4m3) or q8 (32-value groups; head size divisible by 32).
+    #[arg(long, value_enum, default_value_t = KvType::F32)]
+    kv_type: KvType,
     /// Where to run.
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
@@ -250,6 +264,13 @@ fn load(c: &Common) -> Result<Arc<Engine>> {
                 Weights::F32 => WeightFormat::F32,
                 Weights::Bf16 => WeightFormat::BF16,
             },
+        },
+        kv_dtype: match c.kv_type {
+            KvType::F32 => KvDtype::F32,
+            KvType::Bf16 => KvDtype::Bf16,
+            KvType::F16 => KvDtype::F16,
+            KvType::Fp8 => KvDtype::Fp8E4m3,
+            KvType::Q8 => KvDtype::Q8,
         },
         ..EngineOptions::default()
     };

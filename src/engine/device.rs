@@ -9,7 +9,7 @@
 //! have none. `tests/gpu.rs` and `scripts/gpu-check.sh` are the checks for a GPU machine.
 
 use crate::backend::cpu::{CpuBackend, CpuOptions, PlanKind, TokenRow, Workspace};
-use crate::kv::KvCache;
+use crate::kv::{KvCache, KvDtype};
 use crate::model::{Model, ModelConfig};
 use crate::plan::ExecutionPlan;
 use crate::sample::SamplingParams;
@@ -53,6 +53,9 @@ pub struct EngineOptions {
     pub decode: DecodePath,
     /// The CPU backend's options (also used when `Auto` falls back to the CPU).
     pub cpu: CpuOptions,
+    /// How sessions' KV caches store keys and values on the CPU (default f32, exact). The
+    /// CUDA backend keeps bf16.
+    pub kv_dtype: KvDtype,
     /// Decode on the CPU through the stand-in for the CUDA decode graph, which runs ahead of
     /// the engine as the device does (tests of the engine's pipelined decode; no speed gain).
     #[doc(hidden)]
@@ -75,6 +78,8 @@ pub(crate) enum Backend {
         backend: CpuBackend,
         /// Decode through [`CpuGraph`], the CPU stand-in for the decode graph (tests).
         emulate_graph: bool,
+        /// Storage type of sessions' caches.
+        kv_dtype: KvDtype,
     },
     #[cfg(feature = "cuda")]
     Cuda {
@@ -97,6 +102,7 @@ impl Backend {
                 backend: Backend::Cpu {
                     backend: CpuBackend::new(&model.config, &model.weights, opts.cpu)?,
                     emulate_graph: opts.emulate_graph_on_cpu,
+                    kv_dtype: opts.kv_dtype,
                 },
                 fallback,
             })
@@ -183,10 +189,11 @@ impl Backend {
     /// first use, so that creating a session cannot fail).
     pub fn new_caches(&self, slots: usize, capacity: usize) -> Caches {
         match self {
-            Backend::Cpu { .. } => Caches::Cpu {
+            Backend::Cpu { kv_dtype, .. } => Caches::Cpu {
                 kv: CpuCache {
                     slots,
                     capacity,
+                    dtype: *kv_dtype,
                     kv: None,
                 },
                 ws: Workspace::new(),
@@ -305,6 +312,7 @@ pub(crate) enum Caches {
 pub(crate) struct CpuCache {
     slots: usize,
     capacity: usize,
+    dtype: KvDtype,
     kv: Option<KvCache>,
 }
 
@@ -312,7 +320,7 @@ impl CpuCache {
     pub fn get(&mut self, backend: &CpuBackend) -> Result<&mut KvCache, EngineError> {
         let kv = match self.kv.take() {
             Some(kv) => kv,
-            None => backend.new_cache(self.slots, self.capacity)?,
+            None => backend.new_cache_of(self.dtype, self.slots, self.capacity)?,
         };
         Ok(self.kv.insert(kv))
     }

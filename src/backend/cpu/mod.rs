@@ -19,7 +19,7 @@ pub use exec::Workspace;
 pub use rope::inv_freq as rope_inv_freq;
 
 use crate::graph::{passes, Graph, Linear, Op};
-use crate::kv::{KvBudget, KvCache, KvError, KvOptions};
+use crate::kv::{KvBudget, KvCache, KvDtype, KvError, KvOptions};
 use crate::model::arch::{build_graph, LogitRows};
 use crate::model::{DType, LoadError, ModelConfig, Weights};
 use crate::plan::{ExecutionPlan, Phase};
@@ -240,6 +240,16 @@ impl CpuBackend {
     /// (memory is taken as positions are written).
     pub fn new_cache(&self, slots: usize, capacity: usize) -> Result<KvCache, KvError> {
         KvCache::new(self.prefill.graph.kv, slots, capacity)
+    }
+
+    /// [`CpuBackend::new_cache`] with keys and values stored as `dtype`.
+    pub fn new_cache_of(
+        &self,
+        dtype: KvDtype,
+        slots: usize,
+        capacity: usize,
+    ) -> Result<KvCache, KvError> {
+        KvCache::new_of(self.prefill.graph.kv, dtype, slots, capacity)
     }
 
     /// An empty serving cache (slots opened per sequence) over a pool sized by `budget`.
