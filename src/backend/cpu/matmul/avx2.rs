@@ -6,39 +6,15 @@
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
-use half::bf16;
-
-use super::x86::{self, block_sums, BlockGemv, Blocks, DenseKernels, Lanes, Legacy, Weight};
+use super::x86::{self, block_sums, BlockGemv, Blocks, DenseKernels, Lanes, Legacy};
 use super::Job;
-use crate::backend::cpu::simd::x86::{hsum256, load_bf16_256};
+use crate::backend::cpu::simd::x86::{hsum256, Load};
 use crate::model::quant::{self, BlockFormat, Q4_0, Q4_1, Q8_0};
-
-/// A weight element type loaded 8 at a time.
-pub(super) trait Weight256: Weight {
-    /// 8 elements widened to f32.
-    unsafe fn ld8(p: *const Self) -> __m256;
-}
-
-impl Weight256 for f32 {
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn ld8(p: *const f32) -> __m256 {
-        _mm256_loadu_ps(p)
-    }
-}
-
-impl Weight256 for bf16 {
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn ld8(p: *const bf16) -> __m256 {
-        load_bf16_256(p)
-    }
-}
 
 /// The AVX2 ISA, as the shared drivers see it.
 pub(super) struct Avx2;
 
-impl<W: Weight256> DenseKernels<W> for Avx2 {
+impl<W: Load> DenseKernels<W> for Avx2 {
     #[inline(always)]
     unsafe fn tile<const R: usize, const T: usize>(
         w: [*const W; R],
@@ -86,7 +62,7 @@ impl Lanes for Avx2 {
 /// `R` rows × `T` tokens register tile.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tile_256<W: Weight256, const R: usize, const T: usize>(
+unsafe fn tile_256<W: Load, const R: usize, const T: usize>(
     w: [*const W; R],
     x: [*const f32; T],
     k: usize,
@@ -122,11 +98,7 @@ unsafe fn tile_256<W: Weight256, const R: usize, const T: usize>(
 /// Like [`tile_256`] with one token, unrolled twice over k for 2R chains.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn gemv_256<W: Weight256, const R: usize>(
-    w: [*const W; R],
-    x: *const f32,
-    k: usize,
-) -> [f32; R] {
+unsafe fn gemv_256<W: Load, const R: usize>(w: [*const W; R], x: *const f32, k: usize) -> [f32; R] {
     let mut a0 = [_mm256_setzero_ps(); R];
     let mut a1 = [_mm256_setzero_ps(); R];
     let mut i = 0;
@@ -159,7 +131,7 @@ unsafe fn gemv_256<W: Weight256, const R: usize>(
 
 /// f32/bf16 rows (any token count).
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn dense_rows<W: Weight256>(w: *const W, job: &Job) {
+pub(super) unsafe fn dense_rows<W: Load>(w: *const W, job: &Job) {
     x86::dense_rows::<W, Avx2, 2>(w, job)
 }
 

@@ -6,55 +6,19 @@
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
-use half::bf16;
-
-use super::x86::{self, block_sums, BlockGemv, Blocks, DenseKernels, Lanes, Legacy, Weight};
+use super::x86::{self, block_sums, BlockGemv, Blocks, DenseKernels, Lanes, Legacy};
 use super::Job;
-use crate::backend::cpu::simd::x86::{load_bf16_512, load_bf16_512_mask, tail_mask16};
+use crate::backend::cpu::simd::x86::{tail_mask16, Load};
 use crate::model::quant::{BlockFormat, Q4_0, Q4_1, Q8_0};
 
 const PREFETCH: bool = true;
 /// Bytes ahead of the current load that GEMV prefetches in each weight row.
 const PF_DIST: usize = 1024;
 
-/// A weight element type loaded 16 at a time.
-pub(super) trait Weight512: Weight {
-    /// 16 elements widened to f32.
-    unsafe fn ld16(p: *const Self) -> __m512;
-    /// The first `m`-selected of 16 elements (others zero).
-    unsafe fn ld16_mask(p: *const Self, m: __mmask16) -> __m512;
-}
-
-impl Weight512 for f32 {
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn ld16(p: *const f32) -> __m512 {
-        _mm512_loadu_ps(p)
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn ld16_mask(p: *const f32, m: __mmask16) -> __m512 {
-        _mm512_maskz_loadu_ps(m, p)
-    }
-}
-
-impl Weight512 for bf16 {
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn ld16(p: *const bf16) -> __m512 {
-        load_bf16_512(p)
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn ld16_mask(p: *const bf16, m: __mmask16) -> __m512 {
-        load_bf16_512_mask(p, m)
-    }
-}
-
 /// The AVX-512 ISA, as the shared drivers see it.
 pub(super) struct Avx512;
 
-impl<W: Weight512> DenseKernels<W> for Avx512 {
+impl<W: Load> DenseKernels<W> for Avx512 {
     #[inline(always)]
     unsafe fn tile<const R: usize, const T: usize>(
         w: [*const W; R],
@@ -102,11 +66,7 @@ impl Lanes for Avx512 {
 /// `R` rows against one activation row: 2R independent FMA chains over k.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn gemv_512<W: Weight512, const R: usize>(
-    w: [*const W; R],
-    x: *const f32,
-    k: usize,
-) -> [f32; R] {
+unsafe fn gemv_512<W: Load, const R: usize>(w: [*const W; R], x: *const f32, k: usize) -> [f32; R] {
     let mut a0 = [_mm512_setzero_ps(); R];
     let mut a1 = [_mm512_setzero_ps(); R];
     let mut i = 0;
@@ -145,7 +105,7 @@ unsafe fn gemv_512<W: Weight512, const R: usize>(
 /// `R` rows × `T` tokens register tile: each weight vector loaded once per `T` tokens.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn tile_512<W: Weight512, const R: usize, const T: usize>(
+unsafe fn tile_512<W: Load, const R: usize, const T: usize>(
     w: [*const W; R],
     x: [*const f32; T],
     k: usize,
@@ -189,7 +149,7 @@ unsafe fn tile_512<W: Weight512, const R: usize, const T: usize>(
 
 /// f32/bf16 rows (any token count).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-pub(super) unsafe fn dense_rows<W: Weight512>(w: *const W, job: &Job) {
+pub(super) unsafe fn dense_rows<W: Load>(w: *const W, job: &Job) {
     x86::dense_rows::<W, Avx512, 4>(w, job)
 }
 

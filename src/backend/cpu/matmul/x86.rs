@@ -6,25 +6,6 @@
 use super::Job;
 use crate::model::quant::{BlockFormat, Q4_0, Q4_1, Q8_0};
 
-/// A weight element type the dense kernels read straight from memory.
-pub(super) trait Weight: Copy {
-    fn get(self) -> f32;
-}
-
-impl Weight for f32 {
-    #[inline(always)]
-    fn get(self) -> f32 {
-        self
-    }
-}
-
-impl Weight for half::bf16 {
-    #[inline(always)]
-    fn get(self) -> f32 {
-        self.to_f32()
-    }
-}
-
 /// An ISA's dense kernels: an `R` rows × `T` tokens register tile, and `R` rows against one token.
 pub(super) trait DenseKernels<W> {
     unsafe fn tile<const R: usize, const T: usize>(
