@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generate tests/fixtures/quant_blocks.gguf: random ggml blocks of every quantized format kiln
+"""Generate tests/fixtures/quant/blocks.gguf: random ggml blocks of every quantized format kiln
 reads, beside their f32 dequantization by gguf-py (bit-identical to ggml's C reference).
 
 Run from the repo root:
@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter, quants
 from gguf.constants import GGML_QUANT_SIZES
 
-OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "quant_blocks.gguf"
+OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "quant" / "blocks.gguf"
 
 # Byte offsets of each block's f16 scale fields (d, and dmin or m where the format has one).
 F16_FIELDS = {

@@ -30,12 +30,13 @@ pub struct Q6_K;
 /// dot products and do not affect the values).
 pub struct Q8_K;
 
-/// Q2_K/Q3_K 2-bit field of element `e`: the 128-element halves use 32 bytes of `qs` each, and
-/// the four 32-element quarters of a half take bits 0-1, 2-3, 4-5, 6-7 of those bytes.
+/// Where the 16 elements of sub-block `sub` (0..16) keep their 2-bit fields in Q2_K/Q3_K's
+/// `qs`: each 128-element half uses 32 bytes, and its four 32-element quarters take bits 0-1,
+/// 2-3, 4-5, 6-7 of those bytes. Returns the 16 bytes and the shift.
 #[inline(always)]
-fn two_bits(qs: &[u8], e: usize) -> u8 {
-    let (half, quarter, i) = (e / 128, (e % 128) / 32, e % 32);
-    (qs[half * 32 + i] >> (2 * quarter)) & 3
+fn two_bit_field(qs: &[u8], sub: usize) -> (&[u8], usize) {
+    let (half, quarter, part) = (sub / 8, (sub % 8) / 2, sub % 2);
+    (&qs[half * 32 + part * 16..][..16], 2 * quarter)
 }
 
 impl BlockFormat for Q2_K {
@@ -52,8 +53,9 @@ impl BlockFormat for Q2_K {
         for (sub, o) in out.chunks_exact_mut(16).enumerate() {
             let dl = d * (scales[sub] & 0x0f) as f32;
             let ml = dmin * (scales[sub] >> 4) as f32;
-            for (i, o) in o.iter_mut().enumerate() {
-                *o = dl * two_bits(qs, sub * 16 + i) as f32 - ml;
+            let (bytes, shift) = two_bit_field(qs, sub);
+            for (o, &q) in o.iter_mut().zip(bytes) {
+                *o = dl * ((q >> shift) & 3) as f32 - ml;
             }
         }
     }
@@ -81,12 +83,13 @@ impl BlockFormat for Q3_K {
         let (hmask, qs) = (&b[..32], &b[32..96]);
         let scales = q3k_scales(&b[96..108]);
         let d = f16_at(&b[108..]);
+        // The third bit of element `e` is bit `e / 32` of `hmask[e % 32]`; a clear bit means −4.
         for (sub, o) in out.chunks_exact_mut(16).enumerate() {
             let dl = d * scales[sub] as f32;
-            for (i, o) in o.iter_mut().enumerate() {
-                let e = sub * 16 + i;
-                let high = (hmask[e % 32] >> (e / 32)) & 1;
-                let q = two_bits(qs, e) as i32 - if high == 0 { 4 } else { 0 };
+            let (bytes, shift) = two_bit_field(qs, sub);
+            let high = &hmask[(sub % 2) * 16..][..16];
+            for ((o, &q), &h) in o.iter_mut().zip(bytes).zip(high) {
+                let q = ((q >> shift) & 3) as i32 - if (h >> (sub / 2)) & 1 == 0 { 4 } else { 0 };
                 *o = dl * q as f32;
             }
         }
@@ -170,16 +173,17 @@ impl BlockFormat for Q6_K {
         let out = &mut out[..QK_K];
         let (ql, qh, scales) = (&b[..128], &b[128..192], &b[192..208]);
         let d = f16_at(&b[208..]);
-        // Each 128-element half uses 64 bytes of `ql` (low nibbles, then high nibbles) and 32
-        // of `qh` (2-bit fields, one per 32-element quarter).
+        // Each 128-element half uses 64 bytes of `ql` (quarters 0 and 1 in the low nibbles of its
+        // two 32-byte runs, quarters 2 and 3 in the high nibbles) and 32 bytes of `qh` (2-bit
+        // fields, one per 32-element quarter).
         for (sub, o) in out.chunks_exact_mut(16).enumerate() {
             let dl = d * (scales[sub] as i8) as f32;
-            for (i, o) in o.iter_mut().enumerate() {
-                let e = sub * 16 + i;
-                let (half, l) = (e / 128, e % 128);
-                let lo = (ql[half * 64 + l % 64] >> (4 * (l / 64))) & 0x0f;
-                let hi = (qh[half * 32 + l % 32] >> (2 * (l / 32))) & 0x03;
-                let q = (lo | (hi << 4)) as i32 - 32;
+            let (half, quarter, part) = (sub / 8, (sub % 8) / 2, sub % 2);
+            let low = &ql[half * 64 + (quarter % 2) * 32 + part * 16..][..16];
+            let high = &qh[half * 32 + part * 16..][..16];
+            let (lshift, hshift) = (4 * (quarter / 2), 2 * quarter);
+            for ((o, &l), &h) in o.iter_mut().zip(low).zip(high) {
+                let q = (((l >> lshift) & 0x0f) | (((h >> hshift) & 0x03) << 4)) as i32 - 32;
                 *o = dl * q as f32;
             }
         }

@@ -1,4 +1,4 @@
-//! Every format against ggml's reference: `tests/fixtures/quant_blocks.gguf` holds random blocks
+//! Every format against ggml's reference: `tests/fixtures/quant/blocks.gguf` holds random blocks
 //! of each format and their dequantization by gguf-py (bit-identical to ggml's C), written by
 //! `scripts/make_quant_fixtures.py`.
 
@@ -9,7 +9,7 @@ use crate::model::gguf::{GgmlType, GgufFile};
 use crate::model::{DType, Tensor};
 
 fn fixture() -> GgufFile {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/quant_blocks.gguf");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/quant/blocks.gguf");
     GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
