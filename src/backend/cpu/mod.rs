@@ -29,8 +29,8 @@ use matmul::{PackedMatrix, WeightData};
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WeightFormat {
     /// bf16 stays bf16, f32 stays f32, f16 widens to f32 (exact); a linear whose parts are all
-    /// the same ggml block format (Q8_0/Q4_0/Q4_1) stays in those blocks, mixed parts dequantize
-    /// to f32.
+    /// the same ggml block format (any of [`crate::model::quant::QuantKind`]) stays in those
+    /// blocks, mixed parts (e.g. a Q4_K q beside a Q6_K v in one merged qkv) dequantize to f32.
     #[default]
     AsStored,
     F32,

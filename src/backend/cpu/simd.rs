@@ -141,67 +141,45 @@ pub fn max(x: &[f32]) -> f32 {
 // ---------------------------------------------------------------------------------------------
 // Explicit-level entry points.
 
+/// Evaluates the AVX-512 expression, the AVX2 one or the portable one, by the level `$l`
+/// clamped to what the CPU supports (which is what makes the unsafe arms sound).
+macro_rules! by_level {
+    ($l:expr, avx512: $avx512:expr, avx2: $avx2:expr, scalar: $scalar:expr) => {
+        match clamp($l) {
+            #[cfg(target_arch = "x86_64")]
+            Level::Avx512 | Level::Avx512Bf16 => unsafe { $avx512 },
+            #[cfg(target_arch = "x86_64")]
+            Level::Avx2 => unsafe { $avx2 },
+            _ => $scalar,
+        }
+    };
+}
+
 pub fn dot_f32_at(l: Level, a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    match clamp(l) {
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx512 | Level::Avx512Bf16 => unsafe { x86::dot_f32_512(a, b) },
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx2 => unsafe { x86::dot_f32_256(a, b) },
-        _ => scalar::dot_f32(a, b),
-    }
+    by_level!(l, avx512: x86::dot_512(a, b), avx2: x86::dot_256(a, b), scalar: scalar::dot_f32(a, b))
 }
 
 pub fn dot_bf16_at(l: Level, a: &[bf16], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    match clamp(l) {
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx512 | Level::Avx512Bf16 => unsafe { x86::dot_bf16_512(a, b) },
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx2 => unsafe { x86::dot_bf16_256(a, b) },
-        _ => scalar::dot_bf16(a, b),
-    }
+    by_level!(l, avx512: x86::dot_512(a, b), avx2: x86::dot_256(a, b), scalar: scalar::dot_bf16(a, b))
 }
 
 pub fn axpy_at(l: Level, a: f32, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), y.len());
-    match clamp(l) {
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx512 | Level::Avx512Bf16 => unsafe { x86::axpy_512(a, x, y) },
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx2 => unsafe { x86::axpy_256(a, x, y) },
-        _ => scalar::axpy(a, x, y),
-    }
+    by_level!(l, avx512: x86::axpy_512(a, x, y), avx2: x86::axpy_256(a, x, y), scalar: scalar::axpy(a, x, y))
 }
 
 pub fn scale_at(l: Level, x: &mut [f32], a: f32) {
-    match clamp(l) {
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx512 | Level::Avx512Bf16 => unsafe { x86::scale_512(x, a) },
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx2 => unsafe { x86::scale_256(x, a) },
-        _ => scalar::scale(x, a),
-    }
+    by_level!(l, avx512: x86::scale_512(x, a), avx2: x86::scale_256(x, a), scalar: scalar::scale(x, a))
 }
 
 pub fn sum_sq_at(l: Level, x: &[f32]) -> f32 {
-    match clamp(l) {
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx512 | Level::Avx512Bf16 => unsafe { x86::dot_f32_512(x, x) },
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx2 => unsafe { x86::dot_f32_256(x, x) },
-        _ => scalar::dot_f32(x, x),
-    }
+    by_level!(l, avx512: x86::dot_512(x, x), avx2: x86::dot_256(x, x), scalar: scalar::dot_f32(x, x))
 }
 
 pub fn max_at(l: Level, x: &[f32]) -> f32 {
-    match clamp(l) {
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx512 | Level::Avx512Bf16 => unsafe { x86::max_512(x) },
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx2 => unsafe { x86::max_256(x) },
-        _ => scalar::max(x),
-    }
+    by_level!(l, avx512: x86::max_512(x), avx2: x86::max_256(x), scalar: scalar::max(x))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -291,40 +269,64 @@ pub(crate) mod x86 {
         _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
     }
 
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(crate) unsafe fn dot_f32_512(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len();
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        let mut acc = [_mm512_setzero_ps(); 4];
-        let mut i = 0;
-        while i + 64 <= n {
-            for (u, acc) in acc.iter_mut().enumerate() {
-                let o = i + 16 * u;
-                *acc =
-                    _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(o)), _mm512_loadu_ps(pb.add(o)), *acc);
-            }
-            i += 64;
-        }
-        while i + 16 <= n {
-            acc[0] = _mm512_fmadd_ps(
-                _mm512_loadu_ps(pa.add(i)),
-                _mm512_loadu_ps(pb.add(i)),
-                acc[0],
-            );
-            i += 16;
-        }
-        if i < n {
-            let m = tail_mask16(n - i);
-            let va = _mm512_maskz_loadu_ps(m, pa.add(i));
-            let vb = _mm512_maskz_loadu_ps(m, pb.add(i));
-            acc[1] = _mm512_fmadd_ps(va, vb, acc[1]);
-        }
-        let s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-        _mm512_reduce_add_ps(s)
+    /// An element type the kernels load straight from memory and widen to f32 in registers.
+    pub(crate) trait Load: Copy {
+        /// 16 elements widened to f32.
+        unsafe fn ld16(p: *const Self) -> __m512;
+        /// The first `m`-selected of 16 elements (others zero).
+        unsafe fn ld16_mask(p: *const Self, m: __mmask16) -> __m512;
+        /// 8 elements widened to f32.
+        unsafe fn ld8(p: *const Self) -> __m256;
+        fn get(self) -> f32;
     }
 
+    impl Load for f32 {
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+        unsafe fn ld16(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+        unsafe fn ld16_mask(p: *const f32, m: __mmask16) -> __m512 {
+            _mm512_maskz_loadu_ps(m, p)
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn ld8(p: *const f32) -> __m256 {
+            _mm256_loadu_ps(p)
+        }
+        #[inline(always)]
+        fn get(self) -> f32 {
+            self
+        }
+    }
+
+    impl Load for bf16 {
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+        unsafe fn ld16(p: *const bf16) -> __m512 {
+            load_bf16_512(p)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+        unsafe fn ld16_mask(p: *const bf16, m: __mmask16) -> __m512 {
+            load_bf16_512_mask(p, m)
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn ld8(p: *const bf16) -> __m256 {
+            load_bf16_256(p)
+        }
+        #[inline(always)]
+        fn get(self) -> f32 {
+            self.to_f32()
+        }
+    }
+
+    /// `Σ a[i]·b[i]`, four accumulators, masked tail.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(crate) unsafe fn dot_bf16_512(a: &[bf16], b: &[f32]) -> f32 {
+    pub(crate) unsafe fn dot_512<A: Load>(a: &[A], b: &[f32]) -> f32 {
         let n = a.len();
         let (pa, pb) = (a.as_ptr(), b.as_ptr());
         let mut acc = [_mm512_setzero_ps(); 4];
@@ -332,17 +334,17 @@ pub(crate) mod x86 {
         while i + 64 <= n {
             for (u, acc) in acc.iter_mut().enumerate() {
                 let o = i + 16 * u;
-                *acc = _mm512_fmadd_ps(load_bf16_512(pa.add(o)), _mm512_loadu_ps(pb.add(o)), *acc);
+                *acc = _mm512_fmadd_ps(A::ld16(pa.add(o)), _mm512_loadu_ps(pb.add(o)), *acc);
             }
             i += 64;
         }
         while i + 16 <= n {
-            acc[0] = _mm512_fmadd_ps(load_bf16_512(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc[0]);
+            acc[0] = _mm512_fmadd_ps(A::ld16(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc[0]);
             i += 16;
         }
         if i < n {
             let m = tail_mask16(n - i);
-            let va = load_bf16_512_mask(pa.add(i), m);
+            let va = A::ld16_mask(pa.add(i), m);
             let vb = _mm512_maskz_loadu_ps(m, pb.add(i));
             acc[1] = _mm512_fmadd_ps(va, vb, acc[1]);
         }
@@ -437,8 +439,9 @@ pub(crate) mod x86 {
         _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
     }
 
+    /// `Σ a[i]·b[i]`, four accumulators, scalar tail.
     #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn dot_f32_256(a: &[f32], b: &[f32]) -> f32 {
+    pub(crate) unsafe fn dot_256<A: Load>(a: &[A], b: &[f32]) -> f32 {
         let n = a.len();
         let (pa, pb) = (a.as_ptr(), b.as_ptr());
         let mut acc = [_mm256_setzero_ps(); 4];
@@ -446,49 +449,18 @@ pub(crate) mod x86 {
         while i + 32 <= n {
             for (u, acc) in acc.iter_mut().enumerate() {
                 let o = i + 8 * u;
-                *acc =
-                    _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(o)), _mm256_loadu_ps(pb.add(o)), *acc);
+                *acc = _mm256_fmadd_ps(A::ld8(pa.add(o)), _mm256_loadu_ps(pb.add(o)), *acc);
             }
             i += 32;
         }
         while i + 8 <= n {
-            acc[0] = _mm256_fmadd_ps(
-                _mm256_loadu_ps(pa.add(i)),
-                _mm256_loadu_ps(pb.add(i)),
-                acc[0],
-            );
+            acc[0] = _mm256_fmadd_ps(A::ld8(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc[0]);
             i += 8;
         }
         let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
         let mut s = hsum256(s);
         while i < n {
-            s += *pa.add(i) * *pb.add(i);
-            i += 1;
-        }
-        s
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn dot_bf16_256(a: &[bf16], b: &[f32]) -> f32 {
-        let n = a.len();
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut i = 0;
-        while i + 32 <= n {
-            for (u, acc) in acc.iter_mut().enumerate() {
-                let o = i + 8 * u;
-                *acc = _mm256_fmadd_ps(load_bf16_256(pa.add(o)), _mm256_loadu_ps(pb.add(o)), *acc);
-            }
-            i += 32;
-        }
-        while i + 8 <= n {
-            acc[0] = _mm256_fmadd_ps(load_bf16_256(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc[0]);
-            i += 8;
-        }
-        let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let mut s = hsum256(s);
-        while i < n {
-            s += (*pa.add(i)).to_f32() * *pb.add(i);
+            s += (*pa.add(i)).get() * *pb.add(i);
             i += 1;
         }
         s

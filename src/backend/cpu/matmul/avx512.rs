@@ -1,0 +1,310 @@
+//! AVX-512 F/BW/VL kernels (16 f32 lanes, masked k tails). Decode GEMV runs 2R k-unrolled FMA
+//! chains with software prefetch; prefill runs a 4 rows × 4 tokens tile (16 zmm accumulators).
+//! The drivers are shared with AVX2 (see [`super::x86`]); the entry points here instantiate
+//! them with this file's kernels under `#[target_feature]`.
+
+use std::arch::x86_64::*;
+use std::marker::PhantomData;
+
+use super::x86::{self, block_sums, BlockGemv, Blocks, DenseKernels, Lanes, Legacy};
+use super::Job;
+use crate::backend::cpu::simd::x86::{tail_mask16, Load};
+use crate::model::quant::{BlockFormat, Q4_0, Q4_1, Q8_0};
+
+const PREFETCH: bool = true;
+/// Bytes ahead of the current load that GEMV prefetches in each weight row.
+const PF_DIST: usize = 1024;
+
+/// The AVX-512 ISA, as the shared drivers see it.
+pub(super) struct Avx512;
+
+impl<W: Load> DenseKernels<W> for Avx512 {
+    #[inline(always)]
+    unsafe fn tile<const R: usize, const T: usize>(
+        w: [*const W; R],
+        x: [*const f32; T],
+        k: usize,
+    ) -> [[f32; T]; R] {
+        tile_512(w, x, k)
+    }
+    #[inline(always)]
+    unsafe fn gemv<const R: usize>(w: [*const W; R], x: *const f32, k: usize) -> [f32; R] {
+        gemv_512(w, x, k)
+    }
+}
+
+impl Lanes for Avx512 {
+    type V = __m512;
+    const N: usize = 16;
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn zero() -> __m512 {
+        _mm512_setzero_ps()
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load(p: *const f32) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn fmadd(a: __m512, b: __m512, c: __m512) -> __m512 {
+        _mm512_fmadd_ps(a, b, c)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn add(a: __m512, b: __m512) -> __m512 {
+        _mm512_add_ps(a, b)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn sum(v: __m512) -> f32 {
+        _mm512_reduce_add_ps(v)
+    }
+}
+
+/// `R` rows against one activation row: 2R independent FMA chains over k.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn gemv_512<W: Load, const R: usize>(w: [*const W; R], x: *const f32, k: usize) -> [f32; R] {
+    let mut a0 = [_mm512_setzero_ps(); R];
+    let mut a1 = [_mm512_setzero_ps(); R];
+    let mut i = 0;
+    while i + 32 <= k {
+        let x0 = _mm512_loadu_ps(x.add(i));
+        let x1 = _mm512_loadu_ps(x.add(i + 16));
+        for r in 0..R {
+            if PREFETCH {
+                // Decode streams each weight once from DRAM: prefetch every row's lines ahead.
+                let p = w[r].add(i) as *const i8;
+                _mm_prefetch::<_MM_HINT_T0>(p.add(PF_DIST));
+                if size_of::<W>() == 4 {
+                    _mm_prefetch::<_MM_HINT_T0>(p.add(PF_DIST + 64));
+                }
+            }
+            a0[r] = _mm512_fmadd_ps(W::ld16(w[r].add(i)), x0, a0[r]);
+            a1[r] = _mm512_fmadd_ps(W::ld16(w[r].add(i + 16)), x1, a1[r]);
+        }
+        i += 32;
+    }
+    while i < k {
+        let m = tail_mask16((k - i).min(16));
+        let x0 = _mm512_maskz_loadu_ps(m, x.add(i));
+        for r in 0..R {
+            a0[r] = _mm512_fmadd_ps(W::ld16_mask(w[r].add(i), m), x0, a0[r]);
+        }
+        i += 16;
+    }
+    let mut s = [0f32; R];
+    for r in 0..R {
+        s[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+    }
+    s
+}
+
+/// `R` rows × `T` tokens register tile: each weight vector loaded once per `T` tokens.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn tile_512<W: Load, const R: usize, const T: usize>(
+    w: [*const W; R],
+    x: [*const f32; T],
+    k: usize,
+) -> [[f32; T]; R] {
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    let mut i = 0;
+    while i + 16 <= k {
+        let mut xv = [_mm512_setzero_ps(); T];
+        for t in 0..T {
+            xv[t] = _mm512_loadu_ps(x[t].add(i));
+        }
+        for r in 0..R {
+            let wv = W::ld16(w[r].add(i));
+            for t in 0..T {
+                acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]);
+            }
+        }
+        i += 16;
+    }
+    if i < k {
+        let m = tail_mask16(k - i);
+        let mut xv = [_mm512_setzero_ps(); T];
+        for t in 0..T {
+            xv[t] = _mm512_maskz_loadu_ps(m, x[t].add(i));
+        }
+        for r in 0..R {
+            let wv = W::ld16_mask(w[r].add(i), m);
+            for t in 0..T {
+                acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]);
+            }
+        }
+    }
+    let mut s = [[0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            s[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+        }
+    }
+    s
+}
+
+/// f32/bf16 rows (any token count).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub(super) unsafe fn dense_rows<W: Load>(w: *const W, job: &Job) {
+    x86::dense_rows::<W, Avx512, 4>(w, job)
+}
+
+// ----- Quantized blocks -----
+
+/// A legacy block's 32 integer quants as f32 (Q4_0's −8 applied), elements 0..16 and 16..32.
+pub(super) trait Quants512: Legacy {
+    unsafe fn q512(p: *const u8) -> (__m512, __m512);
+}
+
+/// The 16 quant bytes of a Q4 block at `qs` as 32 f32 values `table[nibble]`: low nibbles
+/// (elements 0..16), high nibbles (16..32). `vpermps` reads only the low 4 bits of each index,
+/// so one table lookup both masks the nibble and converts it (exactly) to f32.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn nibbles_512(qs: *const u8, table: __m512) -> (__m512, __m512) {
+    let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs as *const __m128i));
+    (
+        _mm512_permutexvar_ps(v, table),
+        _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), table),
+    )
+}
+
+impl Quants512 for Q8_0 {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn q512(p: *const u8) -> (__m512, __m512) {
+        let a = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(2) as *const __m128i));
+        let b = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(18) as *const __m128i));
+        (_mm512_cvtepi32_ps(a), _mm512_cvtepi32_ps(b))
+    }
+}
+
+impl Quants512 for Q4_0 {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn q512(p: *const u8) -> (__m512, __m512) {
+        let t = _mm512_setr_ps(
+            -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0,
+        );
+        nibbles_512(p.add(2), t)
+    }
+}
+
+impl Quants512 for Q4_1 {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn q512(p: *const u8) -> (__m512, __m512) {
+        let t = _mm512_setr_ps(
+            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+        );
+        nibbles_512(p.add(4), t)
+    }
+}
+
+/// The legacy formats' GEMV: in groups of 16 blocks. Per group and row, one gather fetches the
+/// 16 blocks' `(d, m)` f16 pairs, which are widened 16 at a time into a stack buffer (so the
+/// per-block broadcast of `d` is a plain load) and, for Q4_1, dotted with the block sums `Σx` at
+/// once (`Σ_b m_b·Σx_b`). Per block and row: `s = Σ q·x` over the block's two 16-lane halves,
+/// then `acc += d·s` (one FMA).
+struct Legacy512<Q>(PhantomData<Q>);
+
+impl<Q: Quants512> BlockGemv for Legacy512<Q> {
+    const ELEMS: usize = Q::ELEMS;
+    const BYTES: usize = Q::BYTES;
+
+    #[inline(always)]
+    unsafe fn prepare(x: *const f32, nb: usize) -> Vec<f32> {
+        block_sums::<Q>(x, nb)
+    }
+
+    #[inline(always)]
+    unsafe fn gemv<const R: usize>(
+        w: [*const u8; R],
+        x: *const f32,
+        prep: &[f32],
+        nb: usize,
+        pf: usize,
+    ) -> [f32; R] {
+        qgemv_512::<Q, R>(w, x, prep.as_ptr(), nb, pf)
+    }
+}
+
+// `j` indexes x, every row's blocks and the scale buffer together.
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn qgemv_512<Q: Quants512, const R: usize>(
+    w: [*const u8; R],
+    x: *const f32,
+    xs: *const f32,
+    nb: usize,
+    pf: usize,
+) -> [f32; R] {
+    const QK: usize = 32;
+    let mut acc = [_mm512_setzero_ps(); R];
+    let mut macc = [_mm512_setzero_ps(); R];
+    let mut d = [[0f32; 16]; R];
+    let offs = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(Q::BYTES as i32),
+    );
+    let mut b0 = 0;
+    while b0 < nb {
+        let n = (nb - b0).min(16);
+        let mask = tail_mask16(n);
+        for r in 0..R {
+            // Lane j: the block's first dword, `d | m << 16` (m only meaningful for Q4_1).
+            let g = _mm512_mask_i32gather_epi32::<1>(
+                _mm512_setzero_si512(),
+                mask,
+                offs,
+                w[r].add(b0 * Q::BYTES) as *const i32,
+            );
+            _mm512_storeu_ps(d[r].as_mut_ptr(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
+            if Q::HAS_MIN {
+                let m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(g)));
+                let s = _mm512_maskz_loadu_ps(mask, xs.add(b0));
+                macc[r] = _mm512_fmadd_ps(m, s, macc[r]);
+            }
+        }
+        for j in 0..n {
+            let b = b0 + j;
+            let x0 = _mm512_loadu_ps(x.add(b * QK));
+            let x1 = _mm512_loadu_ps(x.add(b * QK + 16));
+            for r in 0..R {
+                let p = w[r].add(b * Q::BYTES);
+                if PREFETCH {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pf) as *const i8);
+                }
+                let (q0, q1) = Q::q512(p);
+                let s = _mm512_fmadd_ps(q1, x1, _mm512_mul_ps(q0, x0));
+                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d[r][j]), s, acc[r]);
+            }
+        }
+        b0 += n;
+    }
+    std::array::from_fn(|r| {
+        let t = if Q::HAS_MIN {
+            _mm512_add_ps(acc[r], macc[r])
+        } else {
+            acc[r]
+        };
+        _mm512_reduce_add_ps(t)
+    })
+}
+
+/// GEMV (`job.tokens == 1`) on Q8_0/Q4_0/Q4_1 blocks; `w` holds `job.rows.end` rows of blocks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(super) unsafe fn legacy_rows<Q: Quants512>(w: *const u8, job: &Job) {
+    x86::gemv_rows::<Legacy512<Q>>(w, job)
+}
+
+/// GEMV (`job.tokens == 1`) on blocks of any format (see [`Blocks`]).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(super) unsafe fn block_rows<F: BlockFormat>(w: *const u8, job: &Job) {
+    x86::gemv_rows::<Blocks<Avx512, F>>(w, job)
+}

@@ -1,0 +1,449 @@
+//! `y = x Wᵀ (+ b)` for weights stored `[out, in]` row-major, the layout every checkpoint uses.
+//! Rows of W are contiguous, so each output is one dot product over contiguous memory: the
+//! natural shape for a memory-bound GEMV at decode and a register-tiled GEMM at prefill.
+//!
+//! Kernels (x86-64, picked at run time by [`simd::level`] from `is_x86_feature_detected!`), one
+//! file per ISA: [`avx512`], [`avx2`], [`scalar`], with the row/token drivers they share written
+//! once in [`x86`]. Decode (`tokens == 1`) runs 4 weight rows against the activation row with two
+//! k-unrolled accumulators per row and software prefetch; prefill runs a 4 rows × 4 tokens
+//! register tile (16 zmm accumulators; 4 × 2 ymm on AVX2) so each weight vector is loaded once
+//! per 4 tokens, with 1-row / 1-token tails and masked (AVX-512) or scalar (AVX2) k tails. An
+//! AVX512-BF16 prefill path (activations split into bf16 hi + lo, two `vdpbf16ps` per weight
+//! vector) was measured at about half the speed of the FMA tile on this Zen 5 machine and
+//! removed; `Level::Avx512Bf16` therefore runs the AVX-512 FMA kernels.
+//!
+//! Quantized weights (every ggml block format of [`crate::model::quant`]) are computed on
+//! directly, with f32 activations (never quantized), so results equal the f32 product with the
+//! dequantized weights up to f32 rounding of the sums. Each format is one [`QuantMethod`]
+//! implementation:
+//! - decode (`tokens == 1`), Q8_0/Q4_0/Q4_1: per 32-element block and row, the integer quants
+//!   are widened to f32 (exact), multiplied with x into one block partial `Σ q·x` (two vectors),
+//!   and the block scale is applied once to that partial with one FMA into the row's
+//!   accumulator: `d·Σ q·x` (Q8_0), `d·Σ (q−8)·x` (Q4_0; the −8 is applied to the integers),
+//!   `d·Σ q·x + m·Σ x` (Q4_1; the block sums `Σ x` of the activation row are computed once per
+//!   call and shared by every row). Four rows run together so each x vector is loaded once per
+//!   four rows.
+//! - decode, every other format (Q5_0, Q5_1, Q2_K…Q8_K): the generic block GEMV of [`x86`]:
+//!   each block is decoded exactly (ggml's operations, vectorised by the compiler under the
+//!   ISA's features) into an L1 buffer and multiplied with x by FMA, four rows at a time.
+//! - prefill (`tokens > 1`, and every token count at the scalar level): a tile of rows is
+//!   dequantized to f32 (bit-identical to ggml's reference dequantization) into thread-local
+//!   scratch and handed to the f32 kernels, so the per-element dequantization cost is shared by
+//!   all tokens.
+
+use std::cell::RefCell;
+use std::ops::Range;
+
+use half::bf16;
+use rayon::prelude::*;
+
+use super::simd::{self, Level};
+use crate::model::quant::{self, BlockFormat, QuantKind};
+use crate::with_format;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+// The AVX-512 intrinsics are stable since Rust 1.89, the workspace's `rust-version`.
+mod avx512;
+mod scalar;
+#[cfg(test)]
+mod tests;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+/// Weight storage the kernels read directly (bf16 is never widened in memory, quantized blocks
+/// are never dequantized in memory).
+pub enum WeightData {
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    /// ggml blocks, rows concatenated: row `n` is `blocks[n·row_bytes..(n+1)·row_bytes]` with
+    /// `row_bytes = cols / kind.block_elems() · kind.block_bytes()`. An owned copy rather than a borrow of the
+    /// file mapping: merged linears (qkv, gate|up) must be concatenated anyway, the 34/18/20-byte
+    /// blocks make every load unaligned whatever the base, and an owned buffer keeps the packed
+    /// matrix independent of the file (one extra copy of ~the file size at load).
+    Quant {
+        kind: QuantKind,
+        blocks: Vec<u8>,
+    },
+}
+
+impl WeightData {
+    /// Checks quantized blocks against a `rows × cols` shape (other formats always pass).
+    pub fn check_shape(&self, rows: usize, cols: usize) -> Result<(), String> {
+        if let WeightData::Quant { kind, blocks } = self {
+            let n = kind.block_elems();
+            if !cols.is_multiple_of(n) {
+                return Err(format!(
+                    "{} rows of {cols} columns are not whole {n}-element blocks",
+                    kind.name()
+                ));
+            }
+            let want = rows * (cols / n) * kind.block_bytes();
+            if blocks.len() != want {
+                return Err(format!(
+                    "{} bytes of {} blocks for a {rows}x{cols} matrix, expected {want}",
+                    blocks.len(),
+                    kind.name()
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A linear layer's weight (and bias) in the backend's layout.
+pub struct PackedMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: WeightData,
+    pub bias: Option<Vec<f32>>,
+}
+
+impl PackedMatrix {
+    pub fn bytes(&self) -> usize {
+        let w = match &self.data {
+            WeightData::F32(v) => v.len() * 4,
+            WeightData::BF16(v) => v.len() * 2,
+            WeightData::Quant { blocks, .. } => blocks.len(),
+        };
+        w + self.bias.as_ref().map_or(0, |b| b.len() * 4)
+    }
+}
+
+/// A raw output pointer that rayon tasks may share because each writes disjoint columns.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// Output rows handled by one task: small enough to balance across threads, large enough that
+/// the per-task overhead vanishes next to the bytes streamed. A multiple of 4, the kernels' row
+/// block.
+fn rows_per_task(w: &PackedMatrix, tokens: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    let by_threads = w.rows.div_ceil(threads * 4).next_multiple_of(4);
+    let min_rows = if tokens > 1 { 16 } else { 64 };
+    by_threads.max(min_rows).min(w.rows.max(1))
+}
+
+/// `out[t·ldo + n] (+)= bias[n] + Σ_k W[n,k]·x[t·ldx + k]` for every token `t` and output `n`,
+/// split over the current rayon pool by output rows.
+///
+/// `accumulate` adds into `out` (a fused residual add) instead of overwriting it.
+pub fn matmul(
+    w: &PackedMatrix,
+    x: &[f32],
+    ldx: usize,
+    tokens: usize,
+    out: &mut [f32],
+    ldo: usize,
+    accumulate: bool,
+) {
+    matmul_at(simd::level(), w, x, ldx, tokens, out, ldo, accumulate)
+}
+
+/// [`matmul`] at an explicit SIMD level (clamped to what the CPU supports).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_at(
+    level: Level,
+    w: &PackedMatrix,
+    x: &[f32],
+    ldx: usize,
+    tokens: usize,
+    out: &mut [f32],
+    ldo: usize,
+    accumulate: bool,
+) {
+    assert!(
+        tokens == 0 || x.len() >= (tokens - 1) * ldx + w.cols,
+        "matmul input too short"
+    );
+    assert!(
+        tokens == 0 || out.len() >= (tokens - 1) * ldo + w.rows,
+        "matmul output too short"
+    );
+    let ptr = OutPtr(out.as_mut_ptr());
+    let chunk = rows_per_task(w, tokens);
+    let starts: Vec<usize> = (0..w.rows).step_by(chunk).collect();
+    starts.into_par_iter().for_each(|r0| {
+        let rows = r0..(r0 + chunk).min(w.rows);
+        let p = ptr;
+        // SAFETY: tasks own disjoint column ranges `rows` of every output row, and `out` outlives
+        // the parallel loop; the asserts above bound every index written.
+        unsafe { matmul_rows_at(level, w, x, ldx, tokens, rows, p.0, ldo, accumulate) };
+    });
+}
+
+/// The single-threaded kernel over a block of output rows.
+///
+/// # Safety
+/// `out` must be valid for writes at `t·ldo + n` for all `t < tokens`, `n ∈ rows`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn matmul_rows(
+    w: &PackedMatrix,
+    x: &[f32],
+    ldx: usize,
+    tokens: usize,
+    rows: Range<usize>,
+    out: *mut f32,
+    ldo: usize,
+    accumulate: bool,
+) {
+    matmul_rows_at(simd::level(), w, x, ldx, tokens, rows, out, ldo, accumulate)
+}
+
+/// [`matmul_rows`] at an explicit SIMD level (clamped to what the CPU supports).
+///
+/// # Safety
+/// As [`matmul_rows`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn matmul_rows_at(
+    level: Level,
+    w: &PackedMatrix,
+    x: &[f32],
+    ldx: usize,
+    tokens: usize,
+    rows: Range<usize>,
+    out: *mut f32,
+    ldo: usize,
+    accumulate: bool,
+) {
+    if tokens == 0 || rows.is_empty() {
+        return;
+    }
+    assert!(rows.end <= w.rows, "matmul rows out of range");
+    assert!(
+        x.len() >= (tokens - 1) * ldx + w.cols,
+        "matmul input too short"
+    );
+    if let Some(b) = &w.bias {
+        assert!(b.len() >= w.rows, "matmul bias too short");
+    }
+    if let Err(e) = w.data.check_shape(w.rows, w.cols) {
+        panic!("matmul: {e}");
+    }
+    let job = Job {
+        k: w.cols,
+        bias: w.bias.as_deref(),
+        x: x.as_ptr(),
+        ldx,
+        tokens,
+        rows,
+        out,
+        ldo,
+        accumulate,
+    };
+    if let WeightData::Quant { kind, blocks } = &w.data {
+        quant_rows(level, *kind, blocks, &job);
+        return;
+    }
+    let dense = match &w.data {
+        WeightData::F32(v) => Dense::F32(v),
+        WeightData::BF16(v) => Dense::BF16(v),
+        WeightData::Quant { .. } => unreachable!(),
+    };
+    dense_rows(level, dense, &job);
+}
+
+/// Unquantized weights as the f32/bf16 kernels read them.
+#[derive(Clone, Copy)]
+enum Dense<'a> {
+    F32(&'a [f32]),
+    BF16(&'a [bf16]),
+}
+
+/// The f32/bf16 kernels.
+///
+/// # Safety
+/// `job` must describe valid memory (see [`matmul_rows_at`]); `data` holds `job.rows.end` rows.
+unsafe fn dense_rows(level: Level, data: Dense, job: &Job) {
+    match (simd::clamp(level), data) {
+        #[cfg(target_arch = "x86_64")]
+        (Level::Avx512 | Level::Avx512Bf16, Dense::F32(v)) => avx512::dense_rows(v.as_ptr(), job),
+        #[cfg(target_arch = "x86_64")]
+        (Level::Avx512 | Level::Avx512Bf16, Dense::BF16(v)) => avx512::dense_rows(v.as_ptr(), job),
+        #[cfg(target_arch = "x86_64")]
+        (Level::Avx2, Dense::F32(v)) => avx2::dense_rows(v.as_ptr(), job),
+        #[cfg(target_arch = "x86_64")]
+        (Level::Avx2, Dense::BF16(v)) => avx2::dense_rows(v.as_ptr(), job),
+        (_, Dense::F32(v)) => scalar::rows_f32(v, job),
+        (_, Dense::BF16(v)) => scalar::rows_bf16(v, job),
+    }
+}
+
+/// How the CPU backend multiplies by one block format (after mistral.rs' `QuantMethod`): the
+/// format's geometry and exact decoding come from [`BlockFormat`], its kernels per ISA from
+/// here. The defaults give every format vector kernels (the generic block GEMV of [`x86`], and
+/// the scalar decoding compiled for AVX2 for prefill tiles); formats with hand-written kernels
+/// override them. [`gemv_at`] and [`dequantize_at`] pick the ISA at run time; the scalar level
+/// runs dequantized tiles through the scalar f32 kernels.
+trait QuantMethod: BlockFormat + Sized {
+    /// One-token GEMV over `job.rows` on the blocks at `w`, AVX-512.
+    ///
+    /// # Safety
+    /// The CPU supports AVX-512 F/BW/VL; otherwise as [`matmul_rows_at`], with `w` holding
+    /// `job.rows.end` rows of `job.k / ELEMS` blocks.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_avx512(w: *const u8, job: &Job) {
+        avx512::block_rows::<Self>(w, job)
+    }
+
+    /// As [`QuantMethod::gemv_avx512`], AVX2 (safety: the CPU supports AVX2, FMA and F16C).
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_avx2(w: *const u8, job: &Job) {
+        avx2::block_rows::<Self>(w, job)
+    }
+
+    /// Whole blocks to f32 (`out.len() / ELEMS` of them), bit-identical to
+    /// [`quant::dequantize_row`], AVX2 (safety: the CPU supports AVX2, FMA and F16C).
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dequantize_avx2(blocks: &[u8], out: &mut [f32]) {
+        avx2::dequantize_blocks::<Self>(blocks, out)
+    }
+}
+
+/// Q8_0, Q4_0 and Q4_1 have hand-written kernels that fold each block's scale into its partial
+/// sum (see the module documentation).
+macro_rules! legacy_quant_method {
+    ($($t:ident),*) => {$(
+        impl QuantMethod for quant::$t {
+            #[cfg(target_arch = "x86_64")]
+            unsafe fn gemv_avx512(w: *const u8, job: &Job) {
+                avx512::legacy_rows::<Self>(w, job)
+            }
+            #[cfg(target_arch = "x86_64")]
+            unsafe fn gemv_avx2(w: *const u8, job: &Job) {
+                avx2::legacy_rows::<Self>(w, job)
+            }
+            #[cfg(target_arch = "x86_64")]
+            unsafe fn dequantize_avx2(blocks: &[u8], out: &mut [f32]) {
+                let nb = out.len() / Self::ELEMS;
+                assert!(blocks.len() >= nb * Self::BYTES);
+                avx2::dequantize_legacy::<Self>(blocks.as_ptr(), nb, out.as_mut_ptr())
+            }
+        }
+    )*};
+}
+legacy_quant_method!(Q8_0, Q4_0, Q4_1);
+
+impl QuantMethod for quant::Q5_0 {}
+impl QuantMethod for quant::Q5_1 {}
+impl QuantMethod for quant::Q2_K {}
+impl QuantMethod for quant::Q3_K {}
+impl QuantMethod for quant::Q4_K {}
+impl QuantMethod for quant::Q5_K {}
+impl QuantMethod for quant::Q6_K {}
+impl QuantMethod for quant::Q8_K {}
+
+/// [`QuantMethod`]'s GEMV at `level` (clamped); `false` when the level has none (scalar).
+///
+/// # Safety
+/// As [`QuantMethod::gemv_avx512`], less the CPU requirement.
+unsafe fn gemv_at<F: QuantMethod>(level: Level, w: *const u8, job: &Job) -> bool {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 | Level::Avx512Bf16 => F::gemv_avx512(w, job),
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => F::gemv_avx2(w, job),
+        _ => return false,
+    }
+    true
+}
+
+/// Whole blocks of `F` to f32 at `level` (clamped), bit-identical to [`quant::dequantize_row`].
+fn dequantize_at<F: QuantMethod>(level: Level, blocks: &[u8], out: &mut [f32]) {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the level, clamped to the CPU's, includes AVX2, FMA and F16C.
+        Level::Avx512 | Level::Avx512Bf16 | Level::Avx2 => unsafe {
+            F::dequantize_avx2(blocks, out)
+        },
+        _ => quant::dequantize_blocks::<F>(blocks, out),
+    }
+}
+
+/// Rows dequantized per prefill tile: a multiple of the kernels' 4-row block, and small enough
+/// (16 × cols f32) to stay in L1/L2 while every token passes over it.
+const TILE_ROWS: usize = 16;
+
+thread_local! {
+    /// Per-thread f32 scratch for prefill tiles of quantized weights.
+    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Quantized weights: GEMV on the blocks at decode, dequantized tiles + f32 kernels otherwise.
+///
+/// # Safety
+/// As [`matmul_rows_at`]; `blocks` has been checked against the matrix shape.
+unsafe fn quant_rows(level: Level, kind: QuantKind, blocks: &[u8], job: &Job) {
+    with_format!(kind, F => quant_rows_of::<F>(simd::clamp(level), blocks, job))
+}
+
+unsafe fn quant_rows_of<F: QuantMethod>(level: Level, blocks: &[u8], job: &Job) {
+    if job.tokens == 1 && gemv_at::<F>(level, blocks.as_ptr(), job) {
+        return;
+    }
+    let rb = job.k / F::ELEMS * F::BYTES;
+    TILE.with_borrow_mut(|tile| {
+        let mut n0 = job.rows.start;
+        while n0 < job.rows.end {
+            let n1 = (n0 + TILE_ROWS).min(job.rows.end);
+            tile.resize((n1 - n0) * job.k, 0.0);
+            dequantize_at::<F>(level, &blocks[n0 * rb..n1 * rb], tile);
+            // The tile's row r is output n0 + r: shift the output and bias views to match.
+            let sub = Job {
+                bias: job.bias.map(|b| &b[n0..]),
+                rows: 0..n1 - n0,
+                out: job.out.add(n0),
+                ..*job
+            };
+            dense_rows(level, Dense::F32(tile), &sub);
+            n0 = n1;
+        }
+    });
+}
+
+/// Dequantizes whole rows of blocks into `out` (bit-identical to [`quant::dequantize_row`]).
+#[cfg(test)]
+fn dequantize_rows(level: Level, kind: QuantKind, blocks: &[u8], out: &mut [f32]) {
+    assert!(blocks.len() >= out.len() / kind.block_elems() * kind.block_bytes());
+    with_format!(kind, F => dequantize_at::<F>(simd::clamp(level), blocks, out))
+}
+
+/// One call's operands, shared by every kernel.
+struct Job<'a> {
+    k: usize,
+    bias: Option<&'a [f32]>,
+    x: *const f32,
+    ldx: usize,
+    tokens: usize,
+    rows: Range<usize>,
+    out: *mut f32,
+    ldo: usize,
+    accumulate: bool,
+}
+
+impl Job<'_> {
+    /// Write `d` (+ bias) for output `n` of token `t`.
+    #[inline(always)]
+    unsafe fn put(&self, t: usize, n: usize, d: f32) {
+        let bias = self.bias.map_or(0.0, |b| b[n]);
+        let o = self.out.add(t * self.ldo + n);
+        *o = if self.accumulate {
+            *o + d + bias
+        } else {
+            d + bias
+        };
+    }
+
+    #[inline(always)]
+    unsafe fn xptr(&self, t: usize) -> *const f32 {
+        self.x.add(t * self.ldx)
+    }
+
+    #[inline(always)]
+    unsafe fn xrow(&self, t: usize) -> &[f32] {
+        std::slice::from_raw_parts(self.xptr(t), self.k)
+    }
+}

@@ -1,0 +1,350 @@
+//! Every kernel at every SIMD level this CPU supports against an f64 reference, for dense and
+//! every quantized format, with row, column and token counts that are not multiples of the tiles.
+
+use super::*;
+
+fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// The matrix's weights as f64 (quantized blocks through the scalar reference dequantization).
+fn weights_f64(w: &PackedMatrix) -> Vec<f64> {
+    match &w.data {
+        WeightData::F32(v) => v.iter().map(|&x| x as f64).collect(),
+        WeightData::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
+        WeightData::Quant { kind, blocks } => {
+            let mut f = vec![0f32; w.rows * w.cols];
+            quant::dequantize_row(*kind, blocks, &mut f);
+            f.into_iter().map(|x| x as f64).collect()
+        }
+    }
+}
+
+/// `rows × cols` random blocks of `kind`: every quant value occurs, scales and mins vary in
+/// magnitude and sign (as real ggml files have them).
+fn rand_blocks(kind: QuantKind, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    let bb = kind.block_bytes();
+    let nb = rows * cols / kind.block_elems();
+    let r = rand_vec(nb * bb, seed);
+    let mut blocks: Vec<u8> = r.iter().map(|&v| ((v + 1.0) * 127.99) as u8).collect();
+    for (b, c) in blocks.chunks_exact_mut(bb).enumerate() {
+        let d = 0.002 + 0.05 * (r[b * bb] + 1.0);
+        let m = -8.0 * d * (r[b * bb + 1] + 0.5);
+        if kind == QuantKind::Q8_K {
+            c[..4].copy_from_slice(&d.to_le_bytes());
+        }
+        for (&at, v) in f16_fields(kind).iter().zip([d, m]) {
+            c[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+        }
+    }
+    blocks
+}
+
+/// Byte offsets of a block's f16 scale (and min) fields, which random bytes must not fill.
+fn f16_fields(kind: QuantKind) -> &'static [usize] {
+    match kind {
+        QuantKind::Q8_0 | QuantKind::Q4_0 | QuantKind::Q5_0 => &[0],
+        QuantKind::Q4_1 | QuantKind::Q5_1 | QuantKind::Q4_K | QuantKind::Q5_K => &[0, 2],
+        QuantKind::Q2_K => &[80, 82],
+        QuantKind::Q3_K => &[108],
+        QuantKind::Q6_K => &[208],
+        QuantKind::Q8_K => &[],
+    }
+}
+
+fn quant_matrix(kind: QuantKind, rows: usize, cols: usize, bias: bool, seed: u64) -> PackedMatrix {
+    PackedMatrix {
+        rows,
+        cols,
+        data: WeightData::Quant {
+            kind,
+            blocks: rand_blocks(kind, rows, cols, seed),
+        },
+        bias: bias.then(|| rand_vec(rows, seed + 1)),
+    }
+}
+
+/// Run one configuration at `level` and compare against an f64 reference.
+#[allow(clippy::too_many_arguments)]
+fn check(
+    level: Level,
+    bf: bool,
+    rows: usize,
+    cols: usize,
+    tokens: usize,
+    bias: bool,
+    acc: bool,
+    par: bool,
+) {
+    let seed = (rows * 1000 + cols * 10 + tokens) as u64;
+    let wv = rand_vec(rows * cols, seed);
+    let data = if bf {
+        WeightData::BF16(wv.iter().map(|&v| bf16::from_f32(v)).collect())
+    } else {
+        WeightData::F32(wv)
+    };
+    let w = PackedMatrix {
+        rows,
+        cols,
+        data,
+        bias: bias.then(|| rand_vec(rows, seed + 1)),
+    };
+    if let Err(e) = run_and_compare(level, &w, tokens, acc, par, seed) {
+        panic!("{level:?} bf16={bf} {rows}x{cols} tokens={tokens} bias={bias} acc={acc}: {e}");
+    }
+}
+
+/// Multiply `w` by random strided activations at `level` (whole-pool split or one call over
+/// all rows) and compare against the f64 reference.
+fn run_and_compare(
+    level: Level,
+    w: &PackedMatrix,
+    tokens: usize,
+    acc: bool,
+    par: bool,
+    seed: u64,
+) -> Result<(), String> {
+    let (rows, cols) = (w.rows, w.cols);
+    let (ldx, ldo) = (cols + 3, rows + 5);
+    let x = rand_vec((tokens - 1) * ldx + cols, seed + 2);
+    let out0 = rand_vec((tokens - 1) * ldo + rows + 2, seed + 3);
+    let mut out = out0.clone();
+    if par {
+        matmul_at(level, w, &x, ldx, tokens, &mut out, ldo, acc);
+    } else {
+        unsafe {
+            matmul_rows_at(
+                level,
+                w,
+                &x,
+                ldx,
+                tokens,
+                0..rows,
+                out.as_mut_ptr(),
+                ldo,
+                acc,
+            )
+        };
+    }
+    compare(w, &x, ldx, tokens, &out0, &out, ldo, acc)
+}
+
+/// Check `out` (computed from `out0`) against an f64 reference; error scaled by Σ|terms|.
+#[allow(clippy::too_many_arguments)]
+fn compare(
+    w: &PackedMatrix,
+    x: &[f32],
+    ldx: usize,
+    tokens: usize,
+    out0: &[f32],
+    out: &[f32],
+    ldo: usize,
+    acc: bool,
+) -> Result<(), String> {
+    let (rows, cols) = (w.rows, w.cols);
+    let wf = weights_f64(w);
+    for (i, (&o, &o0)) in out.iter().zip(out0).enumerate() {
+        let (t, n) = (i / ldo, i % ldo);
+        if t >= tokens || n >= rows {
+            if o.to_bits() != o0.to_bits() {
+                return Err(format!("wrote outside the output at {i}"));
+            }
+            continue;
+        }
+        let mut want = if acc { o0 as f64 } else { 0.0 };
+        let mut mag = want.abs();
+        if let Some(b) = &w.bias {
+            want += b[n] as f64;
+            mag += b[n].abs() as f64;
+        }
+        for k in 0..cols {
+            let p = wf[n * cols + k] * x[t * ldx + k] as f64;
+            want += p;
+            mag += p.abs();
+        }
+        let err = (o as f64 - want).abs();
+        if err > 1e-5 * mag {
+            return Err(format!(
+                "out[{t},{n}] = {o}, want {want} (err {err:e}, mag {mag})"
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn every_level_matches_f64_reference() {
+    let rows_set = [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 33, 70];
+    let cols_set = [1, 2, 7, 15, 16, 17, 31, 32, 33, 47, 64, 100, 129, 300];
+    for level in simd::available_levels() {
+        for bf in [false, true] {
+            for &rows in &rows_set {
+                for &cols in &cols_set {
+                    for tokens in 1..=9 {
+                        let v = rows + cols + tokens;
+                        check(level, bf, rows, cols, tokens, v % 2 == 0, v % 3 != 0, false);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn parallel_split_matches_reference() {
+    for level in simd::available_levels() {
+        for bf in [false, true] {
+            for (rows, cols, tokens) in [(70, 300, 1), (257, 96, 1), (150, 65, 5), (64, 33, 12)] {
+                check(level, bf, rows, cols, tokens, true, true, true);
+                check(level, bf, rows, cols, tokens, false, false, true);
+            }
+        }
+    }
+}
+
+/// Rows, columns and token counts to test `kind` with: rows and tokens around the kernels' 4-row
+/// and 4/2-token tiles, columns of one and several blocks (fewer cases for the 256-element
+/// formats, whose blocks are 8 times longer).
+fn quant_shapes(kind: QuantKind) -> (Vec<usize>, Vec<usize>, Vec<usize>) {
+    let n = kind.block_elems();
+    if n == 32 {
+        let rows = vec![1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 33, 70];
+        (rows, vec![32, 64, 96, 160, 576], (1..=9).collect())
+    } else {
+        (
+            vec![1, 3, 4, 5, 17, 33],
+            vec![n, 3 * n, 5 * n],
+            vec![1, 2, 3, 5, 9],
+        )
+    }
+}
+
+#[test]
+fn quantized_every_level_matches_f64_reference() {
+    for level in simd::available_levels() {
+        for kind in QuantKind::ALL {
+            let (rows_set, cols_set, tokens_set) = quant_shapes(kind);
+            for &rows in &rows_set {
+                for &cols in &cols_set {
+                    for &tokens in &tokens_set {
+                        let v = rows + cols + tokens;
+                        let seed = (rows * 1000 + cols * 10 + tokens) as u64;
+                        let w = quant_matrix(kind, rows, cols, v % 2 == 0, seed);
+                        if let Err(e) = run_and_compare(level, &w, tokens, v % 3 != 0, false, seed)
+                        {
+                            panic!("{level:?} {kind:?} {rows}x{cols} tokens={tokens}: {e}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn quantized_parallel_split_matches_reference() {
+    for level in simd::available_levels() {
+        for kind in QuantKind::ALL {
+            for (rows, blocks, tokens) in [(70, 10, 1), (257, 3, 1), (150, 2, 5), (64, 1, 12)] {
+                let cols = blocks * kind.block_elems();
+                for (bias, acc) in [(true, true), (false, false)] {
+                    let w = quant_matrix(kind, rows, cols, bias, rows as u64);
+                    if let Err(e) = run_and_compare(level, &w, tokens, acc, true, 3) {
+                        panic!("{level:?} {kind:?} {rows}x{cols} tokens={tokens}: {e}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn quantized_tiles_dequantize_bit_exactly() {
+    for level in simd::available_levels() {
+        for kind in QuantKind::ALL {
+            let (rows, cols) = (3, 5 * kind.block_elems());
+            let blocks = rand_blocks(kind, rows, cols, 5);
+            let mut want = vec![0f32; rows * cols];
+            quant::dequantize_row(kind, &blocks, &mut want);
+            let mut got = vec![f32::NAN; rows * cols];
+            dequantize_rows(level, kind, &blocks, &mut got);
+            let same = want
+                .iter()
+                .zip(&got)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{level:?} {kind:?}");
+        }
+    }
+}
+
+#[test]
+fn quantized_shapes_are_checked() {
+    let w = WeightData::Quant {
+        kind: QuantKind::Q4_1,
+        blocks: vec![0; 2 * 20],
+    };
+    assert!(w.check_shape(2, 32).is_ok());
+    assert!(w.check_shape(3, 32).is_err(), "byte count must match rows");
+    assert!(w.check_shape(2, 16).unwrap_err().contains("not whole"));
+    assert!(WeightData::F32(vec![0.0; 3]).check_shape(1, 3).is_ok());
+}
+
+#[test]
+fn comparison_catches_a_dropped_tail() {
+    // A kernel that skipped the last column (a dropped k tail) must fail the comparison.
+    let (rows, cols, tokens) = (5, 33, 3);
+    let wv = rand_vec(rows * cols, 9);
+    let mut dropped = wv.clone();
+    for n in 0..rows {
+        dropped[n * cols + cols - 1] = 0.0;
+    }
+    let good = PackedMatrix {
+        rows,
+        cols,
+        data: WeightData::F32(wv),
+        bias: None,
+    };
+    let bad = PackedMatrix {
+        rows,
+        cols,
+        data: WeightData::F32(dropped),
+        bias: None,
+    };
+    let x = rand_vec(tokens * cols, 10);
+    let out0 = vec![0f32; tokens * rows];
+    let mut out = out0.clone();
+    matmul_at(Level::Scalar, &bad, &x, cols, tokens, &mut out, rows, false);
+    assert!(compare(&good, &x, cols, tokens, &out0, &out, rows, false).is_err());
+    matmul_at(
+        Level::Scalar,
+        &good,
+        &x,
+        cols,
+        tokens,
+        &mut out,
+        rows,
+        false,
+    );
+    assert!(compare(&good, &x, cols, tokens, &out0, &out, rows, false).is_ok());
+}
+
+#[test]
+#[should_panic(expected = "input too short")]
+fn short_input_is_rejected() {
+    let w = PackedMatrix {
+        rows: 1,
+        cols: 17,
+        data: WeightData::F32(vec![1.0; 17]),
+        bias: None,
+    };
+    let mut out = vec![0.0f32; 1];
+    matmul(&w, &[1.0; 16], 16, 1, &mut out, 1, false);
+}

@@ -1,0 +1,215 @@
+//! What the AVX2 and AVX-512 kernels share: the row/token drivers (written once, instantiated per
+//! ISA inside each ISA's `#[target_feature]` entry points so every kernel call inlines), the
+//! traits through which a driver reaches an ISA's kernels, and the generic block GEMV that gives
+//! every [`BlockFormat`] a vector kernel on both ISAs from its exact scalar decoding.
+
+use super::Job;
+use crate::model::quant::{BlockFormat, Q4_0, Q4_1, Q8_0};
+
+/// An ISA's dense kernels: an `R` rows × `T` tokens register tile, and `R` rows against one token.
+pub(super) trait DenseKernels<W> {
+    unsafe fn tile<const R: usize, const T: usize>(
+        w: [*const W; R],
+        x: [*const f32; T],
+        k: usize,
+    ) -> [[f32; T]; R];
+    unsafe fn gemv<const R: usize>(w: [*const W; R], x: *const f32, k: usize) -> [f32; R];
+}
+
+#[inline(always)]
+pub(super) unsafe fn row_ptrs<W, const R: usize>(w: *const W, n: usize, k: usize) -> [*const W; R] {
+    std::array::from_fn(|r| w.add((n + r) * k))
+}
+
+#[inline(always)]
+pub(super) unsafe fn tok_ptrs<const T: usize>(job: &Job, t: usize) -> [*const f32; T] {
+    std::array::from_fn(|j| job.xptr(t + j))
+}
+
+/// Write an `R × T` block of results for rows `n..`, tokens `t..`.
+#[inline(always)]
+pub(super) unsafe fn put_tile<const R: usize, const T: usize>(
+    job: &Job,
+    n: usize,
+    t: usize,
+    s: [[f32; T]; R],
+) {
+    for (r, sr) in s.iter().enumerate() {
+        for (j, &v) in sr.iter().enumerate() {
+            job.put(t + j, n + r, v);
+        }
+    }
+}
+
+/// The dense driver: groups of 4 rows, `T` tokens at a time through the register tile, then the
+/// remaining tokens one at a time; a group of fewer than 4 rows runs row by row.
+#[inline(always)]
+pub(super) unsafe fn dense_rows<W, K: DenseKernels<W>, const T: usize>(w: *const W, job: &Job) {
+    let k = job.k;
+    let end = job.rows.end;
+    let mut n = job.rows.start;
+    while n < end {
+        let full = n + 4 <= end;
+        let mut t = 0;
+        while t + T <= job.tokens {
+            if full {
+                let s = K::tile::<4, T>(row_ptrs(w, n, k), tok_ptrs(job, t), k);
+                put_tile(job, n, t, s);
+            } else {
+                for r in n..end {
+                    let s = K::tile::<1, T>(row_ptrs(w, r, k), tok_ptrs(job, t), k);
+                    put_tile(job, r, t, s);
+                }
+            }
+            t += T;
+        }
+        while t < job.tokens {
+            if full {
+                let s = K::gemv::<4>(row_ptrs(w, n, k), job.xptr(t), k);
+                put_tile::<4, 1>(job, n, t, s.map(|v| [v]));
+            } else {
+                for r in n..end {
+                    let s = K::gemv::<1>(row_ptrs(w, r, k), job.xptr(t), k);
+                    job.put(t, r, s[0]);
+                }
+            }
+            t += 1;
+        }
+        n = (n + 4).min(end);
+    }
+}
+
+/// A GEMV over rows of blocks: `R` rows against one activation row.
+pub(super) trait BlockGemv {
+    /// Elements and bytes per block.
+    const ELEMS: usize;
+    const BYTES: usize;
+    /// What the kernel needs from the activation row once per call (block sums), or nothing.
+    unsafe fn prepare(x: *const f32, nb: usize) -> Vec<f32>;
+    /// `R` rows of `nb` blocks against `x`; `pf` is the byte distance to prefetch ahead.
+    unsafe fn gemv<const R: usize>(
+        w: [*const u8; R],
+        x: *const f32,
+        prep: &[f32],
+        nb: usize,
+        pf: usize,
+    ) -> [f32; R];
+}
+
+/// The quantized GEMV driver (`job.tokens == 1`): groups of 4 rows, then single rows. A group
+/// prefetches the same block of the next group of rows (`4 · row bytes` ahead), so the next
+/// group's first loads find their lines in cache.
+#[inline(always)]
+pub(super) unsafe fn gemv_rows<K: BlockGemv>(w: *const u8, job: &Job) {
+    let nb = job.k / K::ELEMS;
+    let rb = nb * K::BYTES;
+    let x = job.xptr(0);
+    let prep = K::prepare(x, nb);
+    let end = job.rows.end;
+    let mut n = job.rows.start;
+    while n + 4 <= end {
+        let s = K::gemv::<4>(row_ptrs(w, n, rb), x, &prep, nb, 4 * rb);
+        put_tile::<4, 1>(job, n, 0, s.map(|v| [v]));
+        n += 4;
+    }
+    while n < end {
+        let s = K::gemv::<1>(row_ptrs(w, n, rb), x, &prep, nb, rb);
+        job.put(0, n, s[0]);
+        n += 1;
+    }
+}
+
+/// The legacy formats with hand-written kernels (Q8_0, Q4_0, Q4_1), which fold the block scale
+/// (and min) into the block's partial sum: `d·Σq·x (+ m·Σx)`.
+pub(super) trait Legacy: BlockFormat {
+    /// Whether the block carries a min `m` (value `d·q + m`) after its scale `d`.
+    const HAS_MIN: bool;
+}
+
+impl Legacy for Q8_0 {
+    const HAS_MIN: bool = false;
+}
+impl Legacy for Q4_0 {
+    const HAS_MIN: bool = false;
+}
+impl Legacy for Q4_1 {
+    const HAS_MIN: bool = true;
+}
+
+/// Per-block sums `Σ x` of one activation row (only formats with a min need them).
+pub(super) unsafe fn block_sums<Q: Legacy>(x: *const f32, nb: usize) -> Vec<f32> {
+    if !Q::HAS_MIN {
+        return Vec::new();
+    }
+    let x = std::slice::from_raw_parts(x, nb * Q::ELEMS);
+    x.chunks_exact(Q::ELEMS).map(|c| c.iter().sum()).collect()
+}
+
+/// An ISA's f32 vector, as the generic block GEMV uses it.
+pub(super) trait Lanes {
+    type V: Copy;
+    /// f32 lanes per vector.
+    const N: usize;
+    unsafe fn zero() -> Self::V;
+    unsafe fn load(p: *const f32) -> Self::V;
+    /// `a · b + c`
+    unsafe fn fmadd(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
+    /// Sum of the lanes.
+    unsafe fn sum(v: Self::V) -> f32;
+}
+
+/// The largest block any format has.
+const MAX_BLOCK: usize = 256;
+
+/// Any block format's GEMV at ISA `L`: per block and row, the block is decoded exactly
+/// ([`BlockFormat::dequantize_block`], compiled with the ISA's features so the decoding
+/// vectorises) into an L1-resident buffer, then multiplied with the activations in f32 vectors,
+/// two accumulators per row. The result is the f32 product of ggml's dequantized weights with
+/// f32 activations, up to summation order.
+pub(super) struct Blocks<L, F>(std::marker::PhantomData<(L, F)>);
+
+impl<L: Lanes, F: BlockFormat> BlockGemv for Blocks<L, F> {
+    const ELEMS: usize = F::ELEMS;
+    const BYTES: usize = F::BYTES;
+
+    #[inline(always)]
+    unsafe fn prepare(_x: *const f32, _nb: usize) -> Vec<f32> {
+        Vec::new()
+    }
+
+    // `r` indexes the row pointers, buffers and accumulators together.
+    #[allow(clippy::needless_range_loop)]
+    #[inline(always)]
+    unsafe fn gemv<const R: usize>(
+        w: [*const u8; R],
+        x: *const f32,
+        _prep: &[f32],
+        nb: usize,
+        _pf: usize,
+    ) -> [f32; R] {
+        const { assert!(F::ELEMS <= MAX_BLOCK && F::ELEMS.is_multiple_of(2 * L::N)) };
+        let mut buf = [[0f32; MAX_BLOCK]; R];
+        let mut a0 = [L::zero(); R];
+        let mut a1 = [L::zero(); R];
+        for b in 0..nb {
+            for r in 0..R {
+                let block = std::slice::from_raw_parts(w[r].add(b * F::BYTES), F::BYTES);
+                F::dequantize_block(block, &mut buf[r]);
+            }
+            let xb = x.add(b * F::ELEMS);
+            let mut i = 0;
+            while i < F::ELEMS {
+                let x0 = L::load(xb.add(i));
+                let x1 = L::load(xb.add(i + L::N));
+                for r in 0..R {
+                    let p = buf[r].as_ptr().add(i);
+                    a0[r] = L::fmadd(L::load(p), x0, a0[r]);
+                    a1[r] = L::fmadd(L::load(p.add(L::N)), x1, a1[r]);
+                }
+                i += 2 * L::N;
+            }
+        }
+        std::array::from_fn(|r| L::sum(L::add(a0[r], a1[r])))
+    }
+}
