@@ -16,7 +16,8 @@ use serde::Serialize;
 
 use kiln::backend::cpu::{CpuOptions, WeightFormat};
 use kiln::engine::{
-    DecodePath, Engine, EngineOptions, FinishReason, GenerateOptions, Session, Timings, Usage,
+    Constraint, ConstraintSpec, DecodePath, Engine, EngineOptions, FinishReason, GenerateOptions,
+    Session, Timings, Usage,
 };
 use kiln::sample::SamplingParams;
 use kiln::tokenizer::nanochat::NanochatTokens;
@@ -98,6 +99,15 @@ struct Common {
     /// How decode steps run on CUDA (ignored on the CPU).
     #[arg(long, value_enum, default_value_t = Decode::Auto)]
     decode: Decode,
+    /// Constrain the output to JSON valid under this JSON Schema (a file).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["regex", "grammar"])]
+    json_schema: Option<PathBuf>,
+    /// Constrain the output to match this regular expression (whole output, Rust syntax).
+    #[arg(long, value_name = "RE", conflicts_with = "grammar")]
+    regex: Option<String>,
+    /// Constrain the output to this grammar (a file in llguidance's Lark syntax).
+    #[arg(long, value_name = "FILE")]
+    grammar: Option<PathBuf>,
 }
 
 #[derive(Parser, Debug)]
@@ -195,7 +205,39 @@ fn load(c: &Common) -> Result<Arc<Engine>> {
     Ok(Arc::new(engine))
 }
 
-fn options(c: &Common, engine: &Engine, samples: usize) -> GenerateOptions {
+/// The constraint the flags ask for, compiled once against the model's vocabulary so that a bad
+/// schema, regex or grammar is reported before anything runs, naming its flag.
+fn constraint(c: &Common, engine: &Engine) -> Result<Option<ConstraintSpec>> {
+    let read = |flag: &str, path: &PathBuf| {
+        std::fs::read_to_string(path)
+            .with_context(|| format!("{flag} {}: cannot read the file", path.display()))
+    };
+    let (what, spec) = if let Some(path) = &c.json_schema {
+        let flag = format!("--json-schema {}", path.display());
+        let schema = serde_json::from_str(&read("--json-schema", path)?)
+            .with_context(|| format!("{flag}: not a JSON document"))?;
+        (flag, ConstraintSpec::JsonSchema(schema))
+    } else if let Some(rx) = &c.regex {
+        (format!("--regex {rx:?}"), ConstraintSpec::Regex(rx.clone()))
+    } else if let Some(path) = &c.grammar {
+        let flag = format!("--grammar {}", path.display());
+        (flag, ConstraintSpec::Lark(read("--grammar", path)?))
+    } else {
+        return Ok(None);
+    };
+    let factory = engine
+        .constraint_factory()
+        .with_context(|| format!("{what}: the model's vocabulary"))?;
+    Constraint::new(&factory, &spec).with_context(|| what)?;
+    Ok(Some(spec))
+}
+
+fn options(
+    c: &Common,
+    engine: &Engine,
+    samples: usize,
+    constraint: Option<ConstraintSpec>,
+) -> GenerateOptions {
     GenerateOptions {
         max_tokens: Some(c.n_predict),
         sampling: SamplingParams {
@@ -215,6 +257,7 @@ fn options(c: &Common, engine: &Engine, samples: usize) -> GenerateOptions {
         stop_strings: c.stop.clone(),
         tools: !c.no_tools,
         logits_processor: None,
+        constraint,
     }
 }
 
@@ -257,6 +300,7 @@ struct JsonOut<'a> {
 fn generate(args: GenerateArgs) -> Result<()> {
     let c = &args.common;
     let engine = load(c)?;
+    let spec = constraint(c, &engine)?;
     let tok = engine.tokenizer();
     let prompt_ids = match (&args.prompt_ids, &args.prompt) {
         (Some(ids), _) => ids.clone(),
@@ -277,7 +321,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
     if args.samples == 0 {
         bail!("--samples must be at least 1");
     }
-    let opts = options(c, &engine, args.samples);
+    let opts = options(c, &engine, args.samples, spec);
     let mut session = Session::new(engine.clone(), prompt_ids.len() + c.n_predict, args.samples);
     let mut stdout = std::io::stdout().lock();
     let stream_text = !args.json && args.samples == 1;
@@ -339,7 +383,7 @@ fn chat(args: ChatArgs) -> Result<()> {
         (None, Err(e)) => bail!("{}: no chat template ({e})", c.model.display()),
         (Some(_), _) => None,
     };
-    let opts = options(c, &engine, 1);
+    let opts = options(c, &engine, 1, constraint(c, &engine)?);
     let mut session = engine.session(engine.max_context());
     let mut messages: Vec<ChatMessage> = c
         .system

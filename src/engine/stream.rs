@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::constraint::{prepare_during, Constraint};
 use super::graph_run::GraphRun;
 use super::session::Session;
 use super::stop::TextTracker;
@@ -26,6 +27,7 @@ struct RowState {
     generated: usize,
     text: TextTracker,
     tool: ToolState,
+    constraint: Option<Constraint>,
     finished: bool,
 }
 
@@ -52,6 +54,7 @@ impl<'a> Stream<'a> {
         prefill_tokens: usize,
         prefill: Duration,
         opts: &GenerateOptions,
+        constraint: Option<Constraint>,
     ) -> Stream<'a> {
         let n = opts.num_samples;
         // Every row starts from the prefill's logits; each samples its own first token.
@@ -69,6 +72,7 @@ impl<'a> Stream<'a> {
                     generated: 0,
                     text: TextTracker::new(&opts.stop_strings),
                     tool: ToolState::default(),
+                    constraint: constraint.as_ref().map(Constraint::fork),
                     finished: false,
                 })
                 .collect(),
@@ -118,7 +122,8 @@ impl<'a> Stream<'a> {
         self.live.clear();
     }
 
-    /// Rows ended by [`Stream::cancel`] (they got no final step).
+    /// Rows that ended without a final step: by [`Stream::cancel`], `max_tokens` 0, or a
+    /// constraint no token continues ([`FinishReason::ConstraintBroken`]).
     pub fn cancelled_rows(&self) -> Vec<(usize, FinishReason)> {
         self.cancelled.clone()
     }
@@ -166,6 +171,11 @@ impl<'a> Stream<'a> {
                     if let Some(p) = self.opts.sampling.repetition_penalty {
                         sample::apply_repetition_penalty(logits, &self.s.tokens[r], p);
                     }
+                    if let Some(Err(_)) = row.constraint.as_mut().map(|c| c.apply(logits)) {
+                        row.finished = true;
+                        self.cancelled.push((r, FinishReason::ConstraintBroken));
+                        continue;
+                    }
                     (
                         sample::sample(logits, &self.opts.sampling, r as u32, pos as u64),
                         1u8,
@@ -175,6 +185,7 @@ impl<'a> Stream<'a> {
             if let Some(t) = &self.tools {
                 row.tool.on_token(t, tok, token)?;
             }
+            let constraint_end = row.constraint.as_mut().and_then(|c| c.commit_row(token));
             row.generated += 1;
             self.usage.completion_tokens += 1;
             let (mut text, finished) = if self.stop_tokens.contains(&token) {
@@ -183,6 +194,8 @@ impl<'a> Stream<'a> {
                 let (piece, matched) = row.text.push(tok, token)?;
                 let reason = if matched {
                     Some(FinishReason::StopString)
+                } else if constraint_end.is_some() {
+                    constraint_end
                 } else if self.opts.max_tokens.is_some_and(|m| row.generated >= m) {
                     Some(FinishReason::MaxTokens)
                 } else if pos >= self.s.dev.capacity() {
@@ -224,8 +237,11 @@ impl<'a> Stream<'a> {
     /// host-side logits processing), else a forward pass (sampling on the device when nothing
     /// needs the logits on the host).
     fn advance(&mut self, feed: &[u32], feed_rows: &[TokenRow]) -> Result<(), EngineError> {
-        let on_device =
-            self.opts.logits_processor.is_none() && self.opts.sampling.repetition_penalty.is_none();
+        // Constraints mask logits on the host.
+        let constrained = self.opts.constraint.is_some();
+        let on_device = self.opts.logits_processor.is_none()
+            && self.opts.sampling.repetition_penalty.is_none()
+            && !constrained;
         let forced = feed_rows
             .iter()
             .any(|t| !self.rows[t.slot].tool.forced.is_empty());
@@ -245,7 +261,9 @@ impl<'a> Stream<'a> {
             // The CPU stand-in for the graph applies logits processors (tests script tool
             // calls through it); the device cannot.
             let sampling_ok = on_device
-                || (backend.emulates_graph() && self.opts.sampling.repetition_penalty.is_none());
+                || (backend.emulates_graph()
+                    && self.opts.sampling.repetition_penalty.is_none()
+                    && !constrained);
             if sampling_ok && !forced && GraphRun::fits(backend, rows.len()) {
                 if let Some(run) = self.graph.as_mut().filter(|g| g.covers(&rows)) {
                     run.feed(&rows);
@@ -283,13 +301,17 @@ impl<'a> Stream<'a> {
             )?;
             self.next = Next::Tokens(tokens);
         } else {
-            backend.forward(
-                PlanKind::Decode,
-                &mut self.s.dev,
-                feed,
-                feed_rows,
-                &mut self.logits,
-            )?;
+            // Rows that sample next get their masks computed while the forward runs.
+            let masks = self.rows.iter_mut().filter(|r| !r.finished && r.tool.forced.is_empty());
+            prepare_during(masks.filter_map(|r| r.constraint.as_mut()).collect(), || {
+                backend.forward(
+                    PlanKind::Decode,
+                    &mut self.s.dev,
+                    feed,
+                    feed_rows,
+                    &mut self.logits,
+                )
+            })?;
             self.next = Next::Logits;
         }
         for (t, r) in feed.iter().zip(feed_rows) {
