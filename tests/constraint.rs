@@ -6,6 +6,7 @@ mod common;
 
 use std::sync::Arc;
 
+use kiln::engine::constraint::JSON_WHITESPACE;
 use kiln::engine::{
     Constraint, ConstraintFactory, ConstraintSpec, Engine, FinishReason, GenerateOptions,
     LogitsProcessor,
@@ -45,7 +46,9 @@ fn token_bytes_agree_with_the_tokenizers_decoding() {
     if let Some(p) = common::demo_model() {
         toks.push(kiln::model::Model::load(&p).unwrap().tokenizer);
     } else {
-        println!("SKIPPED the demo model's vocabulary: models/SmolLM2-135M-Instruct.Q4_1.gguf is absent");
+        println!(
+            "SKIPPED the demo model's vocabulary: models/SmolLM2-135M-Instruct.Q4_1.gguf is absent"
+        );
     }
     for tok in &toks {
         let bytes = tok.token_bytes().unwrap();
@@ -60,7 +63,12 @@ fn token_bytes_agree_with_the_tokenizers_decoding() {
         }
         // Byte-level vocabularies have tokens that are parts of a UTF-8 character.
         assert!(partial >= 64, "{partial} partial-character tokens");
-        for text in ["héllo wörld", "日本語のテキスト", "emoji 🙂🚀 end", "tabs\tand\nlines"] {
+        for text in [
+            "héllo wörld",
+            "日本語のテキスト",
+            "emoji 🙂🚀 end",
+            "tabs\tand\nlines",
+        ] {
             let ids = tok.encode_ordinary(text).unwrap();
             let joined: Vec<u8> = ids
                 .iter()
@@ -257,10 +265,16 @@ fn json_schema_masks_agree_with_token_validation_on_random_walks() {
         "additionalProperties": false
     });
     let root = Constraint::new(&factory, &ConstraintSpec::JsonSchema(schema.clone())).unwrap();
+    // What kiln compiles by default: the schema with bounded whitespace.
+    let mut effective = schema.clone();
+    effective["x-guidance"] = json!({ "whitespace_pattern": JSON_WHITESPACE });
+    let bytes = tok.token_bytes().unwrap();
     let mut rng = Lcg(11);
+    let mut longest_space = 0;
     for walk in 0..6 {
         let mut c = root.fork();
-        let mut reference = reference_matcher(&tok, eos, &schema);
+        let mut reference = reference_matcher(&tok, eos, &effective);
+        let mut text = Vec::new();
         for step in 0..30 {
             let allowed = allowed_ids(&mut c, vocab);
             for id in 0..vocab as u32 {
@@ -282,11 +296,23 @@ fn json_schema_masks_agree_with_token_validation_on_random_walks() {
             let pick = allowed[rng.below(allowed.len())];
             let done = c.commit(pick).unwrap();
             reference.consume_token(pick).unwrap();
+            text.extend_from_slice(&bytes[pick as usize].bytes);
             if done {
                 break;
             }
         }
+        let runs = text.split(|b| !b" \t\n\r".contains(b));
+        longest_space = longest_space.max(runs.map(<[u8]>::len).max().unwrap_or(0));
     }
+    // Whitespace runs are bounded (strings here hold at most 6 characters).
+    assert!(
+        longest_space <= 22,
+        "{longest_space} whitespace bytes in a row"
+    );
+    assert!(
+        longest_space >= 2,
+        "the walks never used the whitespace they may"
+    );
 }
 
 /// A byte-level tokenizer with only the tokens given (ids in order) and an end token.
@@ -378,7 +404,10 @@ fn finish_reasons_follow_the_constraint() {
             other => panic!("{other:?}"),
         }
     }
-    assert!(stopped > 0, "the end token is allowed once the text matches");
+    assert!(
+        stopped > 0,
+        "the end token is allowed once the text matches"
+    );
     // No token spells "c": after "ab" nothing continues "abc".
     let r = run("abc", 3);
     for row in &r.rows {
@@ -453,7 +482,10 @@ fn forced_tool_tokens_advance_the_constraint() {
     let r = run("/[0-9]+/");
     for row in &r.rows {
         assert_eq!(row.finish_reason, FinishReason::ConstraintEnd, "{row:?}");
-        assert_eq!(row.text, "x=<|python_start|>12*3<|python_end|><|output_start|>36<|output_end|>!");
+        assert_eq!(
+            row.text,
+            "x=<|python_start|>12*3<|python_end|><|output_start|>36<|output_end|>!"
+        );
         let at = row.generated.iter().position(|&t| t == ps).unwrap();
         let call: Vec<u32> = [vec![ps], expr.clone(), vec![pe], forced.clone()].concat();
         assert_eq!(row.generated[at..at + call.len()], call[..]);
@@ -568,8 +600,10 @@ fn chat(e: &Engine, text: &str) -> Vec<u32> {
         .unwrap()
 }
 
-fn person_schema() -> Value {
-    json!({
+/// `compact`: no whitespace between tokens at all (llguidance's `x-guidance` option), which
+/// sampled rows of a small model need less budget for.
+fn person_schema(compact: bool) -> Value {
+    let mut s = json!({
         "type": "object",
         "properties": {
             "name": {"type": "string", "minLength": 1, "maxLength": 16},
@@ -582,17 +616,20 @@ fn person_schema() -> Value {
                                 {"type": "null"}]}
         },
         "required": ["name", "age", "role", "languages"],
-        "additionalProperties": false,
-        "x-guidance": {"whitespace_flexible": false}
-    })
+        "additionalProperties": false
+    });
+    if compact {
+        s["x-guidance"] = json!({"whitespace_flexible": false});
+    }
+    s
 }
 
-/// The demo model's greedy output under a JSON schema parses and validates, and the row ends
-/// with `ConstraintEnd` (nothing may follow a complete JSON value).
+/// The demo model's greedy output under a JSON schema (default whitespace) parses and
+/// validates, and the row ends with `ConstraintEnd` (nothing may follow a complete JSON value).
 #[test]
 fn demo_json_schema_output_validates() {
     let Some(e) = demo() else { return };
-    let schema = person_schema();
+    let schema = person_schema(false);
     let prompt = chat(&e, "Describe a fictional person as JSON.");
     let r = e
         .generate_batch(
@@ -606,7 +643,12 @@ fn demo_json_schema_output_validates() {
         .unwrap();
     let row = &r.rows[0];
     println!("{}", row.text);
-    assert_eq!(row.finish_reason, FinishReason::ConstraintEnd, "{}", row.text);
+    assert_eq!(
+        row.finish_reason,
+        FinishReason::ConstraintEnd,
+        "{}",
+        row.text
+    );
     let v: Value = serde_json::from_str(&row.text).unwrap();
     validate(&v, &schema, "$").unwrap();
 }
@@ -615,7 +657,7 @@ fn demo_json_schema_output_validates() {
 #[test]
 fn demo_sampled_json_outputs_validate_across_seeds() {
     let Some(e) = demo() else { return };
-    let schema = person_schema();
+    let schema = person_schema(true);
     let prompt = chat(&e, "Describe a fictional person as JSON.");
     let mut texts = Vec::new();
     for seed in [1, 2] {
@@ -631,7 +673,12 @@ fn demo_sampled_json_outputs_validate_across_seeds() {
             .unwrap();
         for row in &r.rows {
             println!("{}", row.text);
-            assert_eq!(row.finish_reason, FinishReason::ConstraintEnd, "{}", row.text);
+            assert_eq!(
+                row.finish_reason,
+                FinishReason::ConstraintEnd,
+                "{}",
+                row.text
+            );
             let v: Value = serde_json::from_str(&row.text).unwrap();
             validate(&v, &schema, "$").unwrap();
             texts.push(row.text.clone());
@@ -659,7 +706,12 @@ fn demo_regex_and_grammar_outputs_match() {
         .unwrap();
     let row = &r.rows[0];
     println!("{}", row.text);
-    assert_eq!(row.finish_reason, FinishReason::ConstraintEnd, "{}", row.text);
+    assert_eq!(
+        row.finish_reason,
+        FinishReason::ConstraintEnd,
+        "{}",
+        row.text
+    );
     let full = regex::Regex::new(&format!("^(?:{rx})$")).unwrap();
     assert!(full.is_match(&row.text), "{}", row.text);
 
@@ -671,7 +723,10 @@ INT: /-?[0-9]{1,4}/
 "#;
     let r = e
         .generate_batch(
-            &chat(&e, "Write a nested list of small numbers, like [1, [2, 3]]."),
+            &chat(
+                &e,
+                "Write a nested list of small numbers, like [1, [2, 3]].",
+            ),
             &GenerateOptions {
                 max_tokens: Some(48),
                 constraint: Some(ConstraintSpec::Lark(grammar.into())),
@@ -681,7 +736,12 @@ INT: /-?[0-9]{1,4}/
         .unwrap();
     let row = &r.rows[0];
     println!("{}", row.text);
-    assert_eq!(row.finish_reason, FinishReason::ConstraintEnd, "{}", row.text);
+    assert_eq!(
+        row.finish_reason,
+        FinishReason::ConstraintEnd,
+        "{}",
+        row.text
+    );
     fn ints_only(v: &Value) -> bool {
         match v {
             Value::Array(a) => !a.is_empty() && a.iter().all(ints_only),

@@ -205,14 +205,14 @@ fn load(c: &Common) -> Result<Arc<Engine>> {
     Ok(Arc::new(engine))
 }
 
-/// The constraint the flags ask for, compiled once against the model's vocabulary so that a bad
-/// schema, regex or grammar is reported before anything runs, naming its flag.
-fn constraint(c: &Common, engine: &Engine) -> Result<Option<ConstraintSpec>> {
+/// The constraint the flags ask for, with the flag that names it (files are read and parsed
+/// before the model loads).
+fn constraint_spec(c: &Common) -> Result<Option<(String, ConstraintSpec)>> {
     let read = |flag: &str, path: &PathBuf| {
         std::fs::read_to_string(path)
             .with_context(|| format!("{flag} {}: cannot read the file", path.display()))
     };
-    let (what, spec) = if let Some(path) = &c.json_schema {
+    Ok(Some(if let Some(path) = &c.json_schema {
         let flag = format!("--json-schema {}", path.display());
         let schema = serde_json::from_str(&read("--json-schema", path)?)
             .with_context(|| format!("{flag}: not a JSON document"))?;
@@ -224,11 +224,22 @@ fn constraint(c: &Common, engine: &Engine) -> Result<Option<ConstraintSpec>> {
         (flag, ConstraintSpec::Lark(read("--grammar", path)?))
     } else {
         return Ok(None);
+    }))
+}
+
+/// Compiles the constraint once against the model's vocabulary, so that a bad schema, regex or
+/// grammar is reported before anything runs, naming its flag.
+fn check_constraint(
+    spec: Option<(String, ConstraintSpec)>,
+    engine: &Engine,
+) -> Result<Option<ConstraintSpec>> {
+    let Some((flag, spec)) = spec else {
+        return Ok(None);
     };
     let factory = engine
         .constraint_factory()
-        .with_context(|| format!("{what}: the model's vocabulary"))?;
-    Constraint::new(&factory, &spec).with_context(|| what)?;
+        .with_context(|| format!("{flag}: the model's vocabulary"))?;
+    Constraint::new(&factory, &spec).with_context(|| flag)?;
     Ok(Some(spec))
 }
 
@@ -299,8 +310,9 @@ struct JsonOut<'a> {
 
 fn generate(args: GenerateArgs) -> Result<()> {
     let c = &args.common;
+    let spec = constraint_spec(c)?;
     let engine = load(c)?;
-    let spec = constraint(c, &engine)?;
+    let spec = check_constraint(spec, &engine)?;
     let tok = engine.tokenizer();
     let prompt_ids = match (&args.prompt_ids, &args.prompt) {
         (Some(ids), _) => ids.clone(),
@@ -374,7 +386,9 @@ fn generate(args: GenerateArgs) -> Result<()> {
 
 fn chat(args: ChatArgs) -> Result<()> {
     let c = &args.common;
+    let spec = constraint_spec(c)?;
     let engine = load(c)?;
+    let spec = check_constraint(spec, &engine)?;
     let tok = engine.tokenizer();
     // Models without a chat template but with nanochat's tokens keep the conversation as ids,
     // as nanochat's chat_cli does: generated tool calls stay special tokens in the history.
@@ -383,7 +397,7 @@ fn chat(args: ChatArgs) -> Result<()> {
         (None, Err(e)) => bail!("{}: no chat template ({e})", c.model.display()),
         (Some(_), _) => None,
     };
-    let opts = options(c, &engine, 1, constraint(c, &engine)?);
+    let opts = options(c, &engine, 1, spec);
     let mut session = engine.session(engine.max_context());
     let mut messages: Vec<ChatMessage> = c
         .system

@@ -33,12 +33,20 @@ use crate::tokenizer::{TokenBytes, Tokenizer, TokenizerError};
 /// The set of token ids allowed next (a bit per vocabulary id).
 pub type TokenSet = toktrie::SimpleVob;
 
+/// The whitespace allowed between two JSON tokens unless a schema says otherwise: one space, or
+/// one or two newlines and up to 20 spaces or tabs of indentation (llama.cpp's JSON grammars
+/// allow the same). llguidance's own default is any run of whitespace, which a small model can
+/// fill its whole budget with.
+pub const JSON_WHITESPACE: &str = r"\x20|\x0A{1,2}[\x20\x09]{0,20}";
+
 /// What a row's output must match.
 #[derive(Clone, Debug, PartialEq)]
 pub enum ConstraintSpec {
     /// A JSON value valid under this JSON Schema (llguidance's supported subset: objects,
     /// arrays, enums, numbers with bounds, string patterns and lengths, `anyOf`, `$ref` within
-    /// the document, ...; see its json_schema documentation).
+    /// the document, ...; see its json_schema documentation). Whitespace between tokens is
+    /// [`JSON_WHITESPACE`] unless the schema has llguidance's `x-guidance` options object (e.g.
+    /// `{"whitespace_flexible": false}` for compact JSON).
     JsonSchema(serde_json::Value),
     /// Any JSON object (`response_format: {"type": "json_object"}`).
     JsonObject,
@@ -60,11 +68,17 @@ impl ConstraintSpec {
     }
 
     fn grammar(&self) -> TopLevelGrammar {
-        match self {
-            ConstraintSpec::JsonSchema(schema) => TopLevelGrammar::from_json_schema(schema.clone()),
-            ConstraintSpec::JsonObject => {
-                TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"}))
+        let json = |schema: &serde_json::Value| {
+            let mut schema = schema.clone();
+            if let Some(obj) = schema.as_object_mut() {
+                obj.entry("x-guidance")
+                    .or_insert(serde_json::json!({ "whitespace_pattern": JSON_WHITESPACE }));
             }
+            TopLevelGrammar::from_json_schema(schema)
+        };
+        match self {
+            ConstraintSpec::JsonSchema(schema) => json(schema),
+            ConstraintSpec::JsonObject => json(&serde_json::json!({"type": "object"})),
             ConstraintSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),
             ConstraintSpec::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
         }
@@ -132,8 +146,8 @@ impl ConstraintFactory {
         // the grammar fixes; the mask admits every token consistent with it and the model
         // picks.
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
-        let mut parsers = ParserFactory::new_simple(&env)
-            .map_err(|e| ConstraintError::Trie(format!("{e:#}")))?;
+        let mut parsers =
+            ParserFactory::new_simple(&env).map_err(|e| ConstraintError::Trie(format!("{e:#}")))?;
         parsers.quiet();
         Ok(ConstraintFactory {
             parsers,
@@ -174,13 +188,12 @@ impl Constraint {
         factory: &ConstraintFactory,
         spec: &ConstraintSpec,
     ) -> Result<Constraint, ConstraintError> {
-        let parser = factory
-            .parsers
-            .create_parser(spec.grammar())
-            .map_err(|e| ConstraintError::Grammar {
+        let parser = factory.parsers.create_parser(spec.grammar()).map_err(|e| {
+            ConstraintError::Grammar {
                 kind: spec.kind(),
                 reason: format!("{e:#}"),
-            })?;
+            }
+        })?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
             return Err(ConstraintError::Grammar {

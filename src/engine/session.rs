@@ -153,8 +153,15 @@ impl Session {
             self.dev.copy_slot(&self.engine.backend, 0, row, len)?;
             self.tokens[row] = self.tokens[0].clone();
         }
-        let elapsed = t0.elapsed();
-        Ok(Stream::new(self, prompt.len(), ran, elapsed, opts, constraint))
+        let prefill = t0.elapsed();
+        Ok(Stream::new(
+            self,
+            prompt.len(),
+            ran,
+            prefill,
+            opts,
+            constraint,
+        ))
     }
 
     /// Generates to completion, calling `on_step` after each step (return `false` to stop).

@@ -302,15 +302,12 @@ impl<'a> Stream<'a> {
             self.next = Next::Tokens(tokens);
         } else {
             // Rows that sample next get their masks computed while the forward runs.
-            let masks = self.rows.iter_mut().filter(|r| !r.finished && r.tool.forced.is_empty());
-            prepare_during(masks.filter_map(|r| r.constraint.as_mut()).collect(), || {
-                backend.forward(
-                    PlanKind::Decode,
-                    &mut self.s.dev,
-                    feed,
-                    feed_rows,
-                    &mut self.logits,
-                )
+            let rows = self.rows.iter_mut();
+            let masks = rows.filter(|r| !r.finished && r.tool.forced.is_empty());
+            let masks = masks.filter_map(|r| r.constraint.as_mut()).collect();
+            let (dev, logits) = (&mut self.s.dev, &mut self.logits);
+            prepare_during(masks, || {
+                backend.forward(PlanKind::Decode, dev, feed, feed_rows, logits)
             })?;
             self.next = Next::Logits;
         }
