@@ -164,3 +164,83 @@ fn samples_json_reports_every_row() {
         .collect();
     assert!(distinct.len() > 1, "three samples were identical");
 }
+
+/// `--regex`, `--json-schema` and `--grammar` hold every sampled row to their constraint (the
+/// rows that complete end with `constraint_end`), and bad input is refused naming the flag and
+/// the file.
+#[test]
+fn constraint_flags_hold_output_and_name_bad_input() {
+    let model = fixtures().join("llama_tied");
+    let m = model.to_str().unwrap();
+    let run = |flags: &[&str]| {
+        let mut args = vec!["-m", m, "-p", "The 3 cats", "-n", "60", "--temp", "1"];
+        args.extend_from_slice(&["--samples", "3", "--json"]);
+        args.extend_from_slice(flags);
+        let out = kiln(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["rows"].as_array().unwrap().clone()
+    };
+    let rx = regex::Regex::new(r"^[0-9]{3}-[a-z]{2,4}$").unwrap();
+    for row in run(&["--regex", "[0-9]{3}-[a-z]{2,4}"]) {
+        assert_eq!(row["finish_reason"], "constraint_end", "{row}");
+        assert!(rx.is_match(row["text"].as_str().unwrap()), "{row}");
+    }
+    let dir = std::env::temp_dir().join(format!("kiln-cli-constraints-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Compact and short: a random-weight model completes it well within the budget.
+    let schema = dir.join("small.schema.json");
+    let small = r#"{"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+        "maximum": 99}, "ok": {"type": "boolean"}}, "required": ["n", "ok"],
+        "additionalProperties": false, "x-guidance": {"whitespace_flexible": false}}"#;
+    std::fs::write(&schema, small).unwrap();
+    for row in run(&["--json-schema", schema.to_str().unwrap()]) {
+        assert_eq!(row["finish_reason"], "constraint_end", "{row}");
+        let v: Value = serde_json::from_str(row["text"].as_str().unwrap()).unwrap();
+        assert!(v["n"].as_u64().is_some_and(|n| n <= 99), "{row}");
+        assert!(
+            v["ok"].is_boolean() && v.as_object().unwrap().len() == 2,
+            "{row}"
+        );
+    }
+    // The grammar allows long lists; rows that complete parse.
+    let grammar = fixtures().join("constraints/int_lists.lark");
+    for row in run(&["--grammar", grammar.to_str().unwrap()]) {
+        let text = row["text"].as_str().unwrap();
+        assert!(text.starts_with('['), "{row}");
+        if row["finish_reason"] == "constraint_end" {
+            let v: Value = serde_json::from_str(text).unwrap();
+            assert!(v.is_array(), "{row}");
+        }
+    }
+
+    let bad_schema = dir.join("bad.schema.json");
+    std::fs::write(&bad_schema, r#"{"type": "objekt"}"#).unwrap();
+    let not_json = dir.join("not.json");
+    std::fs::write(&not_json, "type: object").unwrap();
+    let bad_grammar = dir.join("bad.lark");
+    std::fs::write(&bad_grammar, "start: undefined_rule\n").unwrap();
+    let missing = dir.join("missing.lark");
+    let cases: [(&str, &std::path::Path, &str); 4] = [
+        ("--json-schema", &bad_schema, "objekt"),
+        ("--json-schema", &not_json, "not a JSON document"),
+        ("--grammar", &bad_grammar, "undefined_rule"),
+        ("--grammar", &missing, "cannot read"),
+    ];
+    for (flag, path, why) in cases {
+        let out = kiln(&["-m", m, "-p", "x", flag, path.to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(1));
+        let err = String::from_utf8_lossy(&out.stderr);
+        let named = format!("{flag} {}", path.display());
+        assert!(err.contains(&named) && err.contains(why), "{err}");
+    }
+    let out = kiln(&["-m", m, "-p", "x", "--regex", "[0-9"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--regex \"[0-9\": regex"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

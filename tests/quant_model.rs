@@ -108,7 +108,7 @@ fn logits(model: &Model, weights: WeightFormat) -> (Vec<Vec<f32>>, usize) {
     .unwrap();
     let ids = [3u32, 200, 17, 99, 255, 0, 42];
     let mut ws = Workspace::new();
-    let mut kv = backend.new_cache(1, 16);
+    let mut kv = backend.new_cache(1, 16).expect("cache");
     let mut logits = Vec::new();
     let rows: Vec<TokenRow> = (0..ids.len())
         .map(|pos| TokenRow { slot: 0, pos })

@@ -20,10 +20,11 @@ use kiln::cli::context::{self, CacheRequest};
 use kiln::cli::input::{read_chat_line, read_prompt, ChatLine, MAX_TEXT_BYTES};
 use kiln::cli::memory;
 use kiln::cli::output::{die_on_closed_pipe, Stdout};
-use kiln::kv::KvDtype;
 use kiln::engine::{
-    DecodePath, Engine, EngineOptions, FinishReason, GenerateOptions, Session, Timings, Usage,
+    Constraint, ConstraintSpec, DecodePath, Engine, EngineOptions, FinishReason, GenerateOptions,
+    Session, Timings, Usage,
 };
+use kiln::kv::KvDtype;
 use kiln::note;
 use kiln::sample::SamplingParams;
 use kiln::tokenizer::nanochat::NanochatTokens;
@@ -120,6 +121,15 @@ struct Common {
     /// How decode steps run on CUDA (ignored on the CPU).
     #[arg(long, value_enum, default_value_t = Decode::Auto)]
     decode: Decode,
+    /// Constrain the output to JSON valid under this JSON Schema (a file).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["regex", "grammar"])]
+    json_schema: Option<PathBuf>,
+    /// Constrain the output to match this regular expression (whole output, Rust syntax).
+    #[arg(long, value_name = "RE", conflicts_with = "grammar")]
+    regex: Option<String>,
+    /// Constrain the output to this grammar (a file in llguidance's Lark syntax).
+    #[arg(long, value_name = "FILE")]
+    grammar: Option<PathBuf>,
 }
 
 #[derive(Parser, Debug)]
@@ -294,7 +304,50 @@ fn load(c: &Common) -> Result<Arc<Engine>> {
     Ok(Arc::new(engine))
 }
 
-fn options(c: &Common, engine: &Engine, samples: usize) -> GenerateOptions {
+/// The constraint the flags ask for, with the flag that names it (files are read and parsed
+/// before the model loads).
+fn constraint_spec(c: &Common) -> Result<Option<(String, ConstraintSpec)>> {
+    let read = |flag: &str, path: &PathBuf| {
+        std::fs::read_to_string(path)
+            .with_context(|| format!("{flag} {}: cannot read the file", path.display()))
+    };
+    Ok(Some(if let Some(path) = &c.json_schema {
+        let flag = format!("--json-schema {}", path.display());
+        let schema = serde_json::from_str(&read("--json-schema", path)?)
+            .with_context(|| format!("{flag}: not a JSON document"))?;
+        (flag, ConstraintSpec::JsonSchema(schema))
+    } else if let Some(rx) = &c.regex {
+        (format!("--regex {rx:?}"), ConstraintSpec::Regex(rx.clone()))
+    } else if let Some(path) = &c.grammar {
+        let flag = format!("--grammar {}", path.display());
+        (flag, ConstraintSpec::Lark(read("--grammar", path)?))
+    } else {
+        return Ok(None);
+    }))
+}
+
+/// Compiles the constraint once against the model's vocabulary, so that a bad schema, regex or
+/// grammar is reported before anything runs, naming its flag.
+fn check_constraint(
+    spec: Option<(String, ConstraintSpec)>,
+    engine: &Engine,
+) -> Result<Option<ConstraintSpec>> {
+    let Some((flag, spec)) = spec else {
+        return Ok(None);
+    };
+    let factory = engine
+        .constraint_factory()
+        .with_context(|| format!("{flag}: the model's vocabulary"))?;
+    Constraint::new(&factory, &spec).with_context(|| flag)?;
+    Ok(Some(spec))
+}
+
+fn options(
+    c: &Common,
+    engine: &Engine,
+    samples: usize,
+    constraint: Option<ConstraintSpec>,
+) -> GenerateOptions {
     GenerateOptions {
         max_tokens: Some(c.n_predict),
         sampling: SamplingParams {
@@ -314,6 +367,7 @@ fn options(c: &Common, engine: &Engine, samples: usize) -> GenerateOptions {
         stop_strings: c.stop.clone(),
         tools: !c.no_tools,
         logits_processor: None,
+        constraint,
     }
 }
 
@@ -363,7 +417,9 @@ fn generate(args: GenerateArgs) -> Result<()> {
         Some(path) => Some(read_prompt(path)?),
         None => None,
     };
+    let spec = constraint_spec(c)?;
     let engine = load(c)?;
+    let spec = check_constraint(spec, &engine)?;
     let tok = engine.tokenizer();
     let text = args.prompt.as_ref().or(file_prompt.as_ref());
     let prompt_ids = match (&args.prompt_ids, text) {
@@ -383,7 +439,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
     if prompt_ids.is_empty() {
         bail!("the prompt encodes to no tokens");
     }
-    let opts = options(c, &engine, args.samples);
+    let opts = options(c, &engine, args.samples, spec);
     let needed = prompt_ids.len().saturating_add(c.n_predict);
     let positions = context_size(c, &engine, Some(needed), args.samples)?;
     let mut session = Session::new(engine.clone(), positions, args.samples);
@@ -448,7 +504,9 @@ fn generate(args: GenerateArgs) -> Result<()> {
 fn chat(args: ChatArgs) -> Result<()> {
     let c = &args.common;
     check_common(c)?;
+    let spec = constraint_spec(c)?;
     let engine = load(c)?;
+    let spec = check_constraint(spec, &engine)?;
     let tok = engine.tokenizer();
     // Models without a chat template but with nanochat's tokens keep the conversation as ids,
     // as nanochat's chat_cli does: generated tool calls stay special tokens in the history.
@@ -457,7 +515,7 @@ fn chat(args: ChatArgs) -> Result<()> {
         (None, Err(e)) => bail!("{}: no chat template ({e})", c.model.display()),
         (Some(_), _) => None,
     };
-    let opts = options(c, &engine, 1);
+    let opts = options(c, &engine, 1, spec);
     let mut session = engine.session(context_size(c, &engine, None, 1)?);
     let mut messages: Vec<ChatMessage> = args
         .system

@@ -7,6 +7,7 @@
 
 pub mod calculator;
 mod collect;
+pub mod constraint;
 mod cpu_graph;
 mod device;
 mod graph_run;
@@ -20,11 +21,12 @@ mod stream;
 mod tools;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use serde::Serialize;
 
+pub use constraint::{Constraint, ConstraintError, ConstraintFactory, ConstraintSpec};
 pub use device::{DecodePath, Device, EngineOptions};
 pub use scheduler::{
     Event, Finished, Request, Scheduler, SchedulerStats, ServeError, ServeOptions, Sink,
@@ -66,6 +68,8 @@ pub enum EngineError {
     Request(String),
     #[error("the serving engine has stopped")]
     Stopped,
+    #[error(transparent)]
+    Constraint(#[from] ConstraintError),
     #[error("the prompt is empty")]
     EmptyPrompt,
     #[error("the prompt has {len} tokens but the context holds {capacity}")]
@@ -85,6 +89,8 @@ pub struct Engine {
     pub(crate) backend: Backend,
     /// Why [`Device::Auto`] ran on the CPU.
     fallback: Option<String>,
+    /// Built on the first constrained request.
+    constraints: OnceLock<Arc<ConstraintFactory>>,
 }
 
 impl Engine {
@@ -107,6 +113,7 @@ impl Engine {
             tokenizer: model.tokenizer,
             backend: started.backend,
             fallback: started.fallback,
+            constraints: OnceLock::new(),
         })
     }
 
@@ -193,6 +200,21 @@ impl Engine {
         ids
     }
 
+    /// The vocabulary as constrained decoding sees it (built on first use, then shared): every
+    /// token's bytes, with [`Engine::default_stop_tokens`] as the ids that end a sequence.
+    pub fn constraint_factory(&self) -> Result<Arc<ConstraintFactory>, EngineError> {
+        if let Some(f) = self.constraints.get() {
+            return Ok(Arc::clone(f));
+        }
+        let built = Arc::new(ConstraintFactory::for_tokenizer(
+            &self.tokenizer,
+            self.config().vocab_size,
+            &self.default_stop_tokens(),
+        )?);
+        // Two threads may both build it; the first one stored wins.
+        Ok(Arc::clone(self.constraints.get_or_init(|| built)))
+    }
+
     /// The most positions a cache can usefully hold.
     pub fn max_context(&self) -> usize {
         self.config().max_position_embeddings
@@ -232,6 +254,11 @@ pub enum FinishReason {
     ContextFull,
     /// The caller stopped it.
     Cancelled,
+    /// Its output is a complete match of its constraint and nothing may extend it.
+    ConstraintEnd,
+    /// Its constraint cannot continue: no token continues the output, or a forced (tool) token
+    /// does not. The output is not a complete match.
+    ConstraintBroken,
 }
 
 #[derive(Clone, Debug)]
@@ -248,8 +275,11 @@ pub struct GenerateOptions {
     /// Run the calculator on `<|python_start|>…<|python_end|>` and force its result back into
     /// the stream (only for tokenizers that have those tokens, i.e. nanochat's).
     pub tools: bool,
-    /// Adjusts a row's logits before sampling (logit bias, constraints, scripted tests).
+    /// Adjusts a row's logits before sampling (logit bias, scripted tests).
     pub logits_processor: Option<LogitsProcessor>,
+    /// What every row's output must match (JSON schema, regex, grammar); masks the logits
+    /// after `logits_processor` and the repetition penalty. Sampling then runs on the host.
+    pub constraint: Option<ConstraintSpec>,
 }
 
 /// `f(row, context, logits)`: `context` is the row's tokens so far (prompt included).
@@ -275,6 +305,7 @@ impl Default for GenerateOptions {
             stop_strings: Vec::new(),
             tools: true,
             logits_processor: None,
+            constraint: None,
         }
     }
 }

@@ -3,6 +3,7 @@
 //! draw from its logits with its own sampling parameters, keyed by its row id and position),
 //! the tool state machine, stop tokens, stop strings, `max_tokens` and the context limit.
 
+use super::constraint::Constraint;
 use super::stop::TextTracker;
 use super::tools::{ToolState, ToolTokens};
 use super::{EngineError, FinishReason, GenerateOptions, RowStep};
@@ -13,6 +14,8 @@ pub(super) struct RowState {
     pub generated: usize,
     pub text: TextTracker,
     pub tool: ToolState,
+    /// The row's grammar, advanced by every token it takes (sampled or forced).
+    pub constraint: Option<Constraint>,
     pub finished: bool,
 }
 
@@ -27,18 +30,20 @@ pub(super) struct RowRules<'a> {
 }
 
 impl RowState {
-    pub fn new(opts: &GenerateOptions) -> RowState {
+    pub fn new(opts: &GenerateOptions, constraint: Option<Constraint>) -> RowState {
         RowState {
             generated: 0,
             text: TextTracker::new(&opts.stop_strings),
             tool: ToolState::default(),
+            constraint,
             finished: false,
         }
     }
 
     /// The host's choice of the row's next token: a forced tool token if one is queued, else
-    /// a draw from `logits` (after the logits processor and repetition penalty) keyed by
-    /// `row_id` and `pos`. Returns the token and its mask (0 forced, 1 sampled).
+    /// a draw from `logits` (after the logits processor, repetition penalty and constraint
+    /// mask) keyed by `row_id` and `pos`. Returns the token and its mask (0 forced, 1
+    /// sampled), or `None` when no token continues the row's constraint.
     pub fn choose(
         &mut self,
         rules: &RowRules<'_>,
@@ -46,9 +51,9 @@ impl RowState {
         context: &[u32],
         pos: usize,
         logits: &mut [f32],
-    ) -> (u32, u8) {
+    ) -> Option<(u32, u8)> {
         if let Some(forced) = self.tool.forced.pop_front() {
-            return (forced, 0);
+            return Some((forced, 0));
         }
         if let Some(p) = &rules.opts.logits_processor {
             (p.0)(row_id, context, logits);
@@ -56,10 +61,13 @@ impl RowState {
         if let Some(p) = rules.opts.sampling.repetition_penalty {
             sample::apply_repetition_penalty(logits, context, p);
         }
-        (
+        if let Some(Err(_)) = self.constraint.as_mut().map(|c| c.apply(logits)) {
+            return None;
+        }
+        Some((
             sample::sample(logits, &rules.opts.sampling, row_id as u32, pos as u64),
             1,
-        )
+        ))
     }
 
     /// Takes `token` (chosen for position `pos`) into the row: tool state, counts, text and
@@ -75,6 +83,7 @@ impl RowState {
         if let Some(t) = rules.tools {
             self.tool.on_token(t, tok, token)?;
         }
+        let constraint_end = self.constraint.as_mut().and_then(|c| c.commit_row(token));
         self.generated += 1;
         let (mut text, finished) = if rules.stop_tokens.contains(&token) {
             (self.text.finish(tok)?, Some(FinishReason::StopToken))
@@ -82,6 +91,8 @@ impl RowState {
             let (piece, matched) = self.text.push(tok, token)?;
             let reason = if matched {
                 Some(FinishReason::StopString)
+            } else if constraint_end.is_some() {
+                constraint_end
             } else if rules.opts.max_tokens.is_some_and(|m| self.generated >= m) {
                 Some(FinishReason::MaxTokens)
             } else if pos >= rules.capacity {

@@ -17,6 +17,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use super::constraint::Constraint;
 use super::row::{RowRules, RowState};
 use super::sequence::{RequestId, Sequence};
 use super::tools::ToolTokens;
@@ -223,6 +224,10 @@ impl Scheduler {
                 .clone()
                 .unwrap_or_else(|| self.engine.default_stop_tokens()),
         );
+        let constraint = match &options.constraint {
+            Some(spec) => Some(Constraint::new(&*self.engine.constraint_factory()?, spec)?),
+            None => None,
+        };
         let n = options.num_samples;
         let opts = Arc::new(options);
         let order = self.next_order;
@@ -237,7 +242,7 @@ impl Scheduler {
                 prompt_len: prompt.len(),
                 computed: 0,
                 slot: None,
-                state: RowState::new(&opts),
+                state: RowState::new(&opts, constraint.as_ref().map(Constraint::fork)),
                 waits_for_prompt: row > 0,
                 order,
             });
@@ -457,7 +462,11 @@ impl Scheduler {
             capacity: self.kv.capacity(),
         };
         let pos = s.tokens.len();
-        let (token, mask) = s.state.choose(&rules, s.row, &s.tokens, pos, &mut logits);
+        let Some((token, mask)) = s.state.choose(&rules, s.row, &s.tokens, pos, &mut logits) else {
+            // No token continues the row's constraint: it ends without one.
+            self.finish(i, FinishReason::ConstraintBroken);
+            return Ok(());
+        };
         let step = s.state.accept(&rules, token, mask, pos)?;
         let finished = step.finished;
         if finished.is_none() {

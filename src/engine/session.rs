@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::collect::RowsCollector;
+use super::constraint::{prepare_during, Constraint};
 use super::device::Caches;
 use super::stream::Stream;
 use super::{BatchResult, Engine, EngineError, GenerateOptions, Step, Usage};
@@ -138,14 +139,30 @@ impl Session {
                 slots: self.slots(),
             });
         }
+        // A bad grammar fails before the prefill; the first mask is computed during it.
+        let mut constraint = match &opts.constraint {
+            Some(spec) => {
+                let factory = self.engine.constraint_factory()?;
+                Some(Constraint::new(&factory, spec)?)
+            }
+            None => None,
+        };
         let t0 = Instant::now();
-        let ran = self.prefill(prompt)?;
+        let ran = prepare_during(constraint.iter_mut().collect(), || self.prefill(prompt))?;
         let len = self.dev.len(0);
         for row in 1..opts.num_samples {
             self.dev.copy_slot(&self.engine.backend, 0, row, len)?;
             self.tokens[row] = self.tokens[0].clone();
         }
-        Ok(Stream::new(self, prompt.len(), ran, t0.elapsed(), opts))
+        let prefill = t0.elapsed();
+        Ok(Stream::new(
+            self,
+            prompt.len(),
+            ran,
+            prefill,
+            opts,
+            constraint,
+        ))
     }
 
     /// Generates to completion, calling `on_step` after each step (return `false` to stop).

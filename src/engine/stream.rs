@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::constraint::{prepare_during, Constraint};
 use super::graph_run::GraphRun;
 use super::row::{RowRules, RowState};
 use super::session::Session;
@@ -44,6 +45,7 @@ impl<'a> Stream<'a> {
         prefill_tokens: usize,
         prefill: Duration,
         opts: &GenerateOptions,
+        constraint: Option<Constraint>,
     ) -> Stream<'a> {
         let n = opts.num_samples;
         // Every row starts from the prefill's logits; each samples its own first token.
@@ -56,7 +58,9 @@ impl<'a> Stream<'a> {
             .clone()
             .unwrap_or_else(|| s.engine.default_stop_tokens());
         Stream {
-            rows: (0..n).map(|_| RowState::new(opts)).collect(),
+            rows: (0..n)
+                .map(|_| RowState::new(opts, constraint.as_ref().map(Constraint::fork)))
+                .collect(),
             live: (0..n).collect(),
             tools: if opts.tools {
                 ToolTokens::of(s.engine.tokenizer())
@@ -103,7 +107,8 @@ impl<'a> Stream<'a> {
         self.live.clear();
     }
 
-    /// Rows ended by [`Stream::cancel`] (they got no final step).
+    /// Rows that ended without a final step: by [`Stream::cancel`], `max_tokens` 0, or a
+    /// constraint no token continues ([`FinishReason::ConstraintBroken`]).
     pub fn cancelled_rows(&self) -> Vec<(usize, FinishReason)> {
         self.cancelled.clone()
     }
@@ -146,8 +151,8 @@ impl<'a> Stream<'a> {
         for (li, &r) in self.live.iter().enumerate() {
             let pos = self.s.dev.len(r);
             let row = &mut self.rows[r];
-            let (token, mask) = match (&sampled, row.tool.forced.is_empty()) {
-                (Some(t), true) => (t[li], 1u8),
+            let chosen = match (&sampled, row.tool.forced.is_empty()) {
+                (Some(t), true) => Some((t[li], 1u8)),
                 _ => row.choose(
                     &rules,
                     r,
@@ -155,6 +160,12 @@ impl<'a> Stream<'a> {
                     pos,
                     &mut self.logits[li * vocab..(li + 1) * vocab],
                 ),
+            };
+            let Some((token, mask)) = chosen else {
+                // No token continues the row's constraint: it ends without one.
+                row.finished = true;
+                self.cancelled.push((r, FinishReason::ConstraintBroken));
+                continue;
             };
             let step = row.accept(&rules, token, mask, pos)?;
             self.usage.completion_tokens += 1;
@@ -180,8 +191,11 @@ impl<'a> Stream<'a> {
     /// host-side logits processing), else a forward pass (sampling on the device when nothing
     /// needs the logits on the host).
     fn advance(&mut self, feed: &[u32], feed_rows: &[TokenRow]) -> Result<(), EngineError> {
-        let on_device =
-            self.opts.logits_processor.is_none() && self.opts.sampling.repetition_penalty.is_none();
+        // Constraints mask logits on the host.
+        let constrained = self.opts.constraint.is_some();
+        let on_device = self.opts.logits_processor.is_none()
+            && self.opts.sampling.repetition_penalty.is_none()
+            && !constrained;
         let forced = feed_rows
             .iter()
             .any(|t| !self.rows[t.slot].tool.forced.is_empty());
@@ -201,7 +215,9 @@ impl<'a> Stream<'a> {
             // The CPU stand-in for the graph applies logits processors (tests script tool
             // calls through it); the device cannot.
             let sampling_ok = on_device
-                || (backend.emulates_graph() && self.opts.sampling.repetition_penalty.is_none());
+                || (backend.emulates_graph()
+                    && self.opts.sampling.repetition_penalty.is_none()
+                    && !constrained);
             if sampling_ok && !forced && GraphRun::fits(backend, rows.len()) {
                 if let Some(run) = self.graph.as_mut().filter(|g| g.covers(&rows)) {
                     run.feed(&rows);
@@ -239,13 +255,14 @@ impl<'a> Stream<'a> {
             )?;
             self.next = Next::Tokens(tokens);
         } else {
-            backend.forward(
-                PlanKind::Decode,
-                &mut self.s.dev,
-                feed,
-                feed_rows,
-                &mut self.logits,
-            )?;
+            // Rows that sample next get their masks computed while the forward runs.
+            let rows = self.rows.iter_mut();
+            let masks = rows.filter(|r| !r.finished && r.tool.forced.is_empty());
+            let masks = masks.filter_map(|r| r.constraint.as_mut()).collect();
+            let (dev, logits) = (&mut self.s.dev, &mut self.logits);
+            prepare_during(masks, || {
+                backend.forward(PlanKind::Decode, dev, feed, feed_rows, logits)
+            })?;
             self.next = Next::Logits;
         }
         for (t, r) in feed.iter().zip(feed_rows) {

@@ -71,13 +71,22 @@ impl KvCache {
     /// `slots` sequences of up to `capacity` positions each, f32, default blocks; memory is
     /// taken as positions are written.
     pub fn new(spec: KvSpec, slots: usize, capacity: usize) -> Result<KvCache, KvError> {
+        KvCache::new_of(spec, KvDtype::F32, slots, capacity)
+    }
+
+    /// [`KvCache::new`] storing keys and values as `dtype`.
+    pub fn new_of(
+        spec: KvSpec,
+        dtype: KvDtype,
+        slots: usize,
+        capacity: usize,
+    ) -> Result<KvCache, KvError> {
         let blocks = capacity.div_ceil(DEFAULT_BLOCK_SIZE).saturating_mul(slots);
-        let mut c = KvCache::with_budget(
-            spec,
-            KvOptions::default(),
-            KvBudget::Blocks(blocks),
-            capacity,
-        )?;
+        let opts = KvOptions {
+            dtype,
+            ..KvOptions::default()
+        };
+        let mut c = KvCache::with_budget(spec, opts, KvBudget::Blocks(blocks), capacity)?;
         for _ in 0..slots {
             c.open_slot();
         }

@@ -42,11 +42,15 @@ fn shapes() -> Result<serde_json::Map<String, Value>, LoadError> {
     }
 }
 
-/// Names of the known shapes (`llama-3.2-1b`, `smollm2-135m`, `tiny`), sorted.
+/// Names of the known shapes (`llama-3.2-1b`, `smollm2-135m`, `tiny`), sorted. (Sorted here:
+/// a JSON object's key order is its file's when serde_json preserves order, as a dependency
+/// turns on.)
 pub fn shape_names() -> Vec<String> {
-    shapes()
+    let mut names: Vec<String> = shapes()
         .map(|m| m.keys().filter(|k| !k.starts_with('_')).cloned().collect())
-        .unwrap_or_default()
+        .unwrap_or_default();
+    names.sort();
+    names
 }
 
 /// The path a synthetic model reports (in errors, in `Model::path`): `synthetic:NAME`.

@@ -2,6 +2,7 @@
 //! runtime needs around it — the model's special tokens, its chat template, and a streaming
 //! decoder that never splits a UTF-8 character across two printed pieces.
 
+mod bytes;
 mod chat;
 pub mod gguf;
 pub mod nanochat;
@@ -10,6 +11,7 @@ mod stream;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+pub use bytes::TokenBytes;
 pub use chat::ChatMessage;
 pub use stream::StreamDecoder;
 
