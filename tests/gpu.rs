@@ -307,8 +307,11 @@ fn token_rows(slot: usize, from: usize, n: usize) -> Vec<TokenRow> {
 /// CPU greedy decode: `steps` tokens (the prefill's first) and each step's top-2 logit gap
 /// relative to the logits' RMS (how close to a tie the choice was).
 fn cpu_greedy(cpu: &CpuBackend, prompt: &[u32], steps: usize, cap: usize) -> (Vec<u32>, Vec<f32>) {
-    let (mut ws, mut kv, mut l) =
-        (Workspace::new(), cpu.new_cache(1, cap), Vec::new()).expect("cache");
+    let (mut ws, mut kv, mut l) = (
+        Workspace::new(),
+        cpu.new_cache(1, cap).expect("cache"),
+        Vec::new(),
+    );
     cpu.forward(
         PlanKind::Prefill,
         &mut ws,
