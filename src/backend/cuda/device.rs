@@ -269,17 +269,21 @@ impl CudaKvCache {
     /// Every slot's page table as the kernels read it: `[slots][max_blocks]` int32, -1 past a
     /// slot's blocks (a read there is a bug and faults rather than reading another sequence).
     pub fn device_tables(&self) -> Vec<i32> {
-        let mut out = vec![-1i32; self.slots() * self.max_blocks];
-        for s in 0..self.slots() {
-            for (d, &b) in out[s * self.max_blocks..]
-                .iter_mut()
-                .zip(self.page_table(s))
-            {
-                *d = b as i32;
-            }
-        }
-        out
+        let slots: Vec<usize> = (0..self.slots()).collect();
+        page_tables(&self.host, &slots, self.max_blocks)
     }
+}
+
+/// The page tables of `slots` (in that order) as kernels read them: `max_blocks` int32 entries
+/// each, -1 past a slot's blocks.
+pub(super) fn page_tables(host: &KvCache, slots: &[usize], max_blocks: usize) -> Vec<i32> {
+    let mut out = vec![-1i32; slots.len() * max_blocks];
+    for (row, &s) in out.chunks_exact_mut(max_blocks.max(1)).zip(slots) {
+        for (d, &b) in row.iter_mut().zip(host.page_table(s)) {
+            *d = b as i32;
+        }
+    }
+    out
 }
 
 /// Which array of the pool a block copy moves.
@@ -1267,6 +1271,50 @@ mod tests {
             1000 + 12 * MAX_GRID_Y as u64
         );
         assert_eq!(row_at(0, 10, 4, 3), 0);
+    }
+
+    /// Page tables come out per slot in the order asked, `max_blocks` apart, -1 past the
+    /// slot's blocks, shared blocks in both slots.
+    #[test]
+    fn page_tables_list_each_slots_blocks() {
+        let spec = KvSpec {
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 2,
+            state_dim: 0,
+        };
+        let opts = KvOptions {
+            block_size: 2,
+            dtype: KvDtype::Bf16,
+        };
+        let mut c = KvCache::tables_only(spec, opts, KvBudget::Blocks(12), 8).unwrap();
+        for _ in 0..3 {
+            c.open_slot();
+        }
+        c.prepare(1, 5).unwrap();
+        c.advance(1, 5);
+        c.copy_slot(1, 2, 3);
+        let t1 = c.page_table(1).to_vec();
+        assert_eq!(t1.len(), 3);
+        let got = page_tables(&c, &[2, 0, 1], 4);
+        let t = |b: u32| b as i32;
+        assert_eq!(
+            got,
+            vec![
+                t(t1[0]),
+                t(t1[1]),
+                -1,
+                -1,
+                -1,
+                -1,
+                -1,
+                -1,
+                t(t1[0]),
+                t(t1[1]),
+                t(t1[2]),
+                -1
+            ]
+        );
     }
 
     /// Applies `block_copies` to host arrays in the pool's layout and checks each destination

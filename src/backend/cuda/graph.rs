@@ -33,7 +33,7 @@ use cudarc::driver::{
 };
 use kiln_codegen::{Weight, WeightDtype};
 
-use super::device::{drv, CudaBackend, CudaError, CudaKvCache, DevMatrix};
+use super::device::{drv, page_tables, CudaBackend, CudaError, CudaKvCache, DevMatrix};
 use super::graph_host::{
     batch_arrays, bucket_for, check_rows, control_words, grid_blocks, host_stop_mask, padding_rows,
     row_mask, sampling_control, wait_epoch, GraphError, GraphRow, RingBook, StreamState, WaitError,
@@ -603,7 +603,8 @@ impl GraphDecoder {
         for (&s, &p) in slot.iter().zip(&pos) {
             kv.make_writable(&self.backend_stream, s as usize, p as usize, capacity)?;
         }
-        let tables = batch_tables(kv, &slot, self.max_blocks);
+        let slots: Vec<usize> = slot.iter().map(|&s| s as usize).collect();
+        let tables = page_tables(kv.tables(), &slots, self.max_blocks);
         self.stream.join(&self.backend_stream).map_err(drv)?;
         self.stream.memcpy_htod(&pos, &mut self.pos).map_err(drv)?;
         self.stream
@@ -697,21 +698,6 @@ impl Drop for GraphDecoder {
         self.graph.take();
         self.ring.take();
     }
-}
-
-/// The batch rows' page tables as the kernel reads them: row b's slot's blocks at
-/// `[b * max_blocks ..]`, -1 past them.
-fn batch_tables(kv: &CudaKvCache, slots: &[i32], max_blocks: usize) -> Vec<i32> {
-    let mut out = vec![-1i32; slots.len() * max_blocks];
-    for (b, &s) in slots.iter().enumerate() {
-        for (d, &blk) in out[b * max_blocks..(b + 1) * max_blocks]
-            .iter_mut()
-            .zip(kv.page_table(s as usize))
-        {
-            *d = blk as i32;
-        }
-    }
-    out
 }
 
 /// `cuStreamQuery` as a [`StreamState`].
