@@ -4,32 +4,51 @@
 // One warp attends one query (held in shared memory) over keys [lo, hi) of one KV head, 32 keys
 // per tile: lane j scores key j of the tile, the warp rescales its running (max, sum, acc) the
 // flash-attention way, then accumulates the tile's values with lane d owning dims d, d+32, ...
-// head_dim <= ATT_MAX_D. Softmax statistics and accumulation are f32; K/V are bf16.
+// head_dim <= ATT_MAX_D. Softmax statistics and accumulation are f32; K/V are bf16 in the paged
+// layout of kv.cuh (included before this file): key j of the sequence is row j % block_size of
+// block table[j / block_size].
 #pragma once
 
 #define ATT_MAX_D 256
 #define ATT_PER_LANE (ATT_MAX_D / 32)
 
-// The cache row of (slot, kv head, position) in a layer's K or V block.
-__device__ __forceinline__ size_t kv_row(int slot, int g, int pos, int kv_heads,
-                                                int capacity, int head_dim) {
-    return (((size_t)slot * kv_heads + g) * capacity + pos) * head_dim;
+// One KV head of one layer of one sequence, as attention reads it: `k` / `v` point at the head's
+// run in block 0 (kv_head_block(.., layer, 0, head)), a block's run is `block_stride` elements
+// further per block number, and `table` is the sequence's page table.
+struct AttKv {
+    const unsigned short* k;
+    const unsigned short* v;
+    const int* table;
+    size_t block_stride;
+    int block_size;
+};
+
+__device__ __forceinline__ AttKv att_kv(const unsigned short* kc, const unsigned short* vc,
+                                        const int* table, int layers, int kv_heads,
+                                        int block_size, int head_dim, int layer, int head) {
+    const size_t at = kv_head_block(layers, kv_heads, block_size, head_dim, layer, 0, head);
+    return AttKv{kc + at, vc + at, table, kv_block_stride(layers, kv_heads, block_size, head_dim),
+                 block_size};
+}
+
+// Element offset of key j's row from the head's block-0 run.
+__device__ __forceinline__ size_t att_row(const AttKv& kv, int j, int head_dim) {
+    return (size_t)kv.table[j / kv.block_size] * kv.block_stride +
+           (size_t)(j % kv.block_size) * head_dim;
 }
 
 // Processes tiles starting at lo + first * 32, stepping step * 32 keys, up to hi.
-__device__ __forceinline__ void attend_tiles(const float* qs, const __nv_bfloat16* kbase,
-                                                    const __nv_bfloat16* vbase, int head_dim,
-                                                    float scale, int lo, int hi, int first,
-                                                    int step, float& m, float& l,
-                                                    float acc[ATT_PER_LANE]) {
+__device__ __forceinline__ void attend_tiles(const float* qs, const AttKv& kv, int head_dim,
+                                             float scale, int lo, int hi, int first, int step,
+                                             float& m, float& l, float acc[ATT_PER_LANE]) {
     const int lane = threadIdx.x & 31;
     for (int j0 = lo + first * 32; j0 < hi; j0 += step * 32) {
         const int j = j0 + lane;
         float s = KILN_NEG_INF;
         if (j < hi) {
-            const __nv_bfloat16* kr = kbase + (size_t)j * head_dim;
+            const unsigned short* kr = kv.k + att_row(kv, j, head_dim);
             float d = 0.0f;
-            for (int c = 0; c < head_dim; ++c) d = fmaf(qs[c], __bfloat162float(kr[c]), d);
+            for (int c = 0; c < head_dim; ++c) d = fmaf(qs[c], kv_bf16_to_f32(kr[c]), d);
             s = d * scale;
         }
         const float tile_max = warp_max(s);
@@ -42,11 +61,11 @@ __device__ __forceinline__ void attend_tiles(const float* qs, const __nv_bfloat1
         const int n = min(32, hi - j0);
         for (int jj = 0; jj < n; ++jj) {
             const float pj = __shfl_sync(KILN_FULL_MASK, p, jj);
-            const __nv_bfloat16* vr = vbase + (size_t)(j0 + jj) * head_dim;
+            const unsigned short* vr = kv.v + att_row(kv, j0 + jj, head_dim);
 #pragma unroll
             for (int i = 0; i < ATT_PER_LANE; ++i) {
                 const int c = lane + 32 * i;
-                if (c < head_dim) acc[i] = fmaf(pj, __bfloat162float(vr[c]), acc[i]);
+                if (c < head_dim) acc[i] = fmaf(pj, kv_bf16_to_f32(vr[c]), acc[i]);
             }
         }
         m = new_m;

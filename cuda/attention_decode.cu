@@ -1,15 +1,19 @@
 // attention_decode.cu: Op::Attention for decode (one query row per sequence) as split-K
 // flash-decoding, plus the KV-cache append every attention step starts with.
 //
-//  kv_append        writes this step's k/v rows (f32) into the bf16 cache at (slot, pos);
+//  kv_append        writes this step's k/v rows (f32) into the bf16 cache at (slot, pos),
+//                   through the slot's page table (kv.cuh);
 //  attention_decode grid (rows * heads, splits), 4 warps: the key range [lo, pos] of the row
 //                   (lo = pos - window for sliding-window layers, else 0) is cut into `splits`
 //                   contiguous parts; the block's warps take 32-key tiles of its part in turn,
 //                   merge their (max, sum, acc) in shared memory, and write one partial;
 //  attention_combine merges the splits of each (row, head) and writes the output.
 // GQA: query head h reads KV head h / (heads / kv_heads), as repeat_kv does.
+// The cache is the paged pool of kv.cuh: `kc` / `vc` are the whole K / V arrays (bf16 bits),
+// `tables` the page tables of every slot, `max_blocks` ints apart; `layer` picks the layer.
 // UNVERIFIED on a GPU.
 #include "common.cuh"
+#include "kv.cuh"
 #include "attention.cuh"
 
 #define DEC_WARPS 4
@@ -17,26 +21,31 @@
 // One thread per (row, kv head, dim). Grid: ceil(rows * kv_heads * head_dim / 256), block 256.
 extern "C" __global__ void kv_append(const float* __restrict__ k, int k_stride,
                                      const float* __restrict__ v, int v_stride,
-                                     __nv_bfloat16* __restrict__ kc, __nv_bfloat16* __restrict__ vc,
+                                     unsigned short* __restrict__ kc,
+                                     unsigned short* __restrict__ vc,
                                      const int* __restrict__ row_slot,
                                      const int* __restrict__ row_pos, int rows, int kv_heads,
-                                     int head_dim, int capacity) {
+                                     int head_dim, const int* __restrict__ tables, int max_blocks,
+                                     int layers, int layer, int block_size) {
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const int width = kv_heads * head_dim;
     if (idx >= (long long)rows * width) return;
     const int t = (int)(idx / width), e = (int)(idx % width);
     const int g = e / head_dim, d = e % head_dim;
-    const size_t at = kv_row(row_slot[t], g, row_pos[t], kv_heads, capacity, head_dim) + d;
-    kc[at] = __float2bfloat16(k[(size_t)t * k_stride + e]);
-    vc[at] = __float2bfloat16(v[(size_t)t * v_stride + e]);
+    const int* table = tables + (size_t)row_slot[t] * max_blocks;
+    const size_t at =
+        kv_pos_row(table, layers, kv_heads, block_size, head_dim, layer, g, row_pos[t]) + d;
+    kv_store_bf16(kc, at, k[(size_t)t * k_stride + e]);
+    kv_store_bf16(vc, at, v[(size_t)t * v_stride + e]);
 }
 
 // Partials: part_ml[(task * splits + z) * 2 + {0: max, 1: sum}], part_acc[(task * splits + z) * D].
 extern "C" __global__ void __launch_bounds__(32 * DEC_WARPS)
-attention_decode(const float* __restrict__ q, int q_stride, const __nv_bfloat16* __restrict__ kc,
-                 const __nv_bfloat16* __restrict__ vc, const int* __restrict__ row_slot,
+attention_decode(const float* __restrict__ q, int q_stride, const unsigned short* __restrict__ kc,
+                 const unsigned short* __restrict__ vc, const int* __restrict__ row_slot,
                  const int* __restrict__ row_pos, int heads, int kv_heads, int head_dim,
-                 int capacity, float scale, int window, float* __restrict__ part_ml,
+                 const int* __restrict__ tables, int max_blocks, int layers, int layer,
+                 int block_size, float scale, int window, float* __restrict__ part_ml,
                  float* __restrict__ part_acc) {
     __shared__ float qs[ATT_MAX_D];
     __shared__ float wm[DEC_WARPS], wl[DEC_WARPS];
@@ -59,8 +68,9 @@ attention_decode(const float* __restrict__ q, int q_stride, const __nv_bfloat16*
     float m = KILN_NEG_INF, l = 0.0f, acc[ATT_PER_LANE];
 #pragma unroll
     for (int i = 0; i < ATT_PER_LANE; ++i) acc[i] = 0.0f;
-    const size_t base = kv_row(slot, g, 0, kv_heads, capacity, head_dim);
-    if (lo < hi) attend_tiles(qs, kc + base, vc + base, head_dim, scale, lo, hi, warp, DEC_WARPS, m, l, acc);
+    const AttKv kv = att_kv(kc, vc, tables + (size_t)slot * max_blocks, layers, kv_heads,
+                            block_size, head_dim, layer, g);
+    if (lo < hi) attend_tiles(qs, kv, head_dim, scale, lo, hi, warp, DEC_WARPS, m, l, acc);
     if (lane == 0) {
         wm[warp] = m;
         wl[warp] = l;

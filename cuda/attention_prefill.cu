@@ -3,18 +3,21 @@
 // has written the step's keys). One warp per (query row, head), 4 heads of one row per block;
 // rows of one step may belong to different sequences (their own slot and position), GQA and
 // sliding windows as in decode. Written for correctness, not speed (K rows are read by one lane
-// each, no shared-memory K/V tiles). UNVERIFIED on a GPU.
+// each, no shared-memory K/V tiles). The cache is kv.cuh's paged pool, as in attention_decode.cu.
+// UNVERIFIED on a GPU.
 #include "common.cuh"
+#include "kv.cuh"
 #include "attention.cuh"
 
 #define PRE_WARPS 4
 
 // Grid: (rows, ceil(heads / 4)), block: 128.
 extern "C" __global__ void  // no __launch_bounds__: with (128) ptxas spills 4 bytes on sm_80
-attention_prefill(const float* __restrict__ q, int q_stride, const __nv_bfloat16* __restrict__ kc,
-                  const __nv_bfloat16* __restrict__ vc, const int* __restrict__ row_slot,
+attention_prefill(const float* __restrict__ q, int q_stride, const unsigned short* __restrict__ kc,
+                  const unsigned short* __restrict__ vc, const int* __restrict__ row_slot,
                   const int* __restrict__ row_pos, int heads, int kv_heads, int head_dim,
-                  int capacity, float scale, int window, float* __restrict__ out,
+                  const int* __restrict__ tables, int max_blocks, int layers, int layer,
+                  int block_size, float scale, int window, float* __restrict__ out,
                   int out_stride) {
     __shared__ float qs[PRE_WARPS][ATT_MAX_D];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -31,8 +34,9 @@ attention_prefill(const float* __restrict__ q, int q_stride, const __nv_bfloat16
     float m = KILN_NEG_INF, l = 0.0f, acc[ATT_PER_LANE];
 #pragma unroll
     for (int i = 0; i < ATT_PER_LANE; ++i) acc[i] = 0.0f;
-    const size_t base = kv_row(slot, g, 0, kv_heads, capacity, head_dim);
-    attend_tiles(qs[warp], kc + base, vc + base, head_dim, scale, lo, hi, 0, 1, m, l, acc);
+    const AttKv kv = att_kv(kc, vc, tables + (size_t)slot * max_blocks, layers, kv_heads,
+                            block_size, head_dim, layer, g);
+    attend_tiles(qs[warp], kv, head_dim, scale, lo, hi, 0, 1, m, l, acc);
     float* o = out + (size_t)t * out_stride + (size_t)h * head_dim;
     const float inv = 1.0f / l;
 #pragma unroll

@@ -9,8 +9,9 @@
 //    `base` by the slot's first column), weights are bf16 row-major `[out, in]`, accumulation f32;
 //  * a step's token rows are described by `row_slot[t]` (KV-cache slot) and `row_pos[t]`
 //    (absolute position), both int32 on the device;
-//  * the KV cache is bf16, laid out `[layer][slot][kv_head][capacity][head_dim]` like the CPU's
-//    `KvCache` (which holds f32: GPU results therefore match the CPU within bf16 tolerance).
+//  * the KV cache is the paged pool of kv.cuh (the layout of src/kv/layout.rs), bf16 on the GPU
+//    (the CPU's default is f32: GPU results therefore match the CPU within bf16 tolerance); a
+//    slot's positions are found through its page table.
 //
 // Nothing in cuda/ has been executed on a GPU yet: every file compiles with NVRTC for sm_80 and
 // sm_90 (tests/nvrtc_compile.rs), and its semantics are written to mirror src/backend/cpu/, but

@@ -7,6 +7,7 @@
 // All matrix kernels: grid (ceil(n / 256), rows), block 256; inputs and output may alias.
 // UNVERIFIED on a GPU.
 #include "common.cuh"
+#include "kv.cuh"
 
 extern "C" __global__ void add_rows(const float* a, int a_stride, const float* b, int b_stride,
                                     float* out, int out_stride, int n) {
@@ -70,19 +71,23 @@ extern "C" __global__ void gated_value_add(const float* v, int v_stride, const f
 
 // x_t = e_t + lambda * sigmoid(w . e_t[:channels]) * prev, where prev is the step's previous row
 // when it belongs to the same slot, else the state cache at (slot, pos - 1), else nothing.
-// Then every row's pre-smear e_t is stored as the state at (slot, pos).
+// Then every row's pre-smear e_t is stored as the state at (slot, pos). The state is kv.cuh's
+// `[block][block_size][state_dim]`, found through the slot's page table (`tables`, `max_blocks`
+// ints per slot).
 // Grid: (rows), block: 256. `out` must not alias `e` (rows read their neighbours).
 // The state writes of row t can only hit positions >= the step's first position of that slot,
 // and the only state read is at the first position - 1, so one launch is race-free.
 extern "C" __global__ void smear(const float* __restrict__ e, int e_stride,
                                  const float* __restrict__ w, float* __restrict__ out,
                                  int out_stride, float* __restrict__ state, int state_dim,
-                                 int capacity, const int* __restrict__ row_slot,
+                                 const int* __restrict__ tables, int max_blocks, int block_size,
+                                 const int* __restrict__ row_slot,
                                  const int* __restrict__ row_pos, int n, int channels,
                                  float lambda) {
     const int t = blockIdx.x;
     const float* er = e + (size_t)t * e_stride;
     const int slot = row_slot[t], pos = row_pos[t];
+    const int* table = tables + (size_t)slot * max_blocks;
     float z = 0.0f;
     for (int c = threadIdx.x; c < channels; c += blockDim.x) z += er[c] * w[c];
     z = block_sum(z);
@@ -91,12 +96,12 @@ extern "C" __global__ void smear(const float* __restrict__ e, int e_stride,
     if (t > 0 && row_slot[t - 1] == slot) {
         prev = e + (size_t)(t - 1) * e_stride;
     } else if (pos > 0) {
-        prev = state + ((size_t)slot * capacity + (pos - 1)) * state_dim;
+        prev = state + kv_pos_state(table, block_size, state_dim, pos - 1);
     }
     float* o = out + (size_t)t * out_stride;
     for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = prev ? er[i] + gsm * prev[i] : er[i];
     __syncthreads();
-    float* st = state + ((size_t)slot * capacity + pos) * state_dim;
+    float* st = state + kv_pos_state(table, block_size, state_dim, pos);
     for (int i = threadIdx.x; i < state_dim && i < n; i += blockDim.x) st[i] = er[i];
 }
 

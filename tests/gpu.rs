@@ -488,7 +488,7 @@ fn megakernel_greedy_matches_per_op_and_cpu_for_256_steps() {
             token: first,
             row_id: 0,
         }];
-        g.start(&kv, &rows, &greedy(), &[]).expect("start");
+        g.start(&mut kv, &rows, &greedy(), &[]).expect("start");
         let (toks, _) = graph_steps(&mut g, &mut kv, &rows, STEPS - 1, 16);
         g.stop().expect("stop");
         let mut mk = vec![first];
@@ -535,7 +535,7 @@ fn megakernel_started_late_decodes_past_the_attention_splits() {
             token: first,
             row_id: 0,
         }];
-        g.start(&kv, &rows, &greedy(), &[]).expect("start");
+        g.start(&mut kv, &rows, &greedy(), &[]).expect("start");
         let (toks, _) = graph_steps(&mut g, &mut kv, &rows, STEPS, 32);
         g.stop().expect("stop");
         assert_eq!(
@@ -577,7 +577,7 @@ fn megakernel_restarts_after_stop_and_host_path_steps() {
                 token: last,
                 row_id: 0,
             }];
-            g.start(&kv, &rows, &greedy(), &[]).expect("start");
+            g.start(&mut kv, &rows, &greedy(), &[]).expect("start");
             if phase == 1 {
                 for _ in 0..20 {
                     g.enqueue().expect("enqueue");
@@ -637,7 +637,7 @@ fn megakernel_batch_with_a_padding_row_and_stop_tokens() {
             })
             .collect();
         let mut g = unsafe { GraphDecoder::new(&gpu, &kv, 4) }.expect("graph");
-        g.start(&kv, &rows, &greedy(), &stops).expect("start");
+        g.start(&mut kv, &rows, &greedy(), &stops).expect("start");
         let (toks, masks) = graph_steps(&mut g, &mut kv, &rows, STEPS, 12);
         g.stop().expect("stop");
         for (b, t) in toks.iter().enumerate() {
@@ -686,7 +686,7 @@ fn seeded_sampling_is_reproducible_on_the_graph_and_matches_the_per_op_sampler()
         let mut runs = Vec::new();
         for _ in 0..2 {
             kv.truncate(0, p);
-            g.start(&kv, &rows, &params, &[]).expect("start");
+            g.start(&mut kv, &rows, &params, &[]).expect("start");
             runs.push(graph_steps(&mut g, &mut kv, &rows, STEPS, 8).0.remove(0));
             g.stop().expect("stop");
         }

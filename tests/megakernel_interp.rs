@@ -8,7 +8,8 @@
 //!   the counter waits allow, with every unwritten value poisoned, the position advancing and
 //!   the greedy token fed back, as the kernel does. Every step's logits are within the bf16
 //!   tolerance of `tests/gpu.rs` of the CPU decode's, and the greedy tokens are identical. Rows
-//!   sit in permuted cache slots at different positions; nanochat D/G/H cross a sliding window.
+//!   sit in permuted cache slots at different positions, the interpreter's blocks are a scramble
+//!   of the CPU's (page tables in no order); nanochat D/G/H cross a sliding window.
 //! * mutation: dropping any wait of the schedule that the others do not imply is detected
 //!   (a poisoned read, or logits, tokens, caches or token ring different from the unmutated
 //!   run) by an order that runs the waiting tile before the producer, on fixtures that use every
@@ -106,19 +107,45 @@ fn min_window(p: &DecodeProgram) -> Option<usize> {
         .min()
 }
 
-/// Copies positions `0..len` of `slot` (every layer, and the state) into the interpreter.
-fn copy_cache(m: &mut Machine, p: &DecodeProgram, kv: &KvCache, slot: usize, len: usize) {
-    let n = p.kv_heads * p.head_dim;
-    let (mut k, mut v) = (vec![0f32; n], vec![0f32; n]);
-    for layer in 0..p.layers {
-        for pos in 0..len {
-            kv.read(layer, slot, pos, &mut k, &mut v);
-            m.write_kv(layer, slot, pos, &k, &v);
-        }
+/// The interpreter's block for block `cpu` of the CPU's cache: a fixed scramble of the
+/// machine's `2 · SLOTS · max_blocks` blocks, the first half standing for the CPU's blocks, the
+/// second for the blocks a row's decode writes ahead into (`ahead`: row `b`'s page-table entry
+/// `i` is `SLOTS · max_blocks + b · max_blocks + i`).
+fn scrambled(block: usize, num_blocks: usize) -> usize {
+    // A bijection of 0..num_blocks: 7919 is prime and does not divide num_blocks.
+    assert_ne!(num_blocks % 7919, 0);
+    (block * 7919 + 3) % num_blocks
+}
+
+/// Copies positions `0..len` of `slot` (every layer, and the state) into the interpreter's
+/// blocks (the CPU's blocks through [`scrambled`]) and sets batch row `b`'s page table: the
+/// slot's blocks, then write-ahead blocks up to `max_blocks`.
+fn copy_cache(m: &mut Machine, p: &DecodeProgram, kv: &KvCache, slot: usize, b: usize, len: usize) {
+    let d = p.head_dim;
+    let l = *kv.layout();
+    let (mb, nb) = (m.max_blocks, m.num_blocks);
+    let cpu_table = kv.page_table(slot).to_vec();
+    for i in 0..mb {
+        let block = match cpu_table.get(i) {
+            Some(&c) => scrambled(c as usize, nb),
+            None => scrambled(SLOTS * mb + b * mb + i, nb),
+        };
+        m.tables[b * mb + i] = block as i32;
     }
-    if p.state_dim > 0 {
-        for pos in 0..len {
-            m.write_state(slot, pos, kv.state(slot, pos));
+    for pos in 0..len {
+        let (cb, off) = l.locate(&cpu_table, pos);
+        let block = scrambled(cb, nb);
+        for layer in 0..p.layers {
+            let (mut k, mut v) = (Vec::new(), Vec::new());
+            for g in 0..p.kv_heads {
+                let (kb, vb) = kv.pool().head_block_f32(layer, cb as u32, g);
+                k.extend_from_slice(&kb[off * d..(off + 1) * d]);
+                v.extend_from_slice(&vb[off * d..(off + 1) * d]);
+            }
+            m.write_kv(layer, block, off, &k, &v);
+        }
+        if p.state_dim > 0 {
+            m.write_state(block, off, kv.state(slot, pos));
         }
     }
 }
@@ -132,7 +159,8 @@ fn rows_for(p: &DecodeProgram, batch: usize) -> Vec<(usize, usize)> {
 
 /// The CPU's cache and scratch, and the interpreter with every row prefilled: row `b` at
 /// `rows[b] = (slot, len)` gets prompt tokens `prompt(b, i)` run on the CPU, whose cache is
-/// copied into the machine with the row's slot, position and greedy first token.
+/// copied into the machine's blocks in scrambled order, with the row's page table, position and
+/// greedy first token.
 struct Started {
     ws: Workspace,
     kv: KvCache,
@@ -153,15 +181,17 @@ fn start(
     let mut logits = Vec::new();
     let weights = weight_data(p, &s.model.weights).unwrap();
     let inv_freq = rope_inv_freq(&s.cpu.plan(PlanKind::Decode).graph.rope);
-    let mut m = Machine::new(p, sched, weights, SLOTS, capacity, inv_freq).unwrap();
+    let block_size = kv.layout().block_size;
+    let max_blocks = capacity.div_ceil(block_size);
+    let geometry = (2 * SLOTS * max_blocks, block_size, max_blocks);
+    let mut m = Machine::new(p, sched, weights, geometry, inv_freq).unwrap();
     for (b, &(slot, len)) in rows.iter().enumerate() {
         let ids: Vec<u32> = (0..len).map(|i| prompt(b, i)).collect();
         let tr: Vec<TokenRow> = (0..len).map(|pos| TokenRow { slot, pos }).collect();
         s.cpu
             .forward(PlanKind::Prefill, &mut ws, &mut kv, &ids, &tr, &mut logits)
             .unwrap();
-        copy_cache(&mut m, p, &kv, slot, len);
-        m.slots[b] = slot as i32;
+        copy_cache(&mut m, p, &kv, slot, b, len);
         m.pos[b] = len as i32;
         m.tokens[b] = argmax(&logits) as i32;
     }

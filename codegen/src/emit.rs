@@ -18,8 +18,11 @@
 //!
 //! Weights come from two tables indexed alike: `wt` (bf16 matrices and embedding tables) and
 //! `wt_f32` (norm weights, biases and gates, f32 as the CPU keeps them), each null where the
-//! other holds the weight ([`crate::WeightDtype`]). nanochat's smear reads and writes the cache's
-//! per-position state `kv_state` (`[slot][capacity][state_dim]` f32).
+//! other holds the weight ([`crate::WeightDtype`]). The KV cache is kiln's one paged layout
+//! (`cuda/kv.cuh`, mirroring `src/kv/layout.rs`): bf16 `k_cache` / `v_cache`
+//! `[block][layer][kv_head][block_size][head_dim]`, f32 `kv_state` `[block][block_size][state_dim]`
+//! (nanochat's smear reads and writes it), and one page table per batch row in `page_tables`
+//! (`max_blocks` int32 entries per row), which the host fills when it starts the rows.
 //!
 //! The tables are built once by [`tables`], which both this emitter and the CPU interpreter
 //! ([`crate::interp`]) read: the interpreter's `run_tile` mirrors the kernel's `switch` below,
@@ -35,6 +38,7 @@ use crate::schedule::Schedule;
 
 /// Device code the generated kernel needs, pasted in this order before it.
 pub const COMMON_CUH: &str = include_str!("../../cuda/common.cuh");
+pub const KV_CUH: &str = include_str!("../../cuda/kv.cuh");
 pub const ATTENTION_CUH: &str = include_str!("../../cuda/attention.cuh");
 pub const SAMPLE_CUH: &str = include_str!("../../cuda/sample.cuh");
 pub const TILES_CUH: &str = include_str!("../../cuda/megakernel/tiles.cuh");
@@ -534,6 +538,7 @@ pub fn emit_kernel(p: &DecodeProgram, s: &Schedule) -> String {
     let _ = writeln!(o, "#define MK_BATCH {}", p.batch);
     let _ = writeln!(o, "#define MK_TILES {}", s.tiles.len());
     let _ = writeln!(o, "#define MK_INSTRS {n_instr}");
+    let _ = writeln!(o, "#define MK_LAYERS {}", p.layers.max(1));
     let _ = writeln!(o, "#define MK_KV_HEADS {}", p.kv_heads.max(1));
     let _ = writeln!(o, "#define MK_HEAD_DIM {}", p.head_dim.max(1));
     let _ = writeln!(o, "#define MK_ROPE_STYLE {}", p.rope_style.code());
@@ -598,16 +603,16 @@ pub fn emit_kernel(p: &DecodeProgram, s: &Schedule) -> String {
 extern \"C\" __global__ void __launch_bounds__(MK_THREADS)\n\
 kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
                  const float* const* __restrict__ wt_f32, float* act,\n\
-                 __nv_bfloat16* k_cache, __nv_bfloat16* v_cache, float* kv_state, int state_dim,\n\
-                 int num_slots, int capacity,\n\
-                 int* pos, int* tokens, const int* slots, const float* __restrict__ inv_freq,\n\
+                 unsigned short* k_cache, unsigned short* v_cache, float* kv_state, int state_dim,\n\
+                 const int* page_tables, int max_blocks, int block_size,\n\
+                 int* pos, int* tokens, const float* __restrict__ inv_freq,\n\
                  unsigned* counters, unsigned* epoch_ctr,\n\
                  const MkControl* __restrict__ ctl, unsigned* ring) {\n\
     __shared__ unsigned epoch_sh;\n\
     if (threadIdx.x == 0) epoch_sh = mk_ld_acquire(epoch_ctr) + 1u;\n\
     __syncthreads();\n\
     // Only `t` lives across the tile calls: the epoch stays in shared memory, the instruction is\n\
-    // reloaded for the signal, the cache layer size is recomputed (fewer callee-saved registers).\n\
+    // reloaded for the signal (fewer callee-saved registers).\n\
     for (int t = blockIdx.x; t < MK_TILES; t += gridDim.x) {\n\
         mk_wait(counters, mk_waits + 2 * mk_wait_start[t], mk_wait_start[t + 1] - mk_wait_start[t], epoch_sh);\n\
         const int op = mk_tiles[4 * t], seg = mk_tiles[4 * t + 1];\n\
@@ -632,8 +637,8 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
             break;\n\
         case MK_K_GATED_ADD:\n\
             mk_gated_add(A(g[1]), g[2], A(g[3]), g[4], g[5], WF(g[6]), A(g[7]), g[8], A(g[9]), g[10],\n\
-                         g[11], lo, fa[0], g[12], kv_state, state_dim, capacity, slots, pos,\n\
-                         MK_BATCH);\n\
+                         g[11], lo, fa[0], g[12], kv_state, state_dim, block_size, page_tables,\n\
+                         max_blocks, pos, MK_BATCH);\n\
             break;\n\
         case MK_K_ROPE:\n\
             mk_rope(A(g[1]) + lo * g[5], g[2], A(g[3]) + lo * g[5], g[4], g[5], pos, inv_freq,\n\
@@ -643,20 +648,16 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
             mk_head_norm(A(g[1]) + lo * g[5], g[2], A(g[3]) + lo * g[5], g[4], g[5], fa[0], fa[1],\n\
                          MK_BATCH);\n\
             break;\n\
-        case MK_K_KV_APPEND: {\n\
-            const size_t layer_elems = (size_t)num_slots * MK_KV_HEADS * capacity * MK_HEAD_DIM;\n\
-            mk_kv_append(A(g[1]) + lo * g[7], A(g[2]) + lo * g[7], g[3], g[4],\n\
-                         k_cache + g[5] * layer_elems, v_cache + g[5] * layer_elems, lo, g[6], g[7],\n\
-                         capacity, slots, pos, inv_freq, MK_ROPE_STYLE, g[8], MK_BATCH);\n\
+        case MK_K_KV_APPEND:\n\
+            mk_kv_append(A(g[1]) + lo * g[7], A(g[2]) + lo * g[7], g[3], g[4], k_cache, v_cache,\n\
+                         MK_LAYERS, g[5], lo, g[6], g[7], block_size, page_tables, max_blocks, pos,\n\
+                         inv_freq, MK_ROPE_STYLE, g[8], MK_BATCH);\n\
             break;\n\
-        }\n\
-        case MK_K_ATTENTION: {\n\
-            const size_t layer_elems = (size_t)num_slots * MK_KV_HEADS * capacity * MK_HEAD_DIM;\n\
-            mk_attention(A(g[1]) + lo * g[8], g[2], A(g[3]) + lo * g[8], g[4],\n\
-                         k_cache + g[5] * layer_elems, v_cache + g[5] * layer_elems, lo / g[6], g[7],\n\
-                         g[8], capacity, fa[0], g[9], slots, pos, MK_BATCH);\n\
+        case MK_K_ATTENTION:\n\
+            mk_attention(A(g[1]) + lo * g[8], g[2], A(g[3]) + lo * g[8], g[4], k_cache, v_cache,\n\
+                         MK_LAYERS, g[5], lo / g[6], g[7], g[8], block_size, fa[0], g[9],\n\
+                         page_tables, max_blocks, pos, MK_BATCH);\n\
             break;\n\
-        }\n\
         case MK_K_SAMPLE:\n\
             mk_sample(A(g[1]), g[2], g[3], lo, ctl, pos, tokens);\n\
             break;\n\
@@ -679,11 +680,11 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
     o
 }
 
-/// The whole NVRTC-ready source: `common.cuh`, `attention.cuh`, `sample.cuh`,
+/// The whole NVRTC-ready source: `common.cuh`, `kv.cuh`, `attention.cuh`, `sample.cuh`,
 /// `megakernel/tiles.cuh`, then the generated kernel.
 pub fn emit_source(p: &DecodeProgram, s: &Schedule) -> String {
     let mut out = String::new();
-    for h in [COMMON_CUH, ATTENTION_CUH, SAMPLE_CUH, TILES_CUH] {
+    for h in [COMMON_CUH, KV_CUH, ATTENTION_CUH, SAMPLE_CUH, TILES_CUH] {
         for line in h.lines() {
             if !line.trim_start().starts_with("#pragma once") {
                 out.push_str(line);

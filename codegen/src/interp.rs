@@ -140,10 +140,12 @@ fn kind_of(code: i64) -> Option<Kind> {
     })
 }
 
-/// The device state of one decode kernel: its inputs, the activation arena, the bf16 KV cache
-/// (`[layer][slot][kv_head][capacity][head_dim]`), the per-position state
-/// (`[slot][capacity][state_dim]`), the counters and the epoch. Fields are what the kernel's
-/// parameters point to.
+/// The device state of one decode kernel: its inputs, the activation arena, the KV cache as a
+/// pool of blocks in kiln's one layout (`cuda/kv.cuh`, `src/kv/layout.rs`): bf16 K and V
+/// `[block][layer][kv_head][block_size][head_dim]`, the per-position state
+/// `[block][block_size][state_dim]`, and each batch row's page table (`tables`, `max_blocks`
+/// entries per row: position p is offset p % block_size of block table[p / block_size]), the
+/// counters and the epoch. Fields are what the kernel's parameters point to.
 pub struct Machine {
     tb: Tables,
     batch: usize,
@@ -158,11 +160,16 @@ pub struct Machine {
     pub v_cache: Vec<u16>,
     pub kv_state: Vec<f32>,
     pub state_dim: usize,
-    pub num_slots: usize,
-    pub capacity: usize,
+    /// `MK_LAYERS`.
+    layers: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    /// Page-table entries per batch row.
+    pub max_blocks: usize,
     pub pos: Vec<i32>,
     pub tokens: Vec<i32>,
-    pub slots: Vec<i32>,
+    /// `[batch][max_blocks]` block numbers (the kernel's `page_tables`); -1 = none.
+    pub tables: Vec<i32>,
     pub inv_freq: Vec<f32>,
     pub counters: Vec<u32>,
     /// `*epoch_ctr`: the last finished launch.
@@ -198,14 +205,14 @@ fn sigmoid(x: f32) -> f32 {
 
 impl Machine {
     /// A machine for `p` scheduled as `s`, with `weights` indexed like `p.weights` (each of its
-    /// dtype and `rows·cols` elements), a cache of `num_slots` slots of `capacity` positions
-    /// (poisoned), and RoPE inverse frequencies. Positions, tokens and slots start at 0.
+    /// dtype and `rows·cols` elements), a cache of `num_blocks` blocks of `block_size`
+    /// positions (poisoned), page tables of `max_blocks` entries per batch row (all -1), and
+    /// RoPE inverse frequencies. Positions and tokens start at 0.
     pub fn new(
         p: &DecodeProgram,
         s: &Schedule,
         weights: Vec<WeightData>,
-        num_slots: usize,
-        capacity: usize,
+        (num_blocks, block_size, max_blocks): (usize, usize, usize),
         inv_freq: Vec<f32>,
     ) -> Result<Machine, InterpError> {
         if weights.len() != p.weights.len() {
@@ -230,7 +237,7 @@ impl Machine {
             }
         }
         let (_, arena) = p.buffer_offsets();
-        let kv = p.layers * num_slots * p.kv_heads * capacity * p.head_dim;
+        let kv = num_blocks * p.layers * p.kv_heads * block_size * p.head_dim;
         let tb = tables(p, s);
         Ok(Machine {
             counters: vec![0; s.counters()],
@@ -244,13 +251,15 @@ impl Machine {
             act: vec![f32::NAN; arena],
             k_cache: vec![BF16_POISON; kv],
             v_cache: vec![BF16_POISON; kv],
-            kv_state: vec![f32::NAN; num_slots * capacity * p.state_dim],
+            kv_state: vec![f32::NAN; num_blocks * block_size * p.state_dim],
             state_dim: p.state_dim,
-            num_slots,
-            capacity,
+            layers: p.layers.max(1),
+            block_size: block_size.max(1),
+            num_blocks,
+            max_blocks,
             pos: vec![0; p.batch],
             tokens: vec![0; p.batch],
-            slots: vec![0; p.batch],
+            tables: vec![-1; p.batch * max_blocks],
             inv_freq,
             epoch: 0,
             ring: vec![0; RING * ring_stride(p.batch)],
@@ -264,11 +273,12 @@ impl Machine {
         &self.tb
     }
 
-    /// Writes one position's keys and values (`kv_heads·head_dim` f32 each, rounded to bf16).
-    pub fn write_kv(&mut self, layer: usize, slot: usize, pos: usize, k: &[f32], v: &[f32]) {
+    /// Writes the keys and values (`kv_heads·head_dim` f32 each, rounded to bf16) of one layer
+    /// at offset `off` of block `block`.
+    pub fn write_kv(&mut self, layer: usize, block: usize, off: usize, k: &[f32], v: &[f32]) {
         let d = self.head_dim;
         for g in 0..self.kv_heads {
-            let at = self.kv_index(layer, slot, g, pos);
+            let at = self.kv_index(layer, block, g, off);
             for c in 0..d {
                 self.k_cache[at + c] = f32_to_bf16(k[g * d + c]);
                 self.v_cache[at + c] = f32_to_bf16(v[g * d + c]);
@@ -276,15 +286,21 @@ impl Machine {
         }
     }
 
-    /// Writes one position's state (`state_dim` floats).
-    pub fn write_state(&mut self, slot: usize, pos: usize, values: &[f32]) {
-        let at = (slot * self.capacity + pos) * self.state_dim;
+    /// Writes the state (`state_dim` floats) at offset `off` of block `block`.
+    pub fn write_state(&mut self, block: usize, off: usize, values: &[f32]) {
+        let at = self.state_index(block, off);
         self.kv_state[at..at + self.state_dim].copy_from_slice(values);
     }
 
-    fn kv_index(&self, layer: usize, slot: usize, g: usize, pos: usize) -> usize {
-        let layer_elems = self.num_slots * self.kv_heads * self.capacity * self.head_dim;
-        layer * layer_elems + ((slot * self.kv_heads + g) * self.capacity + pos) * self.head_dim
+    /// `kv_row(MK_LAYERS, kv_heads, block_size, head_dim, layer, block, g, off)` (kv.cuh).
+    fn kv_index(&self, layer: usize, block: usize, g: usize, off: usize) -> usize {
+        ((block * self.layers + layer) * self.kv_heads + g) * self.block_size * self.head_dim
+            + off * self.head_dim
+    }
+
+    /// `kv_state_row(block_size, state_dim, block, off)` (kv.cuh).
+    fn state_index(&self, block: usize, off: usize) -> usize {
+        (block * self.block_size + off) * self.state_dim
     }
 
     /// Columns `[col, col + cols)` of each batch row of the buffer at arena offset `off` with
@@ -483,16 +499,43 @@ impl Machine {
         }
     }
 
-    /// Batch row `b`'s slot and position, checked against the cache.
-    fn slot_pos(&self, b: usize) -> R<(usize, usize)> {
-        let (s, p) = (self.slots[b], self.pos[b]);
-        if s < 0 || s as usize >= self.num_slots || p < 0 || p as usize >= self.capacity {
+    /// Batch row `b`'s position, checked to have a page-table entry.
+    fn row_pos(&self, b: usize) -> R<usize> {
+        let p = self.pos[b];
+        if p < 0 || p as usize / self.block_size >= self.max_blocks {
             return Err(Fault::Oob(format!(
-                "row {b}: slot {s} position {p} outside {} slots of {}",
-                self.num_slots, self.capacity
+                "row {b}: position {p} outside {} blocks of {}",
+                self.max_blocks, self.block_size
             )));
         }
-        Ok((s as usize, p as usize))
+        Ok(p as usize)
+    }
+
+    /// Block and offset of position `p` of batch row `b` through its page table
+    /// (`page_tables[b · max_blocks + p / block_size]`, `p % block_size`), checked to be a
+    /// block of the pool.
+    fn locate(&self, b: usize, p: usize) -> R<(usize, usize)> {
+        let i = p / self.block_size;
+        if i >= self.max_blocks {
+            return Err(Fault::Oob(format!(
+                "row {b}: position {p} past {} page-table entries",
+                self.max_blocks
+            )));
+        }
+        let block = self.tables[b * self.max_blocks + i];
+        if block < 0 || block as usize >= self.num_blocks {
+            return Err(Fault::Oob(format!(
+                "row {b}: position {p} in block {block} (page-table entry {i}) of {}",
+                self.num_blocks
+            )));
+        }
+        Ok((block as usize, p % self.block_size))
+    }
+
+    /// `kv_pos_state(page_tables + b·max_blocks, block_size, state_dim, p)` (kv.cuh).
+    fn state_index_of(&self, b: usize, p: usize) -> R<usize> {
+        let (block, off) = self.locate(b, p)?;
+        Ok(self.state_index(block, off))
     }
 
     fn kv_ld(&self, v: bool, at: usize) -> R<f32> {
@@ -719,8 +762,9 @@ impl Machine {
         Ok(())
     }
 
-    /// `mk_kv_append(A(g[1]) + lo·g[7], A(g[2]) + lo·g[7], g[3], g[4], k_cache + g[5]·layer,
-    /// v_cache + g[5]·layer, lo, g[6], g[7], capacity, slots, pos, inv_freq, style, g[8])`.
+    /// `mk_kv_append(A(g[1]) + lo·g[7], A(g[2]) + lo·g[7], g[3], g[4], k_cache, v_cache,
+    /// MK_LAYERS, g[5], lo, g[6], g[7], block_size, page_tables, max_blocks, pos, inv_freq,
+    /// style, g[8])`.
     #[allow(clippy::needless_range_loop)] // the kernel's loops, index for index
     fn kv_append(&mut self, g: &[i64; NARGS], lo: i64) -> R<()> {
         let hd = g[7];
@@ -733,12 +777,18 @@ impl Machine {
         } else {
             self.load_rows(k, ks, hd)?
         };
-        let layer_elems = self.num_slots * self.kv_heads * self.capacity * self.head_dim;
+        if kv_heads != self.kv_heads || hd != self.head_dim {
+            return Err(Fault::Oob(format!(
+                "kv_append of {kv_heads} heads × {hd} in a cache of {} × {}",
+                self.kv_heads, self.head_dim
+            )));
+        }
         for (b, kr) in kr.iter().enumerate() {
-            let (slot, p) = self.slot_pos(b)?;
-            // kv_row(slots[b], g, pos[b], kv_heads, capacity, head_dim)
-            let row =
-                layer * layer_elems + ((slot * kv_heads + lo as usize) * self.capacity + p) * hd;
+            let p = self.row_pos(b)?;
+            // kv_pos_row(page_tables + b·max_blocks, layers, kv_heads, block_size, head_dim,
+            // layer, g, pos[b])
+            let (block, off) = self.locate(b, p)?;
+            let row = self.kv_index(layer, block, lo as usize, off);
             for c in 0..hd {
                 let vv = self.ld(v + b as i64 * vs + c as i64)?;
                 if row + c >= self.k_cache.len() {
@@ -755,8 +805,9 @@ impl Machine {
         Ok(())
     }
 
-    /// `mk_attention(A(g[1]) + lo·g[8], g[2], A(g[3]) + lo·g[8], g[4], k_cache + g[5]·layer,
-    /// v_cache + g[5]·layer, lo / g[6], g[7], g[8], capacity, fa[0], g[9], slots, pos)`.
+    /// `mk_attention(A(g[1]) + lo·g[8], g[2], A(g[3]) + lo·g[8], g[4], k_cache, v_cache,
+    /// MK_LAYERS, g[5], lo / g[6], g[7], g[8], block_size, fa[0], g[9], page_tables,
+    /// max_blocks, pos)`: key j is read through the row's page table.
     fn attention(&mut self, g: &[i64; NARGS], lo: i64, scale: f32) -> R<()> {
         let hd = g[8];
         let q = self.ptr(g[1], "attention q")? + lo * hd;
@@ -766,31 +817,40 @@ impl Machine {
         let kvh = (lo / group) as usize;
         let hd = hd as usize;
         let qr = self.load_rows(q, qs, hd)?;
-        let layer_elems = self.num_slots * self.kv_heads * self.capacity * self.head_dim;
+        if kv_heads != self.kv_heads || hd != self.head_dim {
+            return Err(Fault::Oob(format!(
+                "attention over {kv_heads} heads × {hd} in a cache of {} × {}",
+                self.kv_heads, self.head_dim
+            )));
+        }
         for (b, qv) in qr.iter().enumerate() {
-            let (slot, p) = self.slot_pos(b)?;
+            let p = self.row_pos(b)?;
             let first = if window >= 0 {
                 (p as i64 - window).max(0) as usize
             } else {
                 0
             };
-            let base = layer * layer_elems + ((slot * kv_heads + kvh) * self.capacity) * hd;
-            let mut scores = Vec::with_capacity(p + 1 - first);
+            let mut rows = Vec::with_capacity(p + 1 - first);
             for j in first..=p {
+                let (block, off) = self.locate(b, j)?;
+                rows.push(self.kv_index(layer, block, kvh, off));
+            }
+            let mut scores = Vec::with_capacity(p + 1 - first);
+            for &row in &rows {
                 let mut d = 0f32;
                 for (c, qc) in qv.iter().enumerate() {
-                    d += qc * self.kv_ld(false, base + j * hd + c)?;
+                    d += qc * self.kv_ld(false, row + c)?;
                 }
                 scores.push(d * scale);
             }
             let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut l = 0f32;
             let mut acc = vec![0f32; hd];
-            for (i, j) in (first..=p).enumerate() {
+            for (i, &row) in rows.iter().enumerate() {
                 let e = (scores[i] - m).exp();
                 l += e;
                 for (c, a) in acc.iter_mut().enumerate() {
-                    *a += e * self.kv_ld(true, base + j * hd + c)?;
+                    *a += e * self.kv_ld(true, row + c)?;
                 }
             }
             for (c, a) in acc.iter().enumerate() {
@@ -867,7 +927,8 @@ impl Machine {
     }
 
     /// `mk_gated_add(A(g[1]), g[2], A(g[3]), g[4], g[5], WF(g[6]), A(g[7]), g[8], A(g[9]), g[10],
-    /// g[11], lo, fa[0], g[12], kv_state, state_dim, capacity, slots, pos)`.
+    /// g[11], lo, fa[0], g[12], kv_state, state_dim, block_size, page_tables, max_blocks, pos)`:
+    /// the smear's state at pos − 1 and pos through the row's page table.
     fn gated_add(&mut self, g: &[i64; NARGS], grp: i64, scale: f32) -> R<()> {
         let (x, xs) = (self.ptr(g[1], "gated_add x")?, g[2]);
         let (gin, gs, channels) = (self.ptr(g[3], "gated_add gate input")?, g[4], g[5] as usize);
@@ -893,14 +954,19 @@ impl Machine {
             *gb = scale * sigmoid(s);
         }
         for (b, gb) in gate.iter().enumerate() {
-            let (slot, p) = if smear { self.slot_pos(b)? } else { (0, 0) };
+            let p = if smear { self.row_pos(b)? } else { 0 };
+            let prev = if smear && p > 0 {
+                Some(self.state_index_of(b, p - 1)?)
+            } else {
+                None
+            };
             for c in c0..c0 + hd {
                 let xv = self.ld(x + b as i64 * xs + c)?;
                 let v = if !smear {
                     let y = self.ptr(g[7], "gated_add y")?;
                     xv + gb * self.ld(y + b as i64 * ys + c)?
-                } else if p > 0 {
-                    let at = (slot * self.capacity + p - 1) * self.state_dim + c as usize;
+                } else if let Some(prev) = prev {
+                    let at = prev + c as usize;
                     let yv = *self
                         .kv_state
                         .get(at)
@@ -917,10 +983,11 @@ impl Machine {
         }
         if smear {
             for b in 0..self.batch {
-                let (slot, p) = self.slot_pos(b)?;
+                let p = self.row_pos(b)?;
+                let row = self.state_index_of(b, p)?;
                 for c in 0..hd {
                     let xv = self.ld(x + b as i64 * xs + c)?;
-                    let at = (slot * self.capacity + p) * self.state_dim + c as usize;
+                    let at = row + c as usize;
                     let n = self.kv_state.len();
                     *self
                         .kv_state

@@ -323,11 +323,13 @@ pub struct DecodeProgram {
     pub weights: Vec<Weight>,
     pub instrs: Vec<Instr>,
     pub rope_style: RopeStyle,
-    /// KV cache geometry (the cache is `[layer][slot][kv_head][capacity][head_dim]` bf16).
+    /// KV cache geometry (the cache is kiln's paged pool, `cuda/kv.cuh`: bf16
+    /// `[block][layer][kv_head][block_size][head_dim]`, through each row's page table).
     pub layers: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
-    /// Floats of per-position state in the cache (`[slot][capacity][state_dim]` f32), 0 if none.
+    /// Floats of per-position state in the cache (`[block][block_size][state_dim]` f32), 0 if
+    /// none.
     pub state_dim: usize,
     pub vocab: usize,
 }

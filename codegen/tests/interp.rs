@@ -11,10 +11,14 @@ use kiln_codegen::*;
 mod common;
 use common::small;
 
-const SLOTS: usize = 3;
-const CAPACITY: usize = 16;
+const BLOCK_SIZE: usize = 4;
+const MAX_BLOCKS: usize = 4;
+const NUM_BLOCKS: usize = 12;
+/// Each batch row's page table: blocks in scrambled order, none shared.
+const TABLES: [[i32; MAX_BLOCKS]; 2] = [[7, 2, 10, 5], [3, 11, 0, 8]];
 
-/// Random weights, a cache holding `pos[b]` positions of each row's slot, rows in slots 2, 0.
+/// Random weights, a cache holding `pos[b]` positions of each row (5 and 3) through its page
+/// table.
 fn machine(p: &DecodeProgram, s: &Schedule) -> Machine {
     let mut rng = SplitMix(7);
     let mut r = move || (rng.next_u64() % 2001) as f32 / 1000.0 - 1.0;
@@ -35,18 +39,21 @@ fn machine(p: &DecodeProgram, s: &Schedule) -> Machine {
     let inv_freq: Vec<f32> = (0..p.head_dim / 2)
         .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / p.head_dim as f32))
         .collect();
-    let mut m = Machine::new(p, s, weights, SLOTS, CAPACITY, inv_freq).unwrap();
+    let geometry = (NUM_BLOCKS, BLOCK_SIZE, MAX_BLOCKS);
+    let mut m = Machine::new(p, s, weights, geometry, inv_freq).unwrap();
     let kvd = p.kv_heads * p.head_dim;
-    let rows = [(2usize, 5usize), (0, 3)];
-    for (b, &(slot, len)) in rows.iter().enumerate().take(p.batch) {
+    let lens = [5usize, 3];
+    for (b, &len) in lens.iter().enumerate().take(p.batch) {
+        let table = TABLES[b];
+        m.tables[b * MAX_BLOCKS..(b + 1) * MAX_BLOCKS].copy_from_slice(&table);
         for layer in 0..p.layers {
             for pos in 0..len {
                 let k: Vec<f32> = (0..kvd).map(|_| r()).collect();
                 let v: Vec<f32> = (0..kvd).map(|_| r()).collect();
-                m.write_kv(layer, slot, pos, &k, &v);
+                let block = table[pos / BLOCK_SIZE] as usize;
+                m.write_kv(layer, block, pos % BLOCK_SIZE, &k, &v);
             }
         }
-        m.slots[b] = slot as i32;
         m.pos[b] = len as i32;
         m.tokens[b] = (11 + 17 * b) as i32;
     }
@@ -192,7 +199,8 @@ fn elementwise_ops_compute_what_they_name() {
     let table: Vec<u16> = (0..8 * d)
         .map(|i| f32_to_bf16(((i * 37 % 101) as f32 - 50.0) / 40.0))
         .collect();
-    let mut m = Machine::new(&p, &s, vec![WeightData::Bf16(table.clone())], 1, 4, vec![]).unwrap();
+    let weights = vec![WeightData::Bf16(table.clone())];
+    let mut m = Machine::new(&p, &s, weights, (1, 4, 1), vec![]).unwrap();
     m.tokens[0] = 3;
     m.step(&mut SplitMix(3).picker()).unwrap();
     let (offs, _) = p.buffer_offsets();

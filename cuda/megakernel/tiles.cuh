@@ -2,6 +2,9 @@
 // (kiln-codegen's emitter calls them; common.cuh, attention.cuh and sample.cuh are pasted before
 // this file).
 //
+// The KV cache is kv.cuh's paged pool: bf16 K/V `[block][layer][kv_head][block_size][head_dim]`,
+// f32 state `[block][block_size][state_dim]`; batch row b's page table is
+// page_tables[b * max_blocks ...] (the host fills it when it starts the rows).
 // A tile runs on one whole block of MK_THREADS threads. Activations are f32 `[batch, cols]`
 // buffers written earlier in the same launch, so they are read with plain loads (never __ldg,
 // whose non-coherent cache may be stale); weights are read-only for the launch: bf16 matrices,
@@ -174,14 +177,14 @@ __device__ __noinline__ void mk_ewise(int op, int act, const float* x, int xs, c
 //   out[b] = x[b] + scale·σ(gin[b][..channels] · w[grp][..channels]) · y[b]
 // with w f32 `[groups, channels]`. nanochat's value embedding: x = v, gin = h, y = ve, one group
 // per KV head. nanochat's smear (`smear` = 1, one group of the whole row): gin = x = e and y is
-// the row's state at pos − 1 in kv_state `[slot][capacity][state_dim]`, none at position 0
+// the row's state at pos − 1 in kv_state (through the row's page table), none at position 0
 // (out = e); the tile then stores e as the row's state at pos.
 __device__ __noinline__ void mk_gated_add(const float* x, int xs, const float* gin, int gs,
                                           int channels, const float* __restrict__ w,
                                           const float* y, int ys, float* out, int os, int hd,
                                           int grp, float scale, int smear, float* kv_state,
-                                          int state_dim, int capacity, const int* slots,
-                                          const int* pos, int batch) {
+                                          int state_dim, int block_size, const int* tables,
+                                          int max_blocks, const int* pos, int batch) {
     __shared__ float gate[MK_MAX_BATCH];
     const float* wg = w + (size_t)grp * channels;
     const int c0 = grp * hd;
@@ -200,15 +203,16 @@ __device__ __noinline__ void mk_gated_add(const float* x, int xs, const float* g
         if (!smear) {
             yv = y[(size_t)b * ys + c];
         } else if (pos[b] > 0) {
-            yv = kv_state[((size_t)slots[b] * capacity + pos[b] - 1) * state_dim + c];
+            yv = kv_state[kv_pos_state(tables + (size_t)b * max_blocks, block_size, state_dim,
+                                       pos[b] - 1) + c];
         }
         out[(size_t)b * os + c] = (smear && pos[b] == 0) ? xv : xv + gate[b] * yv;
     }
     if (smear) {
         for (int idx = threadIdx.x; idx < batch * hd; idx += blockDim.x) {
             const int b = idx / hd, c = idx % hd;
-            kv_state[((size_t)slots[b] * capacity + pos[b]) * state_dim + c] =
-                x[(size_t)b * xs + c];
+            kv_state[kv_pos_state(tables + (size_t)b * max_blocks, block_size, state_dim, pos[b]) +
+                     c] = x[(size_t)b * xs + c];
         }
     }
 }
@@ -263,12 +267,13 @@ __device__ __noinline__ void mk_head_norm(const float* in, int is, float* out, i
     }
 }
 
-// Writes kv head g of this step's k (rotated when rope) and v into the cache at pos[b].
-// k_layer / v_layer: the layer's block `[slot][kv_head][capacity][head_dim]`.
+// Writes kv head g of layer `layer`'s k (rotated when rope) and v into the cache at pos[b],
+// through batch row b's page table.
 __device__ __noinline__ void mk_kv_append(const float* k, const float* v, int ks, int vs,
-                                          __nv_bfloat16* k_layer, __nv_bfloat16* v_layer, int g,
-                                          int kv_heads, int head_dim, int capacity,
-                                          const int* slots, const int* pos,
+                                          unsigned short* k_cache, unsigned short* v_cache,
+                                          int layers, int layer, int g, int kv_heads,
+                                          int head_dim, int block_size, const int* tables,
+                                          int max_blocks, const int* pos,
                                           const float* __restrict__ inv_freq, int style, int rope,
                                           int batch) {
     __shared__ float kr[MK_MAX_BATCH * ATT_MAX_D];
@@ -283,19 +288,22 @@ __device__ __noinline__ void mk_kv_append(const float* k, const float* v, int ks
     __syncthreads();
     for (int idx = threadIdx.x; idx < batch * head_dim; idx += blockDim.x) {
         const int b = idx / head_dim, c = idx % head_dim;
-        const size_t row = kv_row(slots[b], g, pos[b], kv_heads, capacity, head_dim);
-        k_layer[row + c] = __float2bfloat16(kr[b * ATT_MAX_D + c]);
-        v_layer[row + c] = __float2bfloat16(v[(size_t)b * vs + c]);
+        const size_t row = kv_pos_row(tables + (size_t)b * max_blocks, layers, kv_heads,
+                                      block_size, head_dim, layer, g, pos[b]);
+        kv_store_bf16(k_cache, row + c, kr[b * ATT_MAX_D + c]);
+        kv_store_bf16(v_cache, row + c, v[(size_t)b * vs + c]);
     }
 }
 
-// One query head over keys [max(0, pos - window), pos] of its KV head: the block's warps split
-// the keys (warp w takes key tiles w, w + MK_WARPS, ...) and merge their softmax states.
+// One query head over keys [max(0, pos - window), pos] of its KV head g of layer `layer`: the
+// block's warps split the keys (warp w takes key tiles w, w + MK_WARPS, ...) and merge their
+// softmax states. Keys are read through batch row b's page table.
 __device__ __noinline__ void mk_attention(const float* q, int qs, float* out, int os,
-                                          const __nv_bfloat16* k_layer,
-                                          const __nv_bfloat16* v_layer, int g, int kv_heads,
-                                          int head_dim, int capacity, float scale, int window,
-                                          const int* slots, const int* pos, int batch) {
+                                          const unsigned short* k_cache,
+                                          const unsigned short* v_cache, int layers, int layer,
+                                          int g, int kv_heads, int head_dim, int block_size,
+                                          float scale, int window, const int* tables,
+                                          int max_blocks, const int* pos, int batch) {
     __shared__ float qsh[ATT_MAX_D];
     __shared__ float wm[MK_WARPS], wl[MK_WARPS];
     __shared__ float wacc[MK_WARPS][ATT_MAX_D];
@@ -305,12 +313,12 @@ __device__ __noinline__ void mk_attention(const float* q, int qs, float* out, in
         __syncthreads();
         const int p = pos[b];
         const int lo = window >= 0 ? max(0, p - window) : 0;
-        const size_t base = kv_row(slots[b], g, 0, kv_heads, capacity, head_dim);
+        const AttKv kv = att_kv(k_cache, v_cache, tables + (size_t)b * max_blocks, layers,
+                                kv_heads, block_size, head_dim, layer, g);
         float m = KILN_NEG_INF, l = 0.0f, acc[ATT_PER_LANE];
 #pragma unroll
         for (int i = 0; i < ATT_PER_LANE; ++i) acc[i] = 0.0f;
-        attend_tiles(qsh, k_layer + base, v_layer + base, head_dim, scale, lo, p + 1, warp,
-                     MK_WARPS, m, l, acc);
+        attend_tiles(qsh, kv, head_dim, scale, lo, p + 1, warp, MK_WARPS, m, l, acc);
         if (lane == 0) {
             wm[warp] = m;
             wl[warp] = l;

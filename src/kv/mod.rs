@@ -101,6 +101,29 @@ impl KvCache {
         budget: KvBudget,
         capacity: usize,
     ) -> Result<KvCache, KvError> {
+        KvCache::build(spec, opts, budget, capacity, true)
+    }
+
+    /// Like [`KvCache::with_budget`], but the pool keeps only the bookkeeping (page tables,
+    /// reference counts, free list), not the data: the host side of a device cache whose data
+    /// lives in device memory in the same layout. Its owner replays the block copies
+    /// [`KvCache::make_writable`] reports. Writes and state reads must not be used on it.
+    pub fn tables_only(
+        spec: KvSpec,
+        opts: KvOptions,
+        budget: KvBudget,
+        capacity: usize,
+    ) -> Result<KvCache, KvError> {
+        KvCache::build(spec, opts, budget, capacity, false)
+    }
+
+    fn build(
+        spec: KvSpec,
+        opts: KvOptions,
+        budget: KvBudget,
+        capacity: usize,
+        host_data: bool,
+    ) -> Result<KvCache, KvError> {
         let layout = KvLayout {
             layers: spec.layers,
             kv_heads: spec.kv_heads,
@@ -124,7 +147,11 @@ impl KvCache {
             }
             .into());
         }
-        let pool = BlockPool::new(layout, budget)?;
+        let pool = if host_data {
+            BlockPool::new(layout, budget)?
+        } else {
+            BlockPool::tables_only(layout, budget)?
+        };
         Ok(KvCache {
             spec,
             prefix: PrefixCache::new(opts.block_size),
@@ -253,16 +280,33 @@ impl KvCache {
     /// (copy-on-write). Backends call this before a step writes.
     pub fn prepare(&mut self, slot: usize, end: usize) -> Result<(), KvError> {
         let start = self.table(slot)?.len;
+        self.make_writable(slot, start, end).map(|_| ())
+    }
+
+    /// Makes positions `start..end` of `slot` writable, as [`KvCache::prepare`] does from the
+    /// slot's length (`start` at most the length: the positions before it must have blocks).
+    /// Returns the copy-on-write copies made, `(from, to)` blocks in order, which the holder of
+    /// a device copy of the data replays there. A decode graph that runs ahead writes from
+    /// its rows' positions up to the capacity.
+    pub fn make_writable(
+        &mut self,
+        slot: usize,
+        start: usize,
+        end: usize,
+    ) -> Result<Vec<(u32, u32)>, KvError> {
+        let len = self.table(slot)?.len;
         if end > self.capacity {
             return Err(KvError::Full {
                 slot,
-                len: start,
+                len,
                 capacity: self.capacity,
-                needed: end - start,
+                needed: end.saturating_sub(len),
             });
         }
+        let start = start.min(len);
+        let mut copies = Vec::new();
         if end <= start {
-            return Ok(());
+            return Ok(copies);
         }
         let bs = self.layout().block_size;
         for i in start / bs..end.div_ceil(bs) {
@@ -276,11 +320,12 @@ impl KvCache {
                     self.pool.copy_block(b, own);
                     self.pool.release(b);
                     self.tables[slot].blocks[i] = own;
+                    copies.push((b, own));
                 }
                 Some(_) => {}
             }
         }
-        Ok(())
+        Ok(copies)
     }
 
     /// Marks `n` more positions of `slot` as filled (after every layer wrote them).

@@ -59,6 +59,9 @@ pub struct BlockPool {
     free: Vec<u32>,
     /// Blocks with storage (≤ `layout.num_blocks`).
     allocated: usize,
+    /// Whether the pool holds the data of its blocks, or only their bookkeeping (reference
+    /// counts, free list) for a device pool that mirrors the data ([`BlockPool::tables_only`]).
+    host_data: bool,
 }
 
 impl BlockPool {
@@ -93,8 +96,24 @@ impl BlockPool {
             refs: Vec::new(),
             free: Vec::new(),
             allocated: 0,
+            host_data: true,
             layout,
         })
+    }
+
+    /// A pool that hands out, counts and frees blocks like [`BlockPool::new`] but keeps no data
+    /// for them: the bookkeeping of a pool whose data lives elsewhere (a GPU's memory, in the
+    /// same layout). Its `write`/`state`/`head_block_f32` must not be called, and
+    /// [`BlockPool::copy_block`] copies nothing (the owner of the data copies it).
+    pub fn tables_only(layout: KvLayout, budget: KvBudget) -> Result<BlockPool, PoolError> {
+        let mut p = BlockPool::new(layout, budget)?;
+        p.host_data = false;
+        Ok(p)
+    }
+
+    /// Whether this pool holds its blocks' data (false for [`BlockPool::tables_only`]).
+    pub fn has_host_data(&self) -> bool {
+        self.host_data
     }
 
     /// Takes memory for more blocks: double what there is, at least [`FIRST_CHUNK`], at most
@@ -108,13 +127,15 @@ impl BlockPool {
                 blocks: l.num_blocks,
             });
         }
-        let words = (n * l.block_elems() * l.dtype.bytes_per_elem()).div_ceil(4);
-        let scales = l.dtype.group().map_or(0, |g| n * l.block_elems() / g);
-        grow(&mut self.k, words, n)?;
-        grow(&mut self.v, words, n)?;
-        grow(&mut self.k_scale, scales, n)?;
-        grow(&mut self.v_scale, scales, n)?;
-        grow(&mut self.state, n * l.block_size * l.state_dim, n)?;
+        if self.host_data {
+            let words = (n * l.block_elems() * l.dtype.bytes_per_elem()).div_ceil(4);
+            let scales = l.dtype.group().map_or(0, |g| n * l.block_elems() / g);
+            grow(&mut self.k, words, n)?;
+            grow(&mut self.v, words, n)?;
+            grow(&mut self.k_scale, scales, n)?;
+            grow(&mut self.v_scale, scales, n)?;
+            grow(&mut self.state, n * l.block_size * l.state_dim, n)?;
+        }
         self.refs.resize(n, 0);
         self.free.extend((self.allocated as u32..n as u32).rev());
         self.allocated = n;
@@ -182,8 +203,12 @@ impl BlockPool {
         self.refs[block as usize]
     }
 
-    /// Copies every layer's K/V (and scales) and the state of `src` into `dst`.
+    /// Copies every layer's K/V (and scales) and the state of `src` into `dst` (nothing for a
+    /// [`BlockPool::tables_only`] pool).
     pub fn copy_block(&mut self, src: u32, dst: u32) {
+        if !self.host_data {
+            return;
+        }
         let l = self.layout;
         let (src, dst) = (src as usize, dst as usize);
         let eb = l.dtype.bytes_per_elem();

@@ -285,3 +285,35 @@ fn pool_stress_keeps_every_invariant() {
     }
     assert!(ops.iter().all(|&n| n > 100), "every operation ran: {ops:?}");
 }
+
+/// A tables-only cache hands out the same blocks as a full one, takes no data memory, and
+/// `make_writable` from before the length copies exactly the shared blocks it will write (the
+/// copies a device mirror replays), adding blocks up to `end`.
+#[test]
+fn tables_only_cache_reports_its_copy_on_write_copies() {
+    let opts = KvOptions {
+        block_size: 4,
+        dtype: KvDtype::Bf16,
+    };
+    let mut c = KvCache::tables_only(spec(), opts, KvBudget::Blocks(16), 24).unwrap();
+    let (a, b) = (c.open_slot(), c.open_slot());
+    assert!(!c.pool().has_host_data());
+    assert_eq!(c.make_writable(a, 0, 10).unwrap(), vec![]);
+    c.advance(a, 10);
+    assert_eq!(c.page_table(a).len(), 3);
+    assert_eq!(c.bytes(), 0);
+    c.copy_slot(a, b, 10);
+    let shared = c.page_table(a).to_vec();
+    // Writing b from position 5 on touches its blocks 1 and 2 (shared), not block 0.
+    let copies = c.make_writable(b, 5, 24).unwrap();
+    let own = c.page_table(b).to_vec();
+    assert_eq!(copies, vec![(shared[1], own[1]), (shared[2], own[2])]);
+    assert_eq!(own[0], shared[0]);
+    assert_eq!(own.len(), 6);
+    assert_eq!(c.page_table(a), &shared[..]);
+    c.check_invariants().unwrap();
+    assert!(matches!(
+        c.make_writable(b, 0, 25),
+        Err(KvError::Full { .. })
+    ));
+}

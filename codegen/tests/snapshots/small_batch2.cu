@@ -21,6 +21,7 @@
 #define MK_BATCH 2
 #define MK_TILES 50
 #define MK_INSTRS 18
+#define MK_LAYERS 2
 #define MK_KV_HEADS 2
 #define MK_HEAD_DIM 16
 #define MK_ROPE_STYLE 0
@@ -137,16 +138,16 @@ __device__ const float mk_fargs[46] = {
 extern "C" __global__ void __launch_bounds__(MK_THREADS)
 kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,
 const float* const* __restrict__ wt_f32, float* act,
-__nv_bfloat16* k_cache, __nv_bfloat16* v_cache, float* kv_state, int state_dim,
-int num_slots, int capacity,
-int* pos, int* tokens, const int* slots, const float* __restrict__ inv_freq,
+unsigned short* k_cache, unsigned short* v_cache, float* kv_state, int state_dim,
+const int* page_tables, int max_blocks, int block_size,
+int* pos, int* tokens, const float* __restrict__ inv_freq,
 unsigned* counters, unsigned* epoch_ctr,
 const MkControl* __restrict__ ctl, unsigned* ring) {
 __shared__ unsigned epoch_sh;
 if (threadIdx.x == 0) epoch_sh = mk_ld_acquire(epoch_ctr) + 1u;
 __syncthreads();
 // Only `t` lives across the tile calls: the epoch stays in shared memory, the instruction is
-// reloaded for the signal, the cache layer size is recomputed (fewer callee-saved registers).
+// reloaded for the signal (fewer callee-saved registers).
 for (int t = blockIdx.x; t < MK_TILES; t += gridDim.x) {
 mk_wait(counters, mk_waits + 2 * mk_wait_start[t], mk_wait_start[t + 1] - mk_wait_start[t], epoch_sh);
 const int op = mk_tiles[4 * t], seg = mk_tiles[4 * t + 1];
@@ -171,8 +172,8 @@ MK_BATCH);
 break;
 case MK_K_GATED_ADD:
 mk_gated_add(A(g[1]), g[2], A(g[3]), g[4], g[5], WF(g[6]), A(g[7]), g[8], A(g[9]), g[10],
-g[11], lo, fa[0], g[12], kv_state, state_dim, capacity, slots, pos,
-MK_BATCH);
+g[11], lo, fa[0], g[12], kv_state, state_dim, block_size, page_tables,
+max_blocks, pos, MK_BATCH);
 break;
 case MK_K_ROPE:
 mk_rope(A(g[1]) + lo * g[5], g[2], A(g[3]) + lo * g[5], g[4], g[5], pos, inv_freq,
@@ -182,20 +183,16 @@ case MK_K_HEAD_NORM:
 mk_head_norm(A(g[1]) + lo * g[5], g[2], A(g[3]) + lo * g[5], g[4], g[5], fa[0], fa[1],
 MK_BATCH);
 break;
-case MK_K_KV_APPEND: {
-const size_t layer_elems = (size_t)num_slots * MK_KV_HEADS * capacity * MK_HEAD_DIM;
-mk_kv_append(A(g[1]) + lo * g[7], A(g[2]) + lo * g[7], g[3], g[4],
-k_cache + g[5] * layer_elems, v_cache + g[5] * layer_elems, lo, g[6], g[7],
-capacity, slots, pos, inv_freq, MK_ROPE_STYLE, g[8], MK_BATCH);
+case MK_K_KV_APPEND:
+mk_kv_append(A(g[1]) + lo * g[7], A(g[2]) + lo * g[7], g[3], g[4], k_cache, v_cache,
+MK_LAYERS, g[5], lo, g[6], g[7], block_size, page_tables, max_blocks, pos,
+inv_freq, MK_ROPE_STYLE, g[8], MK_BATCH);
 break;
-}
-case MK_K_ATTENTION: {
-const size_t layer_elems = (size_t)num_slots * MK_KV_HEADS * capacity * MK_HEAD_DIM;
-mk_attention(A(g[1]) + lo * g[8], g[2], A(g[3]) + lo * g[8], g[4],
-k_cache + g[5] * layer_elems, v_cache + g[5] * layer_elems, lo / g[6], g[7],
-g[8], capacity, fa[0], g[9], slots, pos, MK_BATCH);
+case MK_K_ATTENTION:
+mk_attention(A(g[1]) + lo * g[8], g[2], A(g[3]) + lo * g[8], g[4], k_cache, v_cache,
+MK_LAYERS, g[5], lo / g[6], g[7], g[8], block_size, fa[0], g[9],
+page_tables, max_blocks, pos, MK_BATCH);
 break;
-}
 case MK_K_SAMPLE:
 mk_sample(A(g[1]), g[2], g[3], lo, ctl, pos, tokens);
 break;

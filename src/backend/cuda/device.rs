@@ -26,6 +26,7 @@ use super::kernels::SOURCES;
 use super::nvrtc::{self, NvrtcError};
 use crate::backend::cpu::{compile_graph, ExecError, PlanKind, TokenRow};
 use crate::graph::{Activation, Epilogue, KvSpec, Linear, Op, Rows};
+use crate::kv::{KvBudget, KvCache, KvDtype, KvLayout, KvOptions, DEFAULT_BLOCK_SIZE};
 use crate::model::arch::LogitRows;
 use crate::model::{LoadError, ModelConfig, RopeStyle, Weights};
 use crate::plan::{ExecutionPlan, Phase, Slot};
@@ -127,147 +128,210 @@ pub(super) struct DevMatrix {
     pub(super) bias: Option<CudaSlice<f32>>,
 }
 
-/// The KV cache on the device: bf16 K and V laid out like [`crate::kv::KvCache`]
-/// (`[layer][slot][kv_head][capacity][head_dim]`), plus f32 per-position state.
+/// The KV cache on the device: a block pool in the one layout of [`crate::kv::layout`]
+/// (`cuda/kv.cuh` mirrors it), bf16 K and V `[block][layer][kv_head][block_size][head_dim]` and
+/// f32 state `[block][block_size][state_dim]`, allocated whole: `slots × blocks_for(capacity)`
+/// blocks, so every slot can always hold its capacity whatever the others hold.
+///
+/// The bookkeeping is a host [`KvCache`] without data ([`KvCache::tables_only`]): page tables,
+/// reference counts, copy-on-write and shared slots work exactly as on the CPU; the device
+/// holds only the data, and replays the block copies the host's copy-on-write makes
+/// ([`CudaKvCache::make_writable`]). Kernels get every slot's page table as one device array
+/// (`int32 [slots][max_blocks]`, see [`CudaKvCache::device_tables`]).
 ///
 /// The device memory is shared (`Arc`) with the [`super::GraphDecoder`]s captured for this
 /// cache: a decoder keeps it alive until its in-flight steps have finished, whatever order the
-/// owner drops the two in.
+/// owner drops the two in. **UNVERIFIED** on a GPU.
 pub struct CudaKvCache {
     pub(super) spec: KvSpec,
-    pub(super) slots: usize,
-    pub(super) capacity: usize,
+    pub(super) host: KvCache,
+    /// Page-table entries per slot: blocks of one slot at capacity.
+    pub(super) max_blocks: usize,
     pub(super) k: Arc<CudaSlice<u16>>,
     pub(super) v: Arc<CudaSlice<u16>>,
     pub(super) state: Arc<CudaSlice<f32>>,
-    pub(super) lens: Vec<usize>,
 }
 
 impl CudaKvCache {
     pub fn len(&self, slot: usize) -> usize {
-        self.lens[slot]
+        self.host.len(slot)
     }
     pub fn is_empty(&self, slot: usize) -> bool {
-        self.lens[slot] == 0
+        self.host.is_empty(slot)
     }
     pub fn slots(&self) -> usize {
-        self.slots
+        self.host.slots()
     }
     pub fn capacity(&self) -> usize {
-        self.capacity
+        self.host.capacity()
     }
-    /// Forgets positions from `len` on (nothing on the device is cleared).
+    /// The layout the device memory follows.
+    pub fn layout(&self) -> &KvLayout {
+        self.host.layout()
+    }
+    /// The blocks of `slot`, in position order.
+    pub fn page_table(&self, slot: usize) -> &[u32] {
+        self.host.page_table(slot)
+    }
+    /// The host-side bookkeeping (page tables, reference counts).
+    pub fn tables(&self) -> &KvCache {
+        &self.host
+    }
+    pub(super) fn lens(&self) -> Vec<usize> {
+        (0..self.slots()).map(|s| self.len(s)).collect()
+    }
+
+    /// Forgets positions from `len` on; blocks wholly past it go back to the pool (nothing on
+    /// the device is cleared).
     pub fn truncate(&mut self, slot: usize, len: usize) {
-        self.lens[slot] = self.lens[slot].min(len);
+        self.host.truncate(slot, len);
     }
 
     /// Marks `len` positions of `slot` as cached: the engine confirms the positions a decode
     /// graph wrote once it has consumed their tokens (the graph itself never changes lengths).
     /// Public (the contract said `pub(crate)`) so `tests/gpu.rs` can drive a [`super::GraphDecoder`]
-    /// the way the engine does. Panics, like indexing, if `slot` is out of range or `len` exceeds
-    /// the capacity: a caller's bug, not input.
+    /// the way the engine does. Panics, like indexing, if `slot` is out of range or `len` is past
+    /// the blocks the slot holds (a started graph holds them up to the capacity): a caller's
+    /// bug, not input.
     pub fn set_len(&mut self, slot: usize, len: usize) {
-        assert!(
-            len <= self.capacity,
-            "set_len({slot}, {len}) past capacity {}",
-            self.capacity
-        );
-        self.lens[slot] = len;
+        self.host.set_len(slot, len);
     }
 
     /// Makes slot `to` hold the first `len` positions of slot `from` (one prefill, many
-    /// samples): device-to-device copies of each layer's K/V rows per KV head and of the
-    /// per-position state, enqueued on the backend's stream (ordered with its forwards).
-    /// Like [`crate::kv::KvCache::copy_slot`], `to`'s length becomes `len`. **UNVERIFIED** on a
-    /// GPU.
+    /// samples) by sharing `from`'s blocks, as [`KvCache::copy_slot`]: nothing is copied now;
+    /// the shared partial block is copied on the device when either slot first writes to it.
+    /// `to`'s length becomes `len`. `_backend` is kept so the call reads as before (no device
+    /// work is needed).
     pub fn copy_slot(
         &mut self,
-        backend: &CudaBackend,
+        _backend: &CudaBackend,
         from: usize,
         to: usize,
         len: usize,
     ) -> Result<(), CudaError> {
+        let slots = self.slots();
         for slot in [from, to] {
-            if slot >= self.slots {
-                return Err(CudaError::Slot {
-                    slot,
-                    slots: self.slots,
-                });
+            if slot >= slots {
+                return Err(CudaError::Slot { slot, slots });
             }
         }
-        if len > self.lens[from] {
+        if len > self.len(from) {
             return Err(CudaError::Len {
                 len,
                 what: "with cached length",
-                have: self.lens[from],
+                have: self.len(from),
             });
         }
-        if from != to && len > 0 {
-            let stream = backend.stream.cu_stream();
-            let cap = self.capacity;
-            let (k0, v0) = (backend.ptr(&self.k), backend.ptr(&self.v));
-            for (src, dst, bytes) in slot_copies(&self.spec, self.slots, cap, from, to, len) {
-                for base in [k0, v0] {
-                    // SAFETY: both ranges lie inside the cache allocation (`slot_copies` stays
-                    // within `[layer][slot][kv_head][capacity][head_dim]`), are disjoint (two
-                    // different slots) and the copy is ordered on the stream the cache is used on.
-                    unsafe {
-                        cudarc::driver::result::memcpy_dtod_async(
-                            base + dst,
-                            base + src,
-                            bytes,
-                            stream,
-                        )
-                    }
-                    .map_err(drv)?;
-                }
-            }
-            let sd = self.spec.state_dim;
-            if sd > 0 {
-                let s0 = backend.ptr(&self.state);
-                let (src, dst) = ((from * cap * sd * 4) as u64, (to * cap * sd * 4) as u64);
-                // SAFETY: as above, for the `[slot][capacity][state_dim]` f32 state.
-                unsafe {
-                    cudarc::driver::result::memcpy_dtod_async(
-                        s0 + dst,
-                        s0 + src,
-                        len * sd * 4,
-                        stream,
-                    )
-                }
-                .map_err(drv)?;
-            }
+        if from != to {
+            self.host.copy_slot(from, to, len);
         }
-        self.set_len(to, len);
         Ok(())
+    }
+
+    /// Makes positions `start..end` of `slot` writable (blocks added, shared blocks copied:
+    /// the device copies are enqueued on `stream`, ordered before the writes that follow).
+    pub(super) fn make_writable(
+        &mut self,
+        stream: &CudaStream,
+        slot: usize,
+        start: usize,
+        end: usize,
+    ) -> Result<(), CudaError> {
+        let copies = self
+            .host
+            .make_writable(slot, start, end)
+            .map_err(|e| CudaError::Exec(ExecError::from(e)))?;
+        if copies.is_empty() {
+            return Ok(());
+        }
+        let l = *self.layout();
+        let cu = stream.cu_stream();
+        let (k0, v0) = (self.k.device_ptr(stream).0, self.v.device_ptr(stream).0);
+        let s0 = self.state.device_ptr(stream).0;
+        for (src, dst) in block_copies(&l, &copies) {
+            let (base, bytes) = match src.array {
+                BlockArray::K => (k0, src.bytes),
+                BlockArray::V => (v0, src.bytes),
+                BlockArray::State => (s0, src.bytes),
+            };
+            // SAFETY: both ranges are whole blocks of the pool's arrays (`block_copies` stays
+            // within `num_blocks` blocks of the layout the arrays were allocated for), distinct
+            // blocks (copy-on-write copies into a fresh one), ordered on the stream the cache is
+            // used on.
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(base + dst, base + src.offset, bytes, cu)
+            }
+            .map_err(drv)?;
+        }
+        Ok(())
+    }
+
+    /// Every slot's page table as the kernels read it: `[slots][max_blocks]` int32, -1 past a
+    /// slot's blocks (a read there is a bug and faults rather than reading another sequence).
+    pub fn device_tables(&self) -> Vec<i32> {
+        let slots: Vec<usize> = (0..self.slots()).collect();
+        page_tables(&self.host, &slots, self.max_blocks)
     }
 }
 
-/// The byte ranges `(src, dst, bytes)` (offsets into K or V, which share a layout) that copy the
-/// first `len` positions of slot `from` to slot `to`: one per layer and KV head, or one per layer
-/// when the whole capacity moves (the heads of a slot are contiguous then).
-pub(super) fn slot_copies(
-    spec: &KvSpec,
-    slots: usize,
-    capacity: usize,
-    from: usize,
-    to: usize,
-    len: usize,
-) -> Vec<(u64, u64, usize)> {
-    let d = spec.head_dim;
-    let head = capacity * d; // elements of one KV head's rows in one slot
-    let slot = spec.kv_heads * head;
-    let layer = slots * slot;
-    let mut out = Vec::new();
-    for l in 0..spec.layers {
-        if len == capacity {
-            let at = |s: usize| ((l * layer + s * slot) * 2) as u64;
-            out.push((at(from), at(to), slot * 2));
-            continue;
+/// The page tables of `slots` (in that order) as kernels read them: `max_blocks` int32 entries
+/// each, -1 past a slot's blocks.
+pub(super) fn page_tables(host: &KvCache, slots: &[usize], max_blocks: usize) -> Vec<i32> {
+    let mut out = vec![-1i32; slots.len() * max_blocks];
+    for (row, &s) in out.chunks_exact_mut(max_blocks.max(1)).zip(slots) {
+        for (d, &b) in row.iter_mut().zip(host.page_table(s)) {
+            *d = b as i32;
         }
-        for h in 0..spec.kv_heads {
-            let at = |s: usize| ((l * layer + s * slot + h * head) * 2) as u64;
-            out.push((at(from), at(to), len * d * 2));
+    }
+    out
+}
+
+/// Which array of the pool a block copy moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum BlockArray {
+    K,
+    V,
+    State,
+}
+
+/// One byte range of a block copy's source.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct BlockRange {
+    pub(super) array: BlockArray,
+    pub(super) offset: u64,
+    pub(super) bytes: usize,
+}
+
+/// The byte ranges `(source, destination offset)` that copy blocks `(from, to)` of a bf16 pool
+/// in layout `l`: a block is one contiguous run of each array (K, V, and the state when the
+/// layout has one).
+pub(super) fn block_copies(l: &KvLayout, copies: &[(u32, u32)]) -> Vec<(BlockRange, u64)> {
+    let mut out = Vec::new();
+    let kv_bytes = l.block_elems() * 2;
+    let state_bytes = l.block_size * l.state_dim * 4;
+    for &(from, to) in copies {
+        let (from, to) = (from as usize, to as usize);
+        for array in [BlockArray::K, BlockArray::V] {
+            let at = |b: usize| (l.head_block(0, b, 0) * 2) as u64;
+            out.push((
+                BlockRange {
+                    array,
+                    offset: at(from),
+                    bytes: kv_bytes,
+                },
+                at(to),
+            ));
+        }
+        if state_bytes > 0 {
+            let at = |b: usize| (l.state_row(b, 0) * 4) as u64;
+            out.push((
+                BlockRange {
+                    array: BlockArray::State,
+                    offset: at(from),
+                    bytes: state_bytes,
+                },
+                at(to),
+            ));
         }
     }
     out
@@ -514,22 +578,48 @@ impl CudaBackend {
             .ok_or_else(|| CudaError::Driver(format!("kernel {name} not loaded")))
     }
 
-    /// A device KV cache shaped for this model.
+    /// A device KV cache shaped for this model: `slots` sequences of up to `capacity`
+    /// positions over a bf16 block pool of `slots × blocks_for(capacity)` blocks of
+    /// [`DEFAULT_BLOCK_SIZE`] positions, allocated whole.
     pub fn new_cache(&self, slots: usize, capacity: usize) -> Result<CudaKvCache, CudaError> {
         let spec = self.prefill.graph.kv;
-        let n = spec.layers * slots * spec.kv_heads * capacity * spec.head_dim;
+        let opts = KvOptions {
+            block_size: DEFAULT_BLOCK_SIZE,
+            dtype: KvDtype::Bf16,
+        };
+        let max_blocks = capacity.div_ceil(opts.block_size).max(1);
+        let blocks = slots.checked_mul(max_blocks).ok_or(CudaError::Len {
+            len: capacity,
+            what: "count of slots",
+            have: slots,
+        })?;
+        let budget = KvBudget::Blocks(blocks.max(1));
+        let mut host = KvCache::tables_only(spec, opts, budget, capacity)
+            .map_err(|e| CudaError::Exec(ExecError::from(e)))?;
+        for _ in 0..slots {
+            host.open_slot();
+        }
+        let mut layout = *host.layout();
+        layout.num_blocks = blocks.max(1);
         Ok(CudaKvCache {
             spec,
-            slots,
-            capacity,
-            k: Arc::new(self.stream.alloc_zeros::<u16>(n.max(1)).map_err(drv)?),
-            v: Arc::new(self.stream.alloc_zeros::<u16>(n.max(1)).map_err(drv)?),
-            state: Arc::new(
+            max_blocks,
+            k: Arc::new(
                 self.stream
-                    .alloc_zeros::<f32>((slots * capacity * spec.state_dim).max(1))
+                    .alloc_zeros::<u16>(layout.elems())
                     .map_err(drv)?,
             ),
-            lens: vec![0; slots],
+            v: Arc::new(
+                self.stream
+                    .alloc_zeros::<u16>(layout.elems())
+                    .map_err(drv)?,
+            ),
+            state: Arc::new(
+                self.stream
+                    .alloc_zeros::<f32>(layout.state_elems().max(1))
+                    .map_err(drv)?,
+            ),
+            host,
         })
     }
 
@@ -581,10 +671,24 @@ impl CudaBackend {
             self.config.vocab_size,
             tokens,
             rows,
-            kv.slots,
-            kv.capacity,
-            |slot| kv.lens[slot],
+            kv.slots(),
+            kv.capacity(),
+            |slot| kv.len(slot),
         )?)
+    }
+
+    /// Makes the positions a checked step writes writable in the device cache (blocks added,
+    /// shared blocks copied on the backend's stream before the step's kernels).
+    fn prepare_step(
+        &self,
+        kv: &mut CudaKvCache,
+        next: &std::collections::BTreeMap<usize, usize>,
+    ) -> Result<(), CudaError> {
+        for (&slot, &end) in next {
+            let start = kv.len(slot);
+            kv.make_writable(&self.stream, slot, start, end)?;
+        }
+        Ok(())
     }
 
     /// Runs one step like [`crate::backend::cpu::CpuBackend::forward`]: appends `tokens` to the
@@ -600,6 +704,7 @@ impl CudaBackend {
         logits: &mut Vec<f32>,
     ) -> Result<usize, CudaError> {
         let next = self.check_step(kv, tokens, rows)?;
+        self.prepare_step(kv, &next)?;
         let plan = self.plan(kind);
         let out = self.run(plan, ws, kv, tokens, rows)?;
         let o = plan.output;
@@ -613,7 +718,7 @@ impl CudaBackend {
             logits.extend_from_slice(&host[a..a + o.cols]);
         }
         for (&slot, &end) in &next {
-            kv.lens[slot] = end;
+            kv.set_len(slot, end);
         }
         Ok(out.rows)
     }
@@ -650,6 +755,7 @@ impl CudaBackend {
                 want: from.len(),
             });
         }
+        self.prepare_step(kv, &next)?;
         let out = self.run(plan, ws, kv, tokens, rows)?;
         let n = out.rows;
         let ctl_words: Vec<i32> = control_words(&ctl).iter().map(|&w| w as i32).collect();
@@ -670,7 +776,7 @@ impl CudaBackend {
             .clone_dtoh(&ws.ints["sample_tokens"])
             .map_err(drv)?;
         for (&slot, &end) in &next {
-            kv.lens[slot] = end;
+            kv.set_len(slot, end);
         }
         Ok(host[..n].iter().map(|&t| t as u32).collect())
     }
@@ -787,6 +893,13 @@ impl CudaBackend {
         let poss: Vec<i32> = rows.iter().map(|r| r.pos as i32).collect();
         let d_pos = self.ints(ws, "row_pos", &poss)?;
         let d_last = self.ints(ws, "seq_last", &seq_last)?;
+        let d_tables = self.ints(ws, "page_tables", &kv.device_tables())?;
+        let kv_l = *kv.layout();
+        let (max_blocks, layers, block_size) = (
+            kv.max_blocks as i32,
+            kv_l.layers as i32,
+            kv_l.block_size as i32,
+        );
         let max_len = rows.iter().map(|r| r.pos + 1).max().unwrap_or(1);
         let buf_ptrs: Vec<u64> = ws
             .buffers
@@ -939,27 +1052,26 @@ impl CudaBackend {
                     let (q, qs) = inp(0);
                     let (k, ks) = inp(1);
                     let (v, vs) = inp(2);
-                    let per_layer = kv.slots * kv_heads * kv.capacity * head_dim;
-                    let kc = self.ptr(&kv.k) + (layer * per_layer * 2) as u64;
-                    let vc = self.ptr(&kv.v) + (layer * per_layer * 2) as u64;
-                    let (kvh, hd, cap) = (*kv_heads as i32, *head_dim as i32, kv.capacity as i32);
+                    let (kc, vc) = (self.ptr(&kv.k), self.ptr(&kv.v));
+                    let (kvh, hd, li) = (*kv_heads as i32, *head_dim as i32, *layer as i32);
                     let win = window.map_or(-1, |w| w as i32);
                     launch!(self, "kv_append", cfg((div(rows_out * kv_heads * head_dim, 256), 1, 1), BLOCK);
-                        k, ks, v, vs, kc, vc, d_slot, d_pos, ro, kvh, hd, cap);
+                        k, ks, v, vs, kc, vc, d_slot, d_pos, ro, kvh, hd, d_tables, max_blocks,
+                        layers, li, block_size);
                     if plan.phase == Phase::Decode {
                         let splits = max_len.div_ceil(512).clamp(1, 16);
                         let tasks = rows_out * heads;
                         let ml = self.scratch(ws, "att_ml", tasks * splits * 2)?;
                         let acc = self.scratch(ws, "att_acc", tasks * splits * head_dim)?;
                         launch!(self, "attention_decode", cfg((tasks as u32, splits as u32, 1), 128);
-                            q, qs, kc, vc, d_slot, d_pos, *heads as i32, kvh, hd, cap, *scale,
-                            win, ml, acc);
+                            q, qs, kc, vc, d_slot, d_pos, *heads as i32, kvh, hd, d_tables,
+                            max_blocks, layers, li, block_size, *scale, win, ml, acc);
                         launch!(self, "attention_combine", cfg((tasks as u32, 1, 1), 128);
                             ml, acc, splits as i32, *heads as i32, hd, out, os);
                     } else {
                         launch!(self, "attention_prefill", cfg((rows_out as u32, div(*heads, 4), 1), 128);
-                            q, qs, kc, vc, d_slot, d_pos, *heads as i32, kvh, hd, cap, *scale,
-                            win, out, os);
+                            q, qs, kc, vc, d_slot, d_pos, *heads as i32, kvh, hd, d_tables,
+                            max_blocks, layers, li, block_size, *scale, win, out, os);
                     }
                 }
                 Op::Add | Op::Mul => {
@@ -1023,7 +1135,7 @@ impl CudaBackend {
                     let (e, es) = inp(0);
                     launch!(self, "smear", cfg((rows_out as u32, 1, 1), BLOCK);
                         e, es, self.ptr(&self.vectors[gate]), out, os, self.ptr(&kv.state),
-                        kv.spec.state_dim as i32, kv.capacity as i32, d_slot, d_pos,
+                        kv.spec.state_dim as i32, d_tables, max_blocks, block_size, d_slot, d_pos,
                         out_slot.cols as i32, *channels as i32, *lambda);
                 }
                 Op::LastRow => {
@@ -1169,43 +1281,111 @@ mod tests {
         assert_eq!(row_at(0, 10, 4, 3), 0);
     }
 
-    /// Applies `slot_copies` to a host array with the device cache's layout and checks slot
-    /// `to` then holds exactly slot `from`'s first `len` positions, nothing else moved.
+    /// Page tables come out per slot in the order asked, `max_blocks` apart, -1 past the
+    /// slot's blocks, shared blocks in both slots.
     #[test]
-    fn slot_copies_move_exactly_the_cached_positions() {
+    fn page_tables_list_each_slots_blocks() {
         let spec = KvSpec {
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 2,
+            state_dim: 0,
+        };
+        let opts = KvOptions {
+            block_size: 2,
+            dtype: KvDtype::Bf16,
+        };
+        let mut c = KvCache::tables_only(spec, opts, KvBudget::Blocks(12), 8).unwrap();
+        for _ in 0..3 {
+            c.open_slot();
+        }
+        c.prepare(1, 5).unwrap();
+        c.advance(1, 5);
+        c.copy_slot(1, 2, 3);
+        let t1 = c.page_table(1).to_vec();
+        assert_eq!(t1.len(), 3);
+        let got = page_tables(&c, &[2, 0, 1], 4);
+        let t = |b: u32| b as i32;
+        assert_eq!(
+            got,
+            vec![
+                t(t1[0]),
+                t(t1[1]),
+                -1,
+                -1,
+                -1,
+                -1,
+                -1,
+                -1,
+                t(t1[0]),
+                t(t1[1]),
+                t(t1[2]),
+                -1
+            ]
+        );
+    }
+
+    /// Applies `block_copies` to host arrays in the pool's layout and checks each destination
+    /// block then holds exactly its source block (K, V and state), nothing else moved.
+    #[test]
+    fn block_copies_move_exactly_whole_blocks() {
+        let l = KvLayout {
             layers: 2,
             kv_heads: 3,
             head_dim: 4,
-            state_dim: 0,
+            state_dim: 5,
+            block_size: 3,
+            num_blocks: 6,
+            dtype: KvDtype::Bf16,
         };
-        let (slots, cap) = (3, 5);
-        let n = spec.layers * slots * spec.kv_heads * cap * spec.head_dim;
-        let at = |l: usize, s: usize, h: usize, p: usize, d: usize| {
-            (((l * slots + s) * spec.kv_heads + h) * cap + p) * spec.head_dim + d
-        };
-        for (from, to, len) in [(0, 2, 3), (2, 1, 5), (1, 0, 1)] {
-            let before: Vec<u16> = (0..n as u16).collect();
-            let mut after = before.clone();
-            for (src, dst, bytes) in slot_copies(&spec, slots, cap, from, to, len) {
-                let (src, dst, count) = (src as usize / 2, dst as usize / 2, bytes / 2);
-                after.copy_within(src..src + count, dst);
+        let copies = [(4u32, 1u32), (0, 5)];
+        let k: Vec<u16> = (0..l.elems() as u16).collect();
+        let v: Vec<u16> = k.iter().map(|x| x ^ 0x5555).collect();
+        let st: Vec<f32> = (0..l.state_elems()).map(|i| i as f32).collect();
+        let (mut k2, mut v2, mut st2) = (k.clone(), v.clone(), st.clone());
+        for (src, dst) in block_copies(&l, &copies) {
+            match src.array {
+                BlockArray::K | BlockArray::V => {
+                    let arr = if src.array == BlockArray::K {
+                        &mut k2
+                    } else {
+                        &mut v2
+                    };
+                    let (s, d, n) = (src.offset as usize / 2, dst as usize / 2, src.bytes / 2);
+                    arr.copy_within(s..s + n, d);
+                }
+                BlockArray::State => {
+                    let (s, d, n) = (src.offset as usize / 4, dst as usize / 4, src.bytes / 4);
+                    st2.copy_within(s..s + n, d);
+                }
             }
-            for l in 0..spec.layers {
-                for s in 0..slots {
-                    for h in 0..spec.kv_heads {
-                        for p in 0..cap {
-                            for d in 0..spec.head_dim {
-                                let i = at(l, s, h, p, d);
-                                let want = if s == to && p < len {
-                                    before[at(l, from, h, p, d)]
-                                } else {
-                                    before[i]
-                                };
-                                assert_eq!(after[i], want, "l{l} s{s} h{h} p{p} d{d}");
-                            }
+        }
+        let moved = |b: usize| {
+            copies
+                .iter()
+                .find(|c| c.1 as usize == b)
+                .map(|c| c.0 as usize)
+        };
+        for b in 0..l.num_blocks {
+            let from = moved(b).unwrap_or(b);
+            for layer in 0..l.layers {
+                for h in 0..l.kv_heads {
+                    for off in 0..l.block_size {
+                        for d in 0..l.head_dim {
+                            let (i, j) =
+                                (l.row(layer, b, h, off) + d, l.row(layer, from, h, off) + d);
+                            assert_eq!(
+                                (k2[i], v2[i]),
+                                (k[j], v[j]),
+                                "block {b} l{layer} h{h} {off} {d}"
+                            );
                         }
                     }
+                }
+            }
+            for off in 0..l.block_size {
+                for d in 0..l.state_dim {
+                    assert_eq!(st2[l.state_row(b, off) + d], st[l.state_row(from, off) + d]);
                 }
             }
         }

@@ -33,7 +33,7 @@ use cudarc::driver::{
 };
 use kiln_codegen::{Weight, WeightDtype};
 
-use super::device::{drv, CudaBackend, CudaError, CudaKvCache, DevMatrix};
+use super::device::{drv, page_tables, CudaBackend, CudaError, CudaKvCache, DevMatrix};
 use super::graph_host::{
     batch_arrays, bucket_for, check_rows, control_words, grid_blocks, host_stop_mask, padding_rows,
     row_mask, sampling_control, wait_epoch, GraphError, GraphRow, RingBook, StreamState, WaitError,
@@ -460,7 +460,9 @@ pub struct GraphDecoder {
     _epoch: CudaSlice<u32>,
     pos: CudaSlice<i32>,
     tokens: CudaSlice<i32>,
-    slots: CudaSlice<i32>,
+    /// Each batch row's page table (`[bucket][max_blocks]`), written by `start`.
+    tables: CudaSlice<i32>,
+    max_blocks: usize,
     ctl: CudaSlice<u32>,
 }
 
@@ -482,10 +484,10 @@ impl GraphDecoder {
         if bucket_for(bucket) != Some(bucket) {
             return Err(GraphError::BadBucket { bucket }.into());
         }
-        if kv.slots < bucket {
+        if kv.slots() < bucket {
             return Err(GraphError::TooFewSlots {
                 bucket,
-                slots: kv.slots,
+                slots: kv.slots(),
             }
             .into());
         }
@@ -501,7 +503,9 @@ impl GraphDecoder {
         let counters = zeros(module.counters)?;
         let epoch = zeros(1)?;
         let ints = |n: usize| stream.alloc_zeros::<i32>(n).map_err(drv);
-        let (pos, tokens, slots) = (ints(bucket)?, ints(bucket)?, ints(bucket)?);
+        let (pos, tokens) = (ints(bucket)?, ints(bucket)?);
+        let max_blocks = kv.max_blocks;
+        let tables = ints(bucket * max_blocks)?;
         let ctl = zeros(CONTROL_WORDS)?;
         stream.synchronize().map_err(drv)?;
 
@@ -514,11 +518,11 @@ impl GraphDecoder {
             v_cache: d16(kv.v.as_ref()),
             kv_state: kv.state.device_ptr(&stream).0,
             state_dim: kv.spec.state_dim as i32,
-            num_slots: kv.slots as i32,
-            capacity: kv.capacity as i32,
+            page_tables: tables.device_ptr(&stream).0,
+            max_blocks: max_blocks as i32,
+            block_size: kv.layout().block_size as i32,
             pos: pos.device_ptr(&stream).0,
             tokens: tokens.device_ptr(&stream).0,
-            slots: slots.device_ptr(&stream).0,
             inv_freq: backend.inv_freq.device_ptr(&stream).0,
             counters: counters.device_ptr(&stream).0,
             epoch_ctr: epoch.device_ptr(&stream).0,
@@ -545,7 +549,8 @@ impl GraphDecoder {
             _epoch: epoch,
             pos,
             tokens,
-            slots,
+            tables,
+            max_blocks,
             ctl,
         })
     }
@@ -570,9 +575,14 @@ impl GraphDecoder {
     /// `stop_tokens`. Anything still in flight is discarded first. The uploads are ordered after
     /// the work already on the backend's stream (the prefill or host-path steps that wrote the
     /// cache). Each row's `pos` must be at most its slot's cached length.
+    ///
+    /// Every batch row (padding rows included) may write from its `pos` up to the capacity
+    /// while the graph runs ahead, so its slot is made writable there first: blocks are added
+    /// and shared blocks copied (copy-on-write, on the backend's stream), then the rows' page
+    /// tables are uploaded. A slot's positions from its row's `pos` on are overwritten.
     pub fn start(
         &mut self,
-        kv: &CudaKvCache,
+        kv: &mut CudaKvCache,
         rows: &[GraphRow],
         sampling: &SamplingParams,
         stop_tokens: &[u32],
@@ -580,27 +590,34 @@ impl GraphDecoder {
         if !self.kv.is(kv) {
             return Err(GraphError::OtherCache.into());
         }
-        check_rows(rows, self.bucket, &kv.lens, kv.capacity, self.vocab)?;
-        let pads = padding_rows(rows, self.bucket, &kv.lens)?;
+        let lens = kv.lens();
+        check_rows(rows, self.bucket, &lens, kv.capacity(), self.vocab)?;
+        let pads = padding_rows(rows, self.bucket, &lens)?;
         let ids: Vec<u32> = rows.iter().map(|r| r.row_id).collect();
         let ctl = sampling_control(sampling, &ids, stop_tokens)?;
         if self.book.in_flight() > 0 || self.unsynced {
             self.stop()?;
         }
         let (pos, tok, slot) = batch_arrays(rows, &pads);
+        let capacity = kv.capacity();
+        for (&s, &p) in slot.iter().zip(&pos) {
+            kv.make_writable(&self.backend_stream, s as usize, p as usize, capacity)?;
+        }
+        let slots: Vec<usize> = slot.iter().map(|&s| s as usize).collect();
+        let tables = page_tables(kv.tables(), &slots, self.max_blocks);
         self.stream.join(&self.backend_stream).map_err(drv)?;
         self.stream.memcpy_htod(&pos, &mut self.pos).map_err(drv)?;
         self.stream
             .memcpy_htod(&tok, &mut self.tokens)
             .map_err(drv)?;
         self.stream
-            .memcpy_htod(&slot, &mut self.slots)
+            .memcpy_htod(&tables, &mut self.tables)
             .map_err(drv)?;
         self.stream
             .memcpy_htod(&control_words(&ctl), &mut self.ctl)
             .map_err(drv)?;
         let max_pos = pos.iter().map(|&p| p as usize).max().unwrap_or(0);
-        self.book.start(max_pos, kv.capacity);
+        self.book.start(max_pos, capacity);
         self.rows = rows.len();
         self.stops = stop_tokens.to_vec();
         Ok(())
@@ -703,11 +720,11 @@ struct LaunchArgs {
     v_cache: u64,
     kv_state: u64,
     state_dim: i32,
-    num_slots: i32,
-    capacity: i32,
+    page_tables: u64,
+    max_blocks: i32,
+    block_size: i32,
     pos: u64,
     tokens: u64,
-    slots: u64,
     inv_freq: u64,
     counters: u64,
     epoch_ctr: u64,
@@ -735,11 +752,11 @@ impl LaunchArgs {
             ("v_cache", Ptr(self.v_cache)),
             ("kv_state", Ptr(self.kv_state)),
             ("state_dim", Int(self.state_dim)),
-            ("num_slots", Int(self.num_slots)),
-            ("capacity", Int(self.capacity)),
+            ("page_tables", Ptr(self.page_tables)),
+            ("max_blocks", Int(self.max_blocks)),
+            ("block_size", Int(self.block_size)),
             ("pos", Ptr(self.pos)),
             ("tokens", Ptr(self.tokens)),
-            ("slots", Ptr(self.slots)),
             ("inv_freq", Ptr(self.inv_freq)),
             ("counters", Ptr(self.counters)),
             ("epoch_ctr", Ptr(self.epoch_ctr)),
@@ -842,11 +859,11 @@ mod tests {
             v_cache: 5,
             kv_state: 6,
             state_dim: 7,
-            num_slots: 8,
-            capacity: 9,
-            pos: 10,
-            tokens: 11,
-            slots: 12,
+            page_tables: 8,
+            max_blocks: 9,
+            block_size: 10,
+            pos: 11,
+            tokens: 12,
             inv_freq: 13,
             counters: 14,
             epoch_ctr: 15,

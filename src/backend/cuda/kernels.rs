@@ -1,8 +1,8 @@
 //! The hand-written CUDA sources of `cuda/`, embedded with `include_str!`, and the kernels each
 //! one defines. Pure text: available with or without the `cuda` feature, so tools can print it.
 //!
-//! The `.cu` files include `common.cuh` (the attention files `attention.cuh`, the sampler
-//! `sample.cuh`); NVRTC gets them with those `#include` lines replaced by the headers' text
+//! The `.cu` files include `common.cuh` (the files that touch the KV cache `kv.cuh`, the
+//! attention files `attention.cuh`, the sampler `sample.cuh`); NVRTC gets them with those `#include` lines replaced by the headers' text
 //! ([`CudaSource::expanded`]), so the only include path NVRTC needs is the toolkit's, for
 //! `cuda_bf16.h`.
 
@@ -16,6 +16,8 @@ pub struct CudaSource {
 
 /// Shared helpers (warp/block reductions, activations, Philox).
 pub const COMMON_CUH: &str = include_str!("../../../cuda/common.cuh");
+/// The one KV layout (`src/kv/layout.rs`) and the storage types' encodings on the device.
+pub const KV_CUH: &str = include_str!("../../../cuda/kv.cuh");
 /// The online-softmax core of both attention kernels.
 pub const ATTENTION_CUH: &str = include_str!("../../../cuda/attention.cuh");
 /// The block-level sampler and `MkControl`, shared by `sample.cu` and the megakernel.
@@ -104,6 +106,7 @@ impl CudaSource {
         for line in self.text.lines() {
             match line.trim() {
                 "#include \"common.cuh\"" => out.push_str(COMMON_CUH),
+                "#include \"kv.cuh\"" => out.push_str(KV_CUH),
                 "#include \"attention.cuh\"" => out.push_str(ATTENTION_CUH),
                 "#include \"sample.cuh\"" => out.push_str(SAMPLE_CUH),
                 _ => out.push_str(line),
