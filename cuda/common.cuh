@@ -29,10 +29,15 @@ typedef unsigned long long u64;
 // Activation codes, matching graph::Activation.
 #define KILN_ACT_SILU 0
 #define KILN_ACT_RELU2 1
+#define KILN_ACT_GELU_TANH 2
 
+// UNVERIFIED on a GPU (KILN_ACT_GELU_TANH): compiled with NVRTC only.
 __device__ __forceinline__ float kiln_act(int act, float x) {
     if (act == KILN_ACT_SILU) {
         return x / (1.0f + expf(-x));
+    }
+    if (act == KILN_ACT_GELU_TANH) {
+        return 0.5f * x * (1.0f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x)));
     }
     float r = fmaxf(x, 0.0f);
     return r * r;
