@@ -128,3 +128,78 @@ fn unsupported_variants_are_refused_by_name() {
     assert!(e.contains("attn_logit_softcapping"), "{e}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A vocabulary table padded with rows beyond the tokenizer (Qwen2.5's GGUF: 151,936 rows for
+/// 151,665 tokens) loads, and its extra rows never become logits: the Qwen3 fixture with 24
+/// rows of large values appended to its embedding and head gives the reference's logits.
+#[test]
+fn padded_vocabulary_rows_are_never_logits() {
+    use kiln::backend::cpu::{CpuBackend, CpuOptions, PlanKind, TokenRow, Workspace};
+    use safetensors::tensor::TensorView;
+
+    let dir = copy_fixture("qwen3", "padded");
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in st.tensors() {
+        let (mut shape, mut data) = (view.shape().to_vec(), view.data().to_vec());
+        if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
+            shape[0] += 24;
+            let pad: Vec<u8> = std::iter::repeat_n(50.0f32.to_le_bytes(), 24 * shape[1])
+                .flatten()
+                .collect();
+            data.extend(pad);
+        }
+        owned.push((name, shape, data));
+    }
+    let views: Vec<(String, TensorView<'_>)> = owned
+        .iter()
+        .map(|(n, s, d)| {
+            let v = TensorView::new(safetensors::Dtype::F32, s.clone(), d).unwrap();
+            (n.clone(), v)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+
+    let model = Model::load(&dir).unwrap();
+    let vocab = model.config.vocab_size;
+    assert_eq!(vocab, 400);
+    let want = safetensors::SafeTensors::deserialize(
+        &std::fs::read(fixtures().join("qwen3/reference.safetensors")).unwrap(),
+    )
+    .unwrap()
+    .tensor("prefill_logits")
+    .unwrap()
+    .data()
+    .chunks_exact(4)
+    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+    .collect::<Vec<f32>>();
+    let prompt: Vec<u32> = serde_json::from_str::<serde_json::Value>(
+        &std::fs::read_to_string(fixtures().join("tokenizer_reference.json")).unwrap(),
+    )
+    .unwrap()["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let cpu = CpuBackend::new(&model.config, &model.weights, CpuOptions::default()).unwrap();
+    let rows: Vec<TokenRow> = (0..prompt.len())
+        .map(|pos| TokenRow { slot: 0, pos })
+        .collect();
+    let (mut ws, mut kv, mut logits) = (Workspace::new(), cpu.new_cache(1, 32), Vec::new());
+    cpu.forward(
+        PlanKind::AllLogits,
+        &mut ws,
+        &mut kv,
+        &prompt,
+        &rows,
+        &mut logits,
+    )
+    .unwrap();
+    assert_eq!(logits.len(), prompt.len() * vocab);
+    assert_eq!(want.len(), logits.len());
+    let err = common::rel_err(&logits, &want);
+    assert!(err < 1e-4, "relative error {err:e}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
