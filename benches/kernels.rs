@@ -10,7 +10,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use half::{bf16, f16};
 use kiln::backend::cpu::matmul::{matmul_rows_at, PackedMatrix, WeightData};
 use kiln::backend::cpu::simd::{self, Level};
-use kiln::model::quant::{QuantKind, QK};
+use kiln::model::quant::QuantKind;
 
 fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -41,7 +41,7 @@ fn matrix(rows: usize, cols: usize, bf: bool) -> PackedMatrix {
 
 /// Random ggml blocks of `kind` (scales small and positive, quants uniform).
 fn quant_matrix(rows: usize, cols: usize, kind: QuantKind) -> PackedMatrix {
-    let nb = rows * cols / QK;
+    let nb = rows * cols / kind.block_elems();
     let bb = kind.block_bytes();
     let r = rand_vec(nb * bb, (rows ^ cols) as u64 + 7);
     let mut blocks: Vec<u8> = r.iter().map(|&v| ((v + 1.0) * 127.5) as u8).collect();

@@ -1,5 +1,5 @@
 //! Named weight tensors as they come off disk. Safetensors and GGUF tensors stay memory-mapped,
-//! including GGUF's quantized block formats (Q8_0/Q4_0/Q4_1), whose raw bytes are ggml's blocks.
+//! including GGUF's quantized block formats (see [`super::quant`]), whose raw bytes are ggml's blocks.
 //! Backends pack these into their own layouts, so this type only has to describe bytes faithfully.
 
 use std::collections::BTreeMap;
@@ -13,6 +13,8 @@ use memmap2::Mmap;
 use super::quant::{self, QuantKind};
 use super::LoadError;
 
+/// How a tensor's elements are stored (quantized formats carry ggml's names, e.g. `Q4_K`).
+#[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum DType {
     F32,
@@ -24,6 +26,22 @@ pub enum DType {
     Q4_0,
     /// ggml Q4_1 blocks.
     Q4_1,
+    /// ggml Q5_0 blocks.
+    Q5_0,
+    /// ggml Q5_1 blocks.
+    Q5_1,
+    /// ggml Q2_K super-blocks.
+    Q2_K,
+    /// ggml Q3_K super-blocks.
+    Q3_K,
+    /// ggml Q4_K super-blocks.
+    Q4_K,
+    /// ggml Q5_K super-blocks.
+    Q5_K,
+    /// ggml Q6_K super-blocks.
+    Q6_K,
+    /// ggml Q8_K super-blocks.
+    Q8_K,
 }
 
 impl DType {
@@ -33,7 +51,32 @@ impl DType {
             DType::Q8_0 => Some(QuantKind::Q8_0),
             DType::Q4_0 => Some(QuantKind::Q4_0),
             DType::Q4_1 => Some(QuantKind::Q4_1),
+            DType::Q5_0 => Some(QuantKind::Q5_0),
+            DType::Q5_1 => Some(QuantKind::Q5_1),
+            DType::Q2_K => Some(QuantKind::Q2_K),
+            DType::Q3_K => Some(QuantKind::Q3_K),
+            DType::Q4_K => Some(QuantKind::Q4_K),
+            DType::Q5_K => Some(QuantKind::Q5_K),
+            DType::Q6_K => Some(QuantKind::Q6_K),
+            DType::Q8_K => Some(QuantKind::Q8_K),
             DType::F32 | DType::F16 | DType::BF16 => None,
+        }
+    }
+
+    /// The dtype that stores blocks of `kind`.
+    pub fn from_quant(kind: QuantKind) -> DType {
+        match kind {
+            QuantKind::Q8_0 => DType::Q8_0,
+            QuantKind::Q4_0 => DType::Q4_0,
+            QuantKind::Q4_1 => DType::Q4_1,
+            QuantKind::Q5_0 => DType::Q5_0,
+            QuantKind::Q5_1 => DType::Q5_1,
+            QuantKind::Q2_K => DType::Q2_K,
+            QuantKind::Q3_K => DType::Q3_K,
+            QuantKind::Q4_K => DType::Q4_K,
+            QuantKind::Q5_K => DType::Q5_K,
+            QuantKind::Q6_K => DType::Q6_K,
+            QuantKind::Q8_K => DType::Q8_K,
         }
     }
 
@@ -44,10 +87,10 @@ impl DType {
     /// Bytes that `numel` elements occupy, or `None` when a quantized dtype's `numel` is not a
     /// whole number of blocks.
     pub fn bytes_for(self, numel: usize) -> Option<usize> {
-        match self {
-            DType::F32 => numel.checked_mul(4),
-            DType::F16 | DType::BF16 => numel.checked_mul(2),
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => self.quant()?.bytes_for(numel),
+        match self.quant() {
+            Some(q) => q.bytes_for(numel),
+            None if self == DType::F32 => numel.checked_mul(4),
+            None => numel.checked_mul(2),
         }
     }
 
@@ -55,7 +98,7 @@ impl DType {
     /// partial block rounds up).
     pub fn row_bytes(self, cols: usize) -> usize {
         match self.quant() {
-            Some(q) => cols.div_ceil(quant::QK) * q.block_bytes(),
+            Some(q) => cols.div_ceil(q.block_elems()) * q.block_bytes(),
             None => self.bytes_for(cols).unwrap_or(usize::MAX),
         }
     }
@@ -63,13 +106,11 @@ impl DType {
 
 impl fmt::Display for DType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            DType::F32 => "f32",
-            DType::F16 => "f16",
-            DType::BF16 => "bf16",
-            DType::Q8_0 => "Q8_0",
-            DType::Q4_0 => "Q4_0",
-            DType::Q4_1 => "Q4_1",
+        f.write_str(match (self, self.quant()) {
+            (_, Some(q)) => q.name(),
+            (DType::F32, None) => "f32",
+            (DType::F16, None) => "f16",
+            (_, None) => "bf16",
         })
     }
 }
@@ -133,27 +174,25 @@ impl Tensor {
     /// ggml's reference code does).
     pub fn to_f32_vec(&self) -> Vec<f32> {
         let raw = self.raw();
-        match self.dtype {
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
-                let kind = self.dtype.quant().expect("quantized dtype");
-                quant::dequantize(kind, raw, self.numel()).unwrap_or_else(|| {
-                    panic!(
-                        "{}: {} bytes are not {} {kind:?} elements",
-                        self.name,
-                        raw.len(),
-                        self.numel()
-                    )
-                })
-            }
-            DType::F32 => raw
+        match (self.dtype, self.dtype.quant()) {
+            (_, Some(kind)) => quant::dequantize(kind, raw, self.numel()).unwrap_or_else(|| {
+                panic!(
+                    "{}: {} bytes are not {} {} elements",
+                    self.name,
+                    raw.len(),
+                    self.numel(),
+                    kind.name()
+                )
+            }),
+            (DType::F32, None) => raw
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect(),
-            DType::F16 => raw
+            (DType::F16, None) => raw
                 .chunks_exact(2)
                 .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
-            DType::BF16 => raw
+            (_, None) => raw
                 .chunks_exact(2)
                 .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),

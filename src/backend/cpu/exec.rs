@@ -6,7 +6,7 @@ use super::matmul::{self, PackedMatrix, WeightData};
 use super::{elementwise, norm, rope, CpuBackend};
 use crate::graph::{Epilogue, Op, Rows};
 use crate::kv::KvCache;
-use crate::model::quant::{self, QK};
+use crate::model::quant;
 use crate::plan::{ExecutionPlan, Operand, Slot};
 
 /// Per-session scratch memory: the plan's buffers plus kernel temporaries. Grows to the largest
@@ -135,7 +135,7 @@ pub(super) fn run(
                             }
                             WeightData::Quant { kind, blocks } => {
                                 // Only the looked-up row is dequantized.
-                                let rb = dim / QK * kind.block_bytes();
+                                let rb = dim / kind.block_elems() * kind.block_bytes();
                                 let row = id as usize * rb;
                                 quant::dequantize_row(*kind, &blocks[row..row + rb], dst);
                             }

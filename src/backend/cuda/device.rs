@@ -1100,6 +1100,14 @@ fn load_cublas(stream: &Arc<CudaStream>) -> Option<CudaBlas> {
 }
 
 /// Concatenates the rows of one or more linears as bf16 and uploads them (and their biases).
+///
+/// Every stored format becomes bf16 here, on the host, at upload: f32/f16 round to nearest, bf16
+/// is copied, and every GGUF block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,
+/// Q6_K, Q8_K) is first dequantized by the same Rust code the CPU backend uses
+/// ([`crate::model::quant::dequantize`], bit-identical to ggml's reference) and then rounded to
+/// bf16. The GPU has no quantized kernels, so a K-quant model takes bf16's memory on the device.
+/// UNVERIFIED on a GPU for the formats added with the K-quants (Q5_0, Q5_1, Q2_K…Q8_K): the
+/// host-side dequantization is tested, the upload of such a model has not run on a device.
 fn upload_matrix(
     stream: &Arc<CudaStream>,
     weights: &Weights,

@@ -1,5 +1,5 @@
-//! GGUF files (llama.cpp's format): the container is parsed in [`reader`], tensors (legacy
-//! quantized blocks included, see [`crate::model::quant`]) stay memory-mapped, and this module maps llama metadata and tensor names
+//! GGUF files (llama.cpp's format): the container is parsed in [`reader`], tensors (quantized
+//! blocks included, see [`crate::model::quant`]) stay memory-mapped, and this module maps llama metadata and tensor names
 //! onto the same [`ModelConfig`] and Hugging Face tensor names that `config.json` models use, so the
 //! architecture builders never need to know which format a model came from.
 
@@ -35,8 +35,9 @@ fn architecture(name: &str) -> Option<Architecture> {
 }
 
 impl GgufFile {
-    /// One tensor as a [`Tensor`] named `name`: F32/F16/BF16 and the Q8_0/Q4_0/Q4_1 blocks stay
-    /// mapped as stored, anything else is a [`LoadError::DType`].
+    /// One tensor as a [`Tensor`] named `name`: F32/F16/BF16 and the block formats of
+    /// [`crate::model::quant`] (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K…Q6_K, Q8_K) stay mapped as
+    /// stored, anything else is a [`LoadError::DType`].
     pub fn load_tensor(&self, info: &GgufTensorInfo, name: &str) -> Result<Tensor, LoadError> {
         let dtype = match info.ggml_type {
             GgmlType::F32 => Some(DType::F32),
@@ -45,6 +46,14 @@ impl GgufFile {
             GgmlType::Q8_0 => Some(DType::Q8_0),
             GgmlType::Q4_0 => Some(DType::Q4_0),
             GgmlType::Q4_1 => Some(DType::Q4_1),
+            GgmlType::Q5_0 => Some(DType::Q5_0),
+            GgmlType::Q5_1 => Some(DType::Q5_1),
+            GgmlType::Q2_K => Some(DType::Q2_K),
+            GgmlType::Q3_K => Some(DType::Q3_K),
+            GgmlType::Q4_K => Some(DType::Q4_K),
+            GgmlType::Q5_K => Some(DType::Q5_K),
+            GgmlType::Q6_K => Some(DType::Q6_K),
+            GgmlType::Q8_K => Some(DType::Q8_K),
             _ => None,
         };
         match dtype {

@@ -115,7 +115,15 @@ impl GgmlType {
     pub const F16: GgmlType = GgmlType(1);
     pub const Q4_0: GgmlType = GgmlType(2);
     pub const Q4_1: GgmlType = GgmlType(3);
+    pub const Q5_0: GgmlType = GgmlType(6);
+    pub const Q5_1: GgmlType = GgmlType(7);
     pub const Q8_0: GgmlType = GgmlType(8);
+    pub const Q2_K: GgmlType = GgmlType(10);
+    pub const Q3_K: GgmlType = GgmlType(11);
+    pub const Q4_K: GgmlType = GgmlType(12);
+    pub const Q5_K: GgmlType = GgmlType(13);
+    pub const Q6_K: GgmlType = GgmlType(14);
+    pub const Q8_K: GgmlType = GgmlType(15);
     pub const BF16: GgmlType = GgmlType(30);
 
     /// ggml's name and block layout (elements per block, bytes per block), from `ggml.c`'s

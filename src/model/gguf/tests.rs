@@ -394,12 +394,12 @@ fn unsupported_and_unknown_ggml_types() {
     // A type ggml defines but kiln does not decode: the file opens, loading names the tensor.
     let mut fx = fixture();
     fx.writer
-        .tensor("blk.0.attn_v.weight", &[256, 1], 12, vec![0; 144]);
-    let tmp = fx.writer.write_temp("q4k");
+        .tensor("blk.0.attn_v.weight", &[256, 1], 23, vec![0; 136]);
+    let tmp = fx.writer.write_temp("iq4xs");
     assert!(GgufFile::open(tmp.path()).is_ok());
     let e = err_of(load(tmp.path()));
     assert!(
-        e.contains("blk.0.attn_v.weight") && e.contains("Q4_K"),
+        e.contains("blk.0.attn_v.weight") && e.contains("IQ4_XS"),
         "{e}"
     );
 

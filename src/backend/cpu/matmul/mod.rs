@@ -30,7 +30,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::simd::{self, Level};
-use crate::model::quant::{self, QuantKind, QK};
+use crate::model::quant::{self, QuantKind};
 
 /// Weight storage the kernels read directly (bf16 is never widened in memory, quantized blocks
 /// are never dequantized in memory).
@@ -52,13 +52,14 @@ impl WeightData {
     /// Checks quantized blocks against a `rows × cols` shape (other formats always pass).
     pub fn check_shape(&self, rows: usize, cols: usize) -> Result<(), String> {
         if let WeightData::Quant { kind, blocks } = self {
-            if !cols.is_multiple_of(QK) {
+            let n = kind.block_elems();
+            if !cols.is_multiple_of(n) {
                 return Err(format!(
-                    "{} rows of {cols} columns are not whole {QK}-element blocks",
+                    "{} rows of {cols} columns are not whole {n}-element blocks",
                     kind.name()
                 ));
             }
-            let want = rows * (cols / QK) * kind.block_bytes();
+            let want = rows * (cols / n) * kind.block_bytes();
             if blocks.len() != want {
                 return Err(format!(
                     "{} bytes of {} blocks for a {rows}x{cols} matrix, expected {want}",
@@ -277,14 +278,14 @@ thread_local! {
 unsafe fn quant_rows(level: Level, kind: QuantKind, blocks: &[u8], job: &Job) {
     let level = simd::clamp(level);
     #[cfg(target_arch = "x86_64")]
-    if job.tokens == 1 {
+    if job.tokens == 1 && matches!(kind, QuantKind::Q8_0 | QuantKind::Q4_0 | QuantKind::Q4_1) {
         match level {
             Level::Avx512 | Level::Avx512Bf16 => return x86::qrows_512(kind, blocks.as_ptr(), job),
             Level::Avx2 => return x86::qrows_256(kind, blocks.as_ptr(), job),
             Level::Scalar => {}
         }
     }
-    let rb = job.k / QK * kind.block_bytes();
+    let rb = job.k / kind.block_elems() * kind.block_bytes();
     TILE.with_borrow_mut(|tile| {
         let mut n0 = job.rows.start;
         while n0 < job.rows.end {
@@ -306,14 +307,14 @@ unsafe fn quant_rows(level: Level, kind: QuantKind, blocks: &[u8], job: &Job) {
 
 /// Dequantizes whole rows of blocks into `out` (bit-identical to [`quant::dequantize_row`]).
 fn dequantize_rows(level: Level, kind: QuantKind, blocks: &[u8], out: &mut [f32]) {
-    let nb = out.len() / QK;
+    let nb = out.len() / kind.block_elems();
     assert!(blocks.len() >= nb * kind.block_bytes());
     match simd::clamp(level) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the level is supported; `blocks` holds `nb` blocks and `out` `nb · 32` floats.
-        Level::Avx512 | Level::Avx512Bf16 | Level::Avx2 => unsafe {
-            x86::dequantize_256(kind, blocks.as_ptr(), nb, out.as_mut_ptr())
-        },
+        Level::Avx512 | Level::Avx512Bf16 | Level::Avx2
+            if matches!(kind, QuantKind::Q8_0 | QuantKind::Q4_0 | QuantKind::Q4_1) =>
+        unsafe { x86::dequantize_256(kind, blocks.as_ptr(), nb, out.as_mut_ptr()) },
         _ => quant::dequantize_row(kind, blocks, out),
     }
 }
@@ -371,7 +372,10 @@ mod x86 {
 
     use half::bf16;
 
-    use super::{Job, QuantKind, QK};
+    use super::{Job, QuantKind};
+
+    /// Elements per legacy block.
+    const QK: usize = 32;
     use crate::backend::cpu::simd::x86::{
         hsum256, load_bf16_256, load_bf16_512, load_bf16_512_mask, tail_mask16,
     };
@@ -819,6 +823,7 @@ mod x86 {
             QuantKind::Q8_0 => qrows_512_t::<Q8_0>(w, job),
             QuantKind::Q4_0 => qrows_512_t::<Q4_0>(w, job),
             QuantKind::Q4_1 => qrows_512_t::<Q4_1>(w, job),
+            _ => unreachable!(),
         }
     }
 
@@ -878,6 +883,7 @@ mod x86 {
             QuantKind::Q8_0 => qrows_256_t::<Q8_0>(w, job),
             QuantKind::Q4_0 => qrows_256_t::<Q4_0>(w, job),
             QuantKind::Q4_1 => qrows_256_t::<Q4_1>(w, job),
+            _ => unreachable!(),
         }
     }
 
@@ -907,6 +913,7 @@ mod x86 {
             QuantKind::Q8_0 => dequantize_256_t::<Q8_0>(src, nb, dst),
             QuantKind::Q4_0 => dequantize_256_t::<Q4_0>(src, nb, dst),
             QuantKind::Q4_1 => dequantize_256_t::<Q4_1>(src, nb, dst),
+            _ => unreachable!(),
         }
     }
 
@@ -1055,18 +1062,38 @@ mod tests {
     /// magnitude and sign (as real ggml files have them).
     fn rand_blocks(kind: QuantKind, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
         let bb = kind.block_bytes();
-        let nb = rows * cols / QK;
+        let nb = rows * cols / kind.block_elems();
         let r = rand_vec(nb * bb, seed);
         let mut blocks: Vec<u8> = r.iter().map(|&v| ((v + 1.0) * 127.99) as u8).collect();
         for (b, c) in blocks.chunks_exact_mut(bb).enumerate() {
             let d = 0.002 + 0.05 * (r[b * bb] + 1.0);
-            c[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
-            if kind == QuantKind::Q4_1 {
-                let m = -8.0 * d * (r[b * bb + 1] + 0.5);
-                c[2..4].copy_from_slice(&half::f16::from_f32(m).to_le_bytes());
+            let m = -8.0 * d * (r[b * bb + 1] + 0.5);
+            if kind == QuantKind::Q8_K {
+                c[..4].copy_from_slice(&d.to_le_bytes());
+            }
+            for (&at, v) in f16_fields(kind).iter().zip([d, m]) {
+                c[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
             }
         }
         blocks
+    }
+
+    /// Byte offsets of a block's f16 scale (and min) fields, which random bytes must not fill.
+    fn f16_fields(kind: QuantKind) -> &'static [usize] {
+        match kind {
+            QuantKind::Q8_0 | QuantKind::Q4_0 | QuantKind::Q5_0 => &[0],
+            QuantKind::Q4_1 | QuantKind::Q5_1 | QuantKind::Q4_K | QuantKind::Q5_K => &[0, 2],
+            QuantKind::Q2_K => &[80, 82],
+            QuantKind::Q3_K => &[108],
+            QuantKind::Q6_K => &[208],
+            QuantKind::Q8_K => &[],
+        }
+    }
+
+    /// Block-aligned column counts for `kind`: one block, a few, and an odd number of blocks.
+    fn quant_cols(kind: QuantKind) -> [usize; 3] {
+        let n = kind.block_elems();
+        [n, 3 * n, 5 * n]
     }
 
     fn quant_matrix(
@@ -1088,6 +1115,43 @@ mod tests {
     }
 
     const KINDS: [QuantKind; 3] = [QuantKind::Q8_0, QuantKind::Q4_0, QuantKind::Q4_1];
+
+    #[test]
+    fn every_format_every_level_matches_f64_reference() {
+        for level in simd::available_levels() {
+            for kind in QuantKind::ALL {
+                for rows in [1, 3, 4, 5, 17, 33] {
+                    for cols in quant_cols(kind) {
+                        for tokens in [1, 2, 3, 5, 9] {
+                            let v = rows + cols + tokens;
+                            let seed = (rows * 1000 + cols * 10 + tokens) as u64;
+                            let w = quant_matrix(kind, rows, cols, v % 2 == 0, seed);
+                            if let Err(e) =
+                                run_and_compare(level, &w, tokens, v % 3 != 0, false, seed)
+                            {
+                                panic!("{level:?} {kind:?} {rows}x{cols} tokens={tokens}: {e}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_format_parallel_split_matches_reference() {
+        for level in simd::available_levels() {
+            for kind in QuantKind::ALL {
+                let cols = quant_cols(kind)[1];
+                for (rows, tokens) in [(70, 1), (257, 1), (150, 5)] {
+                    let w = quant_matrix(kind, rows, cols, true, rows as u64);
+                    if let Err(e) = run_and_compare(level, &w, tokens, true, true, 3) {
+                        panic!("{level:?} {kind:?} {rows}x{cols} tokens={tokens}: {e}");
+                    }
+                }
+            }
+        }
+    }
 
     /// Run one configuration at `level` and compare against an f64 reference.
     #[allow(clippy::too_many_arguments)]
@@ -1272,8 +1336,8 @@ mod tests {
     #[test]
     fn quantized_tiles_dequantize_bit_exactly() {
         for level in simd::available_levels() {
-            for kind in KINDS {
-                let (rows, cols) = (3, 160);
+            for kind in QuantKind::ALL {
+                let (rows, cols) = (3, 5 * kind.block_elems());
                 let blocks = rand_blocks(kind, rows, cols, 5);
                 let mut want = vec![0f32; rows * cols];
                 quant::dequantize_row(kind, &blocks, &mut want);
