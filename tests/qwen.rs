@@ -3,8 +3,8 @@
 //! (rendered by the model's chat template) and two raw completions, the prompt ids and 32
 //! greedy tokens must be identical (`tests/fixtures/qwen2.5_coder_0.5b_reference.json`, made by
 //! `scripts/make_qwen_reference.py`). Exercises the `qwen2` GGUF architecture (q/k/v biases,
-//! untied head, RoPE base 1e6), its `qwen2` pre-tokenizer and the padded vocabulary (151,936
-//! embedding rows for 151,665 tokens). Skips with a message when the model has not been fetched
+//! untied head, RoPE base 1e6), its `qwen2` pre-tokenizer and its padded vocabulary (151,936
+//! rows and token-list entries for 151,665 real tokens). Skips with a message when the model has not been fetched
 //! (`scripts/fetch_models.sh qwen2.5-coder-0.5b`; CI fetches it).
 
 mod common;
@@ -52,7 +52,6 @@ fn qwen2_5_coder_greedy_matches_transformers() {
         Engine::load(&path, CpuOptions::default()).unwrap_or_else(|e| panic!("{MODEL}: {e}")),
     );
     let config = engine.config();
-    assert_eq!(config.vocab_size, 151_665);
     assert!(config.attention_bias && !config.tie_word_embeddings);
     assert_eq!(config.rope_theta, 1_000_000.0);
     let tok = engine.tokenizer();
