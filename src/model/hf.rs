@@ -195,8 +195,7 @@ pub(crate) fn parse_config(
     .unwrap_or(10000.0);
     if let Some(p) = rope_params {
         match opt_f32_in(path, p, "partial_rotary_factor")? {
-            None => {}
-            Some(f) if f == 1.0 => {}
+            None | Some(1.0) => {}
             Some(f) => {
                 return Err(LoadError::config(
                     path,
