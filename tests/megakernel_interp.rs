@@ -61,7 +61,8 @@ fn fixture_models() -> Vec<PathBuf> {
         .filter(|p| p.join("config.json").is_file() || p.extension().is_some_and(|e| e == "gguf"))
         .filter(|p| {
             let name = p.file_name().unwrap().to_string_lossy();
-            !NOT_LOWERED.iter().any(|(n, _)| *n == name)
+            // quant_blocks.gguf holds block-format test tensors, not a model.
+            !NOT_LOWERED.iter().any(|(n, _)| *n == name) && name != "quant_blocks.gguf"
         })
         .collect();
     out.sort();
