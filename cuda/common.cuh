@@ -30,13 +30,25 @@ typedef unsigned long long u64;
 // Activation codes, matching graph::Activation.
 #define KILN_ACT_SILU 0
 #define KILN_ACT_RELU2 1
+#define KILN_ACT_GELU_TANH 2
 
+// SiLU and relu², the activations the decode megakernel lowers (a third branch in its tiles
+// costs registers and spills).
 __device__ __forceinline__ float kiln_act(int act, float x) {
     if (act == KILN_ACT_SILU) {
         return x / (1.0f + expf(-x));
     }
     float r = fmaxf(x, 0.0f);
     return r * r;
+}
+
+// Every activation, for the per-op kernels: kiln_act plus GELU-tanh (Gemma 3; UNVERIFIED on a
+// GPU, compiled with NVRTC only).
+__device__ __forceinline__ float kiln_act_any(int act, float x) {
+    if (act == KILN_ACT_GELU_TANH) {
+        return 0.5f * x * (1.0f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x)));
+    }
+    return kiln_act(act, x);
 }
 
 __device__ __forceinline__ float kiln_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }

@@ -26,10 +26,10 @@ extern "C" __global__ void gemm_epilogue(const float* __restrict__ c, int c_stri
     if (epilogue == 1) {
         v += residual[(size_t)t * res_stride + i];
     } else if (epilogue == 2) {
-        v = kiln_act(act, v);
+        v = kiln_act_any(act, v);
     } else if (epilogue == 3) {
         const float up = cr[i + n] + (bias ? bias[i + n] : 0.0f);
-        v = kiln_act(act, v) * up;
+        v = kiln_act_any(act, v) * up;
     }
     out[(size_t)t * out_stride + i] = v;
 }

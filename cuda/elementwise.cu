@@ -30,7 +30,7 @@ extern "C" __global__ void combine_rows(const float* x, int x_stride, const floa
 extern "C" __global__ void act_rows(const float* x, int x_stride, float* out, int out_stride,
                                     int n, int act) {
     const int t = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[(size_t)t * out_stride + i] = kiln_act(act, x[(size_t)t * x_stride + i]);
+    if (i < n) out[(size_t)t * out_stride + i] = kiln_act_any(act, x[(size_t)t * x_stride + i]);
 }
 
 extern "C" __global__ void softcap_rows(const float* x, int x_stride, float* out, int out_stride,
@@ -45,7 +45,7 @@ extern "C" __global__ void gated_rows(const float* g, int g_stride, float* out, 
     const int t = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < f) {
         const float* gr = g + (size_t)t * g_stride;
-        out[(size_t)t * out_stride + i] = kiln_act(act, gr[i]) * gr[i + f];
+        out[(size_t)t * out_stride + i] = kiln_act_any(act, gr[i]) * gr[i + f];
     }
 }
 

@@ -66,7 +66,7 @@ gemm_bf16(const __nv_bfloat16* __restrict__ w, int rows, int k, const float* __r
             if (epilogue == 1) {
                 v += residual[(size_t)tok * res_stride + r];
             } else if (epilogue == 2) {
-                v = kiln_act(act, v);
+                v = kiln_act_any(act, v);
             }
             o[r] = v;
         }

@@ -44,14 +44,14 @@ __device__ __forceinline__ void gemv_store(int epilogue, int act, int j, int f, 
     if (epilogue == KILN_EPI_GATED) {
         const float g = a0 + (bias ? bias[j] : 0.0f);
         const float u = a1 + (bias ? bias[j + f] : 0.0f);
-        out[j] = kiln_act(act, g) * u;
+        out[j] = kiln_act_any(act, g) * u;
         return;
     }
     const float v = a0 + (bias ? bias[j] : 0.0f);
     if (epilogue == KILN_EPI_RESIDUAL) {
         out[j] = residual[j] + v;
     } else if (epilogue == KILN_EPI_ACT) {
-        out[j] = kiln_act(act, v);
+        out[j] = kiln_act_any(act, v);
     } else {
         out[j] = v;
     }

@@ -21,8 +21,11 @@ extern "C" __global__ void rms_norm(const float* x, int x_stride, const float* _
 }
 
 // One warp per (row, head). Grid: (ceil(rows * heads / 4)), block: 128 threads.
+// `w` (nullable) is a [head_dim] weight shared by the heads (Qwen3/Gemma 3 q/k norm); the
+// weighted form is UNVERIFIED on a GPU (compiled with NVRTC only).
 extern "C" __global__ void head_norm(const float* x, int x_stride, float* out, int out_stride,
-                                     int rows, int heads, int head_dim, float eps, float scale) {
+                                     int rows, int heads, int head_dim, float eps, float scale,
+                                     const float* w) {
     const int task = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (task >= rows * heads) return;
@@ -36,6 +39,7 @@ extern "C" __global__ void head_norm(const float* x, int x_stride, float* out, i
     for (int i = lane; i < head_dim; i += 32) {
         float v = xr[i] * inv;
         if (scale != 1.0f) v *= scale;
+        if (w) v *= w[i];
         o[i] = v;
     }
 }

@@ -44,7 +44,15 @@ const TOLERANCE: f32 = 3e-2;
 const STEPS: usize = 18;
 const SLOTS: usize = 4;
 
-/// Every fixture model: the HF directories and the GGUF files.
+/// Fixtures of the architectures the megakernel does not lower yet, and what it says is missing.
+const NOT_LOWERED: [(&str, &str); 4] = [
+    ("qwen3", "head_norm with a weight"),
+    ("qwen3.f32.gguf", "head_norm with a weight"),
+    ("gemma3", "head_norm with a weight"),
+    ("gemma3.f32.gguf", "head_norm with a weight"),
+];
+
+/// Every fixture model the megakernel lowers: the HF directories and the GGUF files.
 fn fixture_models() -> Vec<PathBuf> {
     let dir = fixtures();
     let mut out: Vec<PathBuf> = std::fs::read_dir(&dir)
@@ -52,6 +60,11 @@ fn fixture_models() -> Vec<PathBuf> {
         .flatten()
         .map(|e| e.path())
         .filter(|p| p.join("config.json").is_file() || p.extension().is_some_and(|e| e == "gguf"))
+        .filter(|p| {
+            let name = p.file_name().unwrap().to_string_lossy();
+            // quant_blocks.gguf holds block-format test tensors, not a model.
+            !NOT_LOWERED.iter().any(|(n, _)| *n == name) && name != "quant_blocks.gguf"
+        })
         .collect();
     out.sort();
     out
@@ -151,9 +164,10 @@ fn copy_cache(m: &mut Machine, p: &DecodeProgram, kv: &KvCache, slot: usize, b: 
 }
 
 /// Batch rows: (cache slot, prompt length). Slots are permuted, prompts of different lengths;
-/// the first row's prompt ends 8 positions before the smallest window so decoding crosses it.
+/// the first row's prompt ends 8 positions before the smallest window so decoding crosses it
+/// (a window under 9, as in the Mistral fixture, starts it at one token).
 fn rows_for(p: &DecodeProgram, batch: usize) -> Vec<(usize, usize)> {
-    let long = min_window(p).map_or(20, |w| w - 8);
+    let long = min_window(p).map_or(20, |w| w.saturating_sub(8).max(1));
     [(2, long), (0, 5), (3, 9), (1, 13)][..batch].to_vec()
 }
 
@@ -314,6 +328,49 @@ fn interpreted_megakernel_matches_the_cpu_on_every_fixture() {
         total_ties * 50 <= rows,
         "{total_ties} near ties in {rows} tokens"
     );
+}
+
+#[test]
+fn qwen3_and_gemma3_are_refused_with_what_is_missing() {
+    for (fx, missing) in NOT_LOWERED {
+        let path = fixtures().join(fx);
+        let model = Model::load(&path).unwrap_or_else(|e| panic!("{fx}: {e}"));
+        let cpu = CpuBackend::new(&model.config, &model.weights, CpuOptions::default()).unwrap();
+        let e = lower_decode(cpu.plan(PlanKind::Decode), 1)
+            .err()
+            .unwrap_or_else(|| panic!("{fx}: lowered"));
+        assert!(
+            matches!(&e, kiln_codegen::LowerError::Unsupported { op, .. } if op.contains(missing)),
+            "{fx}: {e}"
+        );
+    }
+}
+
+#[test]
+fn gemma3_without_q_k_norm_weights_is_refused_for_its_local_rope_and_gelu() {
+    // With the head-norm weights dropped from its graph, the next things Gemma 3 needs are
+    // named: the local layers' RoPE table, then GELU-tanh.
+    let model = Model::load(fixtures().join("gemma3")).unwrap();
+    let cpu = CpuBackend::new(&model.config, &model.weights, CpuOptions::default()).unwrap();
+    let mut plan = cpu.plan(PlanKind::Decode).clone();
+    for n in &mut plan.graph.nodes {
+        if let kiln::graph::Op::HeadNorm { weight, .. } = &mut n.op {
+            *weight = None;
+        }
+    }
+    let Err(e) = lower_decode(&plan, 1) else {
+        panic!("gemma3 lowered")
+    };
+    assert!(e.to_string().contains("local layers"), "{e}");
+    for n in &mut plan.graph.nodes {
+        if let kiln::graph::Op::Rope { local, .. } = &mut n.op {
+            *local = false;
+        }
+    }
+    let Err(e) = lower_decode(&plan, 1) else {
+        panic!("gemma3 lowered")
+    };
+    assert!(e.to_string().contains("gelu_tanh"), "{e}");
 }
 
 #[test]

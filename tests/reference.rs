@@ -175,3 +175,43 @@ fn gguf_q4_1() {
         "llama_tied.q4_1.reference.safetensors",
     );
 }
+
+#[test]
+fn qwen3_qk_norm_head_dim_32() {
+    check("qwen3", "qwen3/reference.safetensors");
+}
+
+#[test]
+fn qwen3_gguf_f32() {
+    check("qwen3.f32.gguf", "qwen3.f32.reference.safetensors");
+}
+
+#[test]
+fn mistral_sliding_window() {
+    check("mistral", "mistral/reference.safetensors");
+}
+
+#[test]
+fn mistral_gguf_f32_llama_arch_with_sliding_window() {
+    check("mistral.f32.gguf", "mistral.f32.reference.safetensors");
+}
+
+#[test]
+fn phi3_fused_qkv_and_gate_up() {
+    check("phi3", "phi3/reference.safetensors");
+}
+
+#[test]
+fn phi3_gguf_f32() {
+    check("phi3.f32.gguf", "phi3.f32.reference.safetensors");
+}
+
+#[test]
+fn gemma3_local_and_global_layers() {
+    check("gemma3", "gemma3/reference.safetensors");
+}
+
+#[test]
+fn gemma3_gguf_f32_norms_stored_plus_one() {
+    check("gemma3.f32.gguf", "gemma3.f32.reference.safetensors");
+}

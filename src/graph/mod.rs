@@ -85,6 +85,9 @@ pub enum Activation {
     Silu,
     /// `relu(x)²` (nanochat)
     ReluSquared,
+    /// GELU with the tanh approximation (PyTorch `gelu(approximate="tanh")`, Gemma's
+    /// `gelu_pytorch_tanh`): `x/2 · (1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+    GeluTanh,
 }
 
 impl Activation {
@@ -95,6 +98,10 @@ impl Activation {
             Activation::ReluSquared => {
                 let r = x.max(0.0);
                 r * r
+            }
+            Activation::GeluTanh => {
+                const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+                0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh())
             }
         }
     }
@@ -130,16 +137,22 @@ pub enum Op {
         norm: Option<Norm>,
         epilogue: Epilogue,
     },
-    /// RMSNorm (no weight) over each head of a `[rows, heads·head_dim]` matrix, times `scale`.
+    /// RMSNorm over each head of a `[rows, heads·head_dim]` matrix, times `scale`, then times
+    /// `weight` (one `[head_dim]` vector shared by the heads: Qwen3's and Gemma 3's q/k norm)
+    /// when there is one.
     HeadNorm {
         heads: usize,
         head_dim: usize,
         eps: f32,
         scale: f32,
+        weight: Option<String>,
     },
     Rope {
         heads: usize,
         head_dim: usize,
+        /// Rotate with the graph's `rope_local` frequencies (Gemma 3's sliding-window layers)
+        /// instead of `rope`'s.
+        local: bool,
     },
     /// Appends this step's k/v to the layer's cache, then attends each query row over its
     /// sequence's cached keys up to its own position.
@@ -239,6 +252,9 @@ pub struct Graph {
     pub nodes: Vec<Node>,
     pub output: Value,
     pub rope: RopeSpec,
+    /// The second set of RoPE frequencies that `Rope { local: true }` ops use (Gemma 3's local
+    /// layers have their own base); `None` when every layer shares `rope`.
+    pub rope_local: Option<RopeSpec>,
     pub kv: KvSpec,
     pub vocab_size: usize,
 }
@@ -257,6 +273,7 @@ impl Graph {
             }],
             output: Value::new(0, 0),
             rope,
+            rope_local: None,
             kv,
             vocab_size,
         }

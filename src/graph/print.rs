@@ -70,10 +70,14 @@ pub fn op_text(n: &Node) -> String {
             head_dim,
             eps,
             scale,
+            weight,
         } => {
             let _ = write!(s, "({heads}x{head_dim}, eps={eps:e}");
             if *scale != 1.0 {
                 let _ = write!(s, ", scale={scale}");
+            }
+            if let Some(w) = weight {
+                let _ = write!(s, ", weight={w}");
             }
             s.push(')');
         }
@@ -99,8 +103,16 @@ pub fn op_text(n: &Node) -> String {
         } => {
             let _ = write!(s, "({gate}[{channels}], lambda={lambda})");
         }
-        Op::Rope { heads, head_dim } => {
-            let _ = write!(s, "({heads}x{head_dim})");
+        Op::Rope {
+            heads,
+            head_dim,
+            local,
+        } => {
+            let _ = write!(s, "({heads}x{head_dim}");
+            if *local {
+                s.push_str(", local");
+            }
+            s.push(')');
         }
         Op::Attention {
             layer,

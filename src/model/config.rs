@@ -5,8 +5,17 @@ use serde::Serialize;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum Architecture {
-    /// `LlamaForCausalLM` and relatives (SmolLM2, Llama 3.x, TinyLlama, Qwen2, Mistral).
+    /// `LlamaForCausalLM` and relatives (SmolLM2, Llama 3.x, TinyLlama, Qwen2).
     Llama,
+    /// `MistralForCausalLM`: the Llama block with sliding-window attention on every layer.
+    Mistral,
+    /// `Qwen3ForCausalLM`: the Llama block with per-head RMSNorm of q and k before RoPE.
+    Qwen3,
+    /// `Phi3ForCausalLM`: the Llama block with fused `qkv_proj` and `gate_up_proj`.
+    Phi3,
+    /// `Gemma3ForCausalLM` (text): scaled embedding, sandwich norms, q/k norm, GELU-tanh MLP,
+    /// local sliding-window layers with their own RoPE base and a global layer every few.
+    Gemma3,
     /// nanochat's GPT in its published form (HF `NanoChatForCausalLM`, era A of the spec).
     NanoChat,
 }
@@ -15,6 +24,10 @@ impl Architecture {
     pub fn name(self) -> &'static str {
         match self {
             Architecture::Llama => "llama",
+            Architecture::Mistral => "mistral",
+            Architecture::Qwen3 => "qwen3",
+            Architecture::Phi3 => "phi3",
+            Architecture::Gemma3 => "gemma3",
             Architecture::NanoChat => "nanochat",
         }
     }
@@ -68,9 +81,26 @@ pub struct ModelConfig {
     pub final_logit_softcap: Option<f32>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// Sliding-window attention as Hugging Face counts it: a query attends to the last
+    /// `sliding_window` keys, itself included (Mistral on every layer, Gemma 3 on its local
+    /// layers); `None` is plain causal attention.
+    pub sliding_window: Option<usize>,
+    /// What Gemma 3 adds; `None` for every other architecture.
+    pub gemma3: Option<Gemma3Params>,
     /// nanochat's own checkpoint format (converted by `scripts/convert_nanochat.py`), with the
     /// features its era adds; `None` for the HF `NanoChatForCausalLM` form and for Llama.
     pub nanochat: Option<NanochatNative>,
+}
+
+/// Gemma 3's hyper-parameters beyond the Llama set.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Gemma3Params {
+    /// Attention scores are scaled by `query_pre_attn_scalar^-1/2` (not `head_dim^-1/2`).
+    pub query_pre_attn_scalar: f32,
+    /// RoPE base of the local (sliding-window) layers; `rope_theta` is the global layers'.
+    pub rope_local_theta: f32,
+    /// Per layer: `true` for a global (full attention) layer, `false` for a local one.
+    pub global_layers: Vec<bool>,
 }
 
 /// What a nanochat era adds to the published design (spec §0); every field is resolved by the
@@ -99,6 +129,18 @@ pub struct NanochatNative {
 }
 
 impl ModelConfig {
+    /// The `Attention` op's window for `layer` (keys `p − w ..= p`), from the Hugging Face
+    /// count of keys: `sliding_window` keys including the query's own is a reach of `w − 1`.
+    /// Gemma 3's global layers have none.
+    pub fn attention_window(&self, layer: usize) -> Option<usize> {
+        if let Some(g) = &self.gemma3 {
+            if g.global_layers.get(layer).copied().unwrap_or(true) {
+                return None;
+            }
+        }
+        self.sliding_window.map(|w| w.saturating_sub(1))
+    }
+
     pub fn q_dim(&self) -> usize {
         self.num_heads * self.head_dim
     }
@@ -122,13 +164,15 @@ impl ModelConfig {
             0
         };
         let (mlp, norms) = match self.architecture {
-            Architecture::Llama => (3 * c * f, 2 * c),
+            Architecture::Llama | Architecture::Mistral | Architecture::Phi3 => (3 * c * f, 2 * c),
+            Architecture::Qwen3 => (3 * c * f, 2 * c + 2 * self.head_dim),
+            Architecture::Gemma3 => (3 * c * f, 4 * c + 2 * self.head_dim),
             Architecture::NanoChat => (2 * c * f, 0),
         };
         let head = if self.tie_word_embeddings { 0 } else { v * c };
         let final_norm = match self.architecture {
-            Architecture::Llama => c,
             Architecture::NanoChat => 0,
+            _ => c,
         };
         v * c + l * (attn + bias + mlp + norms) + final_norm + head
     }

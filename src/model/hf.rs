@@ -11,8 +11,8 @@ use memmap2::Mmap;
 use serde_json::Value;
 
 use super::{
-    Architecture, DType, LoadError, Model, ModelConfig, NanochatNative, RopeScaling, RopeStyle,
-    Tensor, TensorBytes, Weights,
+    Architecture, DType, Gemma3Params, LoadError, Model, ModelConfig, NanochatNative, RopeScaling,
+    RopeStyle, Tensor, TensorBytes, Weights,
 };
 use crate::tokenizer::{SpecialTokens, Tokenizer};
 
@@ -26,7 +26,12 @@ pub fn load(dir: &Path) -> Result<Model, LoadError> {
         None
     };
     let config = parse_config(&config_path, &config_json, gen_json.as_ref())?;
-    let weights = load_safetensors_dir(dir)?;
+    let mut weights = load_safetensors_dir(dir)?;
+    match config.architecture {
+        Architecture::Phi3 => super::arch::phi3_split_fused(&config, &mut weights)?,
+        Architecture::Gemma3 => super::arch::gemma3_hf_norm_weights(&mut weights),
+        _ => {}
+    }
     let tokenizer = load_tokenizer(dir, &config)?;
     let weight_type = dominant_dtype(&weights);
     Ok(Model {
@@ -115,7 +120,7 @@ fn token_ids(v: Option<&Value>) -> Vec<u32> {
     }
 }
 
-const SUPPORTED: &str = "llama, mistral, qwen2, nanochat";
+const SUPPORTED: &str = "llama, mistral, qwen2, qwen3, phi3, gemma3_text, nanochat";
 
 pub(crate) fn parse_config(
     path: &Path,
@@ -131,7 +136,11 @@ pub(crate) fn parse_config(
         .and_then(Value::as_str)
         .ok_or_else(|| LoadError::config(path, "model_type", "missing"))?;
     let architecture = match model_type {
-        "llama" | "mistral" | "qwen2" => Architecture::Llama,
+        "llama" | "qwen2" => Architecture::Llama,
+        "mistral" => Architecture::Mistral,
+        "qwen3" => Architecture::Qwen3,
+        "phi3" => Architecture::Phi3,
+        "gemma3_text" => Architecture::Gemma3,
         "nanochat" => Architecture::NanoChat,
         other => {
             return Err(LoadError::UnknownArchitecture {
@@ -171,14 +180,31 @@ pub(crate) fn parse_config(
             format!("{head_dim} is odd; RoPE needs pairs"),
         ));
     }
-    // transformers 5 folds rope_theta and rope_scaling into `rope_parameters`.
-    let rope_params = json.get("rope_parameters").filter(|v| v.is_object());
+    // transformers 5 folds rope_theta and rope_scaling into `rope_parameters`; Gemma 3 keeps
+    // one such object per attention type.
+    let rope_all = json.get("rope_parameters").filter(|v| v.is_object());
+    let rope_params = match rope_all.and_then(|p| p.get("full_attention")) {
+        Some(full) if full.is_object() => Some(full),
+        _ => rope_all,
+    };
     let rope_theta = match rope_params {
         Some(p) => opt_f32_in(path, p, "rope_theta")?,
         None => None,
     }
     .or(f.opt_f32("rope_theta")?)
     .unwrap_or(10000.0);
+    if let Some(p) = rope_params {
+        match opt_f32_in(path, p, "partial_rotary_factor")? {
+            None | Some(1.0) => {}
+            Some(f) => {
+                return Err(LoadError::config(
+                    path,
+                    "rope_parameters.partial_rotary_factor",
+                    format!("{f}: RoPE on part of each head is not supported"),
+                ))
+            }
+        }
+    }
     let scaling_json = rope_params.or(json.get("rope_scaling").filter(|v| v.is_object()));
     let rope_scaling = match scaling_json {
         Some(s) => parse_rope_scaling(path, s)?,
@@ -186,13 +212,20 @@ pub(crate) fn parse_config(
     };
     let (rope_style, default_tie, default_bias) = match (architecture, model_type) {
         (Architecture::NanoChat, _) => (RopeStyle::HalfSplitNegated, false, false),
+        (Architecture::Gemma3, _) => (RopeStyle::HalfSplit, true, false),
         (_, "qwen2") => (RopeStyle::HalfSplit, false, true),
         _ => (RopeStyle::HalfSplit, false, false),
     };
     let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(default_bias);
     let final_logit_softcap = match architecture {
-        Architecture::NanoChat => f.opt_f32("final_logit_softcapping")?,
-        Architecture::Llama => None,
+        Architecture::NanoChat | Architecture::Gemma3 => f.opt_f32("final_logit_softcapping")?,
+        _ => None,
+    };
+    let num_layers = f.usize("num_hidden_layers")?;
+    let sliding_window = sliding_window(&f, architecture, model_type)?;
+    let gemma3 = match architecture {
+        Architecture::Gemma3 => Some(gemma3_params(&f, rope_all, head_dim, num_layers)?),
+        _ => None,
     };
     let mut eos_token_ids = token_ids(json.get("eos_token_id"));
     let mut bos_token_id = token_ids(json.get("bos_token_id")).first().copied();
@@ -210,7 +243,7 @@ pub(crate) fn parse_config(
         architecture,
         vocab_size: f.usize("vocab_size")?,
         hidden_size,
-        num_layers: f.usize("num_hidden_layers")?,
+        num_layers,
         num_heads,
         num_kv_heads,
         head_dim,
@@ -225,7 +258,103 @@ pub(crate) fn parse_config(
         final_logit_softcap,
         bos_token_id,
         eos_token_ids,
+        sliding_window,
+        gemma3,
         nanochat: None,
+    })
+}
+
+/// The sliding window an architecture applies (Hugging Face's count of keys, the query's own
+/// included): Mistral and Phi-3 on every layer, Gemma 3 on its local layers. Qwen's
+/// `use_sliding_window` (off in every released Qwen2/Qwen3 model) is refused rather than ignored.
+fn sliding_window(
+    f: &Fields<'_>,
+    architecture: Architecture,
+    model_type: &str,
+) -> Result<Option<usize>, LoadError> {
+    match architecture {
+        Architecture::Mistral | Architecture::Phi3 | Architecture::Gemma3 => {
+            f.opt_usize("sliding_window")
+        }
+        Architecture::Llama | Architecture::Qwen3
+            if model_type.starts_with("qwen")
+                && f.opt_bool("use_sliding_window")? == Some(true) =>
+        {
+            Err(LoadError::config(
+                f.path,
+                "use_sliding_window",
+                "Qwen's per-layer sliding window (max_window_layers) is not supported",
+            ))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Gemma 3's extras: `query_pre_attn_scalar`, the local layers' RoPE base
+/// (`rope_parameters.sliding_attention.rope_theta` in transformers 5, `rope_local_base_freq`
+/// before) and which layers are global (`layer_types`, or every `sliding_window_pattern`-th).
+fn gemma3_params(
+    f: &Fields<'_>,
+    rope_all: Option<&Value>,
+    head_dim: usize,
+    num_layers: usize,
+) -> Result<Gemma3Params, LoadError> {
+    if f.opt_f32("attn_logit_softcapping")?.is_some() {
+        return Err(LoadError::config(
+            f.path,
+            "attn_logit_softcapping",
+            "attention logit soft-capping (Gemma 2) is not supported",
+        ));
+    }
+    match f.json.get("hidden_activation").and_then(Value::as_str) {
+        None | Some("gelu_pytorch_tanh") => {}
+        Some(other) => {
+            return Err(LoadError::config(
+                f.path,
+                "hidden_activation",
+                format!("`{other}` is not supported (kiln supports gelu_pytorch_tanh)"),
+            ))
+        }
+    }
+    let local = match rope_all.and_then(|p| p.get("sliding_attention")) {
+        Some(p) => opt_f32_in(f.path, p, "rope_theta")?,
+        None => None,
+    };
+    let rope_local_theta = match local {
+        Some(t) => t,
+        None => f.opt_f32("rope_local_base_freq")?.unwrap_or(10000.0),
+    };
+    let global_layers = match f.json.get("layer_types") {
+        Some(Value::Array(types)) => types
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("full_attention") => Ok(true),
+                Some("sliding_attention") => Ok(false),
+                _ => Err(LoadError::config(
+                    f.path,
+                    "layer_types",
+                    format!("{t} is neither \"full_attention\" nor \"sliding_attention\""),
+                )),
+            })
+            .collect::<Result<Vec<bool>, LoadError>>()?,
+        _ => {
+            let pattern = f.opt_usize("sliding_window_pattern")?.unwrap_or(6);
+            (0..num_layers).map(|i| (i + 1) % pattern == 0).collect()
+        }
+    };
+    if global_layers.len() != num_layers {
+        return Err(LoadError::config(
+            f.path,
+            "layer_types",
+            format!("{} entries for {num_layers} layers", global_layers.len()),
+        ));
+    }
+    Ok(Gemma3Params {
+        query_pre_attn_scalar: f
+            .opt_f32("query_pre_attn_scalar")?
+            .unwrap_or(head_dim as f32),
+        rope_local_theta,
+        global_layers,
     })
 }
 
@@ -302,6 +431,8 @@ fn parse_nanochat_native(path: &Path, json: &Value) -> Result<ModelConfig, LoadE
         final_logit_softcap: f.opt_f32("softcap")?,
         bos_token_id: bos,
         eos_token_ids: assistant_end.into_iter().collect(),
+        sliding_window: None,
+        gemma3: None,
         nanochat: Some(NanochatNative {
             era: json
                 .get("era")

@@ -11,7 +11,7 @@ mod tensor;
 
 use std::path::{Path, PathBuf};
 
-pub use config::{Architecture, ModelConfig, NanochatNative, RopeScaling, RopeStyle};
+pub use config::{Architecture, Gemma3Params, ModelConfig, NanochatNative, RopeScaling, RopeStyle};
 pub use error::LoadError;
 pub use tensor::{DType, Tensor, TensorBytes, Weights};
 

@@ -168,6 +168,8 @@ pub fn uniform_model_on(
         final_logit_softcap: None,
         bos_token_id: tokenizer.specials.bos_token_id,
         eos_token_ids: tokenizer.specials.eos_token_ids.clone(),
+        sliding_window: None,
+        gemma3: None,
         nanochat: None,
     };
     let mut w = Weights::new("uniform-model");

@@ -17,6 +17,8 @@ pub struct Workspace {
     normed: Vec<f32>,
     gated: Vec<f32>,
     angles: Vec<(f32, f32)>,
+    /// The same for the graph's local RoPE frequencies (empty when it has none).
+    angles_local: Vec<(f32, f32)>,
     /// Per-instruction wall time summed over steps, when profiling is on.
     profile: Option<Vec<std::time::Duration>>,
 }
@@ -89,8 +91,10 @@ pub(super) fn run(
     }
     let half = plan.graph.rope.head_dim / 2;
     ws.angles.clear();
+    ws.angles_local.clear();
     for r in rows {
         rope::push_angles(&be.inv_freq, r.pos, &mut ws.angles);
+        rope::push_angles(&be.inv_freq_local, r.pos, &mut ws.angles_local);
     }
 
     if let Some(p) = &mut ws.profile {
@@ -237,15 +241,22 @@ pub(super) fn run(
                     head_dim,
                     eps,
                     scale,
+                    weight,
                     ..
                 } => {
                     let x = view(&ins.inputs[0]);
+                    let w = weight.as_ref().map(|w| &be.vectors[w]);
                     for t in 0..rows_out {
                         let dst = row_mut(&mut out, stride, out_slot, t);
                         dst.copy_from_slice(x.row(t));
                         norm::head_norm_inplace(dst, *head_dim, *eps);
                         if *scale != 1.0 {
                             dst.iter_mut().for_each(|v| *v *= scale);
+                        }
+                        if let Some(w) = w {
+                            for head in dst.chunks_exact_mut(*head_dim) {
+                                head.iter_mut().zip(w.iter()).for_each(|(v, g)| *v *= g);
+                            }
                         }
                     }
                 }
@@ -328,8 +339,11 @@ pub(super) fn run(
                         kv.write_state(r.slot, r.pos, e.row(t));
                     }
                 }
-                Op::Rope { head_dim, .. } => {
+                Op::Rope {
+                    head_dim, local, ..
+                } => {
                     let x = view(&ins.inputs[0]);
+                    let angles = if *local { &ws.angles_local } else { &ws.angles };
                     for t in 0..rows_out {
                         let dst = row_mut(&mut out, stride, out_slot, t);
                         dst.copy_from_slice(x.row(t));
@@ -337,7 +351,7 @@ pub(super) fn run(
                             dst,
                             *head_dim,
                             plan.graph.rope.style,
-                            &ws.angles[t * half..(t + 1) * half],
+                            &angles[t * half..(t + 1) * half],
                         );
                     }
                 }

@@ -18,7 +18,7 @@ pub use attention::TokenRow;
 pub use exec::Workspace;
 pub use rope::inv_freq as rope_inv_freq;
 
-use crate::graph::{passes, Graph, Linear, Op};
+use crate::graph::{passes, Graph, Linear, Norm, Op};
 use crate::kv::{KvBudget, KvCache, KvDtype, KvError, KvOptions};
 use crate::model::arch::{build_graph, LogitRows};
 use crate::model::{DType, LoadError, ModelConfig, Weights};
@@ -99,6 +99,8 @@ pub struct CpuBackend {
     plan_matrices: [Vec<Option<usize>>; 3],
     vectors: HashMap<String, Vec<f32>>,
     inv_freq: Vec<f32>,
+    /// The frequencies of `Rope { local: true }` (the graph's `rope_local`); empty when unused.
+    inv_freq_local: Vec<f32>,
 }
 
 /// The optimised graph every CPU plan is lowered from.
@@ -152,6 +154,11 @@ impl CpuBackend {
         let decode = ExecutionPlan::lower(last, Phase::Decode);
         let all_logits = ExecutionPlan::lower(all, Phase::Prefill);
         let inv_freq = rope::inv_freq(&prefill.graph.rope);
+        let inv_freq_local = prefill
+            .graph
+            .rope_local
+            .as_ref()
+            .map_or_else(Vec::new, rope::inv_freq);
 
         // Pack every distinct weight once; each plan instruction then names its matrix by index,
         // so a step never builds a key or hashes a name to find its weights.
@@ -189,10 +196,13 @@ impl CpuBackend {
                             },
                         )?)
                     }
-                    Op::RmsNorm(n) => {
-                        if let Some(w) = &n.weight {
-                            vectors.insert(w.clone(), weights.get(w)?.to_f32_vec());
-                        }
+                    Op::RmsNorm(Norm {
+                        weight: Some(w), ..
+                    })
+                    | Op::HeadNorm {
+                        weight: Some(w), ..
+                    } => {
+                        vectors.insert(w.clone(), weights.get(w)?.to_f32_vec());
                         None
                     }
                     _ => None,
@@ -211,6 +221,7 @@ impl CpuBackend {
             plan_matrices,
             vectors,
             inv_freq,
+            inv_freq_local,
         })
     }
 

@@ -364,6 +364,8 @@ pub struct CudaBackend {
     pub(super) matrices: HashMap<String, DevMatrix>,
     pub(super) vectors: HashMap<String, CudaSlice<f32>>,
     pub(super) inv_freq: CudaSlice<f32>,
+    /// `Rope { local: true }`'s frequencies (the graph's `rope_local`).
+    pub(super) inv_freq_local: CudaSlice<f32>,
     /// `sm_XY` as the number XY, and the CUDA headers, for compiling the megakernel.
     pub(super) arch: u32,
     pub(super) include: PathBuf,
@@ -413,6 +415,7 @@ fn act_code(a: Activation) -> i32 {
     match a {
         Activation::Silu => 0,
         Activation::ReluSquared => 1,
+        Activation::GeluTanh => 2,
     }
 }
 
@@ -463,6 +466,12 @@ impl CudaBackend {
         let blas = load_cublas(&stream);
         let inv = crate::backend::cpu::rope_inv_freq(&prefill.graph.rope);
         let inv_freq = stream.clone_htod(&inv).map_err(drv)?;
+        // The local layers' frequencies (Gemma 3); one unused element when there are none.
+        let inv_local = match &prefill.graph.rope_local {
+            Some(spec) => crate::backend::cpu::rope_inv_freq(spec),
+            None => vec![0.0],
+        };
+        let inv_freq_local = stream.clone_htod(&inv_local).map_err(drv)?;
 
         let mut matrices = HashMap::new();
         let mut vectors = HashMap::new();
@@ -506,6 +515,9 @@ impl CudaBackend {
                             upload_vec(w, &mut vectors)?;
                         }
                     }
+                    Op::HeadNorm {
+                        weight: Some(w), ..
+                    } => upload_vec(w, &mut vectors)?,
                     Op::Attention { head_dim, .. } if *head_dim > 256 => {
                         return Err(CudaError::Unsupported(format!("head_dim {head_dim} > 256")))
                     }
@@ -527,6 +539,7 @@ impl CudaBackend {
             matrices,
             vectors,
             inv_freq,
+            inv_freq_local,
             arch,
             include,
             blas,
@@ -1025,12 +1038,23 @@ impl CudaBackend {
                     head_dim,
                     eps,
                     scale,
+                    weight,
                 } => {
                     let (x, xs) = inp(0);
+                    let w = weight.as_ref().map_or(0, |w| self.ptr(&self.vectors[w]));
                     launch!(self, "head_norm", cfg((div(rows_out * heads, 4), 1, 1), 128);
-                        x, xs, out, os, ro, *heads as i32, *head_dim as i32, *eps, *scale);
+                        x, xs, out, os, ro, *heads as i32, *head_dim as i32, *eps, *scale, w);
                 }
-                Op::Rope { heads, head_dim } => {
+                Op::Rope {
+                    heads,
+                    head_dim,
+                    local,
+                } => {
+                    let table = if *local {
+                        &self.inv_freq_local
+                    } else {
+                        &self.inv_freq
+                    };
                     let (x, xs) = inp(0);
                     let style = match plan.graph.rope.style {
                         RopeStyle::HalfSplit => 0i32,
@@ -1038,7 +1062,7 @@ impl CudaBackend {
                         RopeStyle::HalfSplitNegated => 2,
                     };
                     launch!(self, "rope", cfg((div(rows_out * heads * head_dim / 2, 256), 1, 1), BLOCK);
-                        x, xs, out, os, d_pos, self.ptr(&self.inv_freq), ro, *heads as i32,
+                        x, xs, out, os, d_pos, self.ptr(table), ro, *heads as i32,
                         *head_dim as i32, style);
                 }
                 Op::Attention {

@@ -29,10 +29,14 @@ use crate::graph::{Activation, Epilogue, Norm, Op, Value};
 use crate::model::{LoadError, RopeStyle as ModelRope, Weights};
 use crate::plan::ExecutionPlan;
 
-fn act(a: Activation) -> Act {
+fn act(a: Activation, label: &str) -> Result<Act, LowerError> {
     match a {
-        Activation::Silu => Act::Silu,
-        Activation::ReluSquared => Act::ReluSquared,
+        Activation::Silu => Ok(Act::Silu),
+        Activation::ReluSquared => Ok(Act::ReluSquared),
+        Activation::GeluTanh => Err(LowerError::Unsupported {
+            op: "gelu_tanh activation (Gemma 3's MLP)".into(),
+            label: label.into(),
+        }),
     }
 }
 
@@ -167,7 +171,7 @@ pub fn lower_decode(plan: &ExecutionPlan, batch: usize) -> Result<DecodeProgram,
                             input: x,
                             out: b,
                             act: match epilogue {
-                                Epilogue::Activation(a) => Some(act(*a)),
+                                Epilogue::Activation(a) => Some(act(*a, label)?),
                                 _ => None,
                             },
                         });
@@ -195,7 +199,7 @@ pub fn lower_decode(plan: &ExecutionPlan, batch: usize) -> Result<DecodeProgram,
                             norm: nspec,
                             gate: ws[0],
                             up: ws[1],
-                            act: act(*a),
+                            act: act(*a, label)?,
                             input: x,
                             out,
                         });
@@ -203,7 +207,15 @@ pub fn lower_decode(plan: &ExecutionPlan, batch: usize) -> Result<DecodeProgram,
                     _ => return Err(unsupported(&node.op, label)),
                 }
             }
-            Op::Rope { heads, head_dim } => {
+            Op::Rope { local: true, .. } => {
+                return Err(LowerError::Unsupported {
+                    op: "rope with the local layers' own frequencies (Gemma 3)".into(),
+                    label: label.into(),
+                })
+            }
+            Op::Rope {
+                heads, head_dim, ..
+            } => {
                 // Fused into the KV append when its only reader is an attention's key input.
                 let v = Value::new(id, 0);
                 let only_key = uses[id] == 1
@@ -224,10 +236,19 @@ pub fn lower_decode(plan: &ExecutionPlan, batch: usize) -> Result<DecodeProgram,
                 });
             }
             Op::HeadNorm {
+                weight: Some(_), ..
+            } => {
+                return Err(LowerError::Unsupported {
+                    op: "head_norm with a weight (the q/k norm of Qwen3 and Gemma 3)".into(),
+                    label: label.into(),
+                })
+            }
+            Op::HeadNorm {
                 heads,
                 head_dim,
                 eps,
                 scale,
+                weight: None,
             } => {
                 let x = input(0)?;
                 let out = single_out(&mut p, &mut val);
@@ -285,7 +306,7 @@ pub fn lower_decode(plan: &ExecutionPlan, batch: usize) -> Result<DecodeProgram,
                     Op::Add => Ewise::Combine { a: 1.0, b: 1.0 },
                     Op::Combine { a, b } => Ewise::Combine { a: *a, b: *b },
                     Op::Mul => Ewise::Mul,
-                    Op::Act(a) => Ewise::Act(act(*a)),
+                    Op::Act(a) => Ewise::Act(act(*a, label)?),
                     Op::Softcap { cap } => Ewise::Softcap(*cap),
                     _ => unreachable!("matched above"),
                 };

@@ -1,19 +1,39 @@
 //! `LlamaForCausalLM` and relatives: pre-norm blocks with weighted RMSNorm, GQA attention with
-//! RoPE, SwiGLU MLP, optional q/k/v(/o) biases (Qwen2), tied or untied head.
+//! RoPE, SwiGLU MLP, optional q/k/v(/o) biases (Qwen2), tied or untied head. The same block
+//! serves Mistral (sliding windows, from `ModelConfig::attention_window`), Qwen3 (q/k norm,
+//! [`Block::qk_norm`]) and Phi-3 (its fused projections split at load).
 
 use super::{Builder, LogitRows};
 use crate::graph::{Activation, Graph, Op};
 use crate::model::{LoadError, ModelConfig, Weights};
+
+/// What a relative changes in the Llama block.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Block {
+    /// Per-head RMSNorm of q and k (`self_attn.{q,k}_norm.weight`, `[head_dim]`) before RoPE.
+    pub qk_norm: bool,
+}
 
 pub(super) fn build(
     config: &ModelConfig,
     weights: &Weights,
     logits: LogitRows,
 ) -> Result<Graph, LoadError> {
+    build_block(config, weights, logits, Block::default())
+}
+
+pub(super) fn build_block(
+    config: &ModelConfig,
+    weights: &Weights,
+    logits: LogitRows,
+    block: Block,
+) -> Result<Graph, LoadError> {
     let mut b = Builder::new(config, weights);
     let c = config;
     let (hd, q_dim, kv_dim) = (c.head_dim, c.q_dim(), c.kv_dim());
-    let mut x = b.embed("model.embed_tokens.weight")?;
+    let embed = "model.embed_tokens.weight";
+    let embed_rows = b.vocab_rows(embed)?;
+    let mut x = b.embed_rows(embed, embed_rows)?;
     for i in 0..c.num_layers {
         let p = format!("model.layers.{i}");
         let l = format!("layers.{i}");
@@ -28,22 +48,26 @@ pub(super) fn build(
         let q = b.matmul(h, q, format!("{l}.attn.q"));
         let k = b.matmul(h, k, format!("{l}.attn.k"));
         let v = b.matmul(h, v, format!("{l}.attn.v"));
-        let q = b.op1(
-            Op::Rope {
-                heads: c.num_heads,
-                head_dim: hd,
-            },
-            vec![q],
-            format!("{l}.attn.rope_q"),
-        );
-        let k = b.op1(
-            Op::Rope {
-                heads: c.num_kv_heads,
-                head_dim: hd,
-            },
-            vec![k],
-            format!("{l}.attn.rope_k"),
-        );
+        let (q, k) = if block.qk_norm {
+            (
+                b.head_norm(
+                    q,
+                    c.num_heads,
+                    &format!("{p}.self_attn.q_norm.weight"),
+                    format!("{l}.attn.q_norm"),
+                )?,
+                b.head_norm(
+                    k,
+                    c.num_kv_heads,
+                    &format!("{p}.self_attn.k_norm.weight"),
+                    format!("{l}.attn.k_norm"),
+                )?,
+            )
+        } else {
+            (q, k)
+        };
+        let q = b.rope(q, c.num_heads, false, format!("{l}.attn.rope_q"));
+        let k = b.rope(k, c.num_kv_heads, false, format!("{l}.attn.rope_k"));
         let a = b.op1(
             Op::Attention {
                 layer: i,
@@ -51,7 +75,7 @@ pub(super) fn build(
                 kv_heads: c.num_kv_heads,
                 head_dim: hd,
                 scale: 1.0 / (hd as f32).sqrt(),
-                window: None,
+                window: c.attention_window(i),
             },
             vec![q, k, v],
             format!("{l}.attn"),
@@ -105,7 +129,8 @@ pub(super) fn build(
     } else {
         "lm_head"
     };
-    let head = b.linear(head_name, c.vocab_size, c.hidden_size)?;
+    let head_rows = b.vocab_rows(&format!("{head_name}.weight"))?;
+    let head = b.linear_rows(head_name, c.vocab_size, head_rows, c.hidden_size)?;
     let out = b.matmul(h, head, "lm_head".into());
     Ok(b.finish(out))
 }

@@ -1,8 +1,15 @@
 //! One graph builder per architecture family. Builders check every weight they reference
 //! against the shape the config implies, so a wrong file fails at load with the tensor's name.
 
+mod gemma3;
 mod llama;
+mod mistral;
 mod nanochat;
+mod phi3;
+mod qwen3;
+
+pub(crate) use gemma3::hf_norm_weights as gemma3_hf_norm_weights;
+pub(crate) use phi3::split_fused as phi3_split_fused;
 
 use crate::graph::{Graph, KvSpec, Linear, Norm, Op, RopeSpec, Value};
 use crate::model::{Architecture, LoadError, ModelConfig, Weights};
@@ -24,6 +31,10 @@ pub fn build_graph(
 ) -> Result<Graph, LoadError> {
     match config.architecture {
         Architecture::Llama => llama::build(config, weights, logits),
+        Architecture::Mistral => mistral::build(config, weights, logits),
+        Architecture::Qwen3 => qwen3::build(config, weights, logits),
+        Architecture::Phi3 => phi3::build(config, weights, logits),
+        Architecture::Gemma3 => gemma3::build(config, weights, logits),
         Architecture::NanoChat => nanochat::build(config, weights, logits),
     }
 }
@@ -128,10 +139,6 @@ impl<'a> Builder<'a> {
         ))
     }
 
-    pub fn embed(&mut self, table: &str) -> Result<Value, LoadError> {
-        self.embed_rows(table, self.config.vocab_size)
-    }
-
     /// The token embedding from a table of `rows` rows (≥ vocab_size when padded).
     pub fn embed_rows(&mut self, table: &str, rows: usize) -> Result<Value, LoadError> {
         self.embed_table(table, rows, self.config.hidden_size, "embed".into())
@@ -155,6 +162,56 @@ impl<'a> Builder<'a> {
             },
             vec![ids],
             dim,
+            label,
+        ))
+    }
+
+    /// Rows of a vocabulary table (embedding or head): the tensor's own row count, which may
+    /// exceed `vocab_size` when the file pads the vocabulary (Qwen2.5: 151,936 rows for
+    /// 151,665 tokens); the padded rows are never looked up and never become logits. A table
+    /// with fewer rows than the vocabulary fails the shape check where it is used.
+    pub fn vocab_rows(&self, table: &str) -> Result<usize, LoadError> {
+        let t = self.weights.get(table)?;
+        Ok(t.shape
+            .first()
+            .copied()
+            .unwrap_or(0)
+            .max(self.config.vocab_size))
+    }
+
+    /// RoPE over `heads` heads, with the local layers' frequencies when `local` is set.
+    pub fn rope(&mut self, x: Value, heads: usize, local: bool, label: String) -> Value {
+        let head_dim = self.config.head_dim;
+        self.op1(
+            Op::Rope {
+                heads,
+                head_dim,
+                local,
+            },
+            vec![x],
+            label,
+        )
+    }
+
+    /// Per-head RMSNorm with a `[head_dim]` weight shared by the heads (q/k norm).
+    pub fn head_norm(
+        &mut self,
+        x: Value,
+        heads: usize,
+        weight: &str,
+        label: String,
+    ) -> Result<Value, LoadError> {
+        let head_dim = self.config.head_dim;
+        self.weights.get_shaped(weight, &[head_dim])?;
+        Ok(self.op1(
+            Op::HeadNorm {
+                heads,
+                head_dim,
+                eps: self.config.rms_norm_eps,
+                scale: 1.0,
+                weight: Some(weight.to_string()),
+            },
+            vec![x],
             label,
         ))
     }

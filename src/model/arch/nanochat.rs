@@ -125,6 +125,7 @@ pub(super) fn build(
             Op::Rope {
                 heads: c.num_heads,
                 head_dim: hd,
+                local: false,
             },
             vec![q],
             format!("{tag}.attn.rope_q"),
@@ -133,6 +134,7 @@ pub(super) fn build(
             Op::Rope {
                 heads: c.num_kv_heads,
                 head_dim: hd,
+                local: false,
             },
             vec![k],
             format!("{tag}.attn.rope_k"),
@@ -144,6 +146,7 @@ pub(super) fn build(
                 head_dim: hd,
                 eps,
                 scale,
+                weight: None,
             },
             vec![q],
             format!("{tag}.attn.q_norm"),
@@ -154,6 +157,7 @@ pub(super) fn build(
                 head_dim: hd,
                 eps,
                 scale,
+                weight: None,
             },
             vec![k],
             format!("{tag}.attn.k_norm"),

@@ -14,14 +14,25 @@ use std::sync::Arc;
 pub use reader::{GgmlType, GgufFile, GgufTensorInfo, GgufValue, DEFAULT_ALIGNMENT, GGUF_MAGIC};
 
 use super::{
-    Architecture, DType, LoadError, Model, ModelConfig, RopeScaling, RopeStyle, Tensor,
-    TensorBytes, Weights,
+    Architecture, DType, Gemma3Params, LoadError, Model, ModelConfig, RopeScaling, RopeStyle,
+    Tensor, TensorBytes, Weights,
 };
 use crate::tokenizer::gguf::tokenizer_from_gguf;
 use crate::tokenizer::SpecialTokens;
 
 /// Architectures whose GGUF metadata and tensor names this module understands.
-const SUPPORTED: &str = "llama";
+const SUPPORTED: &str = "llama, qwen2, qwen3, phi3, gemma3";
+
+/// The kiln architecture a GGUF `general.architecture` maps to.
+fn architecture(name: &str) -> Option<Architecture> {
+    Some(match name {
+        "llama" | "qwen2" => Architecture::Llama,
+        "qwen3" => Architecture::Qwen3,
+        "phi3" => Architecture::Phi3,
+        "gemma3" => Architecture::Gemma3,
+        _ => return None,
+    })
+}
 
 impl GgufFile {
     /// One tensor as a [`Tensor`] named `name`: F32/F16/BF16 and the block formats of
@@ -66,20 +77,21 @@ impl GgufFile {
     }
 }
 
-/// Loads a llama-architecture GGUF file: config, tokenizer and all weights.
+/// Loads a GGUF file of a supported architecture: config, tokenizer and all weights.
 pub fn load(path: &Path) -> Result<Model, LoadError> {
     let file = GgufFile::open(path)?;
-    let arch = file.get_str("general.architecture")?;
-    if arch != "llama" {
-        return Err(LoadError::UnknownArchitecture {
-            path: path.to_path_buf(),
-            found: arch.to_string(),
-            supported: SUPPORTED,
-        });
-    }
+    let arch = file.get_str("general.architecture")?.to_string();
+    let family = architecture(&arch).ok_or_else(|| LoadError::UnknownArchitecture {
+        path: path.to_path_buf(),
+        found: arch.clone(),
+        supported: SUPPORTED,
+    })?;
     let tokenizer = tokenizer_from_gguf(&file)?;
-    let config = llama_config(&file, &tokenizer.specials)?;
-    let (weights, weight_type) = load_weights(&file)?;
+    let config = gguf_config(&file, &arch, family, &tokenizer.specials)?;
+    let (mut weights, weight_type) = load_weights(&file, family)?;
+    if family == Architecture::Phi3 {
+        crate::model::arch::phi3_split_fused(&config, &mut weights)?;
+    }
     Ok(Model {
         path: path.to_path_buf(),
         config,
@@ -89,9 +101,15 @@ pub fn load(path: &Path) -> Result<Model, LoadError> {
     })
 }
 
-/// Maps `llama.*` metadata onto [`ModelConfig`]; key names follow llama.cpp's `LLM_KV_*`.
-pub fn llama_config(file: &GgufFile, specials: &SpecialTokens) -> Result<ModelConfig, LoadError> {
+/// Maps `{arch}.*` metadata onto [`ModelConfig`]; key names follow llama.cpp's `LLM_KV_*`.
+pub fn gguf_config(
+    file: &GgufFile,
+    arch: &str,
+    family: Architecture,
+    specials: &SpecialTokens,
+) -> Result<ModelConfig, LoadError> {
     let path = &file.path;
+    let key = |k: &str| format!("{arch}.{k}");
     let usize_of = |key: &str| file.get_u32(key).map(|v| v as usize);
     let positive = |key: &str| -> Result<usize, LoadError> {
         match usize_of(key)? {
@@ -108,39 +126,39 @@ pub fn llama_config(file: &GgufFile, specials: &SpecialTokens) -> Result<ModelCo
         ));
     }
 
-    let vocab_size = match file.opt_u32("llama.vocab_size")? {
+    let vocab_size = match file.opt_u32(&key("vocab_size"))? {
         Some(v) => v as usize,
         None => match file.get("tokenizer.ggml.tokens") {
             Some(_) => file.get_str_array("tokenizer.ggml.tokens")?.len(),
             None => {
                 return Err(LoadError::config(
                     path,
-                    "llama.vocab_size",
+                    &key("vocab_size"),
                     "missing, and there is no tokenizer.ggml.tokens list to count",
                 ))
             }
         },
     };
-    let hidden_size = positive("llama.embedding_length")?;
-    let num_layers = positive("llama.block_count")?;
-    let num_heads = positive("llama.attention.head_count")?;
-    let num_kv_heads = match file.opt_u32("llama.attention.head_count_kv")? {
+    let hidden_size = positive(&key("embedding_length"))?;
+    let num_layers = positive(&key("block_count"))?;
+    let num_heads = positive(&key("attention.head_count"))?;
+    let num_kv_heads = match file.opt_u32(&key("attention.head_count_kv"))? {
         Some(v) => v as usize,
         None => num_heads,
     };
     if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
         return Err(LoadError::config(
             path,
-            "llama.attention.head_count_kv",
+            &key("attention.head_count_kv"),
             format!("{num_kv_heads} does not divide the {num_heads} query heads"),
         ));
     }
-    let head_dim = match file.opt_u32("llama.attention.key_length")? {
+    let head_dim = match file.opt_u32(&key("attention.key_length"))? {
         Some(v) if v > 0 => v as usize,
         Some(_) => {
             return Err(LoadError::config(
                 path,
-                "llama.attention.key_length",
+                &key("attention.key_length"),
                 "must be positive",
             ))
         }
@@ -148,28 +166,71 @@ pub fn llama_config(file: &GgufFile, specials: &SpecialTokens) -> Result<ModelCo
         None => {
             return Err(LoadError::config(
                 path,
-                "llama.attention.head_count",
+                &key("attention.head_count"),
                 format!("{num_heads} heads do not divide embedding_length {hidden_size}"),
             ))
         }
     };
-    if let Some(v) = file.opt_u32("llama.attention.value_length")? {
+    if let Some(v) = file.opt_u32(&key("attention.value_length"))? {
         if v as usize != head_dim {
             return Err(LoadError::config(
                 path,
-                "llama.attention.value_length",
+                &key("attention.value_length"),
                 format!("{v} differs from the key length {head_dim}, which is not supported"),
             ));
         }
     }
-    let intermediate_size = positive("llama.feed_forward_length")?;
-    let rms_norm_eps = file.get_f32("llama.attention.layer_norm_rms_epsilon")?;
-    let rope_theta = file.opt_f32("llama.rope.freq_base")?.unwrap_or(10000.0);
-    let rope_scaling = rope_scaling(file)?;
-    let max_position_embeddings = positive("llama.context_length")?;
+    let intermediate_size = positive(&key("feed_forward_length"))?;
+    let rms_norm_eps = file.get_f32(&key("attention.layer_norm_rms_epsilon"))?;
+    let rope_theta = file.opt_f32(&key("rope.freq_base"))?.unwrap_or(10000.0);
+    let rope_scaling = rope_scaling(file, arch)?;
+    let max_position_embeddings = positive(&key("context_length"))?;
+    for t in ["rope_factors_long.weight", "rope_factors_short.weight"] {
+        if file.tensor(t).is_some() {
+            return Err(LoadError::tensor(
+                path,
+                t,
+                "Phi-3 long-context RoPE factors (longrope) are not supported yet",
+            ));
+        }
+    }
+    let sliding_window = match file.opt_u32(&key("attention.sliding_window"))? {
+        Some(0) => {
+            return Err(LoadError::config(
+                path,
+                &key("attention.sliding_window"),
+                "must be positive",
+            ))
+        }
+        w => w.map(|w| w as usize),
+    };
+    // llama.cpp writes Mistral as `llama`; a sliding window is what sets it apart.
+    let family = match family {
+        Architecture::Llama if arch == "llama" && sliding_window.is_some() => Architecture::Mistral,
+        f => f,
+    };
+    let gemma3 = match family {
+        Architecture::Gemma3 => Some(Gemma3Params {
+            // llama.cpp scales Gemma 3's scores by 1/√head_dim (the 27B model excepted, whose
+            // query_pre_attn_scalar is hidden/heads); the GGUF has no key for it.
+            query_pre_attn_scalar: head_dim as f32,
+            rope_local_theta: file.opt_f32(&key("rope.freq_base_swa"))?.unwrap_or(10000.0),
+            // llama.cpp's Gemma 3 pattern: every sixth layer is global.
+            global_layers: (0..num_layers).map(|i| (i + 1) % 6 == 0).collect(),
+        }),
+        _ => None,
+    };
+    // llama.cpp's converter permutes llama's q/k rows so that adjacent pairs rotate together
+    // (the weights are kept as stored and the rotation follows them); the other architectures
+    // keep Hugging Face's row order and rotate halves (llama.cpp's NEOX mode).
+    let rope_style = if arch == "llama" {
+        RopeStyle::Interleaved
+    } else {
+        RopeStyle::HalfSplit
+    };
 
     Ok(ModelConfig {
-        architecture: Architecture::Llama,
+        architecture: family,
         vocab_size,
         hidden_size,
         num_layers,
@@ -180,33 +241,33 @@ pub fn llama_config(file: &GgufFile, specials: &SpecialTokens) -> Result<ModelCo
         rms_norm_eps,
         rope_theta,
         rope_scaling,
-        // llama.cpp's converter permutes q/k rows so that adjacent pairs rotate together; the
-        // weights are kept as stored and the rotation follows them.
-        rope_style: RopeStyle::Interleaved,
+        rope_style,
         max_position_embeddings,
         tie_word_embeddings: file.tensor("output.weight").is_none(),
         attention_bias: file.tensor("blk.0.attn_q.bias").is_some(),
         final_logit_softcap: None,
         bos_token_id: specials.bos_token_id,
         eos_token_ids: specials.eos_token_ids.clone(),
+        sliding_window,
+        gemma3,
         nanochat: None,
     })
 }
 
-fn rope_scaling(file: &GgufFile) -> Result<Option<RopeScaling>, LoadError> {
-    const TYPE: &str = "llama.rope.scaling.type";
-    const FACTOR: &str = "llama.rope.scaling.factor";
-    let factor = match file.opt_str(TYPE)? {
-        None | Some("none") => match file.opt_f32("llama.rope.scale_linear")? {
+fn rope_scaling(file: &GgufFile, arch: &str) -> Result<Option<RopeScaling>, LoadError> {
+    let type_key = format!("{arch}.rope.scaling.type");
+    let factor_key = format!("{arch}.rope.scaling.factor");
+    let factor = match file.opt_str(&type_key)? {
+        None | Some("none") => match file.opt_f32(&format!("{arch}.rope.scale_linear"))? {
             // The key older converters wrote for linear scaling.
             Some(f) if f != 1.0 => f,
             _ => return Ok(None),
         },
-        Some("linear") => file.get_f32(FACTOR)?,
+        Some("linear") => file.get_f32(&factor_key)?,
         Some(other) => {
             return Err(LoadError::config(
                 file.path.as_path(),
-                TYPE,
+                &type_key,
                 format!("rope scaling `{other}` is not supported (kiln supports: linear)"),
             ))
         }
@@ -214,7 +275,7 @@ fn rope_scaling(file: &GgufFile) -> Result<Option<RopeScaling>, LoadError> {
     if !(factor.is_finite() && factor > 0.0) {
         return Err(LoadError::config(
             file.path.as_path(),
-            FACTOR,
+            &factor_key,
             format!("expected a positive factor, found {factor}"),
         ));
     }
@@ -224,6 +285,14 @@ fn rope_scaling(file: &GgufFile) -> Result<Option<RopeScaling>, LoadError> {
 /// Hugging Face's name for a llama GGUF tensor; names it does not know pass through unchanged so
 /// that extra tensors stay reachable (and reported) instead of failing the load.
 pub fn hf_name(gguf: &str) -> String {
+    hf_name_for(Architecture::Llama, gguf)
+}
+
+/// Hugging Face's name for a GGUF tensor of `family`. The same GGUF name can mean different
+/// things: `ffn_norm` is Llama's `post_attention_layernorm` (the norm before the MLP) but
+/// Gemma 3's `pre_feedforward_layernorm` (Gemma's `post_attention_layernorm` is
+/// `post_attention_norm`), and Phi-3's `ffn_up` is the fused `gate_up_proj`.
+pub fn hf_name_for(family: Architecture, gguf: &str) -> String {
     match gguf {
         "token_embd.weight" => return "model.embed_tokens.weight".into(),
         "output_norm.weight" => return "model.norm.weight".into(),
@@ -237,14 +306,23 @@ pub fn hf_name(gguf: &str) -> String {
         if suffix != "weight" && suffix != "bias" {
             return None;
         }
+        let gemma = family == Architecture::Gemma3;
+        let phi3 = family == Architecture::Phi3;
         let hf = match base {
             "attn_norm" => "input_layernorm",
             "attn_q" => "self_attn.q_proj",
             "attn_k" => "self_attn.k_proj",
             "attn_v" => "self_attn.v_proj",
+            "attn_qkv" if phi3 => "self_attn.qkv_proj",
+            "attn_q_norm" => "self_attn.q_norm",
+            "attn_k_norm" => "self_attn.k_norm",
             "attn_output" => "self_attn.o_proj",
+            "ffn_norm" if gemma => "pre_feedforward_layernorm",
             "ffn_norm" => "post_attention_layernorm",
+            "post_attention_norm" if gemma => "post_attention_layernorm",
+            "post_ffw_norm" if gemma => "post_feedforward_layernorm",
             "ffn_gate" => "mlp.gate_proj",
+            "ffn_up" if phi3 => "mlp.gate_up_proj",
             "ffn_up" => "mlp.up_proj",
             "ffn_down" => "mlp.down_proj",
             _ => return None,
@@ -257,11 +335,11 @@ pub fn hf_name(gguf: &str) -> String {
 /// Every tensor under its Hugging Face name, plus the most common ggml type among the 2-D
 /// tensors (the matrices that dominate size and speed), which is what a report should call the
 /// model's weight type. Ties go to the type seen first in the file.
-fn load_weights(file: &GgufFile) -> Result<(Weights, String), LoadError> {
+fn load_weights(file: &GgufFile, family: Architecture) -> Result<(Weights, String), LoadError> {
     let mut weights = Weights::new(&file.path);
     let mut counts: BTreeMap<GgmlType, (usize, usize)> = BTreeMap::new();
     for (i, info) in file.tensors.iter().enumerate() {
-        let name = hf_name(&info.name);
+        let name = hf_name_for(family, &info.name);
         if weights.contains(&name) {
             return Err(LoadError::tensor(
                 &file.path,
