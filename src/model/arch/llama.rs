@@ -105,7 +105,8 @@ pub(super) fn build(
     } else {
         "lm_head"
     };
-    let head = b.linear(head_name, c.vocab_size, c.hidden_size)?;
+    let head_rows = b.vocab_rows(&format!("{head_name}.weight"));
+    let head = b.linear_rows(head_name, c.vocab_size, head_rows, c.hidden_size)?;
     let out = b.matmul(h, head, "lm_head".into());
     Ok(b.finish(out))
 }

@@ -5,6 +5,7 @@ mod llama;
 mod nanochat;
 
 use crate::graph::{Graph, KvSpec, Linear, Norm, Op, RopeSpec, Value};
+use crate::model::validate::{self, Keys};
 use crate::model::{Architecture, LoadError, ModelConfig, Weights};
 
 /// Which token rows get logits.
@@ -22,6 +23,9 @@ pub fn build_graph(
     weights: &Weights,
     logits: LogitRows,
 ) -> Result<Graph, LoadError> {
+    // Loaders validate with the file's own key names; this catches configs built any other way
+    // before a single size is computed from them.
+    validate::check(&weights.source, config, &Keys::config())?;
     match config.architecture {
         Architecture::Llama => llama::build(config, weights, logits),
         Architecture::NanoChat => nanochat::build(config, weights, logits),
@@ -129,7 +133,17 @@ impl<'a> Builder<'a> {
     }
 
     pub fn embed(&mut self, table: &str) -> Result<Value, LoadError> {
-        self.embed_rows(table, self.config.vocab_size)
+        self.embed_rows(table, self.vocab_rows(table))
+    }
+
+    /// Rows of the vocabulary table `name`: all it stores when that is at least `vocab_size`
+    /// (a checkpoint may pad its embedding past the tokenizer's tokens, see `model::vocab`;
+    /// those rows are never read), else `vocab_size`, so that the shape check names the table.
+    pub fn vocab_rows(&self, name: &str) -> usize {
+        match self.weights.tensors.get(name) {
+            Some(t) if t.shape.len() == 2 && t.shape[0] >= self.config.vocab_size => t.shape[0],
+            _ => self.config.vocab_size,
+        }
     }
 
     /// The token embedding from a table of `rows` rows (≥ vocab_size when padded).

@@ -13,8 +13,9 @@ use std::sync::Arc;
 
 pub use reader::{GgmlType, GgufFile, GgufTensorInfo, GgufValue, DEFAULT_ALIGNMENT, GGUF_MAGIC};
 
+use super::validate::{self, Keys};
 use super::{
-    Architecture, DType, LoadError, Model, ModelConfig, RopeScaling, RopeStyle, Tensor,
+    vocab, Architecture, DType, LoadError, Model, ModelConfig, RopeScaling, RopeStyle, Tensor,
     TensorBytes, Weights,
 };
 use crate::tokenizer::gguf::tokenizer_from_gguf;
@@ -69,7 +70,8 @@ pub fn load(path: &Path) -> Result<Model, LoadError> {
         });
     }
     let tokenizer = tokenizer_from_gguf(&file)?;
-    let config = llama_config(&file, &tokenizer.specials)?;
+    let mut config = llama_config(&file, &tokenizer.specials)?;
+    vocab::fit_to_tokenizer(&mut config, &tokenizer);
     let (weights, weight_type) = load_weights(&file)?;
     Ok(Model {
         path: path.to_path_buf(),
@@ -153,13 +155,27 @@ pub fn llama_config(file: &GgufFile, specials: &SpecialTokens) -> Result<ModelCo
             ));
         }
     }
+    // Partial rotary embeddings (RoPE on the first n dimensions of a head) are not implemented;
+    // a file asking for them must not run as if it rotated every dimension.
+    if let Some(n) = file.opt_u32("llama.rope.dimension_count")? {
+        if n as usize != head_dim {
+            return Err(LoadError::config(
+                path,
+                "llama.rope.dimension_count",
+                format!(
+                    "RoPE on {n} of the {head_dim} dimensions of a head (partial rotary) is not \
+                     supported; kiln rotates whole heads"
+                ),
+            ));
+        }
+    }
     let intermediate_size = positive("llama.feed_forward_length")?;
     let rms_norm_eps = file.get_f32("llama.attention.layer_norm_rms_epsilon")?;
     let rope_theta = file.opt_f32("llama.rope.freq_base")?.unwrap_or(10000.0);
     let rope_scaling = rope_scaling(file)?;
     let max_position_embeddings = positive("llama.context_length")?;
 
-    Ok(ModelConfig {
+    let config = ModelConfig {
         architecture: Architecture::Llama,
         vocab_size,
         hidden_size,
@@ -181,7 +197,9 @@ pub fn llama_config(file: &GgufFile, specials: &SpecialTokens) -> Result<ModelCo
         bos_token_id: specials.bos_token_id,
         eos_token_ids: specials.eos_token_ids.clone(),
         nanochat: None,
-    })
+    };
+    validate::check(path, &config, &Keys::gguf("llama"))?;
+    Ok(config)
 }
 
 fn rope_scaling(file: &GgufFile) -> Result<Option<RopeScaling>, LoadError> {
