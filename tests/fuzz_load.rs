@@ -186,6 +186,15 @@ fn fuzz(format: Format) {
                 );
             }
         }
+        if (case + 1) % 10_000 == 0 {
+            let secs = started.elapsed().as_secs_f64();
+            eprintln!(
+                "fuzz {}: {} cases in {secs:.0} s ({:.0}/s), none escaped so far",
+                format.name(),
+                case + 1,
+                (case + 1) as f64 / secs.max(1e-9)
+            );
+        }
         // A panic kiln caught from a dependency and turned into an error: allowed, counted.
         if let Some(msg) = last {
             caught_inside += 1;
@@ -236,6 +245,30 @@ fn fuzz_tokenizer_json() {
 #[test]
 fn fuzz_chat_template() {
     fuzz(Format::ChatTemplate);
+}
+
+/// Replays a saved case: `KILN_FUZZ_REPLAY=target/fuzz-failures/DIR KILN_FUZZ_FORMAT=config
+/// cargo test --release --test fuzz_load replay -- --nocapture` (a GGUF case is its
+/// `model.gguf`; the format only decides which checks run after a load).
+#[test]
+fn replay() {
+    let Some(dir) = std::env::var_os("KILN_FUZZ_REPLAY").map(PathBuf::from) else {
+        return;
+    };
+    let format = std::env::var("KILN_FUZZ_FORMAT").unwrap_or_default();
+    let format = Format::ALL
+        .into_iter()
+        .find(|f| f.name() == format)
+        .unwrap_or(Format::Config);
+    let gguf = dir.join("model.gguf");
+    let path = if gguf.exists() { gguf } else { dir };
+    let started = Instant::now();
+    let outcome = fuzz::exercise(&path, format);
+    eprintln!(
+        "replay {}: {outcome:?} in {:?}",
+        path.display(),
+        started.elapsed()
+    );
 }
 
 /// The mutators are deterministic: the same seed gives the same bytes.

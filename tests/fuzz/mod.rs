@@ -336,14 +336,17 @@ fn mutated_json_text(rng: &mut Rng, mut doc: Value, keys: &[&str]) -> Vec<u8> {
 // ---------------------------------------------------------------------------------------------
 // GGUF
 
+/// One tensor of a [`Gguf`]: name, ggml dims, type id, an explicit offset (or `None`: laid
+/// out by the writer), data.
+pub type GgufTensor = (String, Vec<u64>, u32, Option<u64>, Vec<u8>);
+
 /// A GGUF file as editable parts; tensor data is kept per tensor so dims and types can change
 /// without the data moving.
 #[derive(Clone)]
 pub struct Gguf {
     pub version: u32,
     pub kv: Vec<(String, GgufValue)>,
-    /// (name, ggml dims, type id, explicit offset or laid out by the writer, data)
-    pub tensors: Vec<(String, Vec<u64>, u32, Option<u64>, Vec<u8>)>,
+    pub tensors: Vec<GgufTensor>,
     pub alignment: usize,
 }
 
