@@ -36,8 +36,9 @@ mod tests {
 
     /// A one-layer llama whose blocks add nothing (zero weights) and whose head scores the 37
     /// padding rows far above every real token: without the cut, greedy decoding picks a
-    /// padding id at once.
-    fn padded_model() -> GgufWriter {
+    /// padding id at once. Tied, the embedding is the head: its padding rows are twice the real
+    /// ones, which again makes them win.
+    fn padded_model(tied: bool) -> GgufWriter {
         let mut w = GgufWriter::new();
         let s = |x: &str| GgufValue::String(x.into());
         w.kv("general.architecture", s("llama"))
@@ -58,16 +59,16 @@ mod tests {
         let head: Vec<f32> = (0..ROWS)
             .flat_map(|r| vec![if r < TOKENS { 0.0 } else { 1.0 + r as f32 }; HIDDEN])
             .collect();
-        w.tensor(
-            "token_embd.weight",
-            &[h, ROWS as u64],
-            0,
-            f32_bytes(&vec![1f32; ROWS * HIDDEN]),
-        )
-        .tensor("output.weight", &[h, ROWS as u64], 0, f32_bytes(&head))
-        .tensor("output_norm.weight", &[h], 0, f32_bytes(&ones))
-        .tensor("blk.0.attn_norm.weight", &[h], 0, f32_bytes(&ones))
-        .tensor("blk.0.ffn_norm.weight", &[h], 0, f32_bytes(&ones));
+        let embd: Vec<f32> = (0..ROWS)
+            .flat_map(|r| vec![if tied && r >= TOKENS { 2.0 } else { 1.0 }; HIDDEN])
+            .collect();
+        w.tensor("token_embd.weight", &[h, ROWS as u64], 0, f32_bytes(&embd));
+        if !tied {
+            w.tensor("output.weight", &[h, ROWS as u64], 0, f32_bytes(&head));
+        }
+        w.tensor("output_norm.weight", &[h], 0, f32_bytes(&ones))
+            .tensor("blk.0.attn_norm.weight", &[h], 0, f32_bytes(&ones))
+            .tensor("blk.0.ffn_norm.weight", &[h], 0, f32_bytes(&ones));
         for name in [
             "attn_q",
             "attn_k",
@@ -89,13 +90,22 @@ mod tests {
 
     #[test]
     fn padding_rows_are_never_generated() {
-        let file = padded_model().write_temp("padded-vocab");
+        for tied in [false, true] {
+            generate_from_padded(tied);
+        }
+    }
+
+    fn generate_from_padded(tied: bool) {
+        let file = padded_model(tied).write_temp("padded-vocab");
         let model = gguf::load(file.path()).unwrap();
         assert_eq!(model.config.vocab_size, TOKENS);
-        assert_eq!(
-            model.weights.get("lm_head.weight").unwrap().shape,
-            vec![ROWS, HIDDEN]
-        );
+        assert_eq!(model.config.tie_word_embeddings, tied);
+        let table = if tied {
+            "model.embed_tokens.weight"
+        } else {
+            "lm_head.weight"
+        };
+        assert_eq!(model.weights.get(table).unwrap().shape, vec![ROWS, HIDDEN]);
         let engine = Arc::new(
             Engine::from_model(
                 model,

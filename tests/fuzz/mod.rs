@@ -634,7 +634,8 @@ fn mutated_safetensors(rng: &mut Rng, seed: &[u8]) -> Vec<u8> {
             .unwrap_or_default();
         if rng.chance(70) && !names.is_empty() {
             let name = rng.pick(&names).clone();
-            if let Some(entry) = header.get_mut(&name) {
+            // An earlier edit may have made the entry a non-object, which `[]` cannot index.
+            if let Some(entry) = header.get_mut(&name).filter(|e| e.is_object()) {
                 match rng.below(6) {
                     0 => {
                         entry["dtype"] = json!(rng.pick(&[
@@ -1215,7 +1216,8 @@ pub fn run_one(
     rng: &mut Rng,
     dir: &Path,
 ) -> Result<Outcome, String> {
-    let case = generate(format, seeds, rng);
+    let case = catch_unwind(AssertUnwindSafe(|| generate(format, seeds, rng)))
+        .map_err(|p| format!("the mutator itself panicked: {}", panic_message(p.as_ref())))?;
     let path = case
         .write(dir)
         .map_err(|e| format!("could not write the case to {}: {e}", dir.display()))?;
