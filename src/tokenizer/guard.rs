@@ -76,11 +76,11 @@ fn check_decoder(d: &Value) -> Result<(), String> {
                  panics on tokens shorter than that); only stop = 0 is"
             )),
         },
-        Some("Sequence") => d
+        // A sequence may come without its `type` (tokenizers also reads the untagged form).
+        _ => d
             .get("decoders")
             .and_then(Value::as_array)
             .map_or(Ok(()), |list| list.iter().try_for_each(check_decoder)),
-        _ => Ok(()),
     }
 }
 
@@ -100,6 +100,9 @@ mod tests {
         let doc = br#"{"decoder":{"type":"Sequence","decoders":[{"type":"Strip","content":" ","start":1,"stop":1}]}}"#;
         let e = check_json(doc).unwrap_err();
         assert!(e.contains("Strip") && e.contains("stop = 1"), "{e}");
+        let untagged =
+            br#"{"decoder":{"decoders":[{"type":"Strip","content":" ","start":0,"stop":2}]}}"#;
+        assert!(check_json(untagged).is_err());
         let ok = br#"{"decoder":{"type":"Strip","content":" ","start":1,"stop":0}}"#;
         assert_eq!(check_json(ok), Ok(()));
     }
