@@ -3,16 +3,17 @@
 //! `generation_config.json`. Weights stay memory-mapped.
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::path::Path;
 use std::sync::Arc;
 
 use memmap2::Mmap;
 use serde_json::Value;
 
+use super::files::{self, MAX_SIDE_FILE, MAX_TOKENIZER_JSON};
+use super::validate::{self, positive_finite, Keys};
 use super::{
-    Architecture, DType, Gemma3Params, LoadError, Model, ModelConfig, NanochatNative, RopeScaling,
-    RopeStyle, Tensor, TensorBytes, Weights,
+    vocab, Architecture, DType, Gemma3Params, LoadError, Model, ModelConfig, NanochatNative,
+    RopeScaling, RopeStyle, Tensor, TensorBytes, Weights,
 };
 use crate::tokenizer::{SpecialTokens, Tokenizer};
 
@@ -20,7 +21,7 @@ pub fn load(dir: &Path) -> Result<Model, LoadError> {
     let config_path = dir.join("config.json");
     let config_json = read_json(&config_path)?;
     let gen_path = dir.join("generation_config.json");
-    let gen_json = if gen_path.exists() {
+    let gen_json = if files::present(&gen_path) {
         Some(read_json(&gen_path)?)
     } else {
         None
@@ -33,6 +34,8 @@ pub fn load(dir: &Path) -> Result<Model, LoadError> {
         _ => {}
     }
     let tokenizer = load_tokenizer(dir, &config)?;
+    let mut config = config;
+    vocab::fit_to_tokenizer(&mut config, &tokenizer);
     let weight_type = dominant_dtype(&weights);
     Ok(Model {
         path: dir.to_path_buf(),
@@ -44,11 +47,8 @@ pub fn load(dir: &Path) -> Result<Model, LoadError> {
 }
 
 fn read_json(path: &Path) -> Result<Value, LoadError> {
-    let bytes = std::fs::read(path).map_err(|e| LoadError::io(path, e))?;
-    serde_json::from_slice(&bytes).map_err(|source| LoadError::Json {
-        path: path.to_path_buf(),
-        source,
-    })
+    let bytes = files::read_capped(path, MAX_SIDE_FILE)?;
+    serde_json::from_slice(&bytes).map_err(|e| LoadError::json(path, e))
 }
 
 /// Typed access to config fields with errors that name the field.
@@ -107,16 +107,38 @@ fn opt_f32_in(path: &Path, json: &Value, key: &str) -> Result<Option<f32>, LoadE
     }
 }
 
-/// `eos_token_id` may be an integer or a list of them.
-fn token_ids(v: Option<&Value>) -> Vec<u32> {
-    match v {
-        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .filter_map(|x| x.as_u64())
-            .map(|x| x as u32)
-            .collect(),
-        _ => Vec::new(),
+/// `eos_token_id` may be an integer or a list of them; anything but token ids (a negative
+/// number, one past `u32`, a string) is an error rather than something to truncate or skip.
+fn token_ids(path: &Path, json: &Value, key: &str) -> Result<Vec<u32>, LoadError> {
+    let id = |v: &Value| {
+        v.as_u64()
+            .and_then(|x| u32::try_from(x).ok())
+            .ok_or_else(|| {
+                LoadError::config(
+                    path,
+                    key,
+                    format!("expected a token id (an integer below 2^32), found {v}"),
+                )
+            })
+    };
+    match json.get(key) {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(a)) => a.iter().map(id).collect(),
+        Some(v) => Ok(vec![id(v)?]),
+    }
+}
+
+/// An object-valued field (`rope_scaling`): absent or null is `None`, anything but an object
+/// is an error (silently ignoring it would drop the scaling it was meant to give).
+fn opt_object<'a>(path: &Path, json: &'a Value, key: &str) -> Result<Option<&'a Value>, LoadError> {
+    match json.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) if v.is_object() => Ok(Some(v)),
+        Some(v) => Err(LoadError::config(
+            path,
+            key,
+            format!("expected an object, found {v}"),
+        )),
     }
 }
 
@@ -182,7 +204,7 @@ pub(crate) fn parse_config(
     }
     // transformers 5 folds rope_theta and rope_scaling into `rope_parameters`; Gemma 3 keeps
     // one such object per attention type.
-    let rope_all = json.get("rope_parameters").filter(|v| v.is_object());
+    let rope_all = opt_object(path, json, "rope_parameters")?;
     let rope_params = match rope_all.and_then(|p| p.get("full_attention")) {
         Some(full) if full.is_object() => Some(full),
         _ => rope_all,
@@ -205,9 +227,12 @@ pub(crate) fn parse_config(
             }
         }
     }
-    let scaling_json = rope_params.or(json.get("rope_scaling").filter(|v| v.is_object()));
+    let scaling_json = match rope_params {
+        Some(p) => Some(("rope_parameters", p)),
+        None => opt_object(path, json, "rope_scaling")?.map(|s| ("rope_scaling", s)),
+    };
     let rope_scaling = match scaling_json {
-        Some(s) => parse_rope_scaling(path, s)?,
+        Some((key, s)) => parse_rope_scaling(path, key, s)?,
         None => None,
     };
     let (rope_style, default_tie, default_bias) = match (architecture, model_type) {
@@ -227,19 +252,20 @@ pub(crate) fn parse_config(
         Architecture::Gemma3 => Some(gemma3_params(&f, rope_all, head_dim, num_layers)?),
         _ => None,
     };
-    let mut eos_token_ids = token_ids(json.get("eos_token_id"));
-    let mut bos_token_id = token_ids(json.get("bos_token_id")).first().copied();
+    let mut eos_token_ids = token_ids(path, json, "eos_token_id")?;
+    let mut bos_token_id = token_ids(path, json, "bos_token_id")?.first().copied();
     if let Some(g) = generation {
         // generation_config.json is what `generate` stops on; it may list several ids.
-        let gen_eos = token_ids(g.get("eos_token_id"));
+        let gen_path = path.with_file_name("generation_config.json");
+        let gen_eos = token_ids(&gen_path, g, "eos_token_id")?;
         if !gen_eos.is_empty() {
             eos_token_ids = gen_eos;
         }
-        if let Some(b) = token_ids(g.get("bos_token_id")).first() {
+        if let Some(b) = token_ids(&gen_path, g, "bos_token_id")?.first() {
             bos_token_id = Some(*b);
         }
     }
-    Ok(ModelConfig {
+    let config = ModelConfig {
         architecture,
         vocab_size: f.usize("vocab_size")?,
         hidden_size,
@@ -261,7 +287,9 @@ pub(crate) fn parse_config(
         sliding_window,
         gemma3,
         nanochat: None,
-    })
+    };
+    validate::check(path, &config, &Keys::hf())?;
+    Ok(config)
 }
 
 /// The sliding window an architecture applies (Hugging Face's count of keys, the query's own
@@ -368,6 +396,13 @@ fn parse_nanochat_native(path: &Path, json: &Value) -> Result<ModelConfig, LoadE
     let head_dim = f
         .opt_usize("head_dim")?
         .unwrap_or(hidden_size / num_heads.max(1));
+    if num_heads.checked_mul(head_dim).is_none() {
+        return Err(LoadError::config(
+            path,
+            "head_dim",
+            format!("{num_heads} heads × {head_dim} overflows"),
+        ));
+    }
     if num_heads * head_dim != hidden_size || num_heads % num_kv_heads != 0 {
         return Err(LoadError::config(
             path,
@@ -406,13 +441,38 @@ fn parse_nanochat_native(path: &Path, json: &Value) -> Result<ModelConfig, LoadE
         })?;
     let flag = |key: &str| f.opt_bool(key).map(|b| b.unwrap_or(false));
     let vocab_size = f.usize("vocab_size")?;
-    let bos = f.opt_usize("bos_token_id")?.map(|b| b as u32);
-    let assistant_end = json
-        .get("special_tokens")
-        .and_then(|s| s.get("assistant_end"))
-        .and_then(Value::as_u64)
-        .map(|x| x as u32);
-    Ok(ModelConfig {
+    let bos = token_ids(path, json, "bos_token_id")?.first().copied();
+    let assistant_end = match json.get("special_tokens") {
+        Some(s) => token_ids(path, s, "assistant_end")?.first().copied(),
+        None => None,
+    };
+    let intermediate_size = hidden_size
+        .checked_mul(4)
+        .ok_or_else(|| LoadError::config(path, "n_embd", format!("4 × {hidden_size} overflows")))?;
+    let sequence_len = f.usize("sequence_len")?;
+    // nanochat's rotary cache covers ten times the training length.
+    let max_position_embeddings = sequence_len.checked_mul(10).ok_or_else(|| {
+        LoadError::config(
+            path,
+            "sequence_len",
+            format!("10 × {sequence_len} overflows"),
+        )
+    })?;
+    let backout_layer = match json.get("backout_layer") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_u64()
+                .and_then(|l| usize::try_from(l).ok())
+                .ok_or_else(|| {
+                    LoadError::config(
+                        path,
+                        "backout_layer",
+                        format!("expected a layer index, found {v}"),
+                    )
+                })?,
+        ),
+    };
+    let config = ModelConfig {
         architecture: Architecture::NanoChat,
         vocab_size,
         hidden_size,
@@ -420,12 +480,12 @@ fn parse_nanochat_native(path: &Path, json: &Value) -> Result<ModelConfig, LoadE
         num_heads,
         num_kv_heads,
         head_dim,
-        intermediate_size: 4 * hidden_size,
+        intermediate_size,
         rms_norm_eps: f.opt_f32("rms_norm_eps")?.unwrap_or(f32::EPSILON),
         rope_theta: f.opt_f32("rope_theta")?.unwrap_or(10000.0),
         rope_scaling: None,
         rope_style: RopeStyle::HalfSplitNegated,
-        max_position_embeddings: 10 * f.usize("sequence_len")?,
+        max_position_embeddings,
         tie_word_embeddings: false,
         attention_bias: false,
         final_logit_softcap: f.opt_f32("softcap")?,
@@ -447,23 +507,35 @@ fn parse_nanochat_native(path: &Path, json: &Value) -> Result<ModelConfig, LoadE
             qk_scale: f.opt_f32("qk_scale")?.unwrap_or(1.0),
             resid_lambdas: flag("resid_lambdas")?,
             smear: flag("smear")?,
-            backout_layer: json
-                .get("backout_layer")
-                .and_then(Value::as_u64)
-                .map(|l| l as usize),
+            backout_layer,
         }),
-    })
+    };
+    validate::check(path, &config, &Keys::nanochat_native())?;
+    Ok(config)
 }
 
-fn parse_rope_scaling(path: &Path, s: &Value) -> Result<Option<RopeScaling>, LoadError> {
-    let kind = s
-        .get("rope_type")
-        .or_else(|| s.get("type"))
-        .and_then(Value::as_str)
-        .unwrap_or("default");
+/// `rope_scaling` (or transformers 5's `rope_parameters`, named by `field`).
+fn parse_rope_scaling(
+    path: &Path,
+    field: &str,
+    s: &Value,
+) -> Result<Option<RopeScaling>, LoadError> {
+    let kind = match s.get("rope_type").or_else(|| s.get("type")) {
+        None | Some(Value::Null) => "default",
+        Some(Value::String(k)) => k.as_str(),
+        Some(v) => {
+            return Err(LoadError::config(
+                path,
+                &format!("{field}.rope_type"),
+                format!("expected a string, found {v}"),
+            ))
+        }
+    };
     let num = |key: &str| -> Result<f32, LoadError> {
-        opt_f32_in(path, s, key)?
-            .ok_or_else(|| LoadError::config(path, &format!("rope_scaling.{key}"), "missing"))
+        let name = format!("{field}.{key}");
+        let x =
+            opt_f32_in(path, s, key)?.ok_or_else(|| LoadError::config(path, &name, "missing"))?;
+        positive_finite(path, &name, x, key)
     };
     match kind {
         "default" => Ok(None),
@@ -478,7 +550,7 @@ fn parse_rope_scaling(path: &Path, s: &Value) -> Result<Option<RopeScaling>, Loa
         })),
         other => Err(LoadError::config(
             path,
-            "rope_scaling.rope_type",
+            &format!("{field}.rope_type"),
             format!("`{other}` is not supported (kiln supports default, linear, llama3)"),
         )),
     }
@@ -487,12 +559,12 @@ fn parse_rope_scaling(path: &Path, s: &Value) -> Result<Option<RopeScaling>, Loa
 fn load_safetensors_dir(dir: &Path) -> Result<Weights, LoadError> {
     let index = dir.join("model.safetensors.index.json");
     let single = dir.join("model.safetensors");
-    if single.exists() {
+    if files::present(&single) {
         let mut w = Weights::new(&single);
         add_safetensors_file(&single, &mut w)?;
         return Ok(w);
     }
-    if !index.exists() {
+    if !files::present(&index) {
         return Err(LoadError::format(
             dir,
             "no model.safetensors or model.safetensors.index.json in this directory",
@@ -508,7 +580,7 @@ fn load_safetensors_dir(dir: &Path) -> Result<Weights, LoadError> {
     files.dedup();
     let mut w = Weights::new(&index);
     for file in files {
-        if file.contains('/') || file.contains("..") {
+        if file.contains(['/', '\\']) || file.contains("..") {
             return Err(LoadError::config(
                 &index,
                 "weight_map",
@@ -529,58 +601,147 @@ fn load_safetensors_dir(dir: &Path) -> Result<Weights, LoadError> {
     Ok(w)
 }
 
+/// Largest safetensors header accepted (the `safetensors` crate's own limit).
+const MAX_SAFETENSORS_HEADER: u64 = 100_000_000;
+
+/// Maps one safetensors file and adds its tensors. The header is parsed here rather than by the
+/// `safetensors` crate so that every error names the tensor it is about.
 fn add_safetensors_file(path: &Path, weights: &mut Weights) -> Result<(), LoadError> {
-    let file = File::open(path).map_err(|e| LoadError::io(path, e))?;
+    let file = files::open_regular(path)?;
     // SAFETY: the map is read-only; a file truncated underneath a running process is the one
     // hazard of mmap, the same contract every mmap-based loader accepts.
     let map = Arc::new(unsafe { Mmap::map(&file) }.map_err(|e| LoadError::io(path, e))?);
-    let (header_len, meta) = safetensors::SafeTensors::read_metadata(&map[..])
-        .map_err(|e| LoadError::format(path, format!("not a valid safetensors file: {e}")))?;
-    let data_start = 8 + header_len;
-    for (name, info) in meta.tensors() {
-        let dtype = match info.dtype {
-            safetensors::Dtype::F32 => DType::F32,
-            safetensors::Dtype::F16 => DType::F16,
-            safetensors::Dtype::BF16 => DType::BF16,
-            other => {
-                return Err(LoadError::DType {
-                    path: path.to_path_buf(),
-                    name,
-                    dtype: format!("{other:?}"),
-                })
-            }
-        };
-        let (start, end) = info.data_offsets;
-        let expected = dtype
-            .bytes_for(info.shape.iter().product::<usize>())
-            .unwrap_or(usize::MAX);
-        if end < start || end - start != expected || data_start + end > map.len() {
+    let bad =
+        |reason: String| LoadError::format(path, format!("not a valid safetensors file: {reason}"));
+    let header_len = map
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
+        .ok_or_else(|| {
+            bad(format!(
+                "{} bytes, shorter than the 8-byte header length",
+                map.len()
+            ))
+        })?;
+    let data_start = usize::try_from(header_len)
+        .ok()
+        .filter(|_| header_len <= MAX_SAFETENSORS_HEADER)
+        .and_then(|n| n.checked_add(8))
+        .filter(|&end| end <= map.len())
+        .ok_or_else(|| {
+            bad(format!(
+                "the header claims {header_len} bytes; the file has {} (and at most \
+                 {MAX_SAFETENSORS_HEADER} are accepted)",
+                map.len()
+            ))
+        })?;
+    let header: serde_json::Map<String, Value> =
+        serde_json::from_slice(&map[8..data_start]).map_err(|e| bad(format!("header: {e}")))?;
+    for (name, info) in &header {
+        if name == "__metadata__" {
+            continue;
+        }
+        let t = safetensors_entry(path, name, info, data_start, map.len())?;
+        if weights.contains(name) {
             return Err(LoadError::tensor(
                 path,
-                &name,
-                format!(
-                    "data range {start}..{end} does not hold {expected} bytes of {dtype} {:?} within the file",
-                    info.shape
-                ),
+                name,
+                "is stored twice (in two shards)",
             ));
         }
         weights.insert(Tensor {
             name: name.clone(),
-            shape: info.shape.clone(),
-            dtype,
+            shape: t.shape,
+            dtype: t.dtype,
             bytes: TensorBytes::Mapped {
                 map: map.clone(),
-                offset: data_start + start,
-                len: end - start,
+                offset: t.offset,
+                len: t.len,
             },
         });
     }
     Ok(())
 }
 
+/// One header entry, checked: a dtype kiln reads, a shape whose size fits, and a data range that
+/// holds exactly that many bytes inside the file.
+struct Entry {
+    shape: Vec<usize>,
+    dtype: DType,
+    offset: usize,
+    len: usize,
+}
+
+fn safetensors_entry(
+    path: &Path,
+    name: &str,
+    info: &Value,
+    data_start: usize,
+    file_len: usize,
+) -> Result<Entry, LoadError> {
+    let err = |reason: String| LoadError::tensor(path, name, reason);
+    let dtype = match info.get("dtype").and_then(Value::as_str) {
+        Some("F32") => DType::F32,
+        Some("F16") => DType::F16,
+        Some("BF16") => DType::BF16,
+        Some(other) => {
+            return Err(LoadError::DType {
+                path: path.to_path_buf(),
+                name: name.to_string(),
+                dtype: other.to_string(),
+            })
+        }
+        None => {
+            return Err(err(format!(
+                "no \"dtype\" string in its header entry {info}"
+            )))
+        }
+    };
+    let shape = info
+        .get("shape")
+        .and_then(Value::as_array)
+        .and_then(|dims| {
+            dims.iter()
+                .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+                .collect::<Option<Vec<usize>>>()
+        })
+        .ok_or_else(|| err(format!("\"shape\" is not a list of sizes in {info}")))?;
+    let offsets = info
+        .get("data_offsets")
+        .and_then(Value::as_array)
+        .and_then(|o| match o.as_slice() {
+            [a, b] => Some((a.as_u64()?, b.as_u64()?)),
+            _ => None,
+        })
+        .ok_or_else(|| err(format!("\"data_offsets\" is not [start, end] in {info}")))?;
+    let expected = shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .and_then(|n| dtype.bytes_for(n))
+        .ok_or_else(|| err(format!("the byte size of {dtype} {shape:?} overflows")))?;
+    let (start, end) = offsets;
+    let range = usize::try_from(start)
+        .ok()
+        .zip(usize::try_from(end).ok())
+        .filter(|(s, e)| s <= e && e - s == expected)
+        .and_then(|(s, e)| Some((data_start.checked_add(s)?, data_start.checked_add(e)?)))
+        .filter(|&(_, e)| e <= file_len);
+    match range {
+        Some((offset, end)) => Ok(Entry {
+            shape,
+            dtype,
+            offset,
+            len: end - offset,
+        }),
+        None => Err(err(format!(
+            "data range {start}..{end} does not hold {expected} bytes of {dtype} {shape:?} \
+             within the file ({file_len} bytes, data from byte {data_start})"
+        ))),
+    }
+}
+
 fn load_tokenizer(dir: &Path, config: &ModelConfig) -> Result<Tokenizer, LoadError> {
     let tok_path = dir.join("tokenizer.json");
-    let json = std::fs::read(&tok_path).map_err(|e| LoadError::io(&tok_path, e))?;
+    let json = files::read_capped(&tok_path, MAX_TOKENIZER_JSON)?;
     let mut specials = SpecialTokens {
         bos_token_id: config.bos_token_id,
         eos_token_ids: config.eos_token_ids.clone(),
@@ -591,7 +752,7 @@ fn load_tokenizer(dir: &Path, config: &ModelConfig) -> Result<Tokenizer, LoadErr
     let cfg_path = dir.join("tokenizer_config.json");
     let mut bos_text = None;
     let mut eos_text = None;
-    if cfg_path.exists() {
+    if files::present(&cfg_path) {
         let cfg = read_json(&cfg_path)?;
         specials.add_bos_token = cfg
             .get("add_bos_token")
@@ -610,9 +771,11 @@ fn load_tokenizer(dir: &Path, config: &ModelConfig) -> Result<Tokenizer, LoadErr
     }
     // transformers 5 writes the template to its own file.
     let jinja = dir.join("chat_template.jinja");
-    if specials.chat_template.is_none() && jinja.exists() {
-        specials.chat_template =
-            Some(std::fs::read_to_string(&jinja).map_err(|e| LoadError::io(&jinja, e))?);
+    if specials.chat_template.is_none() && files::present(&jinja) {
+        let bytes = files::read_capped(&jinja, MAX_SIDE_FILE)?;
+        let text = String::from_utf8(bytes)
+            .map_err(|_| LoadError::format(&jinja, "the chat template is not UTF-8 text"))?;
+        specials.chat_template = Some(text);
     }
     let mut tok = Tokenizer::from_json(&json, &tok_path, specials)?;
     if tok.specials.bos_token_id.is_none() {

@@ -3,16 +3,19 @@
 pub mod arch;
 mod config;
 mod error;
+pub(crate) mod files;
 pub mod gguf;
 pub mod hf;
 pub mod quant;
 pub mod synthetic;
 mod tensor;
+pub(crate) mod validate;
+mod vocab;
 
 use std::path::{Path, PathBuf};
 
 pub use config::{Architecture, Gemma3Params, ModelConfig, NanochatNative, RopeScaling, RopeStyle};
-pub use error::LoadError;
+pub use error::{escape, Escaped, EscapedPath, LoadError};
 pub use tensor::{DType, Tensor, TensorBytes, Weights};
 
 use crate::tokenizer::Tokenizer;
@@ -29,9 +32,10 @@ pub struct Model {
 
 impl Model {
     /// Loads a Hugging Face model directory or a `.gguf` file, chosen by what `path` is.
+    /// Anything else (a FIFO, a device, a socket) is refused before it is opened.
     pub fn load(path: impl AsRef<Path>) -> Result<Model, LoadError> {
         let path = path.as_ref();
-        let meta = std::fs::metadata(path).map_err(|e| LoadError::io(path, e))?;
+        let meta = files::file_or_dir(path)?;
         if meta.is_dir() {
             hf::load(path)
         } else {

@@ -35,10 +35,7 @@ fn shapes() -> Result<serde_json::Map<String, Value>, LoadError> {
             "synthetic_shapes.json",
             "expected an object of shapes",
         )),
-        Err(source) => Err(LoadError::Json {
-            path: "synthetic_shapes.json".into(),
-            source,
-        }),
+        Err(e) => Err(LoadError::json("synthetic_shapes.json", e)),
     }
 }
 

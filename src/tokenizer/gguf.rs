@@ -13,6 +13,11 @@ use super::{SpecialTokens, Tokenizer};
 use crate::model::gguf::GgufFile;
 use crate::model::LoadError;
 
+/// Most tokens a vocabulary may have: sixteen times the largest real ones. The rebuilt
+/// tokenizer costs a few hundred bytes per token, more than the file spends on each, so the
+/// count is bounded by this rather than only by the file's size.
+const MAX_VOCAB: usize = 1 << 22;
+
 /// llama.cpp's token types (`llama_token_type`).
 const TYPE_UNKNOWN: i64 = 2;
 const TYPE_CONTROL: i64 = 3;
@@ -82,6 +87,17 @@ pub fn tokenizer_from_gguf(file: &GgufFile) -> Result<Tokenizer, LoadError> {
         });
     }
     let tokens = file.get_str_array("tokenizer.ggml.tokens")?;
+    if tokens.len() > MAX_VOCAB {
+        return Err(LoadError::config(
+            path,
+            "tokenizer.ggml.tokens",
+            format!(
+                "{} tokens; kiln accepts at most {MAX_VOCAB} (the largest real vocabularies \
+                 have about 260,000)",
+                tokens.len()
+            ),
+        ));
+    }
     let types = match file.get("tokenizer.ggml.token_type") {
         Some(_) => file.get_int_array("tokenizer.ggml.token_type")?,
         None => vec![1; tokens.len()],
@@ -171,10 +187,7 @@ pub fn tokenizer_from_gguf(file: &GgufFile) -> Result<Tokenizer, LoadError> {
         chat_template: file.opt_str("tokenizer.chat_template")?.map(str::to_string),
         ordinary_text: false,
     };
-    let bytes = serde_json::to_vec(&doc).map_err(|e| LoadError::Json {
-        path: path.clone(),
-        source: e,
-    })?;
+    let bytes = serde_json::to_vec(&doc).map_err(|e| LoadError::json(path, e))?;
     Tokenizer::from_json(&bytes, path, specials)
 }
 

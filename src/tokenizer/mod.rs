@@ -8,6 +8,8 @@ pub mod gguf;
 pub mod nanochat;
 mod stream;
 
+mod guard;
+
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -16,6 +18,7 @@ pub use chat::ChatMessage;
 pub use stream::StreamDecoder;
 
 use crate::model::LoadError;
+use guard::{check_json, guarded};
 
 /// GPT-2's byte-to-printable-character table (`bytes_to_unicode` in its encoder.py), which
 /// byte-level BPE vocabularies are written in.
@@ -30,7 +33,11 @@ pub fn byte_to_char(b: u8) -> char {
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
-    #[error("tokenizer ({source_file}): {reason}")]
+    #[error(
+        "tokenizer ({}): {}",
+        crate::model::EscapedPath(.source_file),
+        crate::model::Escaped(.reason)
+    )]
     Encode {
         source_file: PathBuf,
         reason: String,
@@ -39,7 +46,7 @@ pub enum TokenizerError {
     BadId { id: u32, vocab: usize },
     #[error("model has no chat template (pass a plain prompt without --chat)")]
     NoChatTemplate,
-    #[error("chat template: {0}")]
+    #[error("chat template: {}", crate::model::Escaped(.0))]
     Template(String),
 }
 
@@ -69,18 +76,26 @@ pub struct Tokenizer {
 }
 
 impl Tokenizer {
-    /// Parses a `tokenizer.json` document.
+    /// Parses a `tokenizer.json` document. The document is checked first (JSON syntax, decoders
+    /// `tokenizers` would panic on), and a panic inside `tokenizers` is still caught and reported
+    /// as an error of this file.
     pub fn from_json(
         json: &[u8],
         source: &Path,
         specials: SpecialTokens,
     ) -> Result<Tokenizer, LoadError> {
-        let inner = tokenizers::Tokenizer::from_bytes(json).map_err(|e| LoadError::Tokenizer {
+        let err = |reason: String| LoadError::Tokenizer {
             path: source.to_path_buf(),
-            reason: e.to_string(),
-        })?;
+            reason,
+        };
+        check_json(json).map_err(err)?;
+        let inner = guarded("parsing", || tokenizers::Tokenizer::from_bytes(json))
+            .map_err(err)?
+            .map_err(|e| err(e.to_string()))?;
+        let vocab_size =
+            guarded("counting the vocabulary", || inner.get_vocab_size(true)).map_err(err)?;
         Ok(Tokenizer {
-            vocab_size: inner.get_vocab_size(true),
+            vocab_size,
             inner,
             ordinary: OnceLock::new(),
             json: json.to_vec(),
@@ -127,11 +142,22 @@ impl Tokenizer {
     }
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token)
+        guarded("looking up a token", || self.inner.token_to_id(token))
+            .ok()
+            .flatten()
     }
 
     pub fn id_to_token(&self, id: u32) -> Option<String> {
-        self.inner.id_to_token(id)
+        guarded("looking up an id", || self.inner.id_to_token(id))
+            .ok()
+            .flatten()
+    }
+
+    fn encode_error(&self, reason: String) -> TokenizerError {
+        TokenizerError::Encode {
+            source_file: self.source.clone(),
+            reason,
+        }
     }
 
     /// Encodes text; special-token strings in it (e.g. `<|im_start|>`) become their ids, as in
@@ -140,13 +166,9 @@ impl Tokenizer {
         if self.specials.ordinary_text {
             return self.encode_ordinary(text);
         }
-        let enc = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| TokenizerError::Encode {
-                source_file: self.source.clone(),
-                reason: e.to_string(),
-            })?;
+        let enc = guarded("encoding", || self.inner.encode(text, false))
+            .map_err(|e| self.encode_error(e))?
+            .map_err(|e| self.encode_error(e.to_string()))?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         if self.specials.add_bos_token {
             if let Some(bos) = self.specials.bos_token_id {
@@ -175,11 +197,14 @@ impl Tokenizer {
                     obj.insert("added_tokens".into(), serde_json::Value::Array(vec![]));
                 }
                 let bytes = serde_json::to_vec(&v).map_err(|e| e.to_string())?;
-                tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| e.to_string())
+                guarded("parsing", || tokenizers::Tokenizer::from_bytes(&bytes))?
+                    .map_err(|e| e.to_string())
             })
             .as_ref()
             .map_err(|e| err(e.clone()))?;
-        let enc = plain.encode(text, false).map_err(|e| err(e.to_string()))?;
+        let enc = guarded("encoding", || plain.encode(text, false))
+            .map_err(err)?
+            .map_err(|e| err(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -189,12 +214,9 @@ impl Tokenizer {
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
             return Err(TokenizerError::BadId { id, vocab });
         }
-        self.inner
-            .decode(ids, false)
-            .map_err(|e| TokenizerError::Encode {
-                source_file: self.source.clone(),
-                reason: e.to_string(),
-            })
+        guarded("decoding", || self.inner.decode(ids, false))
+            .map_err(|e| self.encode_error(e))?
+            .map_err(|e| self.encode_error(e.to_string()))
     }
 
     /// The prompt ids for a chat: the model's chat template when it has one, else nanochat's

@@ -170,7 +170,11 @@ impl CpuBackend {
             for ins in &plan.instrs {
                 let m = match &ins.op {
                     Op::Embed { table, .. } => {
-                        let rows = weights.get(table)?.shape.first().copied().unwrap_or(0);
+                        // Only ids below vocab_size reach a table (`check_step`), so a padded
+                        // table keeps its first vocab_size rows: the same rows a tied LM head
+                        // uses, which then shares this matrix.
+                        let stored = weights.get(table)?.shape.first().copied().unwrap_or(0);
+                        let rows = stored.min(config.vocab_size);
                         Some(intern(&mut matrices, &mut index, table.clone(), || {
                             pack(weights, &[(table.clone(), None, rows)], opts.weights)
                         })?)

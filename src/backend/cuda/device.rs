@@ -487,7 +487,9 @@ impl CudaBackend {
             for node in &plan.graph.nodes {
                 match &node.op {
                     Op::Embed { table, .. } if !matrices.contains_key(table) => {
-                        let rows = weights.get(table)?.shape.first().copied().unwrap_or(0);
+                        // The first vocab_size rows, as on the CPU: what a tied head shares.
+                        let stored = weights.get(table)?.shape.first().copied().unwrap_or(0);
+                        let rows = stored.min(config.vocab_size);
                         let m = upload_matrix(&stream, weights, &[(table.clone(), None, rows)])?;
                         matrices.insert(table.clone(), m);
                     }

@@ -12,6 +12,7 @@ pub(crate) use gemma3::hf_norm_weights as gemma3_hf_norm_weights;
 pub(crate) use phi3::split_fused as phi3_split_fused;
 
 use crate::graph::{Graph, KvSpec, Linear, Norm, Op, RopeSpec, Value};
+use crate::model::validate::{self, Keys};
 use crate::model::{Architecture, LoadError, ModelConfig, Weights};
 
 /// Which token rows get logits.
@@ -29,6 +30,9 @@ pub fn build_graph(
     weights: &Weights,
     logits: LogitRows,
 ) -> Result<Graph, LoadError> {
+    // Loaders validate with the file's own key names; this catches configs built any other way
+    // before a single size is computed from them.
+    validate::check(&weights.source, config, &Keys::config())?;
     match config.architecture {
         Architecture::Llama => llama::build(config, weights, logits),
         Architecture::Mistral => mistral::build(config, weights, logits),

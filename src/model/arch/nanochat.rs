@@ -60,7 +60,10 @@ pub(super) fn build(
     let c = config;
     let native = c.nanochat.as_ref();
     let names = if native.is_some() { &NATIVE } else { &HF };
-    let rows = native.map_or(c.vocab_size, |n| n.padded_vocab_size);
+    let rows = match native {
+        Some(n) => n.padded_vocab_size,
+        None => b.vocab_rows(names.embed)?,
+    };
     let (hd, q_dim, kv_dim, l) = (c.head_dim, c.q_dim(), c.kv_dim(), c.num_layers);
 
     let e = b.embed_rows(names.embed, rows)?;

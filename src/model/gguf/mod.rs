@@ -13,9 +13,10 @@ use std::sync::Arc;
 
 pub use reader::{GgmlType, GgufFile, GgufTensorInfo, GgufValue, DEFAULT_ALIGNMENT, GGUF_MAGIC};
 
+use super::validate::{self, Keys};
 use super::{
-    Architecture, DType, Gemma3Params, LoadError, Model, ModelConfig, RopeScaling, RopeStyle,
-    Tensor, TensorBytes, Weights,
+    vocab, Architecture, DType, Gemma3Params, LoadError, Model, ModelConfig, RopeScaling,
+    RopeStyle, Tensor, TensorBytes, Weights,
 };
 use crate::tokenizer::gguf::tokenizer_from_gguf;
 use crate::tokenizer::SpecialTokens;
@@ -87,7 +88,8 @@ pub fn load(path: &Path) -> Result<Model, LoadError> {
         supported: SUPPORTED,
     })?;
     let tokenizer = tokenizer_from_gguf(&file)?;
-    let config = gguf_config(&file, &arch, family, &tokenizer.specials)?;
+    let mut config = gguf_config(&file, &arch, family, &tokenizer.specials)?;
+    vocab::fit_to_tokenizer(&mut config, &tokenizer);
     let (mut weights, weight_type) = load_weights(&file, family)?;
     if family == Architecture::Phi3 {
         crate::model::arch::phi3_split_fused(&config, &mut weights)?;
@@ -180,6 +182,20 @@ pub fn gguf_config(
             ));
         }
     }
+    // Partial rotary embeddings (RoPE on the first n dimensions of a head) are not implemented;
+    // a file asking for them must not run as if it rotated every dimension.
+    if let Some(n) = file.opt_u32(&key("rope.dimension_count"))? {
+        if n as usize != head_dim {
+            return Err(LoadError::config(
+                path,
+                &key("rope.dimension_count"),
+                format!(
+                    "RoPE on {n} of the {head_dim} dimensions of a head (partial rotary) is not \
+                     supported; kiln rotates whole heads"
+                ),
+            ));
+        }
+    }
     let intermediate_size = positive(&key("feed_forward_length"))?;
     let rms_norm_eps = file.get_f32(&key("attention.layer_norm_rms_epsilon"))?;
     let rope_theta = file.opt_f32(&key("rope.freq_base"))?.unwrap_or(10000.0);
@@ -229,7 +245,7 @@ pub fn gguf_config(
         RopeStyle::HalfSplit
     };
 
-    Ok(ModelConfig {
+    let config = ModelConfig {
         architecture: family,
         vocab_size,
         hidden_size,
@@ -251,7 +267,9 @@ pub fn gguf_config(
         sliding_window,
         gemma3,
         nanochat: None,
-    })
+    };
+    validate::check(path, &config, &Keys::gguf(arch))?;
+    Ok(config)
 }
 
 fn rope_scaling(file: &GgufFile, arch: &str) -> Result<Option<RopeScaling>, LoadError> {

@@ -6,7 +6,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -20,6 +19,8 @@ pub const GGUF_MAGIC: [u8; 4] = *b"GGUF";
 pub const DEFAULT_ALIGNMENT: u64 = 32;
 /// ggml tensors have at most four dimensions; more means the file is corrupt.
 const MAX_DIMS: u32 = 4;
+/// Most items reserved ahead for a metadata array or the tensor list (see [`Cursor::value`]).
+const MAX_RESERVE: usize = 1 << 16;
 
 /// One metadata value. Arrays hold scalars or strings; GGUF allows arrays of arrays but no model
 /// uses them, so the reader rejects them instead of carrying an unused recursive case around.
@@ -251,7 +252,7 @@ impl GgufFile {
     /// Maps the file and parses everything but the tensor data.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile, LoadError> {
         let path = path.as_ref();
-        let file = File::open(path).map_err(|e| LoadError::io(path, e))?;
+        let file = crate::model::files::open_regular(path)?;
         // SAFETY: the map is read-only; like every mmap-based model loader, we rely on the file not
         // being truncated or rewritten while it is mapped.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| LoadError::io(path, e))?;
@@ -498,7 +499,10 @@ impl<'a> Cursor<'a> {
                     _ => 1,
                 };
                 let n = self.count(min_size, &format_args!("array length of `{key}`"))?;
-                let mut items = Vec::with_capacity(n);
+                // The count is backed by bytes in the file, but one decoded item takes up to
+                // 32 bytes for each byte it was read from: reserve a bounded amount and let the
+                // vector grow only as items are actually decoded.
+                let mut items = Vec::with_capacity(n.min(MAX_RESERVE));
                 for _ in 0..n {
                     items.push(self.value(elem, key, true)?);
                 }
@@ -525,7 +529,11 @@ pub(crate) fn parse(path: &Path, buf: &[u8]) -> Result<Parsed, LoadError> {
     if magic != GGUF_MAGIC {
         return Err(LoadError::format(
             path,
-            format!("not a GGUF file: magic is {magic:02x?}, expected \"GGUF\""),
+            format!(
+                "not a GGUF file: its magic is \"{}\" ({}), expected \"GGUF\"",
+                magic.escape_ascii(),
+                magic.map(|b| format!("{b:02x}")).join(" ")
+            ),
         ));
     }
     let version = c.u32(&"version")?;
@@ -568,7 +576,7 @@ pub(crate) fn parse(path: &Path, buf: &[u8]) -> Result<Parsed, LoadError> {
         },
     };
 
-    let mut raw = Vec::with_capacity(n_tensors);
+    let mut raw = Vec::with_capacity(n_tensors.min(MAX_RESERVE));
     for i in 0..n_tensors {
         let name = c.string(&format_args!("name of tensor #{i}"))?;
         let what = format!("tensor `{name}`");

@@ -277,7 +277,9 @@ fn config_options() {
     let tmp = w.write_temp("config");
     let m = load(tmp.path()).unwrap();
     let c = &m.config;
-    assert_eq!((c.vocab_size, c.head_dim, c.num_kv_heads), (300, 32, 4));
+    // llama.vocab_size says 300 but the tokenizer has 263 tokens: ids past it are never
+    // produced (model::vocab), so the model's vocabulary is the tokenizer's.
+    assert_eq!((c.vocab_size, c.head_dim, c.num_kv_heads), (263, 32, 4));
     assert_eq!(c.rope_theta, 10000.0);
     assert_eq!(c.rope_scaling, Some(RopeScaling::Linear { factor: 4.0 }));
     assert!(!c.tie_word_embeddings);
@@ -575,4 +577,64 @@ fn demo_model_facts() {
             .count(),
         4
     );
+}
+
+#[test]
+fn hyper_parameters_are_validated_naming_the_key() {
+    let cases: [(&str, GgufValue, &str); 5] = [
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            GgufValue::F32(f32::NAN),
+            "NaN",
+        ),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            GgufValue::F32(0.0),
+            "0",
+        ),
+        ("llama.rope.freq_base", GgufValue::F32(-1.0), "-1"),
+        ("llama.rope.freq_base", GgufValue::F32(f32::NAN), "NaN"),
+        // Partial rotary: RoPE on 8 of the 16 dimensions of each head.
+        (
+            "llama.rope.dimension_count",
+            GgufValue::U32(8),
+            "partial rotary",
+        ),
+    ];
+    for (key, value, says) in cases {
+        let mut fx = fixture();
+        fx.writer.kv(key, value);
+        let e = err_of(load(fx.writer.write_temp("hyper").path()));
+        assert!(
+            e.contains(&format!("`{key}`")) && e.contains(says),
+            "{key}: {e}"
+        );
+    }
+    // A dimension count equal to the head size is what every llama file writes.
+    let mut fx = fixture();
+    fx.writer
+        .kv("llama.rope.dimension_count", GgufValue::U32(16));
+    assert!(load(fx.writer.write_temp("rope-dims").path()).is_ok());
+    // Products of u32 fields can still overflow: hidden × heads × head_dim.
+    let mut fx = fixture();
+    fx.writer
+        .kv("llama.embedding_length", GgufValue::U32(1 << 31))
+        .kv("llama.attention.key_length", GgufValue::U32(u32::MAX - 1));
+    let e = err_of(load(fx.writer.write_temp("overflow").path()));
+    assert!(
+        e.contains("`llama.embedding_length`") && e.contains("overflows"),
+        "{e}"
+    );
+}
+
+#[test]
+fn architecture_names_are_escaped() {
+    let mut fx = fixture();
+    fx.writer.kv(
+        "general.architecture",
+        GgufValue::String("\u{1b}[2Jllama".into()),
+    );
+    let e = err_of(load(fx.writer.write_temp("esc").path()));
+    assert!(e.contains(r"`\u{1b}[2Jllama`"), "{e}");
+    assert!(!e.chars().any(char::is_control), "{e:?}");
 }
