@@ -3,7 +3,11 @@
 //! ```text
 //! kiln -m models/SmolLM2-135M-Instruct.Q4_1.gguf --chat -p "What is the capital of France?"
 //! kiln chat -m models/SmolLM2-135M-Instruct.Q4_1.gguf
+//! kiln serve -m models/SmolLM2-135M-Instruct.Q4_1.gguf --port 8080
 //! ```
+
+#[path = "kiln/serve.rs"]
+mod serve;
 
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
@@ -105,7 +109,7 @@ struct Common {
     name = "kiln",
     version,
     about = "Generate text with a decoder-only language model",
-    after_help = "Interactive multi-turn chat: kiln chat -m MODEL"
+    after_help = "Interactive multi-turn chat: kiln chat -m MODEL\nOpenAI-compatible HTTP server: kiln serve -m MODEL"
 )]
 struct GenerateArgs {
     #[command(flatten)]
@@ -144,6 +148,10 @@ fn main() {
         let mut rest = vec![format!("{} chat", argv[0])];
         rest.extend(argv[2..].iter().cloned());
         chat(ChatArgs::parse_from(rest))
+    } else if argv.get(1).map(String::as_str) == Some("serve") {
+        let mut rest = vec![format!("{} serve", argv[0])];
+        rest.extend(argv[2..].iter().cloned());
+        serve::run(serve::ServeArgs::parse_from(rest))
     } else {
         generate(GenerateArgs::parse())
     };
