@@ -12,7 +12,9 @@ target/release/kiln serve -m "$MODEL_FILE" --port "$PORT" --api-key "$KEY" --max
 PID=$!
 trap 'kill $PID 2>/dev/null || true' EXIT
 for _ in $(seq 1 120); do
-    if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; then break; fi
+    if python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=1)" 2>/dev/null; then
+        break
+    fi
     sleep 0.5
 done
 python3 scripts/openai_client_check.py "http://127.0.0.1:$PORT/v1" demo "$KEY"

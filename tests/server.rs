@@ -409,6 +409,13 @@ fn bad_requests_get_openai_errors_naming_the_field() {
         );
         assert!(err["type"].is_string(), "{shown}");
         assert!(err.as_object().unwrap().contains_key("code"), "{shown}");
+        if status == 413 {
+            // Its body is left unread: the connection must not be reused.
+            assert_eq!(
+                r.headers.get("connection").map(String::as_str),
+                Some("close")
+            );
+        }
         match param {
             Some(p) => assert_eq!(err["param"], p, "{shown}: {v}"),
             None => assert!(err["param"].is_null(), "{shown}"),

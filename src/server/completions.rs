@@ -12,7 +12,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -52,9 +52,14 @@ async fn handle(
             } else {
                 "invalid_body"
             };
-            return ApiError::bad_request(e.body_text())
+            // The rest of the body stays unread, so the connection cannot be reused: say so,
+            // or a client would send its next request on a connection about to close.
+            let mut resp = ApiError::bad_request(e.body_text())
                 .with_status(e.status(), code)
                 .into_response();
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            return resp;
         }
     };
     let state = Arc::clone(&st);
