@@ -555,3 +555,119 @@ fn a_client_that_disconnects_frees_its_blocks() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Reads a streamed completion's choices' texts and its usage; `None` if the client hung up
+/// after the first event (`hang_up`).
+fn stream_completion(
+    addr: SocketAddr,
+    body: &Value,
+    hang_up: bool,
+) -> Option<(Vec<String>, Value)> {
+    let body = body.to_string();
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    if hang_up {
+        let mut first = [0u8; 256];
+        let _ = s.read(&mut first).unwrap();
+        return None;
+    }
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+    let reply = Reply {
+        status: 200,
+        headers: HashMap::new(),
+        body: dechunk(&raw[split + 4..]),
+    };
+    let mut texts = Vec::new();
+    let mut usage = Value::Null;
+    for e in reply.events() {
+        if e == "[DONE]" {
+            continue;
+        }
+        let c: Value = serde_json::from_str(&e).unwrap();
+        if !c["usage"].is_null() {
+            usage = c["usage"].clone();
+        }
+        for ch in c["choices"].as_array().unwrap() {
+            let i = ch["index"].as_u64().unwrap() as usize;
+            if texts.len() <= i {
+                texts.resize(i + 1, String::new());
+            }
+            texts[i].push_str(ch["text"].as_str().unwrap());
+        }
+    }
+    Some((texts, usage))
+}
+
+#[test]
+fn many_concurrent_streams_equal_their_runs_alone() {
+    let srv = start(|_| {});
+    let vocab = srv.engine.config().vocab_size;
+    struct Case {
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        n: usize,
+        hang_up: bool,
+        expected: (String, usize),
+    }
+    let cases: Vec<Case> = (0..64usize)
+        .map(|c| {
+            let len = 3 + (c * 7) % 40;
+            let prompt: Vec<u32> = (0..len)
+                .map(|j| (3 + (c * 31 + j * 17) % (vocab - 3)) as u32)
+                .collect();
+            let max_tokens = 4 + c % 13;
+            Case {
+                expected: library(&srv.engine, &prompt, max_tokens, &[]),
+                prompt,
+                max_tokens,
+                n: if c % 4 == 0 { 2 } else { 1 },
+                hang_up: c % 8 == 7,
+            }
+        })
+        .collect();
+    let addr = srv.addr;
+    std::thread::scope(|scope| {
+        for (c, case) in cases.iter().enumerate() {
+            scope.spawn(move || {
+                let body = json!({
+                    "prompt": case.prompt, "max_tokens": case.max_tokens, "n": case.n,
+                    "temperature": 0, "top_k": 5 + c, "stream": true,
+                    "stream_options": {"include_usage": true},
+                });
+                let Some((texts, usage)) = stream_completion(addr, &body, case.hang_up) else {
+                    return;
+                };
+                assert_eq!(texts, vec![case.expected.0.clone(); case.n], "client {c}");
+                assert_eq!(
+                    usage["completion_tokens"],
+                    case.expected.1 * case.n,
+                    "client {c}"
+                );
+                assert_eq!(usage["prompt_tokens"], case.prompt.len(), "client {c}");
+            });
+        }
+    });
+    // Every request ended or was cancelled: no sequence left, no block held but the cache's.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let running = metric(&srv, "kiln_running_sequences") + metric(&srv, "kiln_queue_waiting");
+        let used = metric(&srv, "kiln_kv_blocks_used");
+        let cached = metric(&srv, "kiln_prefix_cache_blocks");
+        if running == 0 && used == cached {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "running {running}, blocks used {used}, cached {cached}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
