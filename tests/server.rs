@@ -671,3 +671,30 @@ fn many_concurrent_streams_equal_their_runs_alone() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+#[test]
+fn a_slow_client_does_not_hold_up_the_others() {
+    let srv = start(|_| {});
+    // Headers sent, the body promised and one byte of it given: the handler waits on it.
+    let mut slow = TcpStream::connect(srv.addr).unwrap();
+    slow.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        .unwrap();
+    let mut half = TcpStream::connect(srv.addr).unwrap();
+    half.write_all(b"POST /v1/completions HTTP/1.1\r\nHo")
+        .unwrap();
+    for _ in 0..3 {
+        let r = post(
+            &srv,
+            "/v1/completions",
+            &json!({"prompt": "Once", "max_tokens": 4}),
+        );
+        assert_eq!(r.status, 200);
+    }
+    // The slow body, once finished, is still answered (here: malformed JSON).
+    slow.write_all(&[b' '; 99]).unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut raw = [0u8; 64];
+    let got = slow.read(&mut raw).unwrap();
+    assert!(String::from_utf8_lossy(&raw[..got]).starts_with("HTTP/1.1 400"));
+}
