@@ -1,6 +1,6 @@
 //! `kiln serve`: the OpenAI-compatible HTTP server (`kiln::server`) over one model.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -91,6 +91,19 @@ fn model_name(path: &Path) -> String {
     name.map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned())
 }
 
+/// `--host` (an IPv4 or IPv6 address, or `localhost`) and `--port` as a socket address.
+fn listen_addr(host: &str, port: u16) -> Result<SocketAddr> {
+    let ip: IpAddr = match host {
+        "localhost" => IpAddr::from([127, 0, 0, 1]),
+        h => h
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse()
+            .with_context(|| format!("--host {h:?} is not an IP address"))?,
+    };
+    Ok(SocketAddr::new(ip, port))
+}
+
 pub fn run(args: ServeArgs) -> Result<()> {
     for (flag, v) in [
         ("--max-running", args.max_running),
@@ -100,9 +113,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             bail!("{flag} must be at least 1");
         }
     }
-    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
-        .parse()
-        .with_context(|| format!("--host {:?} is not an IP address", args.host))?;
+    let addr = listen_addr(&args.host, args.port)?;
     let t0 = Instant::now();
     let opts = EngineOptions {
         device: kiln::engine::Device::Cpu,
@@ -193,7 +204,7 @@ async fn shutdown_signal() {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_size;
+    use super::{listen_addr, parse_size};
 
     #[test]
     fn sizes() {
@@ -203,5 +214,20 @@ mod tests {
         assert!(parse_size("12X").is_err());
         assert!(parse_size("M").is_err());
         assert!(parse_size("99999999999999999999G").is_err());
+    }
+
+    #[test]
+    fn hosts() {
+        assert_eq!(
+            listen_addr("127.0.0.1", 80).unwrap().to_string(),
+            "127.0.0.1:80"
+        );
+        assert_eq!(listen_addr("::1", 80).unwrap().to_string(), "[::1]:80");
+        assert_eq!(listen_addr("[::1]", 80).unwrap().to_string(), "[::1]:80");
+        assert_eq!(
+            listen_addr("localhost", 80).unwrap().to_string(),
+            "127.0.0.1:80"
+        );
+        assert!(listen_addr("0.0.0.0.1", 80).is_err());
     }
 }
