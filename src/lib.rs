@@ -16,4 +16,5 @@ pub mod kv;
 pub mod model;
 pub mod plan;
 pub mod sample;
+pub mod server;
 pub mod tokenizer;

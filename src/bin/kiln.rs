@@ -3,7 +3,11 @@
 //! ```text
 //! kiln -m models/SmolLM2-135M-Instruct.Q4_1.gguf --chat -p "What is the capital of France?"
 //! kiln chat -m models/SmolLM2-135M-Instruct.Q4_1.gguf
+//! kiln serve -m models/SmolLM2-135M-Instruct.Q4_1.gguf --port 8080
 //! ```
+
+#[path = "kiln/serve.rs"]
+mod serve;
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -137,7 +141,7 @@ struct Common {
     name = "kiln",
     version,
     about = "Generate text with a decoder-only language model",
-    after_help = "Interactive multi-turn chat: kiln chat -m MODEL"
+    after_help = "Interactive multi-turn chat: kiln chat -m MODEL\nOpenAI-compatible HTTP server: kiln serve -m MODEL"
 )]
 struct GenerateArgs {
     #[command(flatten)]
@@ -187,6 +191,9 @@ fn main() {
     let res = if argv.get(1).is_some_and(|a| a == "chat") {
         argv.splice(..2, [OsString::from("kiln chat")]);
         chat(ChatArgs::parse_from(argv))
+    } else if argv.get(1).is_some_and(|a| a == "serve") {
+        argv.splice(..2, [OsString::from("kiln serve")]);
+        serve::run(serve::ServeArgs::parse_from(argv))
     } else {
         generate(GenerateArgs::parse_from(argv))
     };
