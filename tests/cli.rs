@@ -244,3 +244,30 @@ fn constraint_flags_hold_output_and_name_bad_input() {
     assert!(err.contains("--regex \"[0-9\": regex"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A file that fails to load is named once in the message (the binaries used to add their own
+/// `loading PATH:` in front of the loader's `PATH: ...`), by kiln and kiln-dump alike.
+#[test]
+fn a_bad_model_file_is_named_once() {
+    let dir = std::env::temp_dir().join(format!("kiln-named-once-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("broken.gguf");
+    std::fs::write(&path, b"GGUF\x03\x00\x00\x00truncated").unwrap();
+    let p = path.to_str().unwrap();
+    for out in [
+        kiln(&["-m", p, "-p", "hi"]),
+        Command::new(env!("CARGO_BIN_EXE_kiln-dump"))
+            .args(["-m", p])
+            .output()
+            .unwrap(),
+    ] {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert_eq!(
+            err.matches(p).count(),
+            1,
+            "path not named exactly once: {err}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -261,7 +261,7 @@ impl Source {
         match self {
             Source::File(path) => {
                 note!("kiln-bench: loading {}", path.display());
-                Model::load(path).with_context(|| format!("loading {}", path.display()))
+                Model::load(path).context("loading the model")
             }
             Source::Synthetic(shape) => {
                 note!("kiln-bench: building synthetic {shape} (seed {seed})");

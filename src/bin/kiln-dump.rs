@@ -125,8 +125,7 @@ fn run() -> Result<()> {
         context: args.context,
         tokens: args.tokens,
     };
-    let model =
-        Model::load(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
+    let model = Model::load(&args.model).context("loading the model")?;
     let files = dump(&model, &opts)?;
     match &args.output {
         Some(dir) => {

@@ -292,8 +292,7 @@ fn load(c: &Common) -> Result<Arc<Engine>> {
         ..EngineOptions::default()
     };
     let t0 = Instant::now();
-    let engine =
-        Engine::load(&c.model, opts).with_context(|| format!("loading {}", c.model.display()))?;
+    let engine = Engine::load(&c.model, opts).context("loading the model")?;
     if let Some(why) = engine.fallback_reason() {
         note!("kiln: CUDA unavailable ({why}); running on the CPU");
     }

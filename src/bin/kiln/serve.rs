@@ -123,8 +123,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         },
         ..EngineOptions::default()
     };
-    let engine = Engine::load(&args.model, opts)
-        .with_context(|| format!("loading {}", args.model.display()))?;
+    let engine = Engine::load(&args.model, opts).context("loading the model")?;
     let model_ctx = engine.max_context();
     let context = match args.ctx_size {
         0 => model_ctx,
