@@ -293,6 +293,14 @@ impl Scheduler {
         if let Some(r) = self.requests.get_mut(&s.request) {
             r.reasons[s.row] = Some(reason);
         }
+        self.release_slot(i);
+    }
+
+    /// Gives sequence `i`'s slot back; its whole blocks are offered to the prefix cache first,
+    /// so whoever needs them next (a later turn, or this sequence after preemption) may reuse
+    /// them.
+    fn release_slot(&mut self, i: usize) {
+        let s = &mut self.seqs[i];
         if let Some(slot) = s.slot.take() {
             if self.opts.prefix_cache {
                 self.kv.publish_prefix(slot, &s.tokens[..s.computed]);
@@ -357,14 +365,8 @@ impl Scheduler {
 
     /// Frees sequence `i`'s blocks; it waits again and is recomputed from its tokens.
     fn preempt(&mut self, i: usize) {
-        let s = &mut self.seqs[i];
-        if let Some(slot) = s.slot.take() {
-            if self.opts.prefix_cache {
-                self.kv.publish_prefix(slot, &s.tokens[..s.computed]);
-            }
-            self.kv.close_slot(slot);
-        }
-        s.computed = 0;
+        self.release_slot(i);
+        self.seqs[i].computed = 0;
         self.stats.preemptions += 1;
     }
 
