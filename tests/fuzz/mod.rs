@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use kiln::backend::cpu::CpuOptions;
 use kiln::engine::{Engine, GenerateOptions};
-use kiln::model::gguf::{GgufFile, GgufValue, GGUF_MAGIC};
+use kiln::model::gguf::{write_gguf_string, GgufFile, GgufValue, GGUF_MAGIC};
 use kiln::model::Model;
 use kiln::sample::SamplingParams;
 use kiln::tokenizer::ChatMessage;
@@ -371,34 +371,6 @@ impl Gguf {
     }
 
     pub fn to_bytes(&self) -> Vec<u8> {
-        fn put_str(out: &mut Vec<u8>, s: &str) {
-            out.extend_from_slice(&(s.len() as u64).to_le_bytes());
-            out.extend_from_slice(s.as_bytes());
-        }
-        fn put_value(out: &mut Vec<u8>, v: &GgufValue) {
-            match v {
-                GgufValue::U8(x) => out.push(*x),
-                GgufValue::I8(x) => out.extend_from_slice(&x.to_le_bytes()),
-                GgufValue::U16(x) => out.extend_from_slice(&x.to_le_bytes()),
-                GgufValue::I16(x) => out.extend_from_slice(&x.to_le_bytes()),
-                GgufValue::U32(x) => out.extend_from_slice(&x.to_le_bytes()),
-                GgufValue::I32(x) => out.extend_from_slice(&x.to_le_bytes()),
-                GgufValue::U64(x) => out.extend_from_slice(&x.to_le_bytes()),
-                GgufValue::I64(x) => out.extend_from_slice(&x.to_le_bytes()),
-                GgufValue::F32(x) => out.extend_from_slice(&x.to_le_bytes()),
-                GgufValue::F64(x) => out.extend_from_slice(&x.to_le_bytes()),
-                GgufValue::Bool(x) => out.push(*x as u8),
-                GgufValue::String(s) => put_str(out, s),
-                GgufValue::Array(items) => {
-                    let elem = items.first().map_or(0, GgufValue::type_id);
-                    out.extend_from_slice(&elem.to_le_bytes());
-                    out.extend_from_slice(&(items.len() as u64).to_le_bytes());
-                    for it in items {
-                        put_value(out, it);
-                    }
-                }
-            }
-        }
         let a = self.alignment.max(1);
         let align = |n: usize| n.div_ceil(a) * a;
         let mut out = Vec::new();
@@ -407,14 +379,14 @@ impl Gguf {
         out.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());
         out.extend_from_slice(&(self.kv.len() as u64).to_le_bytes());
         for (k, v) in &self.kv {
-            put_str(&mut out, k);
+            write_gguf_string(&mut out, k);
             out.extend_from_slice(&v.type_id().to_le_bytes());
-            put_value(&mut out, v);
+            v.write_to(&mut out);
         }
         let mut offset = 0usize;
         let mut offsets = Vec::new();
         for (name, dims, ty, fixed, data) in &self.tensors {
-            put_str(&mut out, name);
+            write_gguf_string(&mut out, name);
             out.extend_from_slice(&(dims.len() as u32).to_le_bytes());
             for d in dims {
                 out.extend_from_slice(&d.to_le_bytes());

@@ -11,7 +11,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
-pub use reader::{GgmlType, GgufFile, GgufTensorInfo, GgufValue, DEFAULT_ALIGNMENT, GGUF_MAGIC};
+pub use reader::{
+    write_gguf_string, GgmlType, GgufFile, GgufTensorInfo, GgufValue, DEFAULT_ALIGNMENT, GGUF_MAGIC,
+};
 
 use super::validate::{self, Keys};
 use super::{

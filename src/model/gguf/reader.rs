@@ -41,7 +41,40 @@ pub enum GgufValue {
     Array(Vec<GgufValue>),
 }
 
+/// Appends a GGUF string: its length as a little-endian u64, then its bytes.
+pub fn write_gguf_string(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
 impl GgufValue {
+    /// Appends the value's GGUF encoding (without its type id; an array writes its element type
+    /// and length first): the inverse of what the reader parses, for writers and fuzzers.
+    pub fn write_to(&self, out: &mut Vec<u8>) {
+        match self {
+            GgufValue::U8(x) => out.push(*x),
+            GgufValue::I8(x) => out.extend_from_slice(&x.to_le_bytes()),
+            GgufValue::U16(x) => out.extend_from_slice(&x.to_le_bytes()),
+            GgufValue::I16(x) => out.extend_from_slice(&x.to_le_bytes()),
+            GgufValue::U32(x) => out.extend_from_slice(&x.to_le_bytes()),
+            GgufValue::I32(x) => out.extend_from_slice(&x.to_le_bytes()),
+            GgufValue::U64(x) => out.extend_from_slice(&x.to_le_bytes()),
+            GgufValue::I64(x) => out.extend_from_slice(&x.to_le_bytes()),
+            GgufValue::F32(x) => out.extend_from_slice(&x.to_le_bytes()),
+            GgufValue::F64(x) => out.extend_from_slice(&x.to_le_bytes()),
+            GgufValue::Bool(x) => out.push(*x as u8),
+            GgufValue::String(s) => write_gguf_string(out, s),
+            GgufValue::Array(items) => {
+                let elem = items.first().map_or(0, GgufValue::type_id);
+                out.extend_from_slice(&elem.to_le_bytes());
+                out.extend_from_slice(&(items.len() as u64).to_le_bytes());
+                for it in items {
+                    it.write_to(out);
+                }
+            }
+        }
+    }
+
     /// The GGUF spec's name of the value's type, for error messages.
     pub fn type_name(&self) -> &'static str {
         match self {
