@@ -10,12 +10,14 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use kiln::backend::cpu::attention::{attention, AttentionShape, TokenRow};
+use kiln::backend::cpu::attention::{attention, AttentionShape};
 use kiln::backend::cpu::norm::rms_norm;
-use kiln::backend::cpu::{CpuBackend, CpuOptions, PlanKind, Workspace};
+use kiln::backend::cpu::{CpuBackend, CpuOptions, Workspace};
+use kiln::backend::TokenRow;
 use kiln::graph::{Dims, KvSpec};
 use kiln::kv::KvCache;
 use kiln::model::Model;
+use kiln::plan::PlanKind;
 use kiln::sample::{sample, SamplingParams};
 
 fn rand_vec(n: usize, seed: u64) -> Vec<f32> {

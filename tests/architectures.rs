@@ -134,7 +134,9 @@ fn unsupported_variants_are_refused_by_name() {
 /// rows of large values appended to its embedding and head gives the reference's logits.
 #[test]
 fn padded_vocabulary_rows_are_never_logits() {
-    use kiln::backend::cpu::{CpuBackend, CpuOptions, PlanKind, TokenRow, Workspace};
+    use kiln::backend::cpu::{CpuBackend, CpuOptions, Workspace};
+    use kiln::backend::TokenRow;
+    use kiln::plan::PlanKind;
     use safetensors::tensor::TensorView;
 
     let dir = copy_fixture("qwen3", "padded");

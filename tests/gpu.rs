@@ -26,9 +26,11 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{demo_model, fixtures, gpu_or_skip, rel_l2};
-use kiln::backend::cpu::{CpuBackend, CpuOptions, PlanKind, TokenRow, WeightFormat, Workspace};
+use kiln::backend::cpu::{CpuBackend, CpuOptions, WeightFormat, Workspace};
 use kiln::backend::cuda::{CudaBackend, CudaKvCache, CudaWorkspace, GraphDecoder, GraphRow};
+use kiln::backend::TokenRow;
 use kiln::model::Model;
+use kiln::plan::PlanKind;
 use kiln::sample::{argmax, sample, SamplingParams};
 
 /// Relative L2 error allowed between GPU and CPU logits (bf16 weights and KV cache on the GPU,

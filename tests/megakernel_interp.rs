@@ -23,13 +23,13 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{demo_model, fixtures, rel_l2};
-use kiln::backend::cpu::{
-    rope_inv_freq, CpuBackend, CpuOptions, PlanKind, TokenRow, WeightFormat, Workspace,
-};
+use kiln::backend::cpu::{CpuBackend, CpuOptions, WeightFormat, Workspace};
 use kiln::backend::cuda::megakernel::{lower_decode, weight_data};
+use kiln::backend::TokenRow;
 use kiln::kv::KvCache;
 use kiln::model::arch::{build_graph, LogitRows};
 use kiln::model::Model;
+use kiln::plan::PlanKind;
 use kiln::plan::{ExecutionPlan, Phase};
 use kiln::sample::argmax;
 use kiln_codegen::interp::{
@@ -194,7 +194,7 @@ fn start(
     let mut kv = s.cpu.new_cache(SLOTS, capacity).expect("cache");
     let mut logits = Vec::new();
     let weights = weight_data(p, &s.model.weights).unwrap();
-    let inv_freq = rope_inv_freq(&s.cpu.plan(PlanKind::Decode).graph.rope);
+    let inv_freq = kiln::graph::rope::inv_freq(&s.cpu.plan(PlanKind::Decode).graph.rope);
     let block_size = kv.layout().block_size;
     let max_blocks = capacity.div_ceil(block_size);
     let geometry = (2 * SLOTS * max_blocks, block_size, max_blocks);

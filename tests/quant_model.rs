@@ -10,9 +10,11 @@ mod common;
 use std::sync::Arc;
 
 use common::rel_err;
-use kiln::backend::cpu::{CpuBackend, CpuOptions, PlanKind, TokenRow, WeightFormat, Workspace};
+use kiln::backend::cpu::{CpuBackend, CpuOptions, WeightFormat, Workspace};
+use kiln::backend::TokenRow;
 use kiln::model::quant::QuantKind;
 use kiln::model::{synthetic, DType, Model, Tensor, TensorBytes};
+use kiln::plan::PlanKind;
 
 const TOLERANCE: f32 = 1e-4;
 

@@ -6,8 +6,10 @@
 mod common;
 
 use common::{fixtures, rel_err, Reference};
-use kiln::backend::cpu::{CpuBackend, CpuOptions, PlanKind, TokenRow, Workspace};
+use kiln::backend::cpu::{CpuBackend, CpuOptions, Workspace};
+use kiln::backend::TokenRow;
 use kiln::model::Model;
+use kiln::plan::PlanKind;
 use kiln::sample::argmax;
 
 const TOLERANCE: f32 = 1e-4;

@@ -8,13 +8,15 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use common::{demo_model, fixtures, Reference};
-use kiln::backend::cpu::{CpuBackend, CpuOptions, PlanKind, TokenRow, Workspace};
+use kiln::backend::cpu::{CpuBackend, CpuOptions, Workspace};
+use kiln::backend::TokenRow;
 use kiln::engine::{
     Engine, EngineHandle, Event, GenerateOptions, Request, Scheduler, ServeOptions, Step,
 };
 use kiln::kv::storage::ALL_KV_DTYPES;
 use kiln::kv::{KvBudget, KvCache, KvDtype, KvOptions};
 use kiln::model::Model;
+use kiln::plan::PlanKind;
 use kiln::sample::SamplingParams;
 
 const FIXTURES: [&str; 12] = [

@@ -21,9 +21,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use serde::Serialize;
 
-use kiln::backend::cpu::{
-    simd, CpuBackend, CpuOptions, PlanKind, TokenRow, WeightFormat, Workspace,
-};
+use kiln::backend::cpu::{simd, CpuBackend, CpuOptions, WeightFormat, Workspace};
+use kiln::backend::TokenRow;
 use kiln::bench::bandwidth::{self, BandwidthSource};
 use kiln::bench::bytes::{self, Layout};
 use kiln::bench::report::{self, Row};
@@ -40,6 +39,7 @@ use kiln::graph::{human_bytes as human, Dims, Rows};
 use kiln::model::{synthetic, Model};
 use kiln::note;
 use kiln::plan::ExecutionPlan;
+use kiln::plan::PlanKind;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Device {

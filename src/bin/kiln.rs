@@ -18,7 +18,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, ValueEnum};
 use serde::Serialize;
 
-use kiln::backend::cpu::{CpuOptions, PlanKind, WeightFormat};
+use kiln::backend::cpu::{CpuOptions, WeightFormat};
 use kiln::cli::args::{check_model_path, check_threads, Text};
 use kiln::cli::context::{self, CacheRequest};
 use kiln::cli::input::{read_chat_line, read_prompt, ChatLine, MAX_TEXT_BYTES};
@@ -30,6 +30,7 @@ use kiln::engine::{
 };
 use kiln::kv::KvDtype;
 use kiln::note;
+use kiln::plan::PlanKind;
 use kiln::sample::SamplingParams;
 use kiln::tokenizer::nanochat::NanochatTokens;
 use kiln::tokenizer::{ChatMessage, TokenizerError};

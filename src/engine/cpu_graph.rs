@@ -12,9 +12,11 @@
 use std::collections::VecDeque;
 
 use super::{EngineError, LogitsProcessor};
-use crate::backend::cpu::{CpuBackend, PlanKind, TokenRow, Workspace};
+use crate::backend::cpu::{CpuBackend, Workspace};
 use crate::backend::cuda::GraphRow;
+use crate::backend::TokenRow;
 use crate::kv::KvCache;
+use crate::plan::PlanKind;
 use crate::sample::{self, SamplingParams};
 
 #[derive(Default)]

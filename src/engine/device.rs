@@ -8,10 +8,12 @@
 //! The CUDA arms are UNVERIFIED on a GPU: they compile, and the machines they were written on
 //! have none. `tests/gpu.rs` and `scripts/gpu-check.sh` are the checks for a GPU machine.
 
-use crate::backend::cpu::{CpuBackend, CpuOptions, PlanKind, TokenRow, Workspace};
+use crate::backend::cpu::{CpuBackend, CpuOptions, Workspace};
+use crate::backend::TokenRow;
 use crate::kv::{KvCache, KvDtype};
 use crate::model::{Model, ModelConfig};
 use crate::plan::ExecutionPlan;
+use crate::plan::PlanKind;
 use crate::sample::SamplingParams;
 
 use super::cpu_graph::CpuGraph;

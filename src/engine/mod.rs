@@ -36,7 +36,8 @@ pub use serve::{EngineHandle, RequestHandle};
 pub use session::Session;
 pub use stream::Stream;
 
-use crate::backend::cpu::{BackendError, CpuBackend, ExecError};
+use crate::backend::cpu::{BackendError, CpuBackend};
+use crate::backend::ExecError;
 use crate::kv::KvError;
 use crate::model::{LoadError, Model, ModelConfig};
 use crate::sample::{SampleError, SamplingParams};
@@ -150,7 +151,7 @@ impl Engine {
     }
 
     /// The compiled plan of one kind of step (its cost model gives bytes and flops per token).
-    pub fn plan(&self, kind: crate::backend::cpu::PlanKind) -> &crate::plan::ExecutionPlan {
+    pub fn plan(&self, kind: crate::plan::PlanKind) -> &crate::plan::ExecutionPlan {
         self.backend.plan(kind)
     }
 

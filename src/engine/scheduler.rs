@@ -22,8 +22,10 @@ use super::row::{RowRules, RowState};
 use super::sequence::{RequestId, Sequence};
 use super::tools::ToolTokens;
 use super::{Engine, EngineError, FinishReason, GenerateOptions, RowStep, Step, Usage};
-use crate::backend::cpu::{PlanKind, TokenRow, Workspace};
+use crate::backend::cpu::Workspace;
+use crate::backend::TokenRow;
 use crate::kv::{KvBudget, KvCache, KvError, KvOptions, PoolError};
+use crate::plan::PlanKind;
 
 /// How a serving engine shares its memory and its steps.
 #[derive(Clone, Copy, Debug)]
@@ -205,7 +207,7 @@ impl Scheduler {
         }
         let vocab = self.engine.config().vocab_size;
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(crate::backend::cpu::ExecError::BadToken { id: bad, vocab }.into());
+            return Err(crate::backend::ExecError::BadToken { id: bad, vocab }.into());
         }
         if prompt.len() >= self.kv.capacity() {
             return Err(EngineError::PromptTooLong {

@@ -9,7 +9,8 @@ use super::constraint::{prepare_during, Constraint};
 use super::device::Caches;
 use super::stream::Stream;
 use super::{BatchResult, Engine, EngineError, GenerateOptions, Step, Usage};
-use crate::backend::cpu::{PlanKind, TokenRow};
+use crate::backend::TokenRow;
+use crate::plan::PlanKind;
 
 pub struct Session {
     /// The cache and scratch memory on the engine's device. Declared (so dropped) before

@@ -9,8 +9,9 @@ use super::row::{RowRules, RowState};
 use super::session::Session;
 use super::tools::ToolTokens;
 use super::{EngineError, FinishReason, GenerateOptions, RowStep, Step, Timings, Usage};
-use crate::backend::cpu::{PlanKind, TokenRow};
 use crate::backend::cuda::GraphRow;
+use crate::backend::TokenRow;
+use crate::plan::PlanKind;
 
 /// Where the next step's tokens come from.
 enum Next {

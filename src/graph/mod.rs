@@ -10,6 +10,7 @@
 mod cost;
 pub mod passes;
 mod print;
+pub mod rope;
 
 pub use print::{human_bytes, human_flops, op_text, shape_text, write_text_with_cost};
 

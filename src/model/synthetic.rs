@@ -222,9 +222,9 @@ fn random_bf16(n: usize, std: f32, key: u64) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cpu::{
-        CpuBackend, CpuOptions, PlanKind, TokenRow, WeightFormat, Workspace,
-    };
+    use crate::backend::cpu::{CpuBackend, CpuOptions, WeightFormat, Workspace};
+    use crate::backend::TokenRow;
+    use crate::plan::PlanKind;
 
     /// Prefill of `ids` then 4 greedy decode steps; every logit row.
     fn run(model: &Model, ids: &[u32]) -> Vec<Vec<f32>> {

@@ -3,9 +3,12 @@
 //! accumulates into its residual's buffer when that value dies there, so the residual stream
 //! lives in one buffer for the whole forward pass.
 
+mod compile;
 mod print;
 
 use serde::Serialize;
+
+pub use compile::{compile_graph, PlanKind};
 
 use crate::graph::{Dims, Epilogue, Graph, NodeId, Op, Rows, Value};
 

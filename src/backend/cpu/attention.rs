@@ -5,14 +5,8 @@
 use rayon::prelude::*;
 
 use super::simd;
+use crate::backend::TokenRow;
 use crate::kv::{KvCache, KvDtype};
-
-/// Where one token row of the step sits: its cache slot and absolute position.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TokenRow {
-    pub slot: usize,
-    pub pos: usize,
-}
 
 pub struct AttentionShape {
     pub layer: usize,

@@ -1,9 +1,10 @@
 //! The plan interpreter: one match arm per op, reading and writing column slots of the
 //! workspace's buffers.
 
-use super::attention::{self, AttentionShape, TokenRow};
+use super::attention::{self, AttentionShape};
 use super::matmul::{self, PackedMatrix, WeightData};
 use super::{elementwise, norm, rope, CpuBackend};
+use crate::backend::TokenRow;
 use crate::graph::{Epilogue, Op, Rows};
 use crate::kv::KvCache;
 use crate::model::quant;

@@ -14,15 +14,14 @@ pub mod simd;
 
 use std::collections::HashMap;
 
-pub use attention::TokenRow;
 pub use exec::Workspace;
-pub use rope::inv_freq as rope_inv_freq;
 
-use crate::graph::{passes, Graph, Linear, Norm, Op};
+use crate::backend::{check_step, ExecError, TokenRow};
+use crate::graph::{Linear, Norm, Op};
 use crate::kv::{KvBudget, KvCache, KvDtype, KvError, KvOptions};
-use crate::model::arch::{build_graph, LogitRows};
+use crate::model::arch::LogitRows;
 use crate::model::{DType, LoadError, ModelConfig, Weights};
-use crate::plan::{ExecutionPlan, Phase};
+use crate::plan::{compile_graph, ExecutionPlan, Phase, PlanKind};
 use matmul::{PackedMatrix, WeightData};
 
 /// How linear weights are held in memory.
@@ -53,40 +52,6 @@ pub enum BackendError {
     Threads { threads: usize, reason: String },
 }
 
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum ExecError {
-    #[error(transparent)]
-    Kv(#[from] KvError),
-    #[error("token id {id} is outside the model's vocabulary of {vocab}")]
-    BadToken { id: u32, vocab: usize },
-    #[error("slot {slot}: token at position {found} but the cache expects position {expected}")]
-    BadPosition {
-        slot: usize,
-        expected: usize,
-        found: usize,
-    },
-    #[error(
-        "a step needs at least one token and one row per token ({tokens} tokens, {rows} rows)"
-    )]
-    BadStep { tokens: usize, rows: usize },
-    #[error(
-        "slot {slot}'s tokens must be consecutive rows of a step (another slot's row came between)"
-    )]
-    Interleaved { slot: usize },
-}
-
-/// Which compiled plan a step runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(usize)]
-pub enum PlanKind {
-    /// Many tokens, logits for the last one of each sequence.
-    Prefill,
-    /// One token per sequence.
-    Decode,
-    /// Logits for every token (scoring, reference checks).
-    AllLogits,
-}
-
 pub struct CpuBackend {
     config: ModelConfig,
     pool: rayon::ThreadPool,
@@ -101,17 +66,6 @@ pub struct CpuBackend {
     inv_freq: Vec<f32>,
     /// The frequencies of `Rope { local: true }` (the graph's `rope_local`); empty when unused.
     inv_freq_local: Vec<f32>,
-}
-
-/// The optimised graph every CPU plan is lowered from.
-pub fn compile_graph(
-    config: &ModelConfig,
-    weights: &Weights,
-    logits: LogitRows,
-) -> Result<Graph, LoadError> {
-    let mut g = build_graph(config, weights, logits)?;
-    passes::optimize(&mut g);
-    Ok(g)
 }
 
 /// The index of the matrix stored under `key`, packing it on first sight.
@@ -153,12 +107,12 @@ impl CpuBackend {
         let prefill = ExecutionPlan::lower(last.clone(), Phase::Prefill);
         let decode = ExecutionPlan::lower(last, Phase::Decode);
         let all_logits = ExecutionPlan::lower(all, Phase::Prefill);
-        let inv_freq = rope::inv_freq(&prefill.graph.rope);
+        let inv_freq = crate::graph::rope::inv_freq(&prefill.graph.rope);
         let inv_freq_local = prefill
             .graph
             .rope_local
             .as_ref()
-            .map_or_else(Vec::new, rope::inv_freq);
+            .map_or_else(Vec::new, crate::graph::rope::inv_freq);
 
         // Pack every distinct weight once; each plan instruction then names its matrix by index,
         // so a step never builds a key or hashes a name to find its weights.
@@ -289,7 +243,7 @@ impl CpuBackend {
         rows: &[TokenRow],
         logits: &mut Vec<f32>,
     ) -> Result<usize, ExecError> {
-        let next = super::check_step(
+        let next = check_step(
             self.config.vocab_size,
             tokens,
             rows,

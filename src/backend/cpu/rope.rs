@@ -3,43 +3,9 @@
 //! f32 as PyTorch's f32 outer product does, and the three pairing/sign conventions of
 //! [`RopeStyle`] are applied to each head.
 
-use crate::graph::RopeSpec;
-use crate::model::{RopeScaling, RopeStyle};
-
-/// Per-pair inverse frequencies, scaling applied.
-pub fn inv_freq(spec: &RopeSpec) -> Vec<f32> {
-    let d = spec.head_dim;
-    let base: Vec<f32> = (0..d / 2)
-        .map(|i| 1.0 / spec.theta.powf((2 * i) as f32 / d as f32))
-        .collect();
-    match spec.scaling {
-        None => base,
-        Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / factor).collect(),
-        Some(RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position_embeddings: old,
-        }) => {
-            let low_wavelen = old / low_freq_factor;
-            let high_wavelen = old / high_freq_factor;
-            base.iter()
-                .map(|&f| {
-                    let wavelen = 2.0 * std::f32::consts::PI / f;
-                    if wavelen < high_wavelen {
-                        f
-                    } else if wavelen > low_wavelen {
-                        f / factor
-                    } else {
-                        let smooth = (old / wavelen - low_freq_factor)
-                            / (high_freq_factor - low_freq_factor);
-                        (1.0 - smooth) * f / factor + smooth * f
-                    }
-                })
-                .collect()
-        }
-    }
-}
+#[cfg(test)]
+use crate::graph::{rope::inv_freq, RopeSpec};
+use crate::model::RopeStyle;
 
 /// `(cos, sin)` for every pair at `pos`, appended to `out`.
 pub fn push_angles(inv_freq: &[f32], pos: usize, out: &mut Vec<(f32, f32)>) {
@@ -134,22 +100,5 @@ mod tests {
         for (a, b) in perm(&hf).iter().zip(&gg) {
             assert!((a - b).abs() < 1e-6);
         }
-    }
-
-    #[test]
-    fn llama3_scaling_keeps_high_and_divides_low_frequencies() {
-        let mut s = spec(RopeStyle::HalfSplit);
-        s.head_dim = 64;
-        s.theta = 500000.0;
-        let plain = inv_freq(&s);
-        s.scaling = Some(RopeScaling::Llama3 {
-            factor: 8.0,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_max_position_embeddings: 8192.0,
-        });
-        let scaled = inv_freq(&s);
-        assert_eq!(scaled[0], plain[0]);
-        assert!((scaled[31] - plain[31] / 8.0).abs() < 1e-12);
     }
 }

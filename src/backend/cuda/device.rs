@@ -24,11 +24,12 @@ use super::graph::MegakernelCache;
 use super::graph_host::{control_words, sampling_control, GraphError};
 use super::kernels::SOURCES;
 use super::nvrtc::{self, NvrtcError};
-use crate::backend::cpu::{compile_graph, ExecError, PlanKind, TokenRow};
+use crate::backend::{ExecError, TokenRow};
 use crate::graph::{Activation, Epilogue, KvSpec, Linear, Op, Rows};
 use crate::kv::{KvBudget, KvCache, KvDtype, KvLayout, KvOptions, DEFAULT_BLOCK_SIZE};
 use crate::model::arch::LogitRows;
 use crate::model::{LoadError, ModelConfig, RopeStyle, Weights};
+use crate::plan::{compile_graph, PlanKind};
 use crate::plan::{ExecutionPlan, Phase, Slot};
 use crate::sample::SamplingParams;
 
@@ -464,11 +465,11 @@ impl CudaBackend {
         let decode = ExecutionPlan::lower(last, Phase::Decode);
         let all_logits = ExecutionPlan::lower(all, Phase::Prefill);
         let blas = load_cublas(&stream);
-        let inv = crate::backend::cpu::rope_inv_freq(&prefill.graph.rope);
+        let inv = crate::graph::rope::inv_freq(&prefill.graph.rope);
         let inv_freq = stream.clone_htod(&inv).map_err(drv)?;
         // The local layers' frequencies (Gemma 3); one unused element when there are none.
         let inv_local = match &prefill.graph.rope_local {
-            Some(spec) => crate::backend::cpu::rope_inv_freq(spec),
+            Some(spec) => crate::graph::rope::inv_freq(spec),
             None => vec![0.0],
         };
         let inv_freq_local = stream.clone_htod(&inv_local).map_err(drv)?;

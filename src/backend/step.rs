@@ -1,0 +1,125 @@
+//! What every backend shares about one step: where each token row goes, the errors a step can
+//! fail with, and the checks made before any backend runs it.
+
+use std::collections::BTreeMap;
+
+use crate::kv::KvError;
+
+/// Where one token row of the step sits: its cache slot and absolute position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenRow {
+    pub slot: usize,
+    pub pos: usize,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ExecError {
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    #[error("token id {id} is outside the model's vocabulary of {vocab}")]
+    BadToken { id: u32, vocab: usize },
+    #[error("slot {slot}: token at position {found} but the cache expects position {expected}")]
+    BadPosition {
+        slot: usize,
+        expected: usize,
+        found: usize,
+    },
+    #[error(
+        "a step needs at least one token and one row per token ({tokens} tokens, {rows} rows)"
+    )]
+    BadStep { tokens: usize, rows: usize },
+    #[error(
+        "slot {slot}'s tokens must be consecutive rows of a step (another slot's row came between)"
+    )]
+    Interleaved { slot: usize },
+}
+
+/// Checks one step before any backend runs it: every token id is in the vocabulary, every row's
+/// slot exists, each slot's tokens are consecutive rows (kernels find a sequence's last row and
+/// carry state from row to row within it), continue its cache contiguously, and fit. Returns each
+/// touched slot's length after the step. `len(slot)` is the slot's current length.
+pub fn check_step(
+    vocab: usize,
+    tokens: &[u32],
+    rows: &[TokenRow],
+    slots: usize,
+    capacity: usize,
+    len: impl Fn(usize) -> usize,
+) -> Result<BTreeMap<usize, usize>, ExecError> {
+    if tokens.is_empty() || tokens.len() != rows.len() {
+        return Err(ExecError::BadStep {
+            tokens: tokens.len(),
+            rows: rows.len(),
+        });
+    }
+    if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
+        return Err(ExecError::BadToken { id, vocab });
+    }
+    let mut next: BTreeMap<usize, usize> = BTreeMap::new();
+    for (i, r) in rows.iter().enumerate() {
+        if i > 0 && rows[i - 1].slot != r.slot && next.contains_key(&r.slot) {
+            return Err(ExecError::Interleaved { slot: r.slot });
+        }
+        if r.slot >= slots {
+            return Err(KvError::NoSlot {
+                slot: r.slot,
+                slots,
+            }
+            .into());
+        }
+        let expected = next.entry(r.slot).or_insert_with(|| len(r.slot));
+        if r.pos != *expected {
+            return Err(ExecError::BadPosition {
+                slot: r.slot,
+                expected: *expected,
+                found: r.pos,
+            });
+        }
+        *expected += 1;
+    }
+    for (&slot, &end) in &next {
+        if end > capacity {
+            let len = len(slot);
+            return Err(KvError::Full {
+                slot,
+                len,
+                capacity,
+                needed: end - len,
+            }
+            .into());
+        }
+    }
+    Ok(next)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(v: &[(usize, usize)]) -> Vec<TokenRow> {
+        v.iter()
+            .map(|&(slot, pos)| TokenRow { slot, pos })
+            .collect()
+    }
+
+    #[test]
+    fn a_slots_rows_must_be_consecutive() {
+        let check = |r: &[(usize, usize)]| {
+            let r = rows(r);
+            check_step(10, &vec![1; r.len()], &r, 2, 8, |_| 0)
+        };
+        assert!(check(&[(0, 0), (0, 1), (1, 0)]).is_ok());
+        assert_eq!(
+            check(&[(0, 0), (1, 0), (0, 1)]),
+            Err(ExecError::Interleaved { slot: 0 })
+        );
+        assert_eq!(
+            check(&[(0, 1)]),
+            Err(ExecError::BadPosition {
+                slot: 0,
+                expected: 0,
+                found: 1
+            })
+        );
+    }
+}
