@@ -39,7 +39,7 @@ pub(super) struct GraphRun {
 
 impl GraphRun {
     /// Whether a graph can take `rows` rows.
-    pub fn fits(backend: &Backend, rows: usize) -> bool {
+    pub fn fits(backend: &dyn Backend, rows: usize) -> bool {
         backend.uses_megakernel() && bucket_for(rows).is_some()
     }
 
@@ -66,7 +66,7 @@ impl GraphRun {
             },
         };
         s.dev
-            .graph_start(backend, bucket, feed, sampling, stop_tokens, emulation)?;
+            .graph_start(bucket, feed, sampling, stop_tokens, emulation)?;
         let mut run = GraphRun {
             bucket,
             rows: feed.iter().map(|f| f.slot).collect(),
@@ -75,7 +75,7 @@ impl GraphRun {
             in_flight: 0,
         };
         for _ in 0..DEPTH.min(budget) {
-            s.dev.graph_enqueue(backend, bucket)?;
+            s.dev.graph_enqueue(bucket)?;
             run.budget -= 1;
             run.in_flight += 1;
         }
@@ -86,11 +86,10 @@ impl GraphRun {
     /// length and token history), keeps the pipeline full, and returns each batch row's newly
     /// sampled token by engine row.
     pub fn next(&mut self, s: &mut Session) -> Result<Vec<(usize, u32)>, EngineError> {
-        let backend = &s.engine.backend;
-        let sampled = s.dev.graph_next(backend, self.bucket)?;
+        let sampled = s.dev.graph_next(self.bucket)?;
         self.in_flight -= 1;
         if self.budget > 0 {
-            s.dev.graph_enqueue(backend, self.bucket)?;
+            s.dev.graph_enqueue(self.bucket)?;
             self.budget -= 1;
             self.in_flight += 1;
         }
@@ -123,7 +122,7 @@ impl GraphRun {
     /// finished once the graph has stopped), so the session caches exactly what the host path
     /// would have: every emitted token that was fed.
     pub fn stop(self, s: &mut Session) -> Result<(), EngineError> {
-        s.dev.graph_stop(&s.engine.backend, self.bucket)?;
+        s.dev.graph_stop(self.bucket)?;
         if self.in_flight > 0 {
             for (b, &r) in self.rows.iter().enumerate() {
                 if let Some((token, pos)) = self.pending[b] {

@@ -8,7 +8,10 @@
 pub mod calculator;
 mod collect;
 pub mod constraint;
+mod cpu_device;
 mod cpu_graph;
+#[cfg(feature = "cuda")]
+mod cuda_device;
 mod device;
 mod graph_run;
 mod row;
@@ -87,7 +90,7 @@ pub struct Engine {
     weight_type: String,
     num_params: usize,
     tokenizer: Tokenizer,
-    pub(crate) backend: Backend,
+    pub(crate) backend: Box<dyn Backend>,
     /// Why [`Device::Auto`] ran on the CPU.
     fallback: Option<String>,
     /// Built on the first constrained request.
@@ -106,7 +109,7 @@ impl Engine {
     }
 
     pub fn from_model(model: Model, opts: impl Into<EngineOptions>) -> Result<Engine, EngineError> {
-        let started = Backend::start(&model, opts.into())?;
+        let started = device::start(&model, opts.into())?;
         Ok(Engine {
             num_params: model.weights.num_params(),
             model_path: model.path,
@@ -128,20 +131,13 @@ impl Engine {
 
     /// The CPU backend, when the engine runs on the CPU.
     pub fn cpu_backend(&self) -> Option<&CpuBackend> {
-        match &self.backend {
-            Backend::Cpu { backend, .. } => Some(backend),
-            #[cfg(feature = "cuda")]
-            Backend::Cuda { .. } => None,
-        }
+        self.backend.cpu()
     }
 
     /// The CUDA backend, when the engine runs on a GPU.
     #[cfg(feature = "cuda")]
     pub fn cuda_backend(&self) -> Option<&crate::backend::cuda::CudaBackend> {
-        match &self.backend {
-            Backend::Cuda { backend, .. } => Some(backend),
-            Backend::Cpu { .. } => None,
-        }
+        self.backend.cuda()
     }
 
     /// One line naming where the engine runs (`CPU (2 threads)`, `CUDA NVIDIA H100 … (megakernel

@@ -16,7 +16,7 @@ pub struct Session {
     /// The cache and scratch memory on the engine's device. Declared (so dropped) before
     /// `engine`: a CUDA decode graph still in flight reads the backend's weights, and its drop
     /// waits for it; the weights must not be freed first when this holds the last `Arc<Engine>`.
-    pub(super) dev: Caches,
+    pub(super) dev: Box<dyn Caches>,
     pub(super) engine: Arc<Engine>,
     pub(super) logits: Vec<f32>,
     /// What each slot's cache holds.
@@ -89,9 +89,7 @@ impl Session {
         } else {
             PlanKind::Prefill
         };
-        self.engine
-            .backend
-            .forward(kind, &mut self.dev, ids, &rows, &mut self.logits)?;
+        self.dev.forward(kind, ids, &rows, &mut self.logits)?;
         self.tokens[0].extend_from_slice(ids);
         Ok(&self.logits)
     }
@@ -152,7 +150,7 @@ impl Session {
         let ran = prepare_during(constraint.iter_mut().collect(), || self.prefill(prompt))?;
         let len = self.dev.len(0);
         for row in 1..opts.num_samples {
-            self.dev.copy_slot(&self.engine.backend, 0, row, len)?;
+            self.dev.copy_slot(0, row, len)?;
             self.tokens[row] = self.tokens[0].clone();
         }
         let prefill = t0.elapsed();

@@ -212,7 +212,7 @@ impl<'a> Stream<'a> {
                     row_id: r.slot as u32,
                 })
                 .collect();
-            let backend = &self.s.engine.backend;
+            let backend = &*self.s.engine.backend;
             // The CPU stand-in for the graph applies logits processors (tests script tool
             // calls through it); the device cannot.
             let sampling_ok = on_device
@@ -244,16 +244,15 @@ impl<'a> Stream<'a> {
                 self.end_graph()?;
             }
         }
-        let backend = &self.s.engine.backend;
-        if on_device && !forced && backend.samples_on_device() {
+        let sampled = if on_device && !forced {
             let row_ids: Vec<u32> = feed_rows.iter().map(|t| t.slot as u32).collect();
-            let tokens = backend.forward_sample(
-                &mut self.s.dev,
-                feed,
-                feed_rows,
-                &self.opts.sampling,
-                &row_ids,
-            )?;
+            self.s
+                .dev
+                .forward_sample(feed, feed_rows, &self.opts.sampling, &row_ids)?
+        } else {
+            None
+        };
+        if let Some(tokens) = sampled {
             self.next = Next::Tokens(tokens);
         } else {
             // Rows that sample next get their masks computed while the forward runs.
@@ -262,7 +261,7 @@ impl<'a> Stream<'a> {
             let masks = masks.filter_map(|r| r.constraint.as_mut()).collect();
             let (dev, logits) = (&mut self.s.dev, &mut self.logits);
             prepare_during(masks, || {
-                backend.forward(PlanKind::Decode, dev, feed, feed_rows, logits)
+                dev.forward(PlanKind::Decode, feed, feed_rows, logits)
             })?;
             self.next = Next::Logits;
         }

@@ -1,0 +1,219 @@
+//! The CUDA backend as an engine's device: decode kernel by kernel or through the
+//! graph-replayed megakernel, sampling on the device.
+//!
+//! UNVERIFIED on a GPU: this compiles, and the machines it was written on have none.
+//! `tests/gpu.rs`, `tests/gpu_engine.rs` and `scripts/gpu-check.sh` are the checks for a GPU
+//! machine.
+
+use std::sync::Arc;
+
+use super::device::{Backend, Caches, CpuGraphInputs, DecodePath};
+use super::EngineError;
+use crate::backend::cuda::{CudaBackend, CudaKvCache, CudaWorkspace, GraphDecoder, GraphRow};
+use crate::backend::TokenRow;
+use crate::model::{Model, ModelConfig};
+use crate::plan::{ExecutionPlan, PlanKind};
+use crate::sample::SamplingParams;
+
+pub(crate) struct CudaDevice {
+    backend: Arc<CudaBackend>,
+    /// Decode through the megakernel (checked to lower at load).
+    megakernel: bool,
+}
+
+impl CudaDevice {
+    pub fn start(model: &Model, decode: DecodePath) -> Result<CudaDevice, EngineError> {
+        let backend = CudaBackend::new(&model.config, &model.weights)?;
+        let megakernel = match decode {
+            DecodePath::PerOp => false,
+            DecodePath::Megakernel => {
+                backend.supports_megakernel()?;
+                true
+            }
+            DecodePath::Auto => backend.supports_megakernel().is_ok(),
+        };
+        Ok(CudaDevice {
+            backend: Arc::new(backend),
+            megakernel,
+        })
+    }
+}
+
+impl Backend for CudaDevice {
+    fn config(&self) -> &ModelConfig {
+        self.backend.config()
+    }
+
+    fn plan(&self, kind: PlanKind) -> &ExecutionPlan {
+        self.backend.plan(kind)
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.backend.weight_bytes()
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "CUDA {} ({} decode)",
+            self.backend.info(),
+            if self.megakernel {
+                "megakernel"
+            } else {
+                "per-op"
+            }
+        )
+    }
+
+    fn new_caches(&self, slots: usize, capacity: usize) -> Box<dyn Caches> {
+        Box::new(CudaCaches {
+            graphs: Vec::new(),
+            slots,
+            capacity,
+            kv: None,
+            ws: CudaWorkspace::new(),
+            backend: Arc::clone(&self.backend),
+        })
+    }
+
+    fn uses_megakernel(&self) -> bool {
+        self.megakernel
+    }
+
+    fn cuda(&self) -> Option<&CudaBackend> {
+        Some(&self.backend)
+    }
+}
+
+/// A session's memory on the GPU. Fields drop in order: the decode graphs (whose drop waits
+/// for replays in flight) before the cache they write and the backend whose weights they read.
+struct CudaCaches {
+    /// One captured decode graph per bucket used so far.
+    graphs: Vec<GraphDecoder>,
+    slots: usize,
+    capacity: usize,
+    /// Allocated on first use with the slots rounded up to a graph bucket (padding rows of the
+    /// megakernel need slots of their own).
+    kv: Option<CudaKvCache>,
+    ws: CudaWorkspace,
+    backend: Arc<CudaBackend>,
+}
+
+impl CudaCaches {
+    /// The cache (allocated on first use) and the workspace, borrowed together.
+    fn parts(&mut self) -> Result<(&mut CudaKvCache, &mut CudaWorkspace), EngineError> {
+        if self.kv.is_none() {
+            let slots = kiln_codegen::bucket_for(self.slots).unwrap_or(self.slots);
+            self.kv = Some(self.backend.new_cache(slots, self.capacity)?);
+        }
+        Ok((self.kv.as_mut().expect("allocated above"), &mut self.ws))
+    }
+
+    /// The session's decode graph for `bucket` rows, captured on first use, with the cache it
+    /// writes.
+    fn graph(
+        &mut self,
+        bucket: usize,
+    ) -> Result<(&mut GraphDecoder, &mut CudaKvCache), EngineError> {
+        self.parts()?;
+        let kv = self.kv.as_mut().expect("allocated above");
+        let i = match self.graphs.iter().position(|g| g.bucket() == bucket) {
+            Some(i) => i,
+            None => {
+                // SAFETY: the decoder lives in these caches beside the `Arc` of its backend,
+                // and is dropped first (field order), so the backend outlives it.
+                self.graphs
+                    .push(unsafe { GraphDecoder::new(&self.backend, kv, bucket) }?);
+                self.graphs.len() - 1
+            }
+        };
+        Ok((&mut self.graphs[i], kv))
+    }
+}
+
+impl Caches for CudaCaches {
+    fn len(&self, slot: usize) -> usize {
+        self.kv.as_ref().map_or(0, |kv| kv.len(slot))
+    }
+
+    fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn slots(&self) -> usize {
+        self.slots
+    }
+
+    fn truncate(&mut self, slot: usize, len: usize) {
+        if let Some(kv) = self.kv.as_mut() {
+            kv.truncate(slot, len)
+        }
+    }
+
+    fn set_len(&mut self, slot: usize, len: usize) {
+        if let Some(kv) = self.kv.as_mut() {
+            kv.set_len(slot, len)
+        }
+    }
+
+    fn copy_slot(&mut self, from: usize, to: usize, len: usize) -> Result<(), EngineError> {
+        let backend = Arc::clone(&self.backend);
+        let (kv, _) = self.parts()?;
+        Ok(kv.copy_slot(&backend, from, to, len)?)
+    }
+
+    fn forward(
+        &mut self,
+        kind: PlanKind,
+        tokens: &[u32],
+        rows: &[TokenRow],
+        logits: &mut Vec<f32>,
+    ) -> Result<usize, EngineError> {
+        let backend = Arc::clone(&self.backend);
+        let (kv, ws) = self.parts()?;
+        Ok(backend.forward(kind, ws, kv, tokens, rows, logits)?)
+    }
+
+    fn forward_sample(
+        &mut self,
+        tokens: &[u32],
+        rows: &[TokenRow],
+        sampling: &SamplingParams,
+        row_ids: &[u32],
+    ) -> Result<Option<Vec<u32>>, EngineError> {
+        let backend = Arc::clone(&self.backend);
+        let (kv, ws) = self.parts()?;
+        Ok(Some(backend.forward_sample(
+            PlanKind::Decode,
+            ws,
+            kv,
+            tokens,
+            rows,
+            sampling,
+            row_ids,
+        )?))
+    }
+
+    fn graph_start(
+        &mut self,
+        bucket: usize,
+        rows: &[GraphRow],
+        sampling: &SamplingParams,
+        stop_tokens: &[u32],
+        _emulation: CpuGraphInputs<'_>,
+    ) -> Result<(), EngineError> {
+        let (g, kv) = self.graph(bucket)?;
+        Ok(g.start(kv, rows, sampling, stop_tokens)?)
+    }
+
+    fn graph_enqueue(&mut self, bucket: usize) -> Result<(), EngineError> {
+        Ok(self.graph(bucket)?.0.enqueue()?)
+    }
+
+    fn graph_next(&mut self, bucket: usize) -> Result<Vec<u32>, EngineError> {
+        Ok(self.graph(bucket)?.0.next()?.tokens)
+    }
+
+    fn graph_stop(&mut self, bucket: usize) -> Result<(), EngineError> {
+        Ok(self.graph(bucket)?.0.stop()?)
+    }
+}
