@@ -9,12 +9,12 @@ use std::sync::Arc;
 use memmap2::Mmap;
 use serde_json::Value;
 
-use super::files::{self, MAX_SIDE_FILE, MAX_TOKENIZER_JSON};
 use super::validate::{self, positive_finite, Keys};
 use super::{
     vocab, Architecture, DType, Gemma3Params, LoadError, Model, ModelConfig, NanochatNative,
     RopeScaling, RopeStyle, Tensor, TensorBytes, Weights,
 };
+use crate::files::{self, MAX_SIDE_FILE, MAX_TOKENIZER_JSON};
 use crate::tokenizer::{SpecialTokens, Tokenizer};
 
 pub fn load(dir: &Path) -> Result<Model, LoadError> {

@@ -2,8 +2,6 @@
 
 pub mod arch;
 mod config;
-mod error;
-pub(crate) mod files;
 pub mod gguf;
 pub mod hf;
 pub mod quant;
@@ -14,8 +12,8 @@ mod vocab;
 
 use std::path::{Path, PathBuf};
 
+pub use crate::files::{escape, Escaped, EscapedPath, LoadError};
 pub use config::{Architecture, Gemma3Params, ModelConfig, NanochatNative, RopeScaling, RopeStyle};
-pub use error::{escape, Escaped, EscapedPath, LoadError};
 pub use tensor::{DType, Tensor, TensorBytes, Weights};
 
 use crate::tokenizer::Tokenizer;
@@ -35,7 +33,7 @@ impl Model {
     /// Anything else (a FIFO, a device, a socket) is refused before it is opened.
     pub fn load(path: impl AsRef<Path>) -> Result<Model, LoadError> {
         let path = path.as_ref();
-        let meta = files::file_or_dir(path)?;
+        let meta = crate::files::file_or_dir(path)?;
         if meta.is_dir() {
             hf::load(path)
         } else {

@@ -21,9 +21,11 @@ mod tests {
 
     use crate::backend::cpu::CpuOptions;
     use crate::engine::{Engine, GenerateOptions};
-    use crate::model::gguf::writer::{add_test_tokenizer, GgufWriter};
-    use crate::model::gguf::{self, GgufValue};
+    use crate::files::gguf::writer::GgufWriter;
+    use crate::files::gguf::GgufValue;
+    use crate::model::gguf;
     use crate::sample::SamplingParams;
+    use crate::tokenizer::gguf::fixture::add_test_tokenizer;
 
     /// The test tokenizer has 263 tokens; the embedding and head have 300 rows.
     const TOKENS: usize = 263;

@@ -17,7 +17,7 @@ pub use bytes::TokenBytes;
 pub use chat::ChatMessage;
 pub use stream::StreamDecoder;
 
-use crate::model::LoadError;
+use crate::files::LoadError;
 use guard::{check_json, guarded};
 
 /// GPT-2's byte-to-printable-character table (`bytes_to_unicode` in its encoder.py), which
@@ -35,8 +35,8 @@ pub fn byte_to_char(b: u8) -> char {
 pub enum TokenizerError {
     #[error(
         "tokenizer ({}): {}",
-        crate::model::EscapedPath(.source_file),
-        crate::model::Escaped(.reason)
+        crate::files::EscapedPath(.source_file),
+        crate::files::Escaped(.reason)
     )]
     Encode {
         source_file: PathBuf,
@@ -46,7 +46,7 @@ pub enum TokenizerError {
     BadId { id: u32, vocab: usize },
     #[error("model has no chat template (pass a plain prompt without --chat)")]
     NoChatTemplate,
-    #[error("chat template: {}", crate::model::Escaped(.0))]
+    #[error("chat template: {}", crate::files::Escaped(.0))]
     Template(String),
 }
 

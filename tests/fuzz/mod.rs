@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use kiln::backend::cpu::CpuOptions;
 use kiln::engine::{Engine, GenerateOptions};
-use kiln::model::gguf::{write_gguf_string, GgufFile, GgufValue, GGUF_MAGIC};
+use kiln::files::gguf::{write_gguf_string, GgufFile, GgufValue, GGUF_MAGIC};
 use kiln::model::Model;
 use kiln::sample::SamplingParams;
 use kiln::tokenizer::ChatMessage;

@@ -3,17 +3,11 @@
 //! onto the same [`ModelConfig`] and Hugging Face tensor names that `config.json` models use, so the
 //! architecture builders never need to know which format a model came from.
 
-mod reader;
-#[cfg(test)]
-pub(crate) mod writer;
-
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
-pub use reader::{
-    write_gguf_string, GgmlType, GgufFile, GgufTensorInfo, GgufValue, DEFAULT_ALIGNMENT, GGUF_MAGIC,
-};
+use crate::files::gguf::{GgmlType, GgufFile, GgufTensorInfo};
 
 use super::validate::{self, Keys};
 use super::{

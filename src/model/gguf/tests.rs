@@ -4,8 +4,10 @@ use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
 
-use super::writer::{add_test_tokenizer, GgufWriter, TempFile, TOK_IM_END, TOK_IM_START};
 use super::*;
+use crate::files::gguf::writer::{GgufWriter, TempFile};
+use crate::files::gguf::{parse, GgufValue};
+use crate::tokenizer::gguf::fixture::{add_test_tokenizer, TOK_IM_END, TOK_IM_START};
 
 /// A deterministic byte stream, so quantized fixtures cover every nibble and sign.
 fn pseudo_bytes(n: usize, seed: u32) -> Vec<u8> {
@@ -316,10 +318,10 @@ fn name_mapping() {
 fn every_truncation_is_an_error() {
     let bytes = fixture().writer.to_bytes();
     let path = Path::new("cut.gguf");
-    assert!(reader::parse(path, &bytes).is_ok());
+    assert!(parse(path, &bytes).is_ok());
     for len in 0..bytes.len() {
         assert!(
-            reader::parse(path, &bytes[..len]).is_err(),
+            parse(path, &bytes[..len]).is_err(),
             "prefix of {len} bytes parsed"
         );
     }
@@ -348,11 +350,11 @@ fn corrupt_bytes_never_panic() {
         for x in [0x01u8, 0x80, 0xff] {
             let mut b = bytes.clone();
             b[i] ^= x;
-            let _ = reader::parse(path, &b);
+            let _ = parse(path, &b);
         }
         let mut b = bytes.clone();
         b[i] = 0xff;
-        let _ = reader::parse(path, &b);
+        let _ = parse(path, &b);
     }
 }
 
@@ -373,18 +375,18 @@ fn set_offset(bytes: &mut [u8], name: &str, offset: u64) {
 fn bad_offsets_name_the_tensor() {
     let mut bytes = fixture().writer.to_bytes();
     set_offset(&mut bytes, "blk.0.ffn_up.weight", 1 << 20);
-    let e = err_of(reader::parse(Path::new("f.gguf"), &bytes).map(|_| ()));
+    let e = err_of(parse(Path::new("f.gguf"), &bytes).map(|_| ()));
     assert!(
         e.contains("blk.0.ffn_up.weight") && e.contains("past the end"),
         "{e}"
     );
 
     set_offset(&mut bytes, "blk.0.ffn_up.weight", u64::MAX - 31);
-    let e = err_of(reader::parse(Path::new("f.gguf"), &bytes).map(|_| ()));
+    let e = err_of(parse(Path::new("f.gguf"), &bytes).map(|_| ()));
     assert!(e.contains("blk.0.ffn_up.weight"), "{e}");
 
     set_offset(&mut bytes, "blk.0.ffn_up.weight", 3);
-    let e = err_of(reader::parse(Path::new("f.gguf"), &bytes).map(|_| ()));
+    let e = err_of(parse(Path::new("f.gguf"), &bytes).map(|_| ()));
     assert!(
         e.contains("blk.0.ffn_up.weight") && e.contains("alignment"),
         "{e}"
@@ -470,21 +472,21 @@ fn rejects_bad_headers() {
     let p = Path::new("h.gguf");
     let mut b = bytes.clone();
     b[0] = b'X';
-    assert!(err_of(reader::parse(p, &b).map(|_| ())).contains("magic"));
+    assert!(err_of(parse(p, &b).map(|_| ())).contains("magic"));
     let mut b = bytes.clone();
     b[4] = 1;
-    assert!(err_of(reader::parse(p, &b).map(|_| ())).contains("version 1"));
+    assert!(err_of(parse(p, &b).map(|_| ())).contains("version 1"));
     // A tensor count far beyond what the file can hold must not allocate.
     let mut b = bytes.clone();
     b[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
-    assert!(err_of(reader::parse(p, &b).map(|_| ())).contains("tensor count"));
+    assert!(err_of(parse(p, &b).map(|_| ())).contains("tensor count"));
     // Nested arrays are refused.
     let mut w = GgufWriter::new();
     w.kv(
         "x.nested",
         GgufValue::Array(vec![GgufValue::Array(vec![GgufValue::U8(1)])]),
     );
-    let e = err_of(reader::parse(p, &w.to_bytes()).map(|_| ()));
+    let e = err_of(parse(p, &w.to_bytes()).map(|_| ()));
     assert!(e.contains("x.nested") && e.contains("nested"), "{e}");
 }
 

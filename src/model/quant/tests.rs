@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use super::*;
-use crate::model::gguf::{GgmlType, GgufFile};
+use crate::files::gguf::{GgmlType, GgufFile};
 use crate::model::{DType, Tensor};
 
 fn fixture() -> GgufFile {

@@ -4,8 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::reader::{write_gguf_string, GgufValue, DEFAULT_ALIGNMENT, GGUF_MAGIC};
-use crate::tokenizer::byte_to_char;
+use super::{write_gguf_string, GgufValue, DEFAULT_ALIGNMENT, GGUF_MAGIC};
 
 pub(crate) struct GgufWriter {
     pub version: u32,
@@ -102,49 +101,4 @@ impl Drop for TempFile {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
     }
-}
-
-/// Ids of the test tokenizer's extra tokens; they follow the 256 byte tokens, `he` (256) and `ll` (257).
-pub(crate) const TOK_HELL: u32 = 258;
-pub(crate) const TOK_42: u32 = 259;
-pub(crate) const TOK_IM_START: u32 = 260;
-pub(crate) const TOK_IM_END: u32 = 261;
-pub(crate) const TOK_USER: u32 = 262;
-
-/// Adds a small byte-level BPE tokenizer: the 256 byte tokens (id = byte), merges building "hell"
-/// and "42", two control tokens and one user-defined token.
-pub(crate) fn add_test_tokenizer(w: &mut GgufWriter, pre: Option<&str>) {
-    let s = |x: &str| GgufValue::String(x.to_string());
-    let mut tokens: Vec<GgufValue> = (0..=255u8)
-        .map(|b| GgufValue::String(byte_to_char(b).to_string()))
-        .collect();
-    let mut types = vec![GgufValue::I32(1); 256];
-    for (t, ty) in [
-        ("he", 1),
-        ("ll", 1),
-        ("hell", 1),
-        ("42", 1),
-        ("<|im_start|>", 3),
-        ("<|im_end|>", 3),
-        ("<tool>", 4),
-    ] {
-        tokens.push(s(t));
-        types.push(GgufValue::I32(ty));
-    }
-    let merges = ["h e", "l l", "he ll", "4 2"].map(s).to_vec();
-    w.kv("tokenizer.ggml.model", s("gpt2"))
-        .kv("tokenizer.ggml.tokens", GgufValue::Array(tokens))
-        .kv("tokenizer.ggml.token_type", GgufValue::Array(types))
-        .kv("tokenizer.ggml.merges", GgufValue::Array(merges))
-        .kv("tokenizer.ggml.bos_token_id", GgufValue::U32(TOK_IM_START))
-        .kv("tokenizer.ggml.eos_token_id", GgufValue::U32(TOK_IM_END))
-        .kv("tokenizer.ggml.add_bos_token", GgufValue::Bool(false))
-        .kv(
-            "tokenizer.chat_template",
-            s("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"),
-        );
-    match pre {
-        Some(p) => w.kv("tokenizer.ggml.pre", s(p)),
-        None => w.remove_kv("tokenizer.ggml.pre"),
-    };
 }

@@ -11,7 +11,10 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 
-use crate::model::LoadError;
+use crate::files::LoadError;
+
+#[cfg(test)]
+pub(crate) mod writer;
 
 /// `GGUF` read as bytes; the file starts with it.
 pub const GGUF_MAGIC: [u8; 4] = *b"GGUF";
@@ -285,7 +288,7 @@ impl GgufFile {
     /// Maps the file and parses everything but the tensor data.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile, LoadError> {
         let path = path.as_ref();
-        let file = crate::model::files::open_regular(path)?;
+        let file = crate::files::open_regular(path)?;
         // SAFETY: the map is read-only; like every mmap-based model loader, we rely on the file not
         // being truncated or rewritten while it is mapped.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| LoadError::io(path, e))?;

@@ -2,12 +2,18 @@
 //! a character device has no size and cannot be mapped, and `/dev/zero` reads forever, so every
 //! file is checked to be a regular file before it is opened (and again after), and whole-file
 //! reads are capped at a size fitting what they hold.
+//!
+//! The lowest layer of loading: [`LoadError`], this opening, and the GGUF container ([`gguf`]) serve
+//! both the model loader and the tokenizer, and import neither.
 
 use std::fs::{File, Metadata};
 use std::io::Read;
 use std::path::Path;
 
-use super::LoadError;
+mod error;
+pub mod gguf;
+
+pub use error::{escape, Escaped, EscapedPath, LoadError};
 
 /// Cap on a JSON side file (`config.json`, `generation_config.json`, `tokenizer_config.json`,
 /// a shard index, a chat template): real ones are kilobytes.
