@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
+use super::backend::{Backend, Caches, CpuGraphInputs};
 use super::cpu_graph::CpuGraph;
-use super::device::{Backend, Caches, CpuGraphInputs};
 use super::EngineError;
 use crate::backend::cpu::{CpuBackend, Workspace};
 use crate::backend::cuda::GraphRow;

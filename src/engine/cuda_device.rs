@@ -7,11 +7,11 @@
 
 use std::sync::Arc;
 
-use super::device::{Backend, Caches, CpuGraphInputs, DecodePath};
+use super::backend::{Backend, Caches, CpuGraphInputs};
 use super::EngineError;
 use crate::backend::cuda::{CudaBackend, CudaKvCache, CudaWorkspace, GraphDecoder, GraphRow};
 use crate::backend::TokenRow;
-use crate::model::{Model, ModelConfig};
+use crate::model::ModelConfig;
 use crate::plan::{ExecutionPlan, PlanKind};
 use crate::sample::SamplingParams;
 
@@ -22,20 +22,11 @@ pub(crate) struct CudaDevice {
 }
 
 impl CudaDevice {
-    pub fn start(model: &Model, decode: DecodePath) -> Result<CudaDevice, EngineError> {
-        let backend = CudaBackend::new(&model.config, &model.weights)?;
-        let megakernel = match decode {
-            DecodePath::PerOp => false,
-            DecodePath::Megakernel => {
-                backend.supports_megakernel()?;
-                true
-            }
-            DecodePath::Auto => backend.supports_megakernel().is_ok(),
-        };
-        Ok(CudaDevice {
+    pub fn new(backend: CudaBackend, megakernel: bool) -> CudaDevice {
+        CudaDevice {
             backend: Arc::new(backend),
             megakernel,
-        })
+        }
     }
 }
 

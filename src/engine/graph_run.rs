@@ -12,12 +12,18 @@
 //! ahead like the device; with the CUDA graph decoder it is UNVERIFIED on a GPU (written and
 //! compiled on machines without one).
 
-use super::device::{Backend, CpuGraphInputs};
-use super::session::Session;
+use super::backend::{Backend, Caches, CpuGraphInputs};
 use super::{EngineError, LogitsProcessor};
 use crate::backend::cuda::GraphRow;
 use crate::sample::SamplingParams;
 use kiln_codegen::bucket_for;
+
+/// The part of a session a graph run reads and confirms into: its memory on the device and
+/// what each slot's cache holds.
+pub(super) struct SessionMemory<'a> {
+    pub dev: &'a mut dyn Caches,
+    pub tokens: &'a mut [Vec<u32>],
+}
 
 /// Replays kept in flight ahead of the host.
 pub(super) const DEPTH: usize = 8;
@@ -46,7 +52,8 @@ impl GraphRun {
     /// Starts the graph on `feed` (each row's slot is its engine row) and enqueues its first
     /// replays. `budget` is how many replays can still produce a token anyone reads.
     pub fn start(
-        s: &mut Session,
+        backend: &dyn Backend,
+        s: SessionMemory<'_>,
         feed: &[GraphRow],
         sampling: &SamplingParams,
         stop_tokens: &[u32],
@@ -54,7 +61,6 @@ impl GraphRun {
         budget: usize,
     ) -> Result<GraphRun, EngineError> {
         let bucket = bucket_for(feed.len()).expect("GraphRun::fits checked the row count");
-        let backend = &s.engine.backend;
         let emulation = CpuGraphInputs {
             processor,
             contexts: if backend.emulates_graph() {
@@ -85,7 +91,7 @@ impl GraphRun {
     /// Waits for the oldest replay, confirms the tokens it embedded into the session (cache
     /// length and token history), keeps the pipeline full, and returns each batch row's newly
     /// sampled token by engine row.
-    pub fn next(&mut self, s: &mut Session) -> Result<Vec<(usize, u32)>, EngineError> {
+    pub fn next(&mut self, s: SessionMemory<'_>) -> Result<Vec<(usize, u32)>, EngineError> {
         let sampled = s.dev.graph_next(self.bucket)?;
         self.in_flight -= 1;
         if self.budget > 0 {
@@ -121,7 +127,7 @@ impl GraphRun {
     /// consumed step are confirmed first (the oldest replay in flight embedded them, and it has
     /// finished once the graph has stopped), so the session caches exactly what the host path
     /// would have: every emitted token that was fed.
-    pub fn stop(self, s: &mut Session) -> Result<(), EngineError> {
+    pub fn stop(self, s: SessionMemory<'_>) -> Result<(), EngineError> {
         s.dev.graph_stop(self.bucket)?;
         if self.in_flight > 0 {
             for (b, &r) in self.rows.iter().enumerate() {

@@ -5,6 +5,7 @@
 //! A session owns a KV cache (one slot per sample row) and streams [`Step`]s: per step, the
 //! token column (one token per row) and the mask column (1 sampled, 0 forced by the tool).
 
+mod backend;
 pub mod calculator;
 mod collect;
 pub mod constraint;
@@ -45,7 +46,7 @@ use crate::kv::KvError;
 use crate::model::{LoadError, Model, ModelConfig};
 use crate::sample::{SampleError, SamplingParams};
 use crate::tokenizer::{Tokenizer, TokenizerError};
-use device::Backend;
+use backend::Backend;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {

@@ -2,13 +2,9 @@
 //! memory its steps reuse. Sessions are independent; many run at once over one shared engine.
 
 use std::sync::Arc;
-use std::time::Instant;
 
-use super::collect::RowsCollector;
-use super::constraint::{prepare_during, Constraint};
-use super::device::Caches;
-use super::stream::Stream;
-use super::{BatchResult, Engine, EngineError, GenerateOptions, Step, Usage};
+use super::backend::Caches;
+use super::{Engine, EngineError};
 use crate::backend::TokenRow;
 use crate::plan::PlanKind;
 
@@ -119,88 +115,5 @@ impl Session {
         self.tokens[0].truncate(common);
         self.feed(&prompt[common..])?;
         Ok(prompt.len() - common)
-    }
-
-    /// Starts generating after `prompt`: prefills once, copies the cache to every sample row,
-    /// and returns an iterator over steps.
-    pub fn stream(
-        &mut self,
-        prompt: &[u32],
-        opts: &GenerateOptions,
-    ) -> Result<Stream<'_>, EngineError> {
-        opts.sampling.validate()?;
-        if opts.num_samples == 0 {
-            return Err(EngineError::NoSamples);
-        }
-        if opts.num_samples > self.slots() {
-            return Err(EngineError::TooManySamples {
-                requested: opts.num_samples,
-                slots: self.slots(),
-            });
-        }
-        // A bad grammar fails before the prefill; the first mask is computed during it.
-        let mut constraint = match &opts.constraint {
-            Some(spec) => {
-                let factory = self.engine.constraint_factory()?;
-                Some(Constraint::new(&factory, spec)?)
-            }
-            None => None,
-        };
-        let t0 = Instant::now();
-        let ran = prepare_during(constraint.iter_mut().collect(), || self.prefill(prompt))?;
-        let len = self.dev.len(0);
-        for row in 1..opts.num_samples {
-            self.dev.copy_slot(0, row, len)?;
-            self.tokens[row] = self.tokens[0].clone();
-        }
-        let prefill = t0.elapsed();
-        Ok(Stream::new(
-            self,
-            prompt.len(),
-            ran,
-            prefill,
-            opts,
-            constraint,
-        ))
-    }
-
-    /// Generates to completion, calling `on_step` after each step (return `false` to stop).
-    pub fn generate(
-        &mut self,
-        prompt: &[u32],
-        opts: &GenerateOptions,
-        mut on_step: impl FnMut(&Step) -> bool,
-    ) -> Result<BatchResult, EngineError> {
-        let mut rows = RowsCollector::new(opts.num_samples);
-        let mut stream = self.stream(prompt, opts)?;
-        while let Some(step) = stream.next() {
-            let step = step?;
-            rows.push(&step);
-            if !on_step(&step) {
-                stream.cancel();
-            }
-        }
-        for (r, reason) in stream.cancelled_rows() {
-            rows.set_reason(r, reason);
-        }
-        let (usage, timings) = (stream.usage(), stream.timings());
-        let rows = rows.finish(prompt, stream.stop_tokens());
-        Ok(BatchResult {
-            rows,
-            usage: Usage {
-                prompt_tokens: prompt.len(),
-                ..usage
-            },
-            timings,
-        })
-    }
-
-    /// Runs to completion (nanochat's `generate_batch`).
-    pub fn generate_batch(
-        &mut self,
-        prompt: &[u32],
-        opts: &GenerateOptions,
-    ) -> Result<BatchResult, EngineError> {
-        self.generate(prompt, opts, |_| true)
     }
 }

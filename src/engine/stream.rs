@@ -1,17 +1,107 @@
-//! The step iterator: every row samples (or takes a forced token), checks its stop rules, and
-//! the rows still going advance together in one batched forward pass.
+//! Generating from a session: [`Session::stream`] prefills and returns the step iterator, in
+//! which every row samples (or takes a forced token), checks its stop rules, and the rows still
+//! going advance together in one batched forward pass.
 
 use std::time::{Duration, Instant};
 
+use super::collect::RowsCollector;
 use super::constraint::{prepare_during, Constraint};
-use super::graph_run::GraphRun;
+use super::graph_run::{GraphRun, SessionMemory};
 use super::row::{RowRules, RowState};
 use super::session::Session;
 use super::tools::ToolTokens;
-use super::{EngineError, FinishReason, GenerateOptions, RowStep, Step, Timings, Usage};
+use super::{
+    BatchResult, EngineError, FinishReason, GenerateOptions, RowStep, Step, Timings, Usage,
+};
 use crate::backend::cuda::GraphRow;
 use crate::backend::TokenRow;
 use crate::plan::PlanKind;
+
+/// Generation: a session's streams and the batch calls built on them.
+impl Session {
+    /// Starts generating after `prompt`: prefills once, copies the cache to every sample row,
+    /// and returns an iterator over steps.
+    pub fn stream(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+    ) -> Result<Stream<'_>, EngineError> {
+        opts.sampling.validate()?;
+        if opts.num_samples == 0 {
+            return Err(EngineError::NoSamples);
+        }
+        if opts.num_samples > self.slots() {
+            return Err(EngineError::TooManySamples {
+                requested: opts.num_samples,
+                slots: self.slots(),
+            });
+        }
+        // A bad grammar fails before the prefill; the first mask is computed during it.
+        let mut constraint = match &opts.constraint {
+            Some(spec) => {
+                let factory = self.engine.constraint_factory()?;
+                Some(Constraint::new(&factory, spec)?)
+            }
+            None => None,
+        };
+        let t0 = Instant::now();
+        let ran = prepare_during(constraint.iter_mut().collect(), || self.prefill(prompt))?;
+        let len = self.dev.len(0);
+        for row in 1..opts.num_samples {
+            self.dev.copy_slot(0, row, len)?;
+            self.tokens[row] = self.tokens[0].clone();
+        }
+        let prefill = t0.elapsed();
+        Ok(Stream::new(
+            self,
+            prompt.len(),
+            ran,
+            prefill,
+            opts,
+            constraint,
+        ))
+    }
+
+    /// Generates to completion, calling `on_step` after each step (return `false` to stop).
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        mut on_step: impl FnMut(&Step) -> bool,
+    ) -> Result<BatchResult, EngineError> {
+        let mut rows = RowsCollector::new(opts.num_samples);
+        let mut stream = self.stream(prompt, opts)?;
+        while let Some(step) = stream.next() {
+            let step = step?;
+            rows.push(&step);
+            if !on_step(&step) {
+                stream.cancel();
+            }
+        }
+        for (r, reason) in stream.cancelled_rows() {
+            rows.set_reason(r, reason);
+        }
+        let (usage, timings) = (stream.usage(), stream.timings());
+        let rows = rows.finish(prompt, stream.stop_tokens());
+        Ok(BatchResult {
+            rows,
+            usage: Usage {
+                prompt_tokens: prompt.len(),
+                ..usage
+            },
+            timings,
+        })
+    }
+
+    /// Runs to completion (nanochat's `generate_batch`).
+    pub fn generate_batch(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+    ) -> Result<BatchResult, EngineError> {
+        self.generate(prompt, opts, |_| true)
+    }
+}
 
 /// Where the next step's tokens come from.
 enum Next {
@@ -125,7 +215,10 @@ impl<'a> Stream<'a> {
                     .graph
                     .as_mut()
                     .expect("Next::Graph is set with a running graph");
-                let got = run.next(self.s)?;
+                let got = run.next(SessionMemory {
+                    dev: &mut *self.s.dev,
+                    tokens: &mut self.s.tokens,
+                })?;
                 Some(
                     self.live
                         .iter()
@@ -229,7 +322,11 @@ impl<'a> Stream<'a> {
                 let budget = self.graph_budget(feed_rows);
                 if budget > 0 {
                     let run = GraphRun::start(
-                        self.s,
+                        &*self.s.engine.backend,
+                        SessionMemory {
+                            dev: &mut *self.s.dev,
+                            tokens: &mut self.s.tokens,
+                        },
                         &rows,
                         &self.opts.sampling,
                         &self.stop_tokens,
@@ -294,7 +391,10 @@ impl<'a> Stream<'a> {
     /// Stops the decode graph, if one runs (what it had in flight is dropped).
     fn end_graph(&mut self) -> Result<(), EngineError> {
         if let Some(run) = self.graph.take() {
-            run.stop(self.s)?;
+            run.stop(SessionMemory {
+                dev: &mut *self.s.dev,
+                tokens: &mut self.s.tokens,
+            })?;
         }
         Ok(())
     }

@@ -1,0 +1,115 @@
+//! What an engine asks of the device it runs on: a [`Backend`] (the compiled model there) and
+//! the [`Caches`] it makes for each session. A session's caches hold the backend that made them,
+//! so they can only ever run on that device.
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::GraphRow;
+use crate::backend::TokenRow;
+use crate::model::ModelConfig;
+use crate::plan::{ExecutionPlan, PlanKind};
+use crate::sample::SamplingParams;
+
+use super::{EngineError, LogitsProcessor};
+
+/// The compiled model on its device (one per engine), as the engine drives it.
+pub(crate) trait Backend: Send + Sync {
+    fn config(&self) -> &ModelConfig;
+
+    fn plan(&self, kind: PlanKind) -> &ExecutionPlan;
+
+    /// Bytes the weights occupy where they run.
+    fn weight_bytes(&self) -> usize;
+
+    /// One line naming the device and the decode path.
+    fn describe(&self) -> String;
+
+    /// Empty session memory for `slots` rows of `capacity` positions (device memory is taken on
+    /// first use, so that creating a session cannot fail).
+    fn new_caches(&self, slots: usize, capacity: usize) -> Box<dyn Caches>;
+
+    /// Whether this is the CPU stand-in for the decode graph, which can apply a logits
+    /// processor (tests script tool calls through it).
+    fn emulates_graph(&self) -> bool {
+        false
+    }
+
+    /// Whether decode runs through the graph-replayed megakernel (or its CPU stand-in).
+    fn uses_megakernel(&self) -> bool;
+
+    /// The CPU backend, when this is it.
+    fn cpu(&self) -> Option<&CpuBackend> {
+        None
+    }
+
+    /// The CUDA backend, when this is it.
+    #[cfg(feature = "cuda")]
+    fn cuda(&self) -> Option<&crate::backend::cuda::CudaBackend> {
+        None
+    }
+}
+
+/// A session's memory on the device of the backend that made it (one per session). It holds
+/// that backend, so every call runs where the memory lives.
+pub(crate) trait Caches: Send {
+    /// Positions slot `slot` holds.
+    fn len(&self, slot: usize) -> usize;
+
+    fn capacity(&self) -> usize;
+
+    /// Slots the session asked for (a CUDA cache may hold more, for padding rows).
+    fn slots(&self) -> usize;
+
+    /// Forgets positions from `len` on.
+    fn truncate(&mut self, slot: usize, len: usize);
+
+    /// Sets a slot's confirmed length (positions a graph step wrote, once consumed).
+    fn set_len(&mut self, slot: usize, len: usize);
+
+    /// Makes slot `to` hold slot `from`'s first `len` positions.
+    fn copy_slot(&mut self, from: usize, to: usize, len: usize) -> Result<(), EngineError>;
+
+    /// Runs one step, logits to the host. Returns the number of logit rows.
+    fn forward(
+        &mut self,
+        kind: PlanKind,
+        tokens: &[u32],
+        rows: &[TokenRow],
+        logits: &mut Vec<f32>,
+    ) -> Result<usize, EngineError>;
+
+    /// A decode step with sampling on the device: one token per row, or `None` (and nothing
+    /// run) where the device cannot sample, and the caller runs [`Caches::forward`] instead.
+    fn forward_sample(
+        &mut self,
+        tokens: &[u32],
+        rows: &[TokenRow],
+        sampling: &SamplingParams,
+        row_ids: &[u32],
+    ) -> Result<Option<Vec<u32>>, EngineError>;
+
+    /// Starts the decode graph of `bucket` rows on `rows` (nothing runs until enqueued).
+    fn graph_start(
+        &mut self,
+        bucket: usize,
+        rows: &[GraphRow],
+        sampling: &SamplingParams,
+        stop_tokens: &[u32],
+        emulation: CpuGraphInputs<'_>,
+    ) -> Result<(), EngineError>;
+
+    /// Queues one more step of the started graph (on a GPU: a replay, no host sync).
+    fn graph_enqueue(&mut self, bucket: usize) -> Result<(), EngineError>;
+
+    /// The oldest queued step's sampled tokens, one per started row (waits for it on a GPU).
+    fn graph_next(&mut self, bucket: usize) -> Result<Vec<u32>, EngineError>;
+
+    /// Drops every queued step (on a GPU, after waiting for them to finish).
+    fn graph_stop(&mut self, bucket: usize) -> Result<(), EngineError>;
+}
+
+/// What only the CPU stand-in for the decode graph uses: the logits processor (the device has
+/// none) and each row's context for it.
+pub(crate) struct CpuGraphInputs<'a> {
+    pub processor: Option<&'a LogitsProcessor>,
+    pub contexts: Vec<Vec<u32>>,
+}
