@@ -10,9 +10,9 @@ use std::fmt::Write;
 
 use serde::Serialize;
 
+use crate::graph::build::{build_graph, LogitRows};
 use crate::graph::passes::{default_pipeline, run_pipeline};
 use crate::graph::{op_text, shape_text, write_text_with_cost, Cost, Dims, Graph};
-use crate::model::arch::{build_graph, LogitRows};
 use crate::model::{LoadError, Model};
 use crate::plan::{ExecutionPlan, Operand, Phase};
 

@@ -9,8 +9,9 @@ mod common;
 use std::path::PathBuf;
 
 use kiln::backend::cuda::megakernel::{generate, lower_decode, Megakernel};
+use kiln::graph::build::LogitRows;
 use kiln::graph::{Epilogue, Norm, Op};
-use kiln::model::{arch::LogitRows, Model};
+use kiln::model::Model;
 use kiln::plan::compile_graph;
 use kiln::plan::{ExecutionPlan, Phase};
 use kiln_codegen::{Ewise, Instr, LowerError};

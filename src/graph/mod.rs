@@ -7,6 +7,7 @@
 //! RoPE, the KV write and the attention span read them from the step, which is what lets a GPU
 //! decode step read the position from a device counter.
 
+pub mod build;
 mod cost;
 pub mod passes;
 mod print;

@@ -29,8 +29,8 @@ pub fn load(dir: &Path) -> Result<Model, LoadError> {
     let config = parse_config(&config_path, &config_json, gen_json.as_ref())?;
     let mut weights = load_safetensors_dir(dir)?;
     match config.architecture {
-        Architecture::Phi3 => super::arch::phi3_split_fused(&config, &mut weights)?,
-        Architecture::Gemma3 => super::arch::gemma3_hf_norm_weights(&mut weights),
+        Architecture::Phi3 => super::arch_weights::phi3_split_fused(&config, &mut weights)?,
+        Architecture::Gemma3 => super::arch_weights::gemma3_hf_norm_weights(&mut weights),
         _ => {}
     }
     let tokenizer = load_tokenizer(dir, &config)?;

@@ -1,6 +1,6 @@
 //! Reading models from disk: Hugging Face directories and GGUF files.
 
-pub mod arch;
+mod arch_weights;
 mod config;
 pub mod gguf;
 pub mod hf;

@@ -127,7 +127,7 @@ enum Init {
     Zeros,
 }
 
-/// Every tensor `arch::llama` reads, with Hugging Face names and PyTorch shapes.
+/// Every tensor `graph::build::llama` reads, with Hugging Face names and PyTorch shapes.
 fn llama_tensors(c: &ModelConfig) -> Vec<(String, Vec<usize>, Init)> {
     let (h, q, kv, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
     let mut t = vec![(

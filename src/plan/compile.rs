@@ -1,8 +1,8 @@
 //! What every backend compiles from a model: the optimised graph its plans are lowered from, and
 //! the names of those plans.
 
+use crate::graph::build::{build_graph, LogitRows};
 use crate::graph::{passes, Graph};
-use crate::model::arch::{build_graph, LogitRows};
 use crate::model::{LoadError, ModelConfig, Weights};
 
 /// Which compiled plan a step runs.

@@ -17,9 +17,9 @@ use std::collections::HashMap;
 pub use exec::Workspace;
 
 use crate::backend::{check_step, ExecError, TokenRow};
+use crate::graph::build::LogitRows;
 use crate::graph::{Linear, Norm, Op};
 use crate::kv::{KvBudget, KvCache, KvDtype, KvError, KvOptions};
-use crate::model::arch::LogitRows;
 use crate::model::{DType, LoadError, ModelConfig, Weights};
 use crate::plan::{compile_graph, ExecutionPlan, Phase, PlanKind};
 use matmul::{PackedMatrix, WeightData};

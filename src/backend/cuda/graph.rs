@@ -898,7 +898,8 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,   // [n] bf16\n\
     /// "sampling" (`ctl`, `ring`) are merged: main's emitter still has the session-2 signature.
     #[test]
     fn launch_arguments_match_the_emitted_signature() {
-        use crate::model::{arch::LogitRows, Model};
+        use crate::graph::build::LogitRows;
+        use crate::model::Model;
         use crate::plan::compile_graph;
         use crate::plan::Phase;
         let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/llama_tied");

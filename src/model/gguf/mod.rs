@@ -88,7 +88,7 @@ pub fn load(path: &Path) -> Result<Model, LoadError> {
     vocab::fit_to_tokenizer(&mut config, &tokenizer);
     let (mut weights, weight_type) = load_weights(&file, family)?;
     if family == Architecture::Phi3 {
-        crate::model::arch::phi3_split_fused(&config, &mut weights)?;
+        crate::model::arch_weights::phi3_split_fused(&config, &mut weights)?;
     }
     Ok(Model {
         path: path.to_path_buf(),

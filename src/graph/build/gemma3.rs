@@ -11,7 +11,7 @@
 
 use super::{Builder, LogitRows};
 use crate::graph::{Activation, Graph, Op, RopeSpec};
-use crate::model::{LoadError, ModelConfig, Tensor, Weights};
+use crate::model::{LoadError, ModelConfig, Weights};
 
 pub(super) fn build(
     config: &ModelConfig,
@@ -156,21 +156,4 @@ pub(super) fn build(
         out = b.op1(Op::Softcap { cap }, vec![out], "softcap".into());
     }
     Ok(b.finish(out))
-}
-
-/// Hugging Face's Gemma 3 RMSNorm multiplies by `1 + w`; every `*norm.weight` becomes the f32
-/// tensor `1 + w` so the builder's plain `x·w` norm applies (GGUF files store `w + 1` already).
-pub(crate) fn hf_norm_weights(weights: &mut Weights) {
-    let norms: Vec<Tensor> = weights
-        .tensors
-        .values()
-        .filter(|t| t.name.ends_with("norm.weight"))
-        .map(|t| {
-            let plus_one: Vec<f32> = t.to_f32_vec().into_iter().map(|w| 1.0 + w).collect();
-            Tensor::from_f32(t.name.clone(), t.shape.clone(), plus_one)
-        })
-        .collect();
-    for t in norms {
-        weights.insert(t);
-    }
 }

@@ -1,4 +1,4 @@
-//! One graph builder per architecture family. Builders check every weight they reference
+//! One graph builder per architecture family (`graph::build` in the design's pipeline). Builders check every weight they reference
 //! against the shape the config implies, so a wrong file fails at load with the tensor's name.
 
 mod gemma3;
@@ -7,9 +7,6 @@ mod mistral;
 mod nanochat;
 mod phi3;
 mod qwen3;
-
-pub(crate) use gemma3::hf_norm_weights as gemma3_hf_norm_weights;
-pub(crate) use phi3::split_fused as phi3_split_fused;
 
 use crate::graph::{Graph, KvSpec, Linear, Norm, Op, RopeSpec, Value};
 use crate::model::validate::{self, Keys};

@@ -1,24 +1,16 @@
-//! `Phi3ForCausalLM`: the Llama block with its projections fused, `self_attn.qkv_proj`
-//! (`[q_dim + 2·kv_dim, hidden]`, rows q then k then v) and `mlp.gate_up_proj` (`[2·ffn, hidden]`,
-//! rows gate then up); llama.cpp's GGUF keeps the same fusions (`attn_qkv`, a double-height
-//! `ffn_up`). [`split_fused`] gives each part its own name at load, as a view of the fused rows
-//! (no copy of mapped bytes), so the Llama builder runs unchanged.
+//! What loaders do to an architecture's stored weights so that the graph builders see one layout
+//! whatever the file: Phi-3's fused projections (`self_attn.qkv_proj`, `mlp.gate_up_proj`)
+//! become named row ranges of the fused tensors, and Gemma 3's Hugging Face norm weights `w`
+//! become `1 + w`.
 
-use super::{llama, LogitRows};
-use crate::graph::Graph;
-use crate::model::{LoadError, ModelConfig, Tensor, TensorBytes, Weights};
-
-pub(super) fn build(
-    config: &ModelConfig,
-    weights: &Weights,
-    logits: LogitRows,
-) -> Result<Graph, LoadError> {
-    llama::build_block(config, weights, logits, llama::Block::default())
-}
+use super::{LoadError, ModelConfig, Tensor, TensorBytes, Weights};
 
 /// Adds `q_proj`/`k_proj`/`v_proj` and `gate_proj`/`up_proj` (weights, and biases when the fused
 /// layer has one) for every layer, as row ranges of the fused tensors.
-pub(crate) fn split_fused(config: &ModelConfig, weights: &mut Weights) -> Result<(), LoadError> {
+pub(crate) fn phi3_split_fused(
+    config: &ModelConfig,
+    weights: &mut Weights,
+) -> Result<(), LoadError> {
     let c = config;
     let (q, kv, f) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
     for i in 0..c.num_layers {
@@ -106,5 +98,22 @@ fn row_range(t: &Tensor, name: &str, first: usize, n: usize, cols: usize) -> Ten
         shape,
         dtype: t.dtype,
         bytes,
+    }
+}
+
+/// Hugging Face's Gemma 3 RMSNorm multiplies by `1 + w`; every `*norm.weight` becomes the f32
+/// tensor `1 + w` so the builder's plain `x·w` norm applies (GGUF files store `w + 1` already).
+pub(crate) fn gemma3_hf_norm_weights(weights: &mut Weights) {
+    let norms: Vec<Tensor> = weights
+        .tensors
+        .values()
+        .filter(|t| t.name.ends_with("norm.weight"))
+        .map(|t| {
+            let plus_one: Vec<f32> = t.to_f32_vec().into_iter().map(|w| 1.0 + w).collect();
+            Tensor::from_f32(t.name.clone(), t.shape.clone(), plus_one)
+        })
+        .collect();
+    for t in norms {
+        weights.insert(t);
     }
 }
