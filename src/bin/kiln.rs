@@ -374,6 +374,7 @@ fn options(
         tools: !c.no_tools,
         logits_processor: None,
         constraint,
+        logprobs: None,
     }
 }
 
