@@ -113,6 +113,7 @@ pub fn router(handle: EngineHandle, config: ServerConfig) -> Router {
         .merge(api)
         .route("/health", get(health))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(Arc::clone(&state), count))
         .layer(DefaultBodyLimit::max(body_limit))
         .with_state(state)
@@ -148,6 +149,16 @@ async fn not_found(req: Request) -> ApiError {
         kind: "invalid_request_error",
         param: None,
         code: Some("not_found"),
+    }
+}
+
+async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError {
+        status: axum::http::StatusCode::METHOD_NOT_ALLOWED,
+        message: format!("{} does not take {}", req.uri().path(), req.method()),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("method_not_allowed"),
     }
 }
 
