@@ -401,6 +401,7 @@ fn hostile_requests_get_their_status_while_a_stream_is_served() {
     let addr = srv.addr;
     let cases = cases();
     assert!(cases.len() >= 50, "{} cases", cases.len());
+    println!("{} hostile requests", cases.len());
     let prompt = srv.engine.tokenizer().encode("Once upon a time").unwrap();
     let (expected, _) = library(&srv.engine, &prompt, 40, &[]);
     std::thread::scope(|scope| {
