@@ -615,27 +615,27 @@ fn penalties_and_sampling_extensions_are_honoured() {
             ..base.clone()
         })
     };
-    assert_eq!(got, with(sampling.clone()));
+    assert_eq!(got, with(sampling));
     for (name, without) in [
         (
             "top_k",
             SamplingParams {
                 top_k: None,
-                ..sampling.clone()
+                ..sampling
             },
         ),
         (
             "min_p",
             SamplingParams {
                 min_p: None,
-                ..sampling.clone()
+                ..sampling
             },
         ),
         (
             "repetition_penalty",
             SamplingParams {
                 repetition_penalty: None,
-                ..sampling.clone()
+                ..sampling
             },
         ),
     ] {

@@ -340,10 +340,7 @@ fn send(addr: SocketAddr, case: &Case) -> (u16, Vec<u8>) {
             Ok(0) => break,
             Ok(k) => raw.extend_from_slice(&buf[..k]),
             // A reset after the answer (the unread rest of a refused body).
-            Err(e) if !raw.is_empty() => {
-                let _ = e;
-                break;
-            }
+            Err(_) if !raw.is_empty() => break,
             Err(e) => panic!("{} {}: {e}", case.method, case.path),
         }
     }
