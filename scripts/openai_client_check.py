@@ -5,6 +5,7 @@ with `--api-key`, `--max-running 1 --max-queue 0` so that a two-prompt request i
 
 usage: openai_client_check.py BASE_URL MODEL API_KEY
 """
+import json
 import sys
 
 import openai
@@ -113,8 +114,63 @@ def main() -> None:
         raise AssertionError("413 expected")
     except openai.APIStatusError as e:
         assert e.status_code == 413, e
+    raises(
+        openai.BadRequestError,
+        lambda: client.completions.create(model=model, prompt="x", n=-1),
+    )
+    raises(
+        openai.BadRequestError,
+        lambda: client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}},
+        ),
+    )
+    try:
+        client.get("/completions", cast_to=object)
+        raise AssertionError("405 expected")
+    except openai.APIStatusError as e:
+        assert e.status_code == 405, e
     assert [m.id for m in client.models.list().data] == [model]
-    checks += 7
+    checks += 10
+
+    # Log-probabilities and structured output, as the client reads them.
+    r = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = r.choices[0].logprobs.content
+    assert content and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content), r
+    assert all(t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in content), r
+    c = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=3)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset), lp
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Invent a person. Answer in JSON."}],
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}},
+    )
+    person = json.loads(r.choices[0].message.content)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int), person
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Give me a JSON object describing a cat."}],
+        max_tokens=80,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict), r
+    else:
+        assert r.choices[0].message.content.lstrip().startswith("{"), r
+    checks += 4
     print(f"openai client: {checks} checks passed")
 
 

@@ -3,182 +3,17 @@
 //! library's own generation (`Engine::generate_batch`, which does not go through the
 //! scheduler or the server).
 
+mod server_support;
+
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use kiln::backend::cpu::CpuOptions;
-use kiln::engine::{Engine, EngineHandle, GenerateOptions, ServeOptions};
-use kiln::kv::KvBudget;
-use kiln::sample::SamplingParams;
-use kiln::server::{router, ServerConfig};
 use kiln::tokenizer::ChatMessage;
-
-const FIXTURE: &str = "tests/fixtures/llama_tied";
-const MODEL: &str = "tiny";
-
-struct Server {
-    addr: SocketAddr,
-    engine: Arc<Engine>,
-    _rt: tokio::runtime::Runtime,
-}
-
-fn start(adjust: impl FnOnce(&mut ServerConfig)) -> Server {
-    let engine = Arc::new(
-        Engine::load(
-            FIXTURE,
-            CpuOptions {
-                threads: 1,
-                ..CpuOptions::default()
-            },
-        )
-        .unwrap(),
-    );
-    let mut config = ServerConfig::new(MODEL, engine.max_context());
-    config.max_body_bytes = 64 << 10;
-    adjust(&mut config);
-    let handle = EngineHandle::start(
-        Arc::clone(&engine),
-        ServeOptions {
-            kv_budget: KvBudget::Bytes(4 << 20),
-            max_running: config.max_running,
-            ..ServeOptions::default()
-        },
-    )
-    .unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let listener = rt
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let addr = listener.local_addr().unwrap();
-    let app = router(handle, config);
-    rt.spawn(kiln::server::serve(listener, app, std::future::pending()));
-    Server {
-        addr,
-        engine,
-        _rt: rt,
-    }
-}
-
-struct Reply {
-    status: u16,
-    headers: HashMap<String, String>,
-    body: Vec<u8>,
-}
-
-impl Reply {
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&self.body)))
-    }
-
-    /// The `data:` payloads of a server-sent event stream.
-    fn events(&self) -> Vec<String> {
-        String::from_utf8(self.body.clone())
-            .unwrap()
-            .lines()
-            .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
-            .collect()
-    }
-}
-
-/// One HTTP/1.1 exchange over a fresh connection (`Connection: close`), chunked bodies decoded.
-fn http(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: &[u8],
-) -> Reply {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
-        body.len()
-    );
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str("\r\n");
-    s.write_all(req.as_bytes()).unwrap();
-    s.write_all(body).unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
-    let head = String::from_utf8(raw[..split].to_vec()).unwrap();
-    let mut lines = head.split("\r\n");
-    let status = lines
-        .next()
-        .unwrap()
-        .split(' ')
-        .nth(1)
-        .unwrap()
-        .parse()
-        .unwrap();
-    let headers: HashMap<String, String> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
-        .collect();
-    let mut body = raw[split + 4..].to_vec();
-    if headers.get("transfer-encoding").map(String::as_str) == Some("chunked") {
-        body = dechunk(&body);
-    }
-    Reply {
-        status,
-        headers,
-        body,
-    }
-}
-
-fn dechunk(mut b: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    loop {
-        let eol = b.windows(2).position(|w| w == b"\r\n").unwrap();
-        let size =
-            usize::from_str_radix(std::str::from_utf8(&b[..eol]).unwrap().trim(), 16).unwrap();
-        if size == 0 {
-            return out;
-        }
-        out.extend_from_slice(&b[eol + 2..eol + 2 + size]);
-        b = &b[eol + 4 + size..];
-    }
-}
-
-fn post(srv: &Server, path: &str, body: &Value) -> Reply {
-    http(
-        srv.addr,
-        "POST",
-        path,
-        &[("Content-Type", "application/json")],
-        body.to_string().as_bytes(),
-    )
-}
-
-/// The library's greedy continuation of `prompt` (the reference for the server's answers).
-fn library(
-    engine: &Arc<Engine>,
-    prompt: &[u32],
-    max_tokens: usize,
-    stop: &[&str],
-) -> (String, usize) {
-    let opts = GenerateOptions {
-        max_tokens: Some(max_tokens),
-        sampling: SamplingParams::default(),
-        stop_strings: stop.iter().map(|s| s.to_string()).collect(),
-        ..GenerateOptions::default()
-    };
-    let r = engine.generate_batch(prompt, &opts).unwrap();
-    let row = &r.rows[0];
-    (row.text.clone(), row.generated.len())
-}
+use server_support::*;
 
 #[test]
 fn completions_match_the_library() {
@@ -376,13 +211,13 @@ fn bad_requests_get_openai_errors_naming_the_field() {
         ("/v1/completions", json!({"prompt": "x", "max_tokens": 1.5}).to_string().into_bytes(), 400, Some("max_tokens")),
         ("/v1/completions", json!({"prompt": "x", "stop": 3}).to_string().into_bytes(), 400, Some("stop")),
         ("/v1/completions", json!({"prompt": "x", "stream": "yes"}).to_string().into_bytes(), 400, Some("stream")),
-        ("/v1/completions", json!({"prompt": "x", "logprobs": 2}).to_string().into_bytes(), 400, Some("logprobs")),
+        ("/v1/completions", json!({"prompt": "x", "logprobs": 21}).to_string().into_bytes(), 400, Some("logprobs")),
         ("/v1/completions", json!({"prompt": [1, 99999999]}).to_string().into_bytes(), 400, Some("prompt")),
         ("/v1/completions", json!({"prompt": vec![5u32; 300]}).to_string().into_bytes(), 400, Some("prompt")),
         ("/v1/completions", json!({"prompt": "x", "model": "gpt-9"}).to_string().into_bytes(), 404, Some("model")),
         ("/v1/chat/completions", json!({"messages": "hi"}).to_string().into_bytes(), 400, Some("messages")),
         ("/v1/chat/completions", json!({"messages": [{"role": 1, "content": "x"}]}).to_string().into_bytes(), 400, Some("messages[0].role")),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true}).to_string().into_bytes(), 400, Some("logprobs")),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}).to_string().into_bytes(), 400, Some("top_logprobs")),
         ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": 1}}).to_string().into_bytes(), 400, Some("stream_options.include_usage")),
         ("/v1/completions", vec![b' '; 100 << 10], 413, None),
     ];
@@ -512,16 +347,6 @@ fn a_full_queue_answers_429() {
         &json!({"prompt": "a", "max_tokens": 2}),
     );
     assert_eq!(r.status, 200);
-}
-
-/// The value of an unlabelled metric.
-fn metric(srv: &Server, name: &str) -> u64 {
-    let m = String::from_utf8(http(srv.addr, "GET", "/metrics", &[], b"").body).unwrap();
-    m.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .unwrap_or_else(|| panic!("{name} missing"))
-        .parse()
-        .unwrap()
 }
 
 #[test]

@@ -375,6 +375,7 @@ fn options(
         tools: !c.no_tools,
         logits_processor: None,
         constraint,
+        logprobs: None,
     }
 }
 

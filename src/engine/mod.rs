@@ -15,6 +15,7 @@ mod cpu_graph;
 mod cuda_device;
 mod device;
 mod graph_run;
+mod logprobs;
 mod row;
 mod scheduler;
 mod sequence;
@@ -32,6 +33,7 @@ use serde::Serialize;
 
 pub use constraint::{Constraint, ConstraintError, ConstraintFactory, ConstraintSpec};
 pub use device::{DecodePath, Device, EngineOptions};
+pub use logprobs::TokenLogprobs;
 pub use scheduler::{
     Event, Finished, Request, Scheduler, SchedulerStats, ServeError, ServeOptions, Sink,
 };
@@ -278,6 +280,11 @@ pub struct GenerateOptions {
     /// What every row's output must match (JSON schema, regex, grammar); masks the logits
     /// after `logits_processor` and the repetition penalty. Sampling then runs on the host.
     pub constraint: Option<ConstraintSpec>,
+    /// `Some(k)`: every step of a row carries the taken token's log-probability and the `k`
+    /// most likely tokens' ([`TokenLogprobs`]: the model's raw distribution, before any
+    /// adjustment). `None` computes none (they cost a pass over the vocabulary per token).
+    /// Sampling then runs on the host.
+    pub logprobs: Option<usize>,
 }
 
 /// `f(row, context, logits)`: `context` is the row's tokens so far (prompt included).
@@ -304,12 +311,13 @@ impl Default for GenerateOptions {
             tools: true,
             logits_processor: None,
             constraint: None,
+            logprobs: None,
         }
     }
 }
 
 /// One row's share of a step.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct RowStep {
     pub token: u32,
     /// 1 sampled, 0 forced.
@@ -318,10 +326,12 @@ pub struct RowStep {
     pub text: String,
     /// Set on the row's last step.
     pub finished: Option<FinishReason>,
+    /// The token's log-probabilities, when [`GenerateOptions::logprobs`] asks for them.
+    pub logprobs: Option<TokenLogprobs>,
 }
 
 /// One decoding step: an entry per row, `None` for rows that finished earlier.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Step {
     pub rows: Vec<Option<RowStep>>,
 }

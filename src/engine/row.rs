@@ -4,6 +4,7 @@
 //! the tool state machine, stop tokens, stop strings, `max_tokens` and the context limit.
 
 use super::constraint::Constraint;
+use super::logprobs::RawLogits;
 use super::stop::TextTracker;
 use super::tools::{ToolState, ToolTokens};
 use super::{EngineError, FinishReason, GenerateOptions, RowStep};
@@ -17,6 +18,9 @@ pub(super) struct RowState {
     /// The row's grammar, advanced by every token it takes (sampled or forced).
     pub constraint: Option<Constraint>,
     pub finished: bool,
+    /// The raw logits of the token being chosen, kept by `choose` for `accept` when the
+    /// request asks for log-probabilities.
+    raw: Option<RawLogits>,
 }
 
 /// What every row of one request shares.
@@ -37,6 +41,7 @@ impl RowState {
             tool: ToolState::default(),
             constraint,
             finished: false,
+            raw: None,
         }
     }
 
@@ -52,6 +57,7 @@ impl RowState {
         pos: usize,
         logits: &mut [f32],
     ) -> Option<(u32, u8)> {
+        self.raw = rules.opts.logprobs.map(|k| RawLogits::new(logits, k));
         if let Some(forced) = self.tool.forced.pop_front() {
             return Some((forced, 0));
         }
@@ -71,7 +77,8 @@ impl RowState {
     }
 
     /// Takes `token` (chosen for position `pos`) into the row: tool state, counts, text and
-    /// stop rules. Returns the row's step; `finished` is set when this was its last token.
+    /// stop rules. Returns the row's step; `finished` is set when this was its last token, and
+    /// `logprobs` when the request asks for them (from the logits `choose` saw).
     pub fn accept(
         &mut self,
         rules: &RowRules<'_>,
@@ -113,6 +120,7 @@ impl RowState {
             mask,
             text,
             finished,
+            logprobs: self.raw.take().map(|r| r.taken(token)),
         })
     }
 }

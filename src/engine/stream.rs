@@ -289,6 +289,7 @@ impl<'a> Stream<'a> {
         let constrained = self.opts.constraint.is_some();
         let on_device = self.opts.logits_processor.is_none()
             && self.opts.sampling.repetition_penalty.is_none()
+            && self.opts.logprobs.is_none()
             && !constrained;
         let forced = feed_rows
             .iter()
@@ -311,6 +312,7 @@ impl<'a> Stream<'a> {
             let sampling_ok = on_device
                 || (backend.emulates_graph()
                     && self.opts.sampling.repetition_penalty.is_none()
+                    && self.opts.logprobs.is_none()
                     && !constrained);
             if sampling_ok && !forced && GraphRun::fits(backend, rows.len()) {
                 if let Some(run) = self.graph.as_mut().filter(|g| g.covers(&rows)) {

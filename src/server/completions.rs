@@ -7,56 +7,71 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use futures_util::StreamExt;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::error::ApiError;
+use super::logprobs::ChoiceLogprobs;
 use super::params::{self, Endpoint, Parsed};
 use super::AppState;
 use crate::engine::{EngineError, Event, FinishReason, Request, RequestId, ServeError, Usage};
 
-pub async fn completions(
-    State(st): State<Arc<AppState>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+pub async fn completions(State(st): State<Arc<AppState>>, body: Body) -> Response {
     handle(st, Endpoint::Completions, body).await
 }
 
-pub async fn chat_completions(
-    State(st): State<Arc<AppState>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+pub async fn chat_completions(State(st): State<Arc<AppState>>, body: Body) -> Response {
     handle(st, Endpoint::Chat, body).await
 }
 
-async fn handle(
-    st: Arc<AppState>,
-    endpoint: Endpoint,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+/// Reads a request body of at most `limit` bytes within `timeout`.
+async fn read_body(body: Body, limit: usize, timeout: Duration) -> Result<Vec<u8>, ApiError> {
+    let read = async {
+        let mut data = body.into_data_stream();
+        let mut buf = Vec::new();
+        while let Some(chunk) = data.next().await {
+            let chunk = chunk.map_err(|e| {
+                ApiError::bad_request(format!("the request body could not be read: {e}"))
+                    .with_status(StatusCode::BAD_REQUEST, "invalid_body")
+            })?;
+            if buf.len().saturating_add(chunk.len()) > limit {
+                return Err(ApiError::bad_request(format!(
+                    "the request body is larger than {limit} bytes"
+                ))
+                .with_status(StatusCode::PAYLOAD_TOO_LARGE, "request_too_large"));
+            }
+            buf.extend_from_slice(&chunk);
+        }
+        Ok(buf)
+    };
+    tokio::time::timeout(timeout, read)
+        .await
+        .unwrap_or_else(|_| {
+            Err(ApiError::bad_request(format!(
+                "the request body did not arrive within {} s",
+                timeout.as_secs_f64()
+            ))
+            .with_status(StatusCode::REQUEST_TIMEOUT, "request_timeout"))
+        })
+}
+
+async fn handle(st: Arc<AppState>, endpoint: Endpoint, body: Body) -> Response {
     let start = Instant::now();
-    let body = match body {
+    let body = match read_body(body, st.config.max_body_bytes, st.config.read_timeout).await {
         Ok(b) => b,
         Err(e) => {
-            let code = if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                "request_too_large"
-            } else {
-                "invalid_body"
-            };
             // The rest of the body stays unread, so the connection cannot be reused: say so,
             // or a client would send its next request on a connection about to close.
-            let mut resp = ApiError::bad_request(e.body_text())
-                .with_status(e.status(), code)
-                .into_response();
+            let mut resp = e.into_response();
             resp.headers_mut()
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
             return resp;
@@ -89,6 +104,7 @@ struct Submitted {
     n: usize,
     stream: bool,
     include_usage: bool,
+    logprobs: bool,
 }
 
 /// Cancels its requests when dropped before they finished (the client disconnected or the
@@ -166,6 +182,7 @@ fn submit(st: &Arc<AppState>, endpoint: Endpoint, body: &[u8]) -> Result<Submitt
         n: parsed.n,
         stream: parsed.stream,
         include_usage: parsed.include_usage,
+        logprobs: parsed.logprobs(),
     })
 }
 
@@ -247,15 +264,22 @@ impl Reply {
         }
     }
 
-    fn choice(&self, index: usize, text: &str, finish: Option<&str>, chunk: bool) -> Value {
+    fn choice(
+        &self,
+        index: usize,
+        text: &str,
+        logprobs: Value,
+        finish: Option<&str>,
+        chunk: bool,
+    ) -> Value {
         match (self.endpoint, chunk) {
             (Endpoint::Completions, _) => json!({
-                "index": index, "text": text, "logprobs": null, "finish_reason": finish,
+                "index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
             }),
             (Endpoint::Chat, false) => json!({
                 "index": index,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }),
             (Endpoint::Chat, true) => {
@@ -264,7 +288,7 @@ impl Reply {
                 } else {
                     json!({"content": text})
                 };
-                json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
         }
     }
@@ -308,6 +332,10 @@ async fn collect(
     let n = s.n;
     let mut texts = vec![String::new(); s.prompts * n];
     let mut reasons: Vec<Option<&str>> = vec![None; s.prompts * n];
+    let mut logprobs: Vec<ChoiceLogprobs> = (0..s.prompts * n)
+        .map(|_| ChoiceLogprobs::new(reply.endpoint))
+        .collect();
+    let tok = st.handle.engine().tokenizer();
     let mut usage = Usage::default();
     let mut pending = s.prompts;
     let mut clock = Clock { start, last: None };
@@ -321,8 +349,11 @@ async fn collect(
             Event::Step(step) => {
                 clock.step(st);
                 for (r, row) in step.rows.iter().enumerate() {
-                    if let (Some(row), Some(t)) = (row, texts.get_mut(i * n + r)) {
+                    if let (Some(row), Some(t), Some(lp)) =
+                        (row, texts.get_mut(i * n + r), logprobs.get_mut(i * n + r))
+                    {
                         t.push_str(&row.text);
+                        lp.push(&st.token_texts, tok, row);
                     }
                 }
             }
@@ -342,8 +373,9 @@ async fn collect(
     let choices = texts
         .iter()
         .zip(&reasons)
+        .zip(&mut logprobs)
         .enumerate()
-        .map(|(k, (t, r))| reply.choice(k, t, *r, false))
+        .map(|(k, ((t, r), lp))| reply.choice(k, t, lp.take(s.logprobs), *r, false))
         .collect();
     let mut v = reply.response(choices, false);
     v["usage"] = usage_json(&usage);
@@ -357,6 +389,7 @@ struct Streaming {
     s: Submitted,
     queue: VecDeque<SseEvent>,
     finished: Vec<bool>,
+    logprobs: Vec<ChoiceLogprobs>,
     pending: usize,
     usage: Usage,
     clock: Clock,
@@ -390,19 +423,26 @@ impl Streaming {
         match event {
             Event::Step(step) => {
                 self.clock.step(&self.st);
+                let st = Arc::clone(&self.st);
+                let tok = st.handle.engine().tokenizer();
                 for (r, row) in step.rows.iter().enumerate() {
                     let Some(row) = row else { continue };
+                    let k = i * n + r;
+                    let Some(lp) = self.logprobs.get_mut(k) else {
+                        continue;
+                    };
                     let finish = row.finished.map(finish_reason);
-                    if row.text.is_empty() && finish.is_none() {
+                    let has_logprobs = lp.push(&st.token_texts, tok, row);
+                    if row.text.is_empty() && finish.is_none() && !has_logprobs {
                         continue;
                     }
-                    let k = i * n + r;
                     if finish.is_some() {
                         if let Some(f) = self.finished.get_mut(k) {
                             *f = true;
                         }
                     }
-                    let c = self.reply.choice(k, &row.text, finish, true);
+                    let lp = lp.take(self.s.logprobs);
+                    let c = self.reply.choice(k, &row.text, lp, finish, true);
                     self.push(vec![c]);
                 }
             }
@@ -412,7 +452,8 @@ impl Streaming {
                     let k = i * n + r;
                     if self.finished.get(k) == Some(&false) {
                         self.finished[k] = true;
-                        let c = self.reply.choice(k, "", Some(finish_reason(reason)), true);
+                        let reason = Some(finish_reason(reason));
+                        let c = self.reply.choice(k, "", Value::Null, reason, true);
                         self.push(vec![c]);
                     }
                 }
@@ -436,6 +477,7 @@ impl Streaming {
 /// the guard, which cancels the request at once.
 fn stream(st: Arc<AppState>, reply: Reply, s: Submitted, start: Instant) -> impl IntoResponse {
     let total = s.prompts * s.n;
+    let reply_endpoint = reply.endpoint;
     let mut state = Streaming {
         st,
         reply,
@@ -443,13 +485,16 @@ fn stream(st: Arc<AppState>, reply: Reply, s: Submitted, start: Instant) -> impl
         s,
         queue: VecDeque::new(),
         finished: vec![false; total],
+        logprobs: (0..total)
+            .map(|_| ChoiceLogprobs::new(reply_endpoint))
+            .collect(),
         usage: Usage::default(),
         clock: Clock { start, last: None },
         done: false,
     };
     if state.reply.endpoint == Endpoint::Chat {
         for k in 0..total {
-            let mut c = state.reply.choice(k, "", None, true);
+            let mut c = state.reply.choice(k, "", Value::Null, None, true);
             c["delta"] = json!({"role": "assistant", "content": ""});
             state.push(vec![c]);
         }

@@ -3,7 +3,8 @@
 //! `GET /health` and `GET /metrics` (Prometheus text).
 //!
 //! [`router`] returns the routes as an axum [`Router`] a service can mount; [`serve`] runs them
-//! on a listener until a shutdown signal. The engine steps on the handle's own thread; handlers
+//! on a listener until a shutdown signal, cutting off clients that send a request slower than
+//! [`ServerConfig::read_timeout`]. The engine steps on the handle's own thread; handlers
 //! submit on a blocking thread and await the request's events through a channel, so the async
 //! runtime never waits on the engine. A client that goes away cancels its request at once.
 //!
@@ -15,20 +16,22 @@
 //! let engine = Arc::new(Engine::load("model.gguf", kiln::backend::cpu::CpuOptions::default())?);
 //! let config = ServerConfig::new("model", engine.max_context());
 //! let handle = EngineHandle::start(engine, ServeOptions::default())?;
-//! let app = router(handle, config);
+//! let app = router(handle, config.clone());
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
-//! kiln::server::serve(listener, app, std::future::pending()).await?;
+//! kiln::server::serve(listener, app, config.read_timeout, std::future::pending()).await?;
 //! # Ok(()) }
 //! ```
 
 mod completions;
 mod error;
+mod listen;
+mod logprobs;
 mod metrics;
 pub mod params;
 
-use std::future::Future;
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::header;
@@ -40,6 +43,7 @@ use serde_json::json;
 use subtle::ConstantTimeEq;
 
 pub use error::ApiError;
+pub use listen::serve;
 pub use metrics::Metrics;
 
 use crate::engine::EngineHandle;
@@ -59,6 +63,9 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     /// The largest request body accepted, in bytes (larger ones get 413).
     pub max_body_bytes: usize,
+    /// How long a client may take to send a request's head, and then its body; slower
+    /// clients are disconnected (the head) or answered 408 (the body).
+    pub read_timeout: Duration,
 }
 
 impl ServerConfig {
@@ -70,6 +77,7 @@ impl ServerConfig {
             max_queue: 256,
             api_key: None,
             max_body_bytes: 4 << 20,
+            read_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -81,6 +89,8 @@ pub struct AppState {
     metrics: Metrics,
     /// Requests submitted and not yet finished (running and waiting).
     inflight: AtomicUsize,
+    /// Token texts for `logprobs`.
+    token_texts: logprobs::TokenTexts,
 }
 
 /// The server's routes over a running engine handle.
@@ -91,6 +101,7 @@ pub fn router(handle: EngineHandle, config: ServerConfig) -> Router {
         config,
         metrics: Metrics::default(),
         inflight: AtomicUsize::new(0),
+        token_texts: logprobs::TokenTexts::default(),
     });
     let api = Router::new()
         .route("/v1/completions", post(completions::completions))
@@ -102,21 +113,10 @@ pub fn router(handle: EngineHandle, config: ServerConfig) -> Router {
         .merge(api)
         .route("/health", get(health))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(Arc::clone(&state), count))
         .layer(DefaultBodyLimit::max(body_limit))
         .with_state(state)
-}
-
-/// Serves `app` on `listener` until `shutdown` completes; then stops accepting connections
-/// and lets the requests in flight finish.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    app: Router,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
 }
 
 /// Refuses requests without the API key (when one is set); the comparison takes the same
@@ -149,6 +149,16 @@ async fn not_found(req: Request) -> ApiError {
         kind: "invalid_request_error",
         param: None,
         code: Some("not_found"),
+    }
+}
+
+async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError {
+        status: axum::http::StatusCode::METHOD_NOT_ALLOWED,
+        message: format!("{} does not take {}", req.uri().path(), req.method()),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("method_not_allowed"),
     }
 }
 

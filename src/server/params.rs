@@ -10,7 +10,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
-use crate::engine::{Engine, GenerateOptions, LogitsProcessor};
+use crate::engine::{Constraint, ConstraintSpec, Engine, GenerateOptions, LogitsProcessor};
 use crate::sample::SamplingParams;
 use crate::tokenizer::ChatMessage;
 
@@ -25,6 +25,9 @@ pub enum Endpoint {
 pub const MAX_N: u64 = 64;
 /// The most stop strings one request may give.
 pub const MAX_STOP: usize = 16;
+/// The most alternatives per token `logprobs` (completions) or `top_logprobs` (chat) may ask
+/// for (OpenAI's chat limit; vLLM's default).
+pub const MAX_TOP_LOGPROBS: u64 = 20;
 
 /// A request read and tokenized: one engine request per prompt, each with `n` rows.
 #[derive(Debug)]
@@ -38,6 +41,13 @@ pub struct Parsed {
     /// OpenAI's presence and frequency penalties (0 when absent).
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
+}
+
+impl Parsed {
+    /// Whether the response carries log-probabilities.
+    pub fn logprobs(&self) -> bool {
+        self.options.logprobs.is_some()
+    }
 }
 
 impl Parsed {
@@ -156,6 +166,8 @@ pub fn parse(
             None => fresh_seed(),
         },
     };
+    let logprobs = logprobs(o, endpoint)?;
+    let constraint = response_format(o, engine)?;
     let options = GenerateOptions {
         max_tokens: max_tokens.map(|m| m as usize),
         sampling,
@@ -164,7 +176,8 @@ pub fn parse(
         stop_strings: stop(o)?,
         tools: true,
         logits_processor: None,
-        constraint: None,
+        constraint,
+        logprobs,
     };
     Ok(Parsed {
         prompts,
@@ -199,12 +212,8 @@ fn refuse_unsupported(o: &Map<String, Value>, endpoint: Endpoint) -> Result<(), 
         Some(Value::Number(n)) => n.as_f64() != Some(0.0),
         Some(_) => true,
     };
-    let why = "log probabilities are not computed";
     match endpoint {
         Endpoint::Completions => {
-            if !matches!(o.get("logprobs"), None | Some(Value::Null)) {
-                return Err(ApiError::unsupported("logprobs", why));
-            }
             if asks("echo") {
                 return Err(ApiError::unsupported("echo", "the prompt is not echoed"));
             }
@@ -218,25 +227,11 @@ fn refuse_unsupported(o: &Map<String, Value>, endpoint: Endpoint) -> Result<(), 
             }
         }
         Endpoint::Chat => {
-            if asks("logprobs") {
-                return Err(ApiError::unsupported("logprobs", why));
-            }
-            if asks("top_logprobs") {
-                return Err(ApiError::unsupported("top_logprobs", why));
-            }
             if asks("tools") {
                 return Err(ApiError::unsupported(
                     "tools",
                     "function calling is not implemented",
                 ));
-            }
-            if let Some(Value::Object(rf)) = o.get("response_format") {
-                if rf.get("type").and_then(Value::as_str) != Some("text") {
-                    return Err(ApiError::unsupported(
-                        "response_format",
-                        "only {\"type\": \"text\"} is served",
-                    ));
-                }
             }
         }
     }
@@ -247,6 +242,87 @@ fn refuse_unsupported(o: &Map<String, Value>, endpoint: Endpoint) -> Result<(), 
         ));
     }
     Ok(())
+}
+
+/// How many alternatives per token the request asks for, if it asks for log-probabilities:
+/// completions' `logprobs` (an integer), chat's `logprobs` (a boolean) with `top_logprobs`.
+fn logprobs(o: &Map<String, Value>, endpoint: Endpoint) -> Result<Option<usize>, ApiError> {
+    let top = |name| uint(o, name, 0, MAX_TOP_LOGPROBS).map(|k| k.map(|k| k as usize));
+    match endpoint {
+        Endpoint::Completions => top("logprobs"),
+        Endpoint::Chat => match (boolean(o, "logprobs")?, top("top_logprobs")?) {
+            (Some(true), k) => Ok(Some(k.unwrap_or(0))),
+            (_, Some(k)) if k > 0 => Err(ApiError::invalid(
+                "top_logprobs",
+                "top_logprobs needs logprobs set to true",
+            )),
+            _ => Ok(None),
+        },
+    }
+}
+
+/// `response_format`: `{"type": "text"}` (no constraint), `{"type": "json_object"}` (any JSON
+/// object) or `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}` (a value
+/// valid under the schema). The constraint is compiled here once, so that a schema llguidance
+/// cannot compile is refused before the request is queued.
+fn response_format(
+    o: &Map<String, Value>,
+    engine: &Engine,
+) -> Result<Option<ConstraintSpec>, ApiError> {
+    const P: &str = "response_format";
+    let rf = match o.get(P) {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(rf)) => rf,
+        Some(_) => return Err(wrong_type(P, "an object")),
+    };
+    let spec = match rf.get("type") {
+        Some(Value::String(t)) if t == "text" => return Ok(None),
+        Some(Value::String(t)) if t == "json_object" => ConstraintSpec::JsonObject,
+        Some(Value::String(t)) if t == "json_schema" => {
+            let js = match rf.get("json_schema") {
+                Some(Value::Object(js)) => js,
+                _ => return Err(wrong_type("response_format.json_schema", "an object")),
+            };
+            match js.get("name") {
+                None | Some(Value::Null) | Some(Value::String(_)) => {}
+                Some(_) => return Err(wrong_type("response_format.json_schema.name", "a string")),
+            }
+            match js.get("strict") {
+                None | Some(Value::Null) | Some(Value::Bool(_)) => {}
+                Some(_) => {
+                    return Err(wrong_type(
+                        "response_format.json_schema.strict",
+                        "a boolean",
+                    ))
+                }
+            }
+            match js.get("schema") {
+                Some(schema @ Value::Object(_)) => ConstraintSpec::JsonSchema(schema.clone()),
+                _ => {
+                    return Err(wrong_type(
+                        "response_format.json_schema.schema",
+                        "a JSON Schema object",
+                    ))
+                }
+            }
+        }
+        Some(Value::String(t)) => {
+            return Err(ApiError::invalid(
+                "response_format.type",
+                format!("response_format.type {t:?} is not one of text, json_object, json_schema"),
+            ))
+        }
+        _ => return Err(wrong_type("response_format.type", "a string")),
+    };
+    let factory = engine.constraint_factory().map_err(|e| {
+        ApiError::invalid(
+            P,
+            format!("constrained output is not available for this model: {e}"),
+        )
+    })?;
+    Constraint::new(&factory, &spec)
+        .map_err(|e| ApiError::invalid(P, format!("response_format cannot be used: {e}")))?;
+    Ok(Some(spec))
 }
 
 fn wrong_type(name: &str, what: &str) -> ApiError {

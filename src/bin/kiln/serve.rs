@@ -52,12 +52,24 @@ pub struct ServeArgs {
     /// Largest request body accepted, bytes or with a K/M/G suffix.
     #[arg(long, default_value = "4M", value_parser = parse_size)]
     max_body: usize,
+    /// Seconds a client may take to send a request's head, and then its body (slower ones are
+    /// disconnected, or answered 408).
+    #[arg(long, default_value_t = 30.0, value_parser = parse_seconds)]
+    read_timeout: f64,
     /// Do not reuse cached prompt prefixes across requests.
     #[arg(long)]
     no_prefix_cache: bool,
     /// CPU threads (0 = all cores).
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
+}
+
+/// A positive, finite number of seconds.
+fn parse_seconds(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v <= 86_400.0 => Ok(v),
+        _ => Err(format!("{s:?} is not a number of seconds in (0, 86400]")),
+    }
 }
 
 /// `512M`, `2G`, `65536`: a size in bytes.
@@ -154,8 +166,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         max_queue: args.max_queue,
         api_key: args.api_key,
         max_body_bytes: args.max_body,
+        read_timeout: std::time::Duration::from_secs_f64(args.read_timeout),
     };
     let model_id = config.model_id.clone();
+    let read_timeout = config.read_timeout;
     let app = router(handle, config);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -168,7 +182,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .with_context(|| format!("listening on {addr}"))?;
         let local = listener.local_addr().context("reading the bound address")?;
         eprintln!("kiln: serving {model_id:?} on http://{local}/v1 (Ctrl-C to stop)");
-        kiln::server::serve(listener, app, shutdown_signal())
+        kiln::server::serve(listener, app, read_timeout, shutdown_signal())
             .await
             .context("serving")
     })?;
