@@ -301,6 +301,13 @@ trait QuantMethod: BlockFormat + Sized {
     unsafe fn dequantize_avx2(blocks: &[u8], out: &mut [f32]) {
         avx2::dequantize_blocks::<Self>(blocks, out)
     }
+
+    /// As [`QuantMethod::dequantize_avx2`], AVX-512 (safety: the CPU supports AVX-512 F/BW/VL,
+    /// AVX2, FMA and F16C). Only formats with hand-written 16-lane decoding differ.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dequantize_avx512(blocks: &[u8], out: &mut [f32]) {
+        Self::dequantize_avx2(blocks, out)
+    }
 }
 
 /// Q8_0, Q4_0 and Q4_1 have hand-written kernels that fold each block's scale into its partial
@@ -321,6 +328,12 @@ macro_rules! legacy_quant_method {
                 let nb = out.len() / Self::ELEMS;
                 assert!(blocks.len() >= nb * Self::BYTES);
                 avx2::dequantize_legacy::<Self>(blocks.as_ptr(), nb, out.as_mut_ptr())
+            }
+            #[cfg(target_arch = "x86_64")]
+            unsafe fn dequantize_avx512(blocks: &[u8], out: &mut [f32]) {
+                let nb = out.len() / Self::ELEMS;
+                assert!(blocks.len() >= nb * Self::BYTES);
+                avx512::dequantize_legacy::<Self>(blocks.as_ptr(), nb, out.as_mut_ptr())
             }
         }
     )*};
@@ -355,10 +368,11 @@ unsafe fn gemv_at<F: QuantMethod>(level: Level, w: *const u8, job: &Job) -> bool
 fn dequantize_at<F: QuantMethod>(level: Level, blocks: &[u8], out: &mut [f32]) {
     match level {
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: the level, clamped to the CPU's, includes AVX-512 F/BW/VL, AVX2, FMA and F16C.
+        Level::Avx512 | Level::Avx512Bf16 => unsafe { F::dequantize_avx512(blocks, out) },
+        #[cfg(target_arch = "x86_64")]
         // SAFETY: the level, clamped to the CPU's, includes AVX2, FMA and F16C.
-        Level::Avx512 | Level::Avx512Bf16 | Level::Avx2 => unsafe {
-            F::dequantize_avx2(blocks, out)
-        },
+        Level::Avx2 => unsafe { F::dequantize_avx2(blocks, out) },
         _ => quant::dequantize_blocks::<F>(blocks, out),
     }
 }
