@@ -1,5 +1,6 @@
 //! AVX-512 F/BW/VL kernels (16 f32 lanes, masked k tails). Decode GEMV runs 2R k-unrolled FMA
-//! chains with software prefetch; prefill runs a 4 rows × 4 tokens tile (16 zmm accumulators).
+//! chains with software prefetch; prefill runs a 4 rows × 6 tokens tile (24 zmm accumulators)
+//! whose sums are reduced together ([`hsum16_512`]).
 //! The drivers are shared with AVX2 (see [`super::x86`]); the entry points here instantiate
 //! them with this file's kernels under `#[target_feature]`.
 

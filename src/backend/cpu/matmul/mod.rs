@@ -5,9 +5,13 @@
 //! Kernels (x86-64, picked at run time by [`simd::level`] from `is_x86_feature_detected!`), one
 //! file per ISA: [`avx512`], [`avx2`], [`scalar`], with the row/token drivers they share written
 //! once in [`x86`]. Decode (`tokens == 1`) runs 4 weight rows against the activation row with two
-//! k-unrolled accumulators per row and software prefetch; prefill runs a 4 rows × 4 tokens
-//! register tile (16 zmm accumulators; 4 × 2 ymm on AVX2) so each weight vector is loaded once
-//! per 4 tokens, with 1-row / 1-token tails and masked (AVX-512) or scalar (AVX2) k tails. An
+//! k-unrolled accumulators per row and software prefetch; prefill (and batched decode, whose
+//! rows are tokens too) runs a 4 rows × 6 tokens register tile (24 zmm accumulators, then 4- and
+//! 2-token tiles for the rest; 4 × 2 ymm on AVX2) so each weight vector is loaded once per 6
+//! tokens, with 1-row / 1-token tails and masked (AVX-512) or scalar (AVX2) k tails. On AVX-512 a
+//! whole tile's sums are reduced 16 at a time by one shuffle tree and stored as one 4-row vector
+//! per token: with k = 576 (SmolLM2's hidden size) 16 separate lane reductions cost about a
+//! fifth of the tile's FMAs. An
 //! AVX512-BF16 prefill path (activations split into bf16 hi + lo, two `vdpbf16ps` per weight
 //! vector) was measured at about half the speed of the FMA tile on this Zen 5 machine and
 //! removed; `Level::Avx512Bf16` therefore runs the AVX-512 FMA kernels.
