@@ -136,8 +136,9 @@ struct Args {
     /// Seed for the random prompt and decode token ids, and for --synthetic weights.
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// Also time every instruction of the decode plan and print, per op, milliseconds per token,
-    /// share of the step, bytes per token and achieved bandwidth (stderr).
+    /// Also time every instruction of the decode plan (each tg test at its batch) and print, per
+    /// op, milliseconds per step, share of the step, bytes per step and achieved bandwidth
+    /// (stderr).
     #[arg(long)]
     profile: bool,
     /// Time nothing: print, per model, batch and tgN test, the fewest bytes a GPU decode step
@@ -398,8 +399,8 @@ fn run() -> Result<()> {
                         samples.push(d);
                     }
                 }
-                if args.profile && test.n_gen > 0 && test.batch == 1 {
-                    target.profile(test.n_gen, args.seed)?;
+                if args.profile && test.n_gen > 0 {
+                    target.profile(test.batch, test.n_gen, args.seed)?;
                 }
                 let (bytes_per_token, bytes_source) = target.bytes_per_token(&test);
                 let n = test.tokens() as f64;
@@ -511,8 +512,9 @@ trait Target {
     fn time(&self, test: &Test, seed: u64) -> Result<Duration>;
     /// Bytes a token of `test` must move, and which model of bytes that is.
     fn bytes_per_token(&self, test: &Test) -> (f64, String);
-    /// `--profile`: a per-op breakdown of decode on stderr, where the backend has one.
-    fn profile(&self, _n_gen: usize, _seed: u64) -> Result<()> {
+    /// `--profile`: a per-op breakdown of decode at `batch` sequences on stderr, where the
+    /// backend has one.
+    fn profile(&self, _batch: usize, _n_gen: usize, _seed: u64) -> Result<()> {
         Ok(())
     }
     /// Refuses `test` when what it allocates in host memory does not fit.
@@ -562,8 +564,8 @@ impl Target for CpuTarget {
         (bytes, "CPU plan cost model".into())
     }
 
-    fn profile(&self, n_gen: usize, seed: u64) -> Result<()> {
-        profile_decode(&self.backend, n_gen, seed)
+    fn profile(&self, batch: usize, n_gen: usize, seed: u64) -> Result<()> {
+        profile_decode(&self.backend, batch, n_gen, seed)
     }
 
     fn check_memory(&self, test: &Test) -> Result<()> {
@@ -640,27 +642,28 @@ fn time_decode(b: &CpuBackend, batch: usize, n: usize, seed: u64) -> Result<Dura
     Ok(t0.elapsed())
 }
 
-/// Times each decode-plan instruction over `n` steps and prints a per-op summary to stderr.
-fn profile_decode(b: &CpuBackend, n: usize, seed: u64) -> Result<()> {
+/// Times each decode-plan instruction over `n` steps of `batch` sequences (sequence i in cache
+/// slot i) and prints a per-op summary to stderr; times are per step, bytes per token.
+fn profile_decode(b: &CpuBackend, batch: usize, n: usize, seed: u64) -> Result<()> {
     use std::collections::BTreeMap;
-    let ids = token_ids(n + 1, b.config().vocab_size, seed);
-    let mut kv = b.new_cache(1, n + 1)?;
+    let ids = token_ids((n + 1) * batch, b.config().vocab_size, seed);
+    let mut kv = b.new_cache(batch, n + 1)?;
     let mut ws = Workspace::new();
     let mut logits = Vec::new();
     ws.enable_profile();
-    for (i, id) in ids.iter().enumerate() {
-        let row = TokenRow { slot: 0, pos: i };
+    for pos in 0..=n {
+        let rows: Vec<TokenRow> = (0..batch).map(|slot| TokenRow { slot, pos }).collect();
         b.forward(
             PlanKind::Decode,
             &mut ws,
             &mut kv,
-            std::slice::from_ref(id),
-            &[row],
+            &ids[pos * batch..(pos + 1) * batch],
+            &rows,
             &mut logits,
         )?;
     }
     let plan = b.plan(PlanKind::Decode);
-    let dims = Dims::decode(1, n.div_ceil(2) + 1);
+    let dims = Dims::decode(batch, n.div_ceil(2) + 1);
     let times = ws.profile().unwrap_or(&[]);
     // Group instructions by what they are, not by layer: `layers.7.attn.q+k+v` → `attn.q+k+v`.
     let mut groups: BTreeMap<String, (usize, Duration, u64)> = BTreeMap::new();
@@ -680,11 +683,11 @@ fn profile_decode(b: &CpuBackend, n: usize, seed: u64) -> Result<()> {
     let total: Duration = times.iter().sum();
     let steps = (n + 1) as f64;
     note!(
-        "kiln-bench: decode profile over {} steps, {:.3} ms/token in instructions",
+        "kiln-bench: decode profile over {} steps of {batch} sequences, {:.3} ms/step in instructions",
         n + 1,
         total.as_secs_f64() * 1e3 / steps
     );
-    note!("| op | count | ms/token | share | bytes/token | GB/s |");
+    note!("| op | count | ms/step | share | bytes/step | GB/s |");
     note!("|---|---:|---:|---:|---:|---:|");
     let mut rows: Vec<_> = groups.into_iter().collect();
     rows.sort_by(|a, b| b.1 .1.cmp(&a.1 .1).then(a.0.cmp(&b.0)));

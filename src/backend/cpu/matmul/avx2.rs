@@ -132,7 +132,7 @@ unsafe fn gemv_256<W: Load, const R: usize>(w: [*const W; R], x: *const f32, k: 
 /// f32/bf16 rows (any token count).
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn dense_rows<W: Load>(w: *const W, job: &Job) {
-    x86::dense_rows::<W, Avx2, 2>(w, job)
+    x86::dense_rows::<W, Avx2, 2, 2, 2>(w, job)
 }
 
 // ----- Quantized blocks -----

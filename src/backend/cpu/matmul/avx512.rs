@@ -1,5 +1,6 @@
 //! AVX-512 F/BW/VL kernels (16 f32 lanes, masked k tails). Decode GEMV runs 2R k-unrolled FMA
-//! chains with software prefetch; prefill runs a 4 rows × 4 tokens tile (16 zmm accumulators).
+//! chains with software prefetch; prefill runs a 4 rows × 6 tokens tile (24 zmm accumulators)
+//! whose sums are reduced together ([`hsum16_512`]).
 //! The drivers are shared with AVX2 (see [`super::x86`]); the entry points here instantiate
 //! them with this file's kernels under `#[target_feature]`.
 
@@ -30,6 +31,10 @@ impl<W: Load> DenseKernels<W> for Avx512 {
     #[inline(always)]
     unsafe fn gemv<const R: usize>(w: [*const W; R], x: *const f32, k: usize) -> [f32; R] {
         gemv_512(w, x, k)
+    }
+    #[inline(always)]
+    unsafe fn tile4_put<const T: usize>(w: [*const W; 4], job: &Job, n: usize, t: usize) {
+        tile4_put_512::<W, T>(w, job, n, t)
     }
 }
 
@@ -110,6 +115,24 @@ unsafe fn tile_512<W: Load, const R: usize, const T: usize>(
     x: [*const f32; T],
     k: usize,
 ) -> [[f32; T]; R] {
+    let acc = tile_acc_512(w, x, k);
+    let mut s = [[0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            s[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+        }
+    }
+    s
+}
+
+/// The tile's accumulators: lane sums of `acc[r][t]` are the dot products of row `r`, token `t`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn tile_acc_512<W: Load, const R: usize, const T: usize>(
+    w: [*const W; R],
+    x: [*const f32; T],
+    k: usize,
+) -> [[__m512; T]; R] {
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     let mut i = 0;
     while i + 16 <= k {
@@ -138,19 +161,95 @@ unsafe fn tile_512<W: Load, const R: usize, const T: usize>(
             }
         }
     }
-    let mut s = [[0f32; T]; R];
-    for r in 0..R {
-        for t in 0..T {
-            s[r][t] = _mm512_reduce_add_ps(acc[r][t]);
-        }
+    acc
+}
+
+/// Lane sums of 16 vectors at once, in 45 shuffles and adds instead of 16 separate reductions:
+/// lane `4·a + b` of the result is the sum of `v[a + 4·b]` (so with `v[t + 4·r]` holding row `r`,
+/// token `t` of a 4 × 4 tile, 128-bit lane `t` holds rows 0..4 of token `t`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn hsum16_512(v: [__m512; 16]) -> __m512 {
+    // 512 → 256 bits per source: s[i] = [v[2i] (2 × 128) | v[2i+1] (2 × 128)].
+    let s: [__m512; 8] = std::array::from_fn(|i| {
+        let (a, b) = (v[2 * i], v[2 * i + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x44>(a, b),
+            _mm512_shuffle_f32x4::<0xEE>(a, b),
+        )
+    });
+    // 256 → 128 bits: 128-bit lane L of u[j] belongs to v[4j + L].
+    let u: [__m512; 4] = std::array::from_fn(|j| {
+        let (c, d) = (s[2 * j], s[2 * j + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(c, d),
+            _mm512_shuffle_f32x4::<0xDD>(c, d),
+        )
+    });
+    // 128 → 64 bits, within each 128-bit lane L: elements 0/2 belong to v[8m + L], 1/3 to
+    // v[8m + 4 + L].
+    let w: [__m512; 2] = std::array::from_fn(|m| {
+        let (e, f) = (u[2 * m], u[2 * m + 1]);
+        _mm512_add_ps(_mm512_unpacklo_ps(e, f), _mm512_unpackhi_ps(e, f))
+    });
+    // 64 → 32 bits: lane L holds v[L], v[4 + L], v[8 + L], v[12 + L].
+    let (g, h) = (_mm512_castps_pd(w[0]), _mm512_castps_pd(w[1]));
+    _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(g, h)),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(g, h)),
+    )
+}
+
+/// 128-bit lane `L` of `v`.
+#[inline(always)]
+unsafe fn lane128(v: __m512, l: usize) -> __m128 {
+    match l {
+        0 => _mm512_castps512_ps128(v),
+        1 => _mm512_extractf32x4_ps::<1>(v),
+        2 => _mm512_extractf32x4_ps::<2>(v),
+        _ => _mm512_extractf32x4_ps::<3>(v),
     }
-    s
+}
+
+/// A whole 4 × `T` tile written to the output: the sums of four tokens come out of one
+/// [`hsum16_512`] as one 128-bit vector per token (the tile's 4 rows, contiguous in the output),
+/// which gets the existing output (when accumulating) and then the bias added, in the scalar
+/// [`Job::put`]'s order, so the values written are the same.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn tile4_put_512<W: Load, const T: usize>(w: [*const W; 4], job: &Job, n: usize, t: usize) {
+    let acc = tile_acc_512::<W, 4, T>(w, x86::tok_ptrs(job, t), job.k);
+    let bias = job.bias.map(|b| _mm_loadu_ps(b[n..n + 4].as_ptr()));
+    let mut c = 0;
+    while c < T {
+        let v: [__m512; 16] = std::array::from_fn(|i| {
+            let (tt, r) = (c + i % 4, i / 4);
+            if tt < T {
+                acc[r][tt]
+            } else {
+                _mm512_setzero_ps()
+            }
+        });
+        let sums = hsum16_512(v);
+        for l in 0..4.min(T - c) {
+            let o = job.out.add((t + c + l) * job.ldo + n);
+            let mut y = lane128(sums, l);
+            if job.accumulate {
+                y = _mm_add_ps(_mm_loadu_ps(o), y);
+            }
+            if let Some(b) = bias {
+                y = _mm_add_ps(y, b);
+            }
+            _mm_storeu_ps(o, y);
+        }
+        c += 4;
+    }
 }
 
 /// f32/bf16 rows (any token count).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 pub(super) unsafe fn dense_rows<W: Load>(w: *const W, job: &Job) {
-    x86::dense_rows::<W, Avx512, 4>(w, job)
+    x86::dense_rows::<W, Avx512, 6, 4, 2>(w, job)
 }
 
 // ----- Quantized blocks -----
@@ -295,6 +394,28 @@ unsafe fn qgemv_512<Q: Quants512, const R: usize>(
         };
         _mm512_reduce_add_ps(t)
     })
+}
+
+/// `nb` legacy blocks at `src` to f32 at `dst`, 16 lanes at a time: `q·d` (`+ m` for Q4_1) as a
+/// multiply then an add, never fused, so the values are bit-identical to ggml's reference
+/// dequantization (as the AVX2 version).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(super) unsafe fn dequantize_legacy<Q: Quants512>(src: *const u8, nb: usize, dst: *mut f32) {
+    const QK: usize = 32;
+    for b in 0..nb {
+        let p = src.add(b * Q::BYTES);
+        let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p as *const i32)));
+        let d = _mm512_broadcastss_ps(dm);
+        let (q0, q1) = Q::q512(p);
+        let (mut v0, mut v1) = (_mm512_mul_ps(q0, d), _mm512_mul_ps(q1, d));
+        if Q::HAS_MIN {
+            let m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+            v0 = _mm512_add_ps(v0, m);
+            v1 = _mm512_add_ps(v1, m);
+        }
+        _mm512_storeu_ps(dst.add(b * QK), v0);
+        _mm512_storeu_ps(dst.add(b * QK + 16), v1);
+    }
 }
 
 /// GEMV (`job.tokens == 1`) on Q8_0/Q4_0/Q4_1 blocks; `w` holds `job.rows.end` rows of blocks.

@@ -5,9 +5,13 @@
 //! Kernels (x86-64, picked at run time by [`simd::level`] from `is_x86_feature_detected!`), one
 //! file per ISA: [`avx512`], [`avx2`], [`scalar`], with the row/token drivers they share written
 //! once in [`x86`]. Decode (`tokens == 1`) runs 4 weight rows against the activation row with two
-//! k-unrolled accumulators per row and software prefetch; prefill runs a 4 rows × 4 tokens
-//! register tile (16 zmm accumulators; 4 × 2 ymm on AVX2) so each weight vector is loaded once
-//! per 4 tokens, with 1-row / 1-token tails and masked (AVX-512) or scalar (AVX2) k tails. An
+//! k-unrolled accumulators per row and software prefetch; prefill (and batched decode, whose
+//! rows are tokens too) runs a 4 rows × 6 tokens register tile (24 zmm accumulators, then 4- and
+//! 2-token tiles for the rest; 4 × 2 ymm on AVX2) so each weight vector is loaded once per 6
+//! tokens, with 1-row / 1-token tails and masked (AVX-512) or scalar (AVX2) k tails. On AVX-512 a
+//! whole tile's sums are reduced 16 at a time by one shuffle tree and stored as one 4-row vector
+//! per token: with k = 576 (SmolLM2's hidden size) 16 separate lane reductions cost about a
+//! fifth of the tile's FMAs. An
 //! AVX512-BF16 prefill path (activations split into bf16 hi + lo, two `vdpbf16ps` per weight
 //! vector) was measured at about half the speed of the FMA tile on this Zen 5 machine and
 //! removed; `Level::Avx512Bf16` therefore runs the AVX-512 FMA kernels.
@@ -301,6 +305,13 @@ trait QuantMethod: BlockFormat + Sized {
     unsafe fn dequantize_avx2(blocks: &[u8], out: &mut [f32]) {
         avx2::dequantize_blocks::<Self>(blocks, out)
     }
+
+    /// As [`QuantMethod::dequantize_avx2`], AVX-512 (safety: the CPU supports AVX-512 F/BW/VL,
+    /// AVX2, FMA and F16C). Only formats with hand-written 16-lane decoding differ.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dequantize_avx512(blocks: &[u8], out: &mut [f32]) {
+        Self::dequantize_avx2(blocks, out)
+    }
 }
 
 /// Q8_0, Q4_0 and Q4_1 have hand-written kernels that fold each block's scale into its partial
@@ -321,6 +332,12 @@ macro_rules! legacy_quant_method {
                 let nb = out.len() / Self::ELEMS;
                 assert!(blocks.len() >= nb * Self::BYTES);
                 avx2::dequantize_legacy::<Self>(blocks.as_ptr(), nb, out.as_mut_ptr())
+            }
+            #[cfg(target_arch = "x86_64")]
+            unsafe fn dequantize_avx512(blocks: &[u8], out: &mut [f32]) {
+                let nb = out.len() / Self::ELEMS;
+                assert!(blocks.len() >= nb * Self::BYTES);
+                avx512::dequantize_legacy::<Self>(blocks.as_ptr(), nb, out.as_mut_ptr())
             }
         }
     )*};
@@ -355,10 +372,11 @@ unsafe fn gemv_at<F: QuantMethod>(level: Level, w: *const u8, job: &Job) -> bool
 fn dequantize_at<F: QuantMethod>(level: Level, blocks: &[u8], out: &mut [f32]) {
     match level {
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: the level, clamped to the CPU's, includes AVX-512 F/BW/VL, AVX2, FMA and F16C.
+        Level::Avx512 | Level::Avx512Bf16 => unsafe { F::dequantize_avx512(blocks, out) },
+        #[cfg(target_arch = "x86_64")]
         // SAFETY: the level, clamped to the CPU's, includes AVX2, FMA and F16C.
-        Level::Avx512 | Level::Avx512Bf16 | Level::Avx2 => unsafe {
-            F::dequantize_avx2(blocks, out)
-        },
+        Level::Avx2 => unsafe { F::dequantize_avx2(blocks, out) },
         _ => quant::dequantize_blocks::<F>(blocks, out),
     }
 }

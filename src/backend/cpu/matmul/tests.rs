@@ -188,7 +188,7 @@ fn every_level_matches_f64_reference() {
         for bf in [false, true] {
             for &rows in &rows_set {
                 for &cols in &cols_set {
-                    for tokens in 1..=9 {
+                    for tokens in (1..=9).chain([12, 13, 16, 17]) {
                         let v = rows + cols + tokens;
                         check(level, bf, rows, cols, tokens, v % 2 == 0, v % 3 != 0, false);
                     }
@@ -217,7 +217,11 @@ fn quant_shapes(kind: QuantKind) -> (Vec<usize>, Vec<usize>, Vec<usize>) {
     let n = kind.block_elems();
     if n == 32 {
         let rows = vec![1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 33, 70];
-        (rows, vec![32, 64, 96, 160, 576], (1..=9).collect())
+        (
+            rows,
+            vec![32, 64, 96, 160, 576],
+            (1..=9).chain([12, 13, 16, 17]).collect(),
+        )
     } else {
         (
             vec![1, 3, 4, 5, 17, 33],

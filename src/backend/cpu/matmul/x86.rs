@@ -14,6 +14,15 @@ pub(super) trait DenseKernels<W> {
         k: usize,
     ) -> [[f32; T]; R];
     unsafe fn gemv<const R: usize>(w: [*const W; R], x: *const f32, k: usize) -> [f32; R];
+
+    /// A whole `4 × T` tile, rows `n..n + 4` (at `w`) by tokens `t..t + T`, written to the
+    /// output. The default reduces through [`DenseKernels::tile`] and writes element by element;
+    /// an ISA may reduce and write the tile's sums together.
+    #[inline(always)]
+    unsafe fn tile4_put<const T: usize>(w: [*const W; 4], job: &Job, n: usize, t: usize) {
+        let s = Self::tile::<4, T>(w, tok_ptrs(job, t), job.k);
+        put_tile(job, n, t, s);
+    }
 }
 
 #[inline(always)]
@@ -41,10 +50,42 @@ pub(super) unsafe fn put_tile<const R: usize, const T: usize>(
     }
 }
 
-/// The dense driver: groups of 4 rows, `T` tokens at a time through the register tile, then the
-/// remaining tokens one at a time; a group of fewer than 4 rows runs row by row.
+/// One `4 × T` (or, for a group of fewer than 4 rows, row-by-row `1 × T`) tile at rows `n..end`,
+/// tokens `t..t + T`.
 #[inline(always)]
-pub(super) unsafe fn dense_rows<W, K: DenseKernels<W>, const T: usize>(w: *const W, job: &Job) {
+unsafe fn dense_tile<W, K: DenseKernels<W>, const T: usize>(
+    w: *const W,
+    job: &Job,
+    n: usize,
+    end: usize,
+    t: usize,
+) {
+    let k = job.k;
+    if n + 4 <= end {
+        K::tile4_put::<T>(row_ptrs(w, n, k), job, n, t);
+    } else {
+        for r in n..end {
+            let s = K::tile::<1, T>(row_ptrs(w, r, k), tok_ptrs(job, t), k);
+            put_tile(job, r, t, s);
+        }
+    }
+}
+
+/// The dense driver: groups of 4 rows, `T` tokens at a time through the register tile, then the
+/// remaining tokens through the largest of the `T2`- and `T3`-token tiles that fits and finally
+/// one at a time (GEMV); a group of fewer than 4 rows runs row by row. `T > T2 > T3 > 1`, or
+/// equal values where an ISA has fewer tile widths.
+#[inline(always)]
+pub(super) unsafe fn dense_rows<
+    W,
+    K: DenseKernels<W>,
+    const T: usize,
+    const T2: usize,
+    const T3: usize,
+>(
+    w: *const W,
+    job: &Job,
+) {
     let k = job.k;
     let end = job.rows.end;
     let mut n = job.rows.start;
@@ -52,16 +93,16 @@ pub(super) unsafe fn dense_rows<W, K: DenseKernels<W>, const T: usize>(w: *const
         let full = n + 4 <= end;
         let mut t = 0;
         while t + T <= job.tokens {
-            if full {
-                let s = K::tile::<4, T>(row_ptrs(w, n, k), tok_ptrs(job, t), k);
-                put_tile(job, n, t, s);
-            } else {
-                for r in n..end {
-                    let s = K::tile::<1, T>(row_ptrs(w, r, k), tok_ptrs(job, t), k);
-                    put_tile(job, r, t, s);
-                }
-            }
+            dense_tile::<W, K, T>(w, job, n, end, t);
             t += T;
+        }
+        if T2 > 1 && T2 < T && t + T2 <= job.tokens {
+            dense_tile::<W, K, T2>(w, job, n, end, t);
+            t += T2;
+        }
+        if T3 > 1 && T3 < T2 && t + T3 <= job.tokens {
+            dense_tile::<W, K, T3>(w, job, n, end, t);
+            t += T3;
         }
         while t < job.tokens {
             if full {
