@@ -48,6 +48,12 @@ LCP_VERSION="$(pin_of llama-cpp-python)"
 TARGETS=(llama-bench llama-server llama-quantize)
 
 mkdir -p "${ROOT}"
+# One build at a time: a second caller waits for the first and then finds its builds done.
+exec 9>"${ROOT}/.lock"
+if ! flock -n 9; then
+    echo "build_llama_cpp: waiting for another build in ${ROOT} to finish" >&2
+    flock 9
+fi
 
 # --- build tools
 TOOLS=".bench/tools"
