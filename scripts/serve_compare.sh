@@ -217,7 +217,9 @@ for c in levels:
                 f(r["ttft_p99_ms"]), f(r["itl_p50_ms"]), f(r["itl_p99_ms"]), r["errors"], r["short"]))
 if "kiln" in runs and "llama-server" in runs:
     print()
-    print("| clients | kiln / llama-server tok/s | TTFT p99 ratio | ITL p99 ratio |")
+    print("kiln / llama-server (tok/s: higher is better for kiln; latencies: lower is better):")
+    print()
+    print("| clients | tok/s | TTFT p99 | ITL p99 |")
     print("|---:|---:|---:|---:|")
     for c in levels:
         k, l = runs["kiln"].get(c), runs["llama-server"].get(c)
