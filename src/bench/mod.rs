@@ -6,6 +6,7 @@
 
 pub mod bandwidth;
 pub mod bytes;
+pub mod load;
 pub mod report;
 pub mod serving;
 

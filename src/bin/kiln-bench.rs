@@ -5,6 +5,7 @@
 //! kiln-bench -m models/SmolLM2-135M-Instruct.Q4_1.gguf -p 512 -n 128 -t 1,2 -r 5
 //! kiln-bench --synthetic llama-3.2-1b -p 0 -n 4 -r 1 --batch 1,2
 //! kiln-bench --synthetic llama-3.2-1b --bytes-per-token -n 128 --batch 1,2,4,8
+//! kiln-bench serve-load --url http://127.0.0.1:8080 --concurrency 1,4,16,64 --max-tokens 64
 //! ```
 //!
 //! For each (model, threads, batch, test) there is one warm-up run, then `-r` timed repetitions,
@@ -40,6 +41,17 @@ use kiln::model::{synthetic, Model};
 use kiln::note;
 use kiln::plan::ExecutionPlan;
 use kiln::plan::PlanKind;
+
+#[path = "kiln-bench/serve_load.rs"]
+mod serve_load;
+
+#[derive(clap::Subcommand, Debug)]
+enum Command {
+    /// Closed-loop streaming clients against a running OpenAI-compatible server (kiln serve,
+    /// llama-server): aggregate tokens/s, requests/s, TTFT and inter-token latency per
+    /// concurrency level.
+    ServeLoad(serve_load::ServeLoadArgs),
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Device {
@@ -78,9 +90,13 @@ enum Weights {
 #[command(
     name = "kiln-bench",
     version,
-    about = "Benchmark prefill (ppN) and decode (tgN) throughput, llama-bench style, with the fraction of the memory roofline reached"
+    about = "Benchmark prefill (ppN) and decode (tgN) throughput, llama-bench style, with the fraction of the memory roofline reached",
+    subcommand_negates_reqs = true,
+    args_conflicts_with_subcommands = true
 )]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
     /// Model: a Hugging Face directory or a .gguf file (repeat for several).
     #[arg(short, long, required_unless_present_any = ["synthetic", "measure_gpu_bandwidth"])]
     model: Vec<PathBuf>,
@@ -281,6 +297,9 @@ impl Source {
 
 fn run() -> Result<()> {
     let args = Args::parse();
+    if let Some(Command::ServeLoad(load)) = &args.command {
+        return serve_load::run(load);
+    }
     check_sizes(&args)?;
     if args.measure_gpu_bandwidth {
         return measure_gpu_bandwidth(&args);

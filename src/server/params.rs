@@ -172,7 +172,7 @@ pub fn parse(
         max_tokens: max_tokens.map(|m| m as usize),
         sampling,
         num_samples: n,
-        stop_tokens: None,
+        stop_tokens: ignore_eos(o)?,
         stop_strings: stop(o)?,
         tools: true,
         logits_processor: None,
@@ -188,6 +188,13 @@ pub fn parse(
         presence_penalty: float(o, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0),
         frequency_penalty: float(o, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0),
     })
+}
+
+/// `ignore_eos` (an extension llama-server and vLLM accept): `true` turns the model's stop
+/// tokens off, so the request generates until `max_tokens` or a stop string — what benchmarks
+/// need to give every server the same number of tokens to generate.
+fn ignore_eos(o: &Map<String, Value>) -> Result<Option<Vec<u32>>, ApiError> {
+    Ok(boolean(o, "ignore_eos")?.unwrap_or(false).then(Vec::new))
 }
 
 /// A seed for a request that gave none (distinct per request).

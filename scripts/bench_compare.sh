@@ -1,0 +1,227 @@
+#!/usr/bin/env bash
+# kiln against llama.cpp on the same files, threads and tests, in one run: prefill (ppN) and
+# decode (tgN) tokens/s from kiln-bench and llama-bench, alternating between them, and the ratio
+# of kiln to the best llama.cpp build (native, or the no-AMX build where the native one crashes or
+# is slower). Prints a Markdown table, the CPU model and flags, and every command it ran.
+#
+#   scripts/bench_compare.sh [--quick] [-t THREADS] [-r REPS] [--rounds N] [-p N] [-n N]
+#                            [--models LIST] [--builds native,noamx] [--cpus LIST]
+#
+#   -t THREADS    thread counts, comma list (default 2; -t 1 or -t 1,2 for one thread)
+#   -r REPS       repetitions per tool run (default 5)
+#   --rounds N    each tool runs N times per test, alternating, and the median is kept (default 3)
+#   -p N / -n N   prompt length of the pp test / tokens of the tg test (default 512 / 128)
+#   --models LIST comma list of q4_1, bf16, q8_0, q4_k_m (default all)
+#   --builds LIST llama.cpp builds to run (default native,noamx; see scripts/build_llama_cpp.sh)
+#   --cpus LIST   run every tool under `taskset -c LIST` (default: no pinning)
+#   --quick       a check that everything runs, not a measurement: pp64, tg16, -r 1, 1 round
+#
+# Models: the demo model SmolLM2-135M-Instruct Q4_1 (scripts/fetch_demo_model.sh), its BF16 and
+# Q8_0 conversions made once with llama.cpp's llama-quantize from the same file and kept in
+# models/, and Qwen2.5-Coder-0.5B-Instruct Q4_K_M (scripts/fetch_models.sh). Run it on a quiet
+# machine: llama.cpp's spinning threads collapse under contention, and any other load makes
+# both numbers meaningless. Logs of every run: .bench/logs/.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+THREADS="2"
+REPS=5
+ROUNDS=3
+PP=512
+TG=128
+MODELS="q4_1,bf16,q8_0,q4_k_m"
+BUILDS="native,noamx"
+CPUS=""
+QUICK=0
+
+usage() {
+    sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//' >&2
+    exit 2
+}
+need_arg() { [[ $# -ge 2 && -n "$2" ]] || { echo "bench_compare: $1 needs a value" >&2; usage; }; }
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        -t|--threads) need_arg "$@"; THREADS="$2"; shift 2 ;;
+        -r|--repetitions) need_arg "$@"; REPS="$2"; shift 2 ;;
+        --rounds) need_arg "$@"; ROUNDS="$2"; shift 2 ;;
+        -p) need_arg "$@"; PP="$2"; shift 2 ;;
+        -n) need_arg "$@"; TG="$2"; shift 2 ;;
+        --models) need_arg "$@"; MODELS="$2"; shift 2 ;;
+        --builds) need_arg "$@"; BUILDS="$2"; shift 2 ;;
+        --cpus) need_arg "$@"; CPUS="$2"; shift 2 ;;
+        --quick) QUICK=1; shift ;;
+        -h|--help) usage ;;
+        *) echo "bench_compare: unknown argument '$1'" >&2; usage ;;
+    esac
+done
+if [[ "${QUICK}" == 1 ]]; then
+    PP=64; TG=16; REPS=1; ROUNDS=1
+fi
+for v in "${REPS}" "${ROUNDS}" "${PP}" "${TG}"; do
+    [[ "${v}" =~ ^[1-9][0-9]*$ ]] || { echo "bench_compare: '${v}' is not a positive integer" >&2; exit 2; }
+done
+[[ "${THREADS}" =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || { echo "bench_compare: -t '${THREADS}' is not a comma list of thread counts" >&2; exit 2; }
+PIN=()
+if [[ -n "${CPUS}" ]]; then
+    command -v taskset >/dev/null || { echo "bench_compare: --cpus needs taskset (util-linux)" >&2; exit 1; }
+    PIN=(taskset -c "${CPUS}")
+fi
+PY="${PYTHON:-python3}"
+LOGS=".bench/logs"
+mkdir -p "${LOGS}"
+
+# --- binaries
+echo "bench_compare: building kiln-bench" >&2
+nice -n 5 cargo build --release --quiet --bin kiln-bench
+KILN_BENCH="target/release/kiln-bench"
+mapfile -t BINDIRS < <(scripts/build_llama_cpp.sh --builds "${BUILDS}")
+IFS=, read -r -a BUILD_NAMES <<< "${BUILDS}"
+QUANTIZE="${BINDIRS[0]}/llama-quantize"
+
+# --- models
+DEMO="models/SmolLM2-135M-Instruct.Q4_1.gguf"
+[[ -f "${DEMO}" ]] || scripts/fetch_demo_model.sh >&2
+[[ -f "${DEMO}" ]] || { echo "bench_compare: ${DEMO} missing after scripts/fetch_demo_model.sh" >&2; exit 1; }
+# A conversion of the demo file made once by llama-quantize (written aside, then renamed, so an
+# interrupted conversion never leaves a partial file behind).
+derived() {
+    local type="$1" out="models/SmolLM2-135M-Instruct.$1.gguf"
+    if [[ ! -f "${out}" ]]; then
+        echo "bench_compare: making ${out} with llama-quantize" >&2
+        "${QUANTIZE}" --allow-requantize "${DEMO}" "${out}.part" "${type}" >"${LOGS}/quantize-${type}.log" 2>&1 ||
+            { echo "bench_compare: llama-quantize ${type} failed; see ${LOGS}/quantize-${type}.log" >&2; exit 1; }
+        mv "${out}.part" "${out}"
+    fi
+    echo "${out}"
+}
+MODEL_FILES=()
+IFS=, read -r -a WANT_MODELS <<< "${MODELS}"
+for m in "${WANT_MODELS[@]}"; do
+    case "${m}" in
+        q4_1) MODEL_FILES+=("${DEMO}") ;;
+        bf16) MODEL_FILES+=("$(derived BF16)") ;;
+        q8_0) MODEL_FILES+=("$(derived Q8_0)") ;;
+        q4_k_m)
+            Q="models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+            [[ -f "${Q}" ]] || scripts/fetch_models.sh qwen2.5-coder-0.5b >&2
+            MODEL_FILES+=("${Q}") ;;
+        *) echo "bench_compare: unknown model '${m}' (known: q4_1, bf16, q8_0, q4_k_m)" >&2; exit 2 ;;
+    esac
+done
+
+# --- one run of each tool: prints tokens/s, or a word saying why there is none
+# (Each run is in a command substitution, a subshell: the commands are collected in a file.)
+CMDLOG="${LOGS}/commands.txt"
+: > "${CMDLOG}"
+run_kiln() { # model threads pp tg
+    local log="${LOGS}/kiln-$(basename "$1")-t$2-p$3-n$4.json" cmd
+    cmd=("${PIN[@]}" "${KILN_BENCH}" -m "$1" -t "$2" -p "$3" -n "$4" -r "${REPS}" -o json)
+    echo "${cmd[*]}" >> "${CMDLOG}"
+    if ! "${cmd[@]}" >"${log}" 2>"${log}.stderr"; then
+        echo "bench_compare: kiln-bench failed: ${cmd[*]}" >&2
+        tail -n 5 "${log}.stderr" >&2
+        echo failed
+        return
+    fi
+    "${PY}" -c 'import json,sys; print("%.2f" % json.load(open(sys.argv[1]))[0]["tokens_per_s"])' "${log}"
+}
+run_llama() { # bindir build model threads pp tg
+    local log="${LOGS}/llama-$2-$(basename "$3")-t$4-p$5-n$6.json" cmd rc=0
+    cmd=("${PIN[@]}" "$1/llama-bench" -m "$3" -t "$4" -p "$5" -n "$6" -r "${REPS}" -o json)
+    echo "${cmd[*]}" >> "${CMDLOG}"
+    "${cmd[@]}" >"${log}" 2>"${log}.stderr" || rc=$?
+    if [[ "${rc}" -ne 0 ]]; then
+        if [[ "${rc}" -gt 128 ]]; then
+            echo "crash(sig$((rc - 128)))"
+        else
+            echo "bench_compare: llama-bench ($2) failed with ${rc}: ${cmd[*]}" >&2
+            tail -n 5 "${log}.stderr" >&2
+            echo failed
+        fi
+        return
+    fi
+    "${PY}" -c 'import json,sys; print("%.2f" % json.load(open(sys.argv[1]))[0]["avg_ts"])' "${log}"
+}
+median() { # values... (non-numbers ignored); prints the median or the first non-number
+    "${PY}" - "$@" <<'PYEOF'
+import statistics, sys
+vals = sys.argv[1:]
+nums = []
+for v in vals:
+    try:
+        nums.append(float(v))
+    except ValueError:
+        pass
+print("%.2f" % statistics.median(nums) if nums else (vals[0] if vals else "none"))
+PYEOF
+}
+
+# --- the runs, alternating tools within each round
+RESULTS=()   # "model|threads|test|kiln|build1|build2..."
+IFS=, read -r -a THREAD_LIST <<< "${THREADS}"
+for file in "${MODEL_FILES[@]}"; do
+    for t in "${THREAD_LIST[@]}"; do
+        for test in "pp${PP}" "tg${TG}"; do
+            if [[ "${test}" == pp* ]]; then p="${PP}"; n=0; else p=0; n="${TG}"; fi
+            declare -a K=() ; declare -A L=()
+            for b in "${BUILD_NAMES[@]}"; do L[$b]=""; done
+            for round in $(seq 1 "${ROUNDS}"); do
+                echo "bench_compare: $(basename "${file}") t=${t} ${test} round ${round}/${ROUNDS}" >&2
+                K+=("$(run_kiln "${file}" "${t}" "${p}" "${n}")")
+                for i in "${!BUILD_NAMES[@]}"; do
+                    b="${BUILD_NAMES[$i]}"
+                    L[$b]+=" $(run_llama "${BINDIRS[$i]}" "${b}" "${file}" "${t}" "${p}" "${n}")"
+                done
+            done
+            row="$(basename "${file}")|${t}|${test}|$(median "${K[@]}")"
+            for b in "${BUILD_NAMES[@]}"; do
+                # shellcheck disable=SC2086  # the list of this build's results
+                row+="|$(median ${L[$b]})"
+            done
+            RESULTS+=("${row}")
+            unset K L
+        done
+    done
+done
+
+# --- report
+CPU_MODEL="$(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')"
+CPU_FLAGS="$(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx2|avx512(f|bw|vl|_vnni|_bf16|_fp16)|avx_vnni|amx_(tile|bf16|int8))$' | tr '\n' ' ')"
+KILN_REV="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo '+dirty')"
+LCP="$(grep -E '^llama-cpp-python==' scripts/requirements-llama-cpp.txt | cut -d= -f3)"
+echo
+echo "## kiln vs llama.cpp ($(date -u +%Y-%m-%d), kiln ${KILN_REV}, llama.cpp from llama-cpp-python ${LCP})"
+echo
+echo "CPU: ${CPU_MODEL}, $(nproc) logical CPUs; flags: ${CPU_FLAGS}"
+[[ "${QUICK}" == 1 ]] && echo "(--quick: a check that the tools run, not a measurement)"
+echo "Each figure: the median over ${ROUNDS} alternating round(s) of each tool's mean over ${REPS} repetition(s), tokens/s."
+echo
+header="| model | threads | test | kiln t/s"
+sep="|---|---:|---|---:"
+for b in "${BUILD_NAMES[@]}"; do header+=" | llama.cpp ${b} t/s"; sep+="|---:"; done
+echo "${header} | best llama.cpp | kiln / best |"
+echo "${sep}|---|---:|"
+for r in "${RESULTS[@]}"; do
+    "${PY}" - "${r}" "${BUILDS}" <<'PYEOF'
+import sys
+cells = sys.argv[1].split("|")
+builds = sys.argv[2].split(",")
+model, threads, test, kiln = cells[:4]
+llama = cells[4:]
+def num(v):
+    try:
+        return float(v)
+    except ValueError:
+        return None
+best = max(((num(v), b) for v, b in zip(llama, builds) if num(v) is not None), default=None)
+best_txt = "%.2f (%s)" % best if best else "none"
+ratio = "%.2f" % (num(kiln) / best[0]) if best and num(kiln) is not None and best[0] > 0 else "-"
+print("| %s | %s | %s | %s | %s | %s | %s |" % (model, threads, test, kiln, " | ".join(llama), best_txt, ratio))
+PYEOF
+done
+echo
+echo "Commands (in the order run; logs in ${LOGS}/):"
+echo
+echo '```sh'
+awk '!seen[$0]++' "${CMDLOG}"
+echo '```'
