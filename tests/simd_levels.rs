@@ -19,8 +19,10 @@ use std::process::Command;
 
 use common::{fixtures, rel_err, Reference};
 use kiln::backend::cpu::simd::{self, Level};
-use kiln::backend::cpu::{CpuBackend, CpuOptions, PlanKind, TokenRow, Workspace};
+use kiln::backend::cpu::{CpuBackend, CpuOptions, Workspace};
+use kiln::backend::TokenRow;
 use kiln::model::Model;
+use kiln::plan::PlanKind;
 use kiln::sample::argmax;
 
 /// Where the child writes the demo model's logits; set only in the child.
