@@ -2,20 +2,20 @@
 // one block per row picks the row's next token with kiln_sample_row (sample.cuh), the algorithm
 // of `kiln::sample::sample` -- greedy when ctl->temperature == 0, else temperature with top-k
 // (any k), min-p and top-p over the full vocabulary, drawn with Philox-4x32-10
-// uniform(ctl->seed, row_ids[r], positions[r]). See sample.cuh for where it can differ from the
+// uniform(ctl->seed, row_ids[r], positions[r]). One `MkRow` of controls serves every row. See sample.cuh for where it can differ from the
 // CPU (only by rounding at a boundary).
 // UNVERIFIED on a GPU: compiled with NVRTC for sm_80 / sm_90 only.
 #include "common.cuh"
 #include "sample.cuh"
 
 // Grid: (rows), block: SAMPLE_THREADS (256). Row r's logits are logits[r * stride, + vocab);
-// ctl->row_ids is not used (row_ids may name more than MK_MAX_BATCH rows). `work` (rows * vocab
+// ctl->row_id is not used (row_ids names each row's Philox row). `work` (rows * vocab
 // floats in the launch contract) is not needed by this algorithm, which keeps its state in
 // shared memory; it may be null. The minimum of 1 block per SM keeps ptxas from capping the
 // registers for occupancy (it spilled at 48 on sm_90); a call has one block per row anyway.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1)
 sample_rows(const float* __restrict__ logits, int stride, int vocab,
-            const MkControl* __restrict__ ctl, const int* __restrict__ row_ids,
+            const MkRow* __restrict__ ctl, const int* __restrict__ row_ids,
             const int* __restrict__ positions, float* work, int* tokens_out) {
     (void)work;
     const int r = blockIdx.x;
