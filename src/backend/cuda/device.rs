@@ -793,7 +793,11 @@ impl CudaBackend {
         sampling: &SamplingParams,
         row_ids: &[u32],
     ) -> Result<Vec<u32>, CudaError> {
-        let ctl = row_control(sampling, 0)?;
+        // One MkRow per row of logits: the parameters, the seed and the row's Philox row.
+        let controls = row_ids
+            .iter()
+            .map(|&id| row_control(sampling, id))
+            .collect::<Result<Vec<_>, _>>()?;
         let next = self.check_step(kv, tokens, rows)?;
         let plan = self.plan(kind);
         let o = plan.output;
@@ -811,10 +815,12 @@ impl CudaBackend {
         self.prepare_step(kv, &next)?;
         let out = self.run(plan, ws, kv, tokens, rows)?;
         let n = out.rows;
-        let ctl_words: Vec<i32> = row_words(&ctl).iter().map(|&w| w as i32).collect();
+        let ctl_words: Vec<i32> = controls
+            .iter()
+            .flat_map(row_words)
+            .map(|w| w as i32)
+            .collect();
         let d_ctl = self.ints(ws, "sample_ctl", &ctl_words)?;
-        let ids: Vec<i32> = row_ids.iter().map(|&r| r as i32).collect();
-        let d_ids = self.ints(ws, "sample_row_ids", &ids)?;
         let positions: Vec<i32> = from.iter().map(|&t| rows[t].pos as i32 + 1).collect();
         let d_pos = self.ints(ws, "sample_positions", &positions)?;
         let vocab = o.cols;
@@ -823,7 +829,7 @@ impl CudaBackend {
         let logits =
             self.ptr(ws.buffers[o.buffer].as_ref().expect("allocated")) + (o.col * 4) as u64;
         launch!(self, "sample_rows", cfg((n as u32, 1, 1), BLOCK);
-            logits, out.stride as i32, vocab as i32, d_ctl, d_ids, d_pos, work, d_out);
+            logits, out.stride as i32, vocab as i32, d_ctl, d_pos, work, d_out);
         let host: Vec<i32> = self
             .stream
             .clone_dtoh(&ws.ints["sample_tokens"])
