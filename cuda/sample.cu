@@ -1,25 +1,27 @@
 // sample.cu: the per-op device sampler (the megakernel samples in its Sample tiles instead):
 // one block per row picks the row's next token with kiln_sample_row (sample.cuh), the algorithm
-// of `kiln::sample::sample` -- greedy when ctl->temperature == 0, else temperature with top-k
+// of `kiln::sample::sample` -- greedy when ctl[r].temperature == 0, else temperature with top-k
 // (any k), min-p and top-p over the full vocabulary, drawn with Philox-4x32-10
-// uniform(ctl->seed, row_ids[r], positions[r]). See sample.cuh for where it can differ from the
+// uniform(ctl[r].seed, ctl[r].row_id, positions[r]). Each row has its own MkRow, so rows with
+// different sampling parameters share a launch. See sample.cuh for where it can differ from the
 // CPU (only by rounding at a boundary).
 // UNVERIFIED on a GPU: compiled with NVRTC for sm_80 / sm_90 only.
 #include "common.cuh"
 #include "sample.cuh"
 
-// Grid: (rows), block: SAMPLE_THREADS (256). Row r's logits are logits[r * stride, + vocab);
-// ctl->row_ids is not used (row_ids may name more than MK_MAX_BATCH rows). `work` (rows * vocab
+// Grid: (rows), block: SAMPLE_THREADS (256). Row r's logits are logits[r * stride, + vocab), its
+// controls ctl[r] (one MkRow per row: parameters, seed, Philox row). `work` (rows * vocab
 // floats in the launch contract) is not needed by this algorithm, which keeps its state in
 // shared memory; it may be null. The minimum of 1 block per SM keeps ptxas from capping the
 // registers for occupancy (it spilled at 48 on sm_90); a call has one block per row anyway.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1)
 sample_rows(const float* __restrict__ logits, int stride, int vocab,
-            const MkControl* __restrict__ ctl, const int* __restrict__ row_ids,
-            const int* __restrict__ positions, float* work, int* tokens_out) {
+            const MkRow* __restrict__ ctl, const int* __restrict__ positions, float* work,
+            int* tokens_out) {
     (void)work;
     const int r = blockIdx.x;
-    const int t = kiln_sample_row(logits + (size_t)r * stride, vocab, ctl, (u32)row_ids[r],
+    const MkRow* c = ctl + r;
+    const int t = kiln_sample_row(logits + (size_t)r * stride, vocab, c, (u32)c->row_id,
                                   (u64)(u32)positions[r]);
     if (threadIdx.x == 0) tokens_out[r] = t;
 }

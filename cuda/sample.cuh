@@ -1,7 +1,7 @@
 // sample.cuh: one row's next token, chosen on the device by one block of SAMPLE_THREADS (256)
 // threads with the algorithm of `kiln::sample::sample`; used by cuda/sample.cu (`sample_rows`)
 // and by the decode megakernel's Sample tiles (cuda/megakernel/tiles.cuh `mk_sample`). Also the
-// `MkControl` block the host rewrites between runs, and the megakernel's ring constants.
+// `MkControl` row table the host rewrites between runs, and the megakernel's ring constants.
 //
 // common.cuh must come before this file (the Rust side pastes both in that order).
 // UNVERIFIED on a GPU: compiled with NVRTC for sm_80 / sm_90 only. The algorithm is checked on
@@ -52,28 +52,42 @@
 #define MK_MAX_STOP 16
 #define MK_RING 64
 
-// Sampling controls in device memory, rewritten by the host between runs. Mirrored by
-// kiln_codegen::MkControl; the static_asserts pin the layout both sides rely on.
-struct MkControl {
+// One batch row's sampling controls (the row table the host rewrites between runs, one entry
+// per batch row, so rows with different parameters share a launch and a row can join or leave a
+// captured graph without a new capture). Mirrored by kiln_codegen::MkRow.
+struct MkRow {
     float temperature;          // 0 = greedy (argmax, first index on ties)
     int top_k;                  // 0 = off
     float top_p;                // >= 1 = off
     float min_p;                // 0 = off
     unsigned long long seed;
-    int row_ids[MK_MAX_BATCH];  // engine row of each batch row: the Philox key's row
+    int row_id;                 // engine row: the Philox key's row
+    int pad;                    // 0 (keeps the 8-byte stride explicit)
+};
+// The megakernel's run-time controls: a row table of MK_MAX_BATCH MkRow entries and the stop ids.
+// Whether a batch row is live is not here but in the kernel's position array (pos[b] < 0: an
+// inactive row, padding or a sequence that left), which every tile that reads a position
+// already has. Mirrored by kiln_codegen::MkControl; the static_asserts pin the layout both sides
+// rely on.
+struct MkControl {
+    MkRow rows[MK_MAX_BATCH];
     int n_stop;
     int stop_ids[MK_MAX_STOP];
 };
-static_assert(sizeof(MkControl) == 128, "MkControl size");
+static_assert(sizeof(MkRow) == 32, "MkRow size");
+static_assert(alignof(MkRow) == 8, "MkRow alignment");
+static_assert(__builtin_offsetof(MkRow, temperature) == 0, "MkRow.temperature");
+static_assert(__builtin_offsetof(MkRow, top_k) == 4, "MkRow.top_k");
+static_assert(__builtin_offsetof(MkRow, top_p) == 8, "MkRow.top_p");
+static_assert(__builtin_offsetof(MkRow, min_p) == 12, "MkRow.min_p");
+static_assert(__builtin_offsetof(MkRow, seed) == 16, "MkRow.seed");
+static_assert(__builtin_offsetof(MkRow, row_id) == 24, "MkRow.row_id");
+static_assert(__builtin_offsetof(MkRow, pad) == 28, "MkRow.pad");
+static_assert(sizeof(MkControl) == 328, "MkControl size");
 static_assert(alignof(MkControl) == 8, "MkControl alignment");
-static_assert(__builtin_offsetof(MkControl, temperature) == 0, "MkControl.temperature");
-static_assert(__builtin_offsetof(MkControl, top_k) == 4, "MkControl.top_k");
-static_assert(__builtin_offsetof(MkControl, top_p) == 8, "MkControl.top_p");
-static_assert(__builtin_offsetof(MkControl, min_p) == 12, "MkControl.min_p");
-static_assert(__builtin_offsetof(MkControl, seed) == 16, "MkControl.seed");
-static_assert(__builtin_offsetof(MkControl, row_ids) == 24, "MkControl.row_ids");
-static_assert(__builtin_offsetof(MkControl, n_stop) == 56, "MkControl.n_stop");
-static_assert(__builtin_offsetof(MkControl, stop_ids) == 60, "MkControl.stop_ids");
+static_assert(__builtin_offsetof(MkControl, rows) == 0, "MkControl.rows");
+static_assert(__builtin_offsetof(MkControl, n_stop) == 256, "MkControl.n_stop");
+static_assert(__builtin_offsetof(MkControl, stop_ids) == 260, "MkControl.stop_ids");
 
 #define SAMPLE_THREADS 256
 // Largest bucket sorted in shared memory (a power of two).
@@ -413,10 +427,10 @@ __device__ __forceinline__ u64 sample_select(const float* l, int vocab, const Sa
 }
 
 // One row's token with the algorithm of `kiln::sample::sample` (see the header): logits
-// l[0, vocab), controls from ctl (its row_ids are not used here), Philox key (seed, row,
-// position). All SAMPLE_THREADS threads of the block call it; every thread gets the token.
+// l[0, vocab), controls from ctl (its row_id is not used here: the caller passes the row),
+// Philox key (ctl->seed, row, position). All SAMPLE_THREADS threads of the block call it; every thread gets the token.
 __device__ __forceinline__ int kiln_sample_row(const float* l, int vocab,
-                                               const MkControl* __restrict__ ctl, u32 row,
+                                               const MkRow* __restrict__ ctl, u32 row,
                                                u64 position) {
     __shared__ SampleShared s;
     const float temperature = ctl->temperature;

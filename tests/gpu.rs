@@ -10,7 +10,8 @@
 //!   every fixture whose decode plan lowers: 256 greedy tokens equal to the per-op GPU path and
 //!   the CPU; started late and decoding past the attention split sizes (the position must come
 //!   from device memory, not from the capture); stopped with steps in flight, continued on the
-//!   host path, restarted; a batch with a padding row and stop tokens; seeded sampling
+//!   host path, restarted; a batch with a padding row and stop tokens; a row joining and one
+//!   leaving between replays; seeded sampling
 //!   reproducible and equal to the per-op device sampler;
 //! * the per-op device sampler (`forward_sample`) against `kiln::sample::sample` on the same
 //!   logits.
@@ -653,6 +654,75 @@ fn megakernel_batch_with_a_padding_row_and_stop_tokens() {
             };
             assert_eq!(m, want, "{name}: stop mask at step {step}");
         }
+    }
+}
+
+/// A row joins a running graph and another leaves it, between replays, without a re-capture:
+/// row 0 decodes slot 0 from the start; at step `JOIN` slot 1 (the same prefill) joins batch
+/// row 2 of bucket 4 while steps are in flight; at step `LEAVE` row 0 leaves. Each row's greedy
+/// tokens equal the per-op single-row reference from its own start, and inactive rows report
+/// no token. The row-table semantics are checked on the CPU by
+/// `tests/megakernel_interp.rs::a_row_joins_and_another_leaves_a_running_batch_and_each_matches_its_solo_run`;
+/// this is the GPU run of the same contract.
+#[test]
+fn megakernel_rows_join_and_leave_between_replays() {
+    if !gpu_or_skip() {
+        return;
+    }
+    const STEPS: usize = 40;
+    const JOIN: usize = 9;
+    const LEAVE: usize = 25;
+    for (path, Pair { gpu, .. }) in megakernel_models() {
+        let name = path.display().to_string();
+        let prompt = prompt_for(gpu.config().vocab_size, 9);
+        let p = prompt.len();
+        let mut ws = CudaWorkspace::new();
+        let mut kv = gpu.new_cache(2, p + STEPS + 4).expect("cache");
+        let first = gpu_prefill(&gpu, &mut ws, &mut kv, 0, &prompt);
+        let reference = gpu_per_op_greedy(&gpu, &mut ws, &mut kv, 0, first, p, STEPS);
+        kv.truncate(0, p);
+        kv.copy_slot(&gpu, 0, 1, p).expect("copy_slot");
+        let row = |slot: usize| GraphRow {
+            slot,
+            pos: p,
+            token: first,
+            row_id: slot as u32,
+        };
+        let mut g = unsafe { GraphDecoder::new(&gpu, &kv, 4) }.expect("graph");
+        g.start(&mut kv, &[row(0)], &greedy(), &[]).expect("start");
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        let mut enqueued = 0;
+        for step in 0..STEPS {
+            while enqueued < STEPS && g.in_flight() < 4 {
+                if enqueued == JOIN {
+                    g.join(&mut kv, 2, row(1), &greedy()).expect("join");
+                }
+                if enqueued == LEAVE {
+                    g.leave(0).expect("leave");
+                }
+                g.enqueue().expect("enqueue");
+                enqueued += 1;
+            }
+            let s = g.next().expect("graph step");
+            assert_eq!(s.rows[1], None, "{name}: step {step}: row 1 never joined");
+            match s.rows[0] {
+                Some(t) => {
+                    kv.set_len(0, p + a.len() + 1);
+                    a.push(t);
+                }
+                None => assert!(step >= LEAVE, "{name}: step {step}: row 0 missing"),
+            }
+            match s.rows[2] {
+                Some(t) => {
+                    kv.set_len(1, p + b.len() + 1);
+                    b.push(t);
+                }
+                None => assert!(step < JOIN, "{name}: step {step}: row 2 missing"),
+            }
+        }
+        g.stop().expect("stop");
+        assert_eq!(a, reference[..LEAVE], "{name}: the row that left");
+        assert_eq!(b, reference[..STEPS - JOIN], "{name}: the row that joined");
     }
 }
 

@@ -31,11 +31,11 @@ use kiln::kv::KvCache;
 use kiln::model::Model;
 use kiln::plan::PlanKind;
 use kiln::plan::{ExecutionPlan, Phase};
-use kiln::sample::argmax;
+use kiln::sample::{argmax, SamplingParams};
 use kiln_codegen::interp::{
-    adversarial_picker, unordered_producers, InterpError, Machine, SplitMix,
+    adversarial_picker, unordered_producers, InterpError, Machine, SplitMix, BF16_POISON,
 };
-use kiln_codegen::{ring_stride, RING};
+use kiln_codegen::{ring_stride, MkControl, MkRow, NO_TOKEN, RING};
 use kiln_codegen::{DecodeProgram, Ewise, Instr, Schedule, TileConfig};
 
 /// Relative L2 error allowed between interpreter and CPU logits: `tests/gpu.rs`'s bf16 GPU
@@ -491,5 +491,226 @@ fn dropping_any_essential_wait_is_detected_on_fixtures_with_every_tile_kind() {
         println!("{fx}: {essential} essential waits, each drop detected");
         assert!(essential > 50, "{fx}: only {essential} essential waits");
         assert!(missed.is_empty(), "{fx}: undetected: {missed:#?}");
+    }
+}
+
+/// Per-row sampling parameters: greedy, top-k, top-p with min-p, plain temperature.
+fn row_params() -> [SamplingParams; 4] {
+    let base = SamplingParams::default();
+    [
+        base,
+        SamplingParams {
+            temperature: 0.8,
+            top_k: Some(20),
+            seed: 11,
+            ..base
+        },
+        SamplingParams {
+            temperature: 1.3,
+            top_p: Some(0.9),
+            min_p: Some(0.02),
+            seed: 0x5eed_0000_0000_0042,
+            ..base
+        },
+        SamplingParams {
+            temperature: 0.6,
+            seed: 3,
+            ..base
+        },
+    ]
+}
+
+fn mk_row(p: &SamplingParams, row_id: u32) -> MkRow {
+    MkRow::new(p.temperature, p.top_k, p.top_p, p.min_p, p.seed, row_id).unwrap()
+}
+
+/// The logits range the program samples from.
+fn logits_range(p: &DecodeProgram) -> (usize, usize, usize, usize) {
+    let Some(Instr::Sample { logits: lr, .. }) = p.instrs.iter().rev().nth(1) else {
+        panic!("the program does not end with sample, step_end");
+    };
+    let (offs, _) = p.buffer_offsets();
+    (offs[lr.buf], p.buffers[lr.buf].cols, lr.col, lr.cols)
+}
+
+/// Every row of one launch samples with its own controls (`MkControl::rows[b]`: parameters,
+/// seed, Philox row) exactly as the host sampler `kiln::sample::sample` does for that row's
+/// parameters at the position the token takes, and an inactive row (`pos < 0`) samples nothing,
+/// does not advance, writes no KV and reports `NO_TOKEN` in the ring.
+#[test]
+fn each_row_samples_with_its_own_controls_as_the_host_sampler() {
+    for name in ["llama_tied", "nanochat_H"] {
+        let s = setup(&fixtures().join(name), 4);
+        let p = &s.program;
+        let vocab = p.vocab;
+        let rows = rows_for(p, 4);
+        let capacity = rows.iter().map(|r| r.1).max().unwrap() + 12;
+        let Started { mut m, .. } = start(&s, &s.schedule, &rows, capacity, |b, i| {
+            ((i * 5 + 1 + 13 * b) % vocab) as u32
+        });
+        let params = row_params();
+        let ids = [40u32, 7, u32::MAX, 1 << 20];
+        let ctl: Vec<MkRow> = (0..3).map(|b| mk_row(&params[b], ids[b])).collect();
+        // Row 3 has sampling controls but is inactive.
+        let mut all = ctl.clone();
+        all.push(mk_row(&params[3], ids[3]));
+        m.ctl = MkControl::new(&all, &[]).unwrap();
+        m.sampler = Some(kiln::sample::device::sample);
+        m.pos[3] = -1;
+        m.tokens[3] = 0;
+        let kv_before = (m.k_cache.clone(), m.v_cache.clone(), m.kv_state.clone());
+        let (off, stride, col, cols) = logits_range(p);
+        let mut rng = SplitMix(5);
+        let mut drawn = 0;
+        for step in 0..8 {
+            let pos: Vec<i32> = m.pos.clone();
+            m.step(&mut rng.picker())
+                .unwrap_or_else(|e| panic!("{name}: step {step}: {e}"));
+            let logits = m.rows(off, stride, col, cols);
+            for b in 0..3 {
+                let want = kiln::sample::sample(&logits[b], &params[b], ids[b], pos[b] as u64 + 1);
+                assert_eq!(
+                    m.tokens[b] as u32, want,
+                    "{name}: step {step} row {b} ({:?})",
+                    params[b]
+                );
+                drawn += usize::from(want != argmax(&logits[b]));
+                assert_eq!(m.pos[b], pos[b] + 1);
+            }
+            assert_eq!(
+                (m.pos[3], m.tokens[3]),
+                (-1, 0),
+                "{name}: inactive row moved"
+            );
+            let entry = &m.ring[(m.epoch as usize % RING) * ring_stride(4)..][..6];
+            assert_eq!(entry[3], NO_TOKEN, "{name}: step {step}");
+            assert_eq!(entry[4] & 0b1000, 0, "{name}: an inactive row never stops");
+        }
+        // The sampling rows did not all fall back to the greedy token.
+        assert!(drawn >= 4, "{name}: {drawn} non-greedy draws");
+        // The inactive row wrote nothing: its write-ahead blocks are still poisoned.
+        let mb = m.max_blocks;
+        let first = rows[3].1 / m.block_size + 1;
+        assert!(first < mb, "{name}: no write-ahead block to check");
+        for i in first..mb {
+            let block = m.tables[3 * mb + i] as usize;
+            let l = m.k_cache.len() / m.num_blocks;
+            assert!(m.k_cache[block * l..(block + 1) * l]
+                .iter()
+                .all(|&v| v == BF16_POISON));
+        }
+        assert_ne!(kv_before.0, m.k_cache, "{name}: active rows write");
+        // A sampling row with no sampler is an error naming the row.
+        m.sampler = None;
+        let e = m.step_in_order().unwrap_err();
+        assert!(
+            matches!(e, InterpError::NoSampler { row: 1, .. }),
+            "{name}: {e}"
+        );
+    }
+}
+
+/// One sequence of [`joins_and_leaves`]: its prompt, its sampling and Philox row.
+struct Seq {
+    len: usize,
+    params: SamplingParams,
+    row_id: u32,
+}
+
+/// Runs `seq` alone in a batch-1 machine for `steps` steps; its tokens.
+fn solo(s1: &Setup, seq: &Seq, slot: usize, steps: usize, capacity: usize) -> Vec<u32> {
+    let vocab = s1.program.vocab;
+    let Started { mut m, .. } = start(s1, &s1.schedule, &[(slot, seq.len)], capacity, |_, i| {
+        ((i * 3 + slot * 17 + 2) % vocab) as u32
+    });
+    m.ctl = MkControl::new(&[mk_row(&seq.params, seq.row_id)], &[]).unwrap();
+    m.sampler = Some(kiln::sample::device::sample);
+    let mut rng = SplitMix(slot as u64);
+    (0..steps)
+        .map(|_| {
+            m.step(&mut rng.picker()).unwrap();
+            m.tokens[0] as u32
+        })
+        .collect()
+}
+
+/// The row table is read at every launch: in a running batch-2 machine, sequence B joins row 1
+/// at step `JOIN` (its position, token, page table and controls written between launches, as
+/// the host does between graph replays) and sequence A leaves row 0 at step `LEAVE` (its
+/// position set to -1 and its page table cleared, so a read of it would fail). Each sequence's
+/// tokens equal its solo run in a batch-1 machine; the other row's presence changes nothing.
+#[test]
+fn a_row_joins_and_another_leaves_a_running_batch_and_each_matches_its_solo_run() {
+    const JOIN: usize = 3;
+    const LEAVE: usize = 6;
+    const STEPS: usize = 10;
+    let params = row_params();
+    for name in ["llama_tied", "nanochat_H"] {
+        let path = fixtures().join(name);
+        let (s1, s2) = (setup(&path, 1), setup(&path, 2));
+        let a = Seq {
+            len: 7,
+            params: params[1],
+            row_id: 3,
+        };
+        let b = Seq {
+            len: 12,
+            params: params[2],
+            row_id: 9,
+        };
+        let (slot_a, slot_b) = (1, 2);
+        let capacity = b.len + STEPS + 4;
+        let solo_a = solo(&s1, &a, slot_a, LEAVE, capacity);
+        let solo_b = solo(&s1, &b, slot_b, STEPS - JOIN, capacity);
+
+        let vocab = s2.program.vocab;
+        let slots = [slot_a, slot_b];
+        let Started { mut m, .. } = start(
+            &s2,
+            &s2.schedule,
+            &[(slot_a, a.len), (slot_b, b.len)],
+            capacity,
+            |r, i| ((i * 3 + slots[r] * 17 + 2) % vocab) as u32,
+        );
+        m.sampler = Some(kiln::sample::device::sample);
+        m.ctl = MkControl::new(&[mk_row(&a.params, a.row_id)], &[]).unwrap();
+        // B's row is prefilled in the cache but not in the row table yet.
+        let mb = m.max_blocks;
+        let table_b = m.tables[mb..2 * mb].to_vec();
+        let token_b = m.tokens[1];
+        m.tables[mb..2 * mb].fill(-1);
+        m.pos[1] = -1;
+        m.tokens[1] = 0;
+        let (mut got_a, mut got_b) = (Vec::new(), Vec::new());
+        let mut rng = SplitMix(17);
+        for step in 0..STEPS {
+            if step == JOIN {
+                m.pos[1] = b.len as i32;
+                m.tokens[1] = token_b;
+                m.tables[mb..2 * mb].copy_from_slice(&table_b);
+                m.ctl.rows[1] = mk_row(&b.params, b.row_id);
+            }
+            if step == LEAVE {
+                m.pos[0] = -1;
+                m.tables[..mb].fill(-1);
+                m.ctl.rows[0] = MkRow::GREEDY;
+            }
+            m.step(&mut rng.picker())
+                .unwrap_or_else(|e| panic!("{name}: step {step}: {e}"));
+            let entry = &m.ring[(m.epoch as usize % RING) * ring_stride(2)..][..2];
+            if step < LEAVE {
+                got_a.push(entry[0]);
+            } else {
+                assert_eq!(entry[0], NO_TOKEN, "{name}: step {step}: A left");
+            }
+            if step >= JOIN {
+                got_b.push(entry[1]);
+            } else {
+                assert_eq!(entry[1], NO_TOKEN, "{name}: step {step}: B not joined");
+            }
+        }
+        assert_eq!(got_a, solo_a, "{name}: A");
+        assert_eq!(got_b, solo_b, "{name}: B");
+        assert_eq!(m.pos, [-1, (b.len + STEPS - JOIN) as i32], "{name}");
     }
 }

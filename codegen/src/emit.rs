@@ -7,11 +7,15 @@
 //! until `counter >= e * per_step`; after it, one thread fences and adds 1 to the
 //! instruction's and the tile's counters. `Sample` runs one tile per batch row (rows in
 //! parallel), each writing its row's next token to `tokens`, the buffer the next step's
-//! embedding reads; how it samples is run-time data, the `MkControl` at `ctl` (greedy when its
-//! temperature is 0). The `StepEnd` tile (after every sink tile, the Sample tiles included)
-//! advances each row's `pos`, writes ring entry `e % MK_RING` (the tokens, the bitmask of rows
-//! whose token is one of `ctl`'s stop ids, then `e` after `__threadfence_system()`) and stores
-//! `e` into `*epoch`. A tile's arguments come from its
+//! embedding reads; how it samples is run-time data, the row's `MkRow` in the `MkControl` at
+//! `ctl` (greedy when its temperature is 0), so rows with different parameters share a launch.
+//! The `StepEnd` tile (after every sink tile, the Sample tiles included) advances each active
+//! row's `pos`, writes ring entry `e % MK_RING` (the tokens, `MK_NO_TOKEN` for an inactive row,
+//! the bitmask of rows whose token is one of `ctl`'s stop ids, then `e` after
+//! `__threadfence_system()`) and stores `e` into `*epoch`. `pos`, `tokens`, `page_tables` and
+//! `ctl` are the row table: device memory the host rewrites between launches, read at replay
+//! (never baked into a captured graph); `pos[b] < 0` marks batch row `b` inactive (see
+//! `cuda/megakernel/tiles.cuh`), so rows join and leave without a new capture. A tile's arguments come from its
 //! instruction's row of the `mk_args` / `mk_fargs` tables, and the kernel's `switch` has one case
 //! per tile kind (not per instruction), so it compiles without register spills at SmolLM2-135M's
 //! 30 layers as at the small fixtures.
@@ -622,7 +626,7 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
         const float* fa = mk_fargs + MK_NFARGS * row;\n\
         switch (g[0]) {\n\
         case MK_K_EMBED:\n\
-            mk_embed(W(g[1]), g[2], tokens, MK_BATCH, lo, hi, A(g[3]));\n\
+            mk_embed(W(g[1]), g[2], tokens, pos, MK_BATCH, lo, hi, A(g[3]));\n\
             break;\n\
         case MK_K_RMS_NORM:\n\
             mk_rms_norm(A(g[1]), g[2], g[3], MK_BATCH, WF(g[4]), fa[0], A(g[5]), g[6]);\n\

@@ -18,10 +18,17 @@
 //! fails the step with [`InterpError::Poison`], so a missing dependency shows as soon as an
 //! order runs a reader before its writer (the fixtures never produce NaN themselves).
 //!
-//! Sampling is greedy (the first maximum, `mk_sample` with `ctl->temperature == 0`): the
-//! interpreter checks the token feedback, not the sampler (`kiln::sample::device` models that).
-//! The step end writes the token ring like `mk_step_end`, with [`Machine::stop_ids`] as
-//! `ctl->stop_ids`.
+//! The run-time controls are the kernel's: [`Machine::ctl`] is its `MkControl` (one [`MkRow`] of
+//! sampling parameters, seed and Philox row per batch row, and the stop ids), and
+//! [`Machine::pos`], [`Machine::tokens`] and [`Machine::tables`] are its row table, which the
+//! caller may rewrite between steps as the host does between replays (a row joining or leaving).
+//! Each Sample tile reads its own row's controls, like `mk_sample`: a greedy row (temperature 0)
+//! takes the first maximum here; a sampling row calls [`Machine::sampler`] with its logits, its
+//! `MkRow`, its Philox row and the position its token takes (`pos + 1`). The sampling algorithm
+//! itself is not mirrored here: kiln's `kiln::sample::device` models `kiln_sample_row` step for
+//! step and is what a caller passes (kiln-codegen does not depend on kiln). An inactive row
+//! (`pos[b] < 0`) behaves as on the device: zero embedding and attention output, no KV or state
+//! write, no sample, no position advance, [`NO_TOKEN`] in the ring.
 //!
 //! What this does not check: the CUDA code itself (its indexing, synchronisation and memory
 //! ordering), which is UNVERIFIED on a GPU; a divergence between a tile function here and its
@@ -29,7 +36,7 @@
 
 use std::fmt;
 
-use crate::control::{ring_stride, MAX_STOP, RING};
+use crate::control::{ring_stride, MkControl, MkRow, MAX_STOP, NO_TOKEN, RING};
 use crate::emit::{tables, Tables, KINDS, NARGS, NFARGS};
 use crate::program::{DecodeProgram, WeightDtype};
 use crate::schedule::{Schedule, Wait};
@@ -77,6 +84,8 @@ pub enum InterpError {
     },
     /// An argument row the kernel's `switch` does not know.
     BadRow { tile: usize, what: String },
+    /// A sampling row (temperature > 0) and no [`Machine::sampler`] to draw with.
+    NoSampler { tile: usize, row: usize },
     /// Tiles are left but none has its waits met.
     Deadlock {
         epoch: u32,
@@ -96,6 +105,11 @@ impl fmt::Display for InterpError {
                 write!(f, "tile {tile} (instruction {instr}) out of bounds: {what}")
             }
             InterpError::BadRow { tile, what } => write!(f, "tile {tile}: {what}"),
+            InterpError::NoSampler { tile, row } => write!(
+                f,
+                "tile {tile}: batch row {row} samples (temperature > 0) and the machine has no \
+                 sampler"
+            ),
             InterpError::Deadlock { epoch, done, total } => write!(
                 f,
                 "deadlock at epoch {epoch}: {done} of {total} tiles ran, no other is ready"
@@ -176,16 +190,24 @@ pub struct Machine {
     pub epoch: u32,
     /// The token ring (`RING` entries of `batch + 2` words, as `mk_step_end` writes them).
     pub ring: Vec<u32>,
-    /// `ctl->stop_ids` (at most `MAX_STOP` are read).
-    pub stop_ids: Vec<i32>,
+    /// The kernel's `ctl`: each batch row's sampling controls and the stop ids.
+    pub ctl: MkControl,
+    /// What a sampling row's Sample tile draws with (`kiln_sample_row`); `None`: every row must
+    /// be greedy.
+    pub sampler: Option<RowSampler>,
     /// The tile running now (for errors).
     tile: usize,
 }
+
+/// The device sampler of one row, `kiln_sample_row(logits, vocab, ctl, row, position)`: the
+/// row's logits, its controls, its Philox row and the position the token takes.
+pub type RowSampler = fn(&[f32], &MkRow, u32, u64) -> u32;
 
 /// A tile function's failure before the tile index is attached.
 enum Fault {
     Poison(String),
     Oob(String),
+    NoSampler(usize),
 }
 
 type R<T> = Result<T, Fault>;
@@ -263,7 +285,12 @@ impl Machine {
             inv_freq,
             epoch: 0,
             ring: vec![0; RING * ring_stride(p.batch)],
-            stop_ids: Vec::new(),
+            ctl: MkControl {
+                rows: [MkRow::GREEDY; crate::MAX_BATCH],
+                n_stop: 0,
+                stop_ids: [0; MAX_STOP],
+            },
+            sampler: None,
             tile: 0,
         })
     }
@@ -428,6 +455,7 @@ impl Machine {
                 instr: op as usize,
                 what,
             },
+            Fault::NoSampler(row) => InterpError::NoSampler { tile: t, row },
         })
     }
 
@@ -497,6 +525,11 @@ impl Machine {
             Some(WeightData::Bf16(v)) => Ok(v.len()),
             _ => Err(Fault::Oob(format!("wt[{w}] is null (not a bf16 weight)"))),
         }
+    }
+
+    /// Is batch row `b` active (`pos[b] >= 0`)?
+    fn live(&self, b: usize) -> bool {
+        self.pos[b] >= 0
     }
 
     /// Batch row `b`'s position, checked to have a page-table entry.
@@ -577,11 +610,18 @@ impl Machine {
 
     // ---- the tile functions of tiles.cuh ----------------------------------------------------
 
-    /// `mk_embed(W(g[1]), g[2], tokens, MK_BATCH, lo, hi, A(g[3]))`.
+    /// `mk_embed(W(g[1]), g[2], tokens, pos, MK_BATCH, lo, hi, A(g[3]))`: zeros for an
+    /// inactive row.
     fn embed(&mut self, table: i64, dim: i64, c0: i64, c1: i64, out: i64) -> R<()> {
         let out = self.ptr(out, "embed out")?;
         let len = self.bf16_weight_len(table)?;
         for b in 0..self.batch {
+            if !self.live(b) {
+                for c in c0..c1 {
+                    self.st(out + b as i64 * dim + c, 0.0)?;
+                }
+                continue;
+            }
             let tok = self.tokens[b];
             let row = tok as i64 * dim;
             if tok < 0 || (row + dim) as usize > len {
@@ -784,6 +824,9 @@ impl Machine {
             )));
         }
         for (b, kr) in kr.iter().enumerate() {
+            if !self.live(b) {
+                continue;
+            }
             let p = self.row_pos(b)?;
             // kv_pos_row(page_tables + b·max_blocks, layers, kv_heads, block_size, head_dim,
             // layer, g, pos[b])
@@ -824,6 +867,12 @@ impl Machine {
             )));
         }
         for (b, qv) in qr.iter().enumerate() {
+            if !self.live(b) {
+                for c in 0..hd {
+                    self.st(out + b as i64 * os + c as i64, 0.0)?;
+                }
+                continue;
+            }
             let p = self.row_pos(b)?;
             let first = if window >= 0 {
                 (p as i64 - window).max(0) as usize
@@ -860,35 +909,54 @@ impl Machine {
         Ok(())
     }
 
-    /// `mk_sample(A(g[1]), g[2], g[3], lo, ctl, pos, tokens)` with `ctl->temperature == 0`: row
-    /// `lo`'s first maximum.
+    /// `mk_sample(A(g[1]), g[2], g[3], lo, ctl, pos, tokens)`: row `lo` with its own controls
+    /// `ctl.rows[lo]`: greedy (the first maximum) at temperature 0 (or a one-token vocabulary),
+    /// else [`Machine::sampler`] keyed by its `row_id` and `pos + 1`; nothing for an inactive
+    /// row.
     fn sample(&mut self, logits: i64, ls: i64, vocab: i64, b: i64) -> R<()> {
         let logits = self.ptr(logits, "sample logits")?;
         if b < 0 || b as usize >= self.batch {
             return Err(Fault::Oob(format!("sample row {b} of {}", self.batch)));
         }
-        let mut best = f32::NEG_INFINITY;
-        let mut pick = 0;
-        for c in 0..vocab {
-            let v = self.ld(logits + b * ls + c)?;
-            if v > best {
-                best = v;
-                pick = c;
-            }
+        let bu = b as usize;
+        if !self.live(bu) {
+            return Ok(());
         }
-        self.tokens[b as usize] = pick as i32;
+        let row: Vec<f32> = (0..vocab)
+            .map(|c| self.ld(logits + b * ls + c))
+            .collect::<R<_>>()?;
+        let ctl = self.ctl.rows[bu];
+        let pick = if ctl.temperature > 0.0 && vocab > 1 {
+            let f = self.sampler.ok_or(Fault::NoSampler(bu))?;
+            f(&row, &ctl, ctl.row(), self.pos[bu] as u64 + 1)
+        } else {
+            let mut best = f32::NEG_INFINITY;
+            let mut pick = 0;
+            for (c, &v) in row.iter().enumerate() {
+                if v > best {
+                    best = v;
+                    pick = c as u32;
+                }
+            }
+            pick
+        };
+        self.tokens[bu] = pick as i32;
         Ok(())
     }
 
     /// `mk_step_end(pos, tokens, MK_BATCH, ctl, ring, epoch, epoch_ctr)`.
+    /// Active rows advance; an inactive row's ring token is [`NO_TOKEN`], never a stop.
     fn step_end(&mut self, epoch: u32) {
-        for p in &mut self.pos {
-            *p += 1;
-        }
         let at = (epoch as usize % RING) * ring_stride(self.batch);
-        let stops = &self.stop_ids[..self.stop_ids.len().min(MAX_STOP)];
+        let n_stop = self.ctl.n_stop.clamp(0, MAX_STOP as i32) as usize;
+        let stops = &self.ctl.stop_ids[..n_stop];
         let mut stopped = 0u32;
         for (b, &t) in self.tokens.iter().enumerate() {
+            if self.pos[b] < 0 {
+                self.ring[at + b] = NO_TOKEN;
+                continue;
+            }
+            self.pos[b] += 1;
             self.ring[at + b] = t as u32;
             if stops.contains(&t) {
                 stopped |= 1 << b;
@@ -954,7 +1022,12 @@ impl Machine {
             *gb = scale * sigmoid(s);
         }
         for (b, gb) in gate.iter().enumerate() {
-            let p = if smear { self.row_pos(b)? } else { 0 };
+            // An inactive row smears nothing, as at position 0.
+            let p = if smear && self.live(b) {
+                self.row_pos(b)?
+            } else {
+                0
+            };
             let prev = if smear && p > 0 {
                 Some(self.state_index_of(b, p - 1)?)
             } else {
@@ -983,6 +1056,9 @@ impl Machine {
         }
         if smear {
             for b in 0..self.batch {
+                if !self.live(b) {
+                    continue;
+                }
                 let p = self.row_pos(b)?;
                 let row = self.state_index_of(b, p)?;
                 for c in 0..hd {

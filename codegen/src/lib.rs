@@ -10,7 +10,8 @@
 //!   `cuda/megakernel/tiles.cuh` (f32 math, bf16 weights and KV cache) and runs the tiles in any
 //!   order their waits allow, with unwritten memory poisoned: the verification of the lowering,
 //!   the schedule's dependencies and the argument rows that needs no GPU.
-//! * [`control`]: the run-time sampling controls ([`MkControl`]) and the token ring ([`RING`]).
+//! * [`control`]: the run-time sampling controls, one [`MkRow`] per batch row in [`MkControl`],
+//!   and the token ring ([`RING`]).
 //!
 //! Pure Rust, no GPU and no dependency on `kiln`. The generated kernel is UNVERIFIED on a GPU:
 //! it compiles under NVRTC for sm_80 / sm_90, it has never been run; what the interpreter checks
@@ -22,7 +23,9 @@ pub mod interp;
 pub mod program;
 pub mod schedule;
 
-pub use control::{ring_stride, ring_words, ControlError, MkControl, MAX_STOP, RING};
+pub use control::{
+    ring_stride, ring_words, ControlError, MkControl, MkRow, MAX_STOP, NO_TOKEN, RING,
+};
 pub use emit::{emit_kernel, emit_source, tables, Tables, KERNEL};
 pub use program::{
     Act, BufId, Buffer, ColRange, DecodeProgram, Ewise, Instr, LowerError, NormSpec, RopeStyle,

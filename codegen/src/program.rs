@@ -261,7 +261,8 @@ pub enum Instr {
     /// Picks each row's next token (one tile per batch row) and writes it to the token buffer
     /// the next step reads. How is run-time data, the kernel's `MkControl` (`ctl`): greedy when
     /// its temperature is 0, else temperature / top-k / min-p / top-p with a Philox draw keyed
-    /// by (seed, `ctl.row_ids[b]`, `pos[b] + 1`), the algorithm of `kiln::sample::sample`.
+    /// by (`ctl.rows[b].seed`, `ctl.rows[b].row_id`, `pos[b] + 1`), per batch row, the algorithm
+    /// of `kiln::sample::sample`; an inactive row (`pos[b] < 0`) samples nothing.
     Sample { logits: ColRange },
     /// Advances every row's position and reports the step in the token ring (tokens, stop
     /// bitmask, then the epoch); the step's last tile (waits for every sink tile).

@@ -5,6 +5,12 @@
 // The KV cache is kv.cuh's paged pool: bf16 K/V `[block][layer][kv_head][block_size][head_dim]`,
 // f32 state `[block][block_size][state_dim]`; batch row b's page table is
 // page_tables[b * max_blocks ...] (the host fills it when it starts the rows).
+// The row table: the position array `pos`, the page tables and the controls' `MkRow`s are device
+// memory the host rewrites between launches (a captured graph reads them at replay), so a row
+// joins or leaves a running batch without a new capture. pos[b] < 0 marks batch row b inactive
+// (padding, or a sequence that left): its embedding and attention output are zeros, it writes
+// nothing to the KV cache or the state, it samples nothing, its position does not advance and
+// its ring token is MK_NO_TOKEN. Its page table is never read.
 // A tile runs on one whole block of MK_THREADS threads. Activations are f32 `[batch, cols]`
 // buffers written earlier in the same launch, so they are read with plain loads (never __ldg,
 // whose non-coherent cache may be stale); weights are read-only for the launch: bf16 matrices,
@@ -19,6 +25,8 @@
 #define MK_THREADS 256
 #define MK_WARPS (MK_THREADS / 32)
 #define MK_MAX_BATCH 8
+// The ring token of an inactive row (no token id: vocabularies stay below 2^31).
+#define MK_NO_TOKEN 0xffffffffu
 // A tile is one block; the Sample tile's kiln_sample_row (sample.cuh) needs exactly its size.
 static_assert(MK_THREADS == SAMPLE_THREADS, "the sampler's block size");
 
@@ -202,28 +210,32 @@ __device__ __noinline__ void mk_gated_add(const float* x, int xs, const float* g
         float yv = 0.0f;
         if (!smear) {
             yv = y[(size_t)b * ys + c];
-        } else if (pos[b] > 0) {
+        } else if (pos[b] > 0) {  // an inactive row (pos < 0) smears nothing, as position 0
             yv = kv_state[kv_pos_state(tables + (size_t)b * max_blocks, block_size, state_dim,
                                        pos[b] - 1) + c];
         }
-        out[(size_t)b * os + c] = (smear && pos[b] == 0) ? xv : xv + gate[b] * yv;
+        out[(size_t)b * os + c] = (smear && pos[b] <= 0) ? xv : xv + gate[b] * yv;
     }
     if (smear) {
         for (int idx = threadIdx.x; idx < batch * hd; idx += blockDim.x) {
             const int b = idx / hd, c = idx % hd;
+            if (pos[b] < 0) continue;
             kv_state[kv_pos_state(tables + (size_t)b * max_blocks, block_size, state_dim, pos[b]) +
                      c] = x[(size_t)b * xs + c];
         }
     }
 }
 
-// Columns [c0, c1) of the embedding rows of tokens[b].
+// Columns [c0, c1) of the embedding rows of tokens[b]; zeros for an inactive row (its token is
+// not read).
 __device__ __noinline__ void mk_embed(const __nv_bfloat16* __restrict__ table, int dim,
-                                      const int* tokens, int batch, int c0, int c1, float* out) {
+                                      const int* tokens, const int* pos, int batch, int c0,
+                                      int c1, float* out) {
     for (int b = 0; b < batch; ++b) {
-        const __nv_bfloat16* row = table + (size_t)tokens[b] * dim;
+        const bool live = pos[b] >= 0;
+        const __nv_bfloat16* row = table + (size_t)(live ? tokens[b] : 0) * dim;
         for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x)
-            out[(size_t)b * dim + c] = __bfloat162float(row[c]);
+            out[(size_t)b * dim + c] = live ? __bfloat162float(row[c]) : 0.0f;
     }
 }
 
@@ -268,7 +280,7 @@ __device__ __noinline__ void mk_head_norm(const float* in, int is, float* out, i
 }
 
 // Writes kv head g of layer `layer`'s k (rotated when rope) and v into the cache at pos[b],
-// through batch row b's page table.
+// through batch row b's page table; nothing for an inactive row.
 __device__ __noinline__ void mk_kv_append(const float* k, const float* v, int ks, int vs,
                                           unsigned short* k_cache, unsigned short* v_cache,
                                           int layers, int layer, int g, int kv_heads,
@@ -288,6 +300,7 @@ __device__ __noinline__ void mk_kv_append(const float* k, const float* v, int ks
     __syncthreads();
     for (int idx = threadIdx.x; idx < batch * head_dim; idx += blockDim.x) {
         const int b = idx / head_dim, c = idx % head_dim;
+        if (pos[b] < 0) continue;  // an inactive row writes nothing
         const size_t row = kv_pos_row(tables + (size_t)b * max_blocks, layers, kv_heads,
                                       block_size, head_dim, layer, g, pos[b]);
         kv_store_bf16(k_cache, row + c, kr[b * ATT_MAX_D + c]);
@@ -297,7 +310,8 @@ __device__ __noinline__ void mk_kv_append(const float* k, const float* v, int ks
 
 // One query head over keys [max(0, pos - window), pos] of its KV head g of layer `layer`: the
 // block's warps split the keys (warp w takes key tiles w, w + MK_WARPS, ...) and merge their
-// softmax states. Keys are read through batch row b's page table.
+// softmax states. Keys are read through batch row b's page table; an inactive row's output is
+// zeros.
 __device__ __noinline__ void mk_attention(const float* q, int qs, float* out, int os,
                                           const unsigned short* k_cache,
                                           const unsigned short* v_cache, int layers, int layer,
@@ -312,6 +326,11 @@ __device__ __noinline__ void mk_attention(const float* q, int qs, float* out, in
         for (int c = threadIdx.x; c < head_dim; c += blockDim.x) qsh[c] = q[(size_t)b * qs + c];
         __syncthreads();
         const int p = pos[b];
+        if (p < 0) {  // an inactive row: zeros, no key read
+            for (int c = threadIdx.x; c < head_dim; c += blockDim.x) out[(size_t)b * os + c] = 0.0f;
+            __syncthreads();
+            continue;
+        }
         const int lo = window >= 0 ? max(0, p - window) : 0;
         const AttKv kv = att_kv(k_cache, v_cache, tables + (size_t)b * max_blocks, layers,
                                 kv_heads, block_size, head_dim, layer, g);
@@ -345,30 +364,43 @@ __device__ __noinline__ void mk_attention(const float* q, int qs, float* out, in
 }
 
 // Batch row b's next token from its logits row, by the whole block with kiln_sample_row
-// (sample.cuh): the controls come from ctl at run time (temperature 0 = greedy), the Philox
-// draw is keyed by (ctl->seed, ctl->row_ids[b], pos[b] + 1), the position the token will take.
+// (sample.cuh): the row's own controls ctl->rows[b] at run time (temperature 0 = greedy), the
+// Philox draw keyed by (rows[b].seed, rows[b].row_id, pos[b] + 1), the position the token will
+// take. An inactive row (pos[b] < 0) samples nothing.
 __device__ __noinline__ void mk_sample(const float* logits, int ls, int vocab, int b,
                                        const MkControl* __restrict__ ctl, const int* pos,
                                        int* tokens) {
-    const int t = kiln_sample_row(logits + (size_t)b * ls, vocab, ctl, (u32)ctl->row_ids[b],
-                                  (u64)(long long)pos[b] + 1ull);
+    const int p = pos[b];
+    if (p < 0) return;
+    const MkRow* r = ctl->rows + b;
+    const int t = kiln_sample_row(logits + (size_t)b * ls, vocab, r, (u32)r->row_id,
+                                  (u64)(long long)p + 1ull);
     if (threadIdx.x == 0) tokens[b] = t;
 }
 
-// The step's last tile (every Sample tile has finished): advances each row's position, writes
-// ring entry epoch % MK_RING -- the tokens, the bitmask of rows whose token is a stop id, then,
+// The step's last tile (every Sample tile has finished): advances each active row's position,
+// writes ring entry epoch % MK_RING -- the tokens (MK_NO_TOKEN for an inactive row), the bitmask
+// of active rows whose token is a stop id, then,
 // after __threadfence_system(), the epoch (volatile), which the host polls -- and publishes the
 // epoch for the next launch. One thread writes the whole entry, so program order plus the
 // system fence put every word before the epoch for the host.
 __device__ __noinline__ void mk_step_end(int* pos, const int* tokens, int batch,
                                          const MkControl* __restrict__ ctl, unsigned* ring,
                                          unsigned epoch, unsigned* epoch_ctr) {
-    if (threadIdx.x < batch) pos[threadIdx.x] += 1;
+    // batch <= MK_MAX_BATCH < 32: warp 0's ballot is every row's liveness, taken before any
+    // position advances (thread 0 writes the ring from it, without reading pos again).
+    const bool live = threadIdx.x < batch && pos[threadIdx.x] >= 0;
+    const unsigned live_rows = __ballot_sync(KILN_FULL_MASK, live);
+    if (live) pos[threadIdx.x] += 1;
     if (threadIdx.x == 0) {
         unsigned* e = ring + (size_t)(epoch % MK_RING) * (batch + 2);
         const int n_stop = min(max(ctl->n_stop, 0), MK_MAX_STOP);
         unsigned stopped = 0u;
         for (int b = 0; b < batch; ++b) {
+            if (!((live_rows >> b) & 1u)) {
+                e[b] = MK_NO_TOKEN;
+                continue;
+            }
             const int t = tokens[b];
             e[b] = (unsigned)t;
             for (int k = 0; k < n_stop; ++k)

@@ -1,6 +1,6 @@
 //! A step-for-step Rust model of the device sampler, `kiln_sample_row` in `cuda/sample.cuh`
 //! (used by `sample_rows` and the decode megakernel's Sample tiles), driven by the same
-//! [`MkControl`] the device reads.
+//! [`MkRow`] (one row's controls) the device reads.
 //!
 //! Why it exists: the CUDA is UNVERIFIED on a GPU (NVRTC compiles it, nothing has run it), so the
 //! algorithm's design is checked here instead, on the CPU: the radix descent over 64-bit
@@ -13,7 +13,7 @@
 //!
 //! Each function names the device function it models.
 
-use kiln_codegen::MkControl;
+use kiln_codegen::MkRow;
 
 use super::{argmax, philox4x32_10};
 
@@ -168,12 +168,12 @@ fn select(l: &[f32], c: &Cut, x: u64, first: &Hist, cap: usize) -> (u64, u64) {
 }
 
 /// `kiln_sample_row`: the device's token for one row; `row` and `position` key the Philox draw
-/// (`ctl.row_ids` is not read, as on the device, where the caller picks the row).
-pub fn sample(logits: &[f32], ctl: &MkControl, row: u32, position: u64) -> u32 {
+/// (`ctl.row_id` is not read, as on the device, where the caller passes the row).
+pub fn sample(logits: &[f32], ctl: &MkRow, row: u32, position: u64) -> u32 {
     sample_with_cap(logits, ctl, row, position, CAP)
 }
 
-fn sample_with_cap(logits: &[f32], ctl: &MkControl, row: u32, position: u64, cap: usize) -> u32 {
+fn sample_with_cap(logits: &[f32], ctl: &MkRow, row: u32, position: u64, cap: usize) -> u32 {
     let vocab = logits.len();
     let sampling = ctl.temperature > 0.0 && vocab > 1;
     let topk = sampling && ctl.top_k > 0 && (ctl.top_k as usize) < vocab;
@@ -344,8 +344,8 @@ mod tests {
         }
     }
 
-    fn control(p: &SamplingParams) -> MkControl {
-        MkControl::new(p.temperature, p.top_k, p.top_p, p.min_p, p.seed, &[], &[]).unwrap()
+    fn control(p: &SamplingParams) -> MkRow {
+        MkRow::new(p.temperature, p.top_k, p.top_p, p.min_p, p.seed, 0).unwrap()
     }
 
     /// What the full-sort reference decided, for explaining a difference from the CPU.
@@ -358,7 +358,7 @@ mod tests {
 
     /// The device's semantics by brute force: sort every token, cut, scan. No radix, no
     /// buckets, no histograms.
-    fn reference(l: &[f32], ctl: &MkControl, row: u32, pos: u64) -> Decision {
+    fn reference(l: &[f32], ctl: &MkRow, row: u32, pos: u64) -> Decision {
         let greedy = Decision {
             token: argmax(l),
             kept: vec![],
@@ -576,7 +576,7 @@ mod tests {
     #[test]
     fn frequencies_follow_the_softmax() {
         let l = [6f32.ln(), 3f32.ln(), 0.0];
-        let ctl = MkControl::new(1.0, None, None, None, 1, &[], &[]).unwrap();
+        let ctl = MkRow::new(1.0, None, None, None, 1, 0).unwrap();
         let n = 20_000;
         let mut counts = [0usize; 3];
         for pos in 0..n {

@@ -157,7 +157,7 @@ const int* g = mk_args + MK_NARGS * row;
 const float* fa = mk_fargs + MK_NFARGS * row;
 switch (g[0]) {
 case MK_K_EMBED:
-mk_embed(W(g[1]), g[2], tokens, MK_BATCH, lo, hi, A(g[3]));
+mk_embed(W(g[1]), g[2], tokens, pos, MK_BATCH, lo, hi, A(g[3]));
 break;
 case MK_K_RMS_NORM:
 mk_rms_norm(A(g[1]), g[2], g[3], MK_BATCH, WF(g[4]), fa[0], A(g[5]), g[6]);

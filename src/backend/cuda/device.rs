@@ -21,7 +21,7 @@ use cudarc::driver::{
 
 use super::gemm_args::{prefill_gemm, Trans};
 use super::graph::MegakernelCache;
-use super::graph_host::{control_words, sampling_control, GraphError};
+use super::graph_host::{row_control, row_words, GraphError};
 use super::kernels::SOURCES;
 use super::nvrtc::{self, NvrtcError};
 use crate::backend::{ExecError, TokenRow};
@@ -182,6 +182,19 @@ impl CudaKvCache {
         (0..self.slots()).map(|s| self.len(s)).collect()
     }
 
+    /// A new empty slot (a closed one reused) for a sequence: its page table grows from the
+    /// shared pool as positions are written.
+    pub fn open_slot(&mut self) -> usize {
+        self.host.open_slot()
+    }
+
+    /// Gives a finished sequence's blocks back to the pool (those it shares stay with their
+    /// other owners). No decode graph may have it in an active row (`GraphDecoder::leave` it
+    /// and read the steps in flight first); nothing on the device is cleared.
+    pub fn close_slot(&mut self, slot: usize) {
+        self.host.close_slot(slot);
+    }
+
     /// Forgets positions from `len` on; blocks wholly past it go back to the pool (nothing on
     /// the device is cleared).
     pub fn truncate(&mut self, slot: usize, len: usize) {
@@ -273,6 +286,22 @@ impl CudaKvCache {
         let slots: Vec<usize> = (0..self.slots()).collect();
         page_tables(&self.host, &slots, self.max_blocks)
     }
+}
+
+/// The host bookkeeping of a device pool for `spec`: bf16 blocks of [`DEFAULT_BLOCK_SIZE`]
+/// positions, as many as `budget` allows (its layout's `num_blocks`, what the device arrays are
+/// allocated for), slots of up to `capacity` positions, none open.
+pub(super) fn pool_tables(
+    spec: KvSpec,
+    budget: KvBudget,
+    capacity: usize,
+) -> Result<KvCache, CudaError> {
+    let opts = KvOptions {
+        block_size: DEFAULT_BLOCK_SIZE,
+        dtype: KvDtype::Bf16,
+    };
+    KvCache::tables_only(spec, opts, budget, capacity)
+        .map_err(|e| CudaError::Exec(ExecError::from(e)))
 }
 
 /// The page tables of `slots` (in that order) as kernels read them: `max_blocks` int32 entries
@@ -598,27 +627,36 @@ impl CudaBackend {
     /// positions over a bf16 block pool of `slots × blocks_for(capacity)` blocks of
     /// [`DEFAULT_BLOCK_SIZE`] positions, allocated whole.
     pub fn new_cache(&self, slots: usize, capacity: usize) -> Result<CudaKvCache, CudaError> {
-        let spec = self.prefill.graph.kv;
-        let opts = KvOptions {
-            block_size: DEFAULT_BLOCK_SIZE,
-            dtype: KvDtype::Bf16,
-        };
-        let max_blocks = capacity.div_ceil(opts.block_size).max(1);
+        let max_blocks = capacity.div_ceil(DEFAULT_BLOCK_SIZE).max(1);
         let blocks = slots.checked_mul(max_blocks).ok_or(CudaError::Len {
             len: capacity,
             what: "count of slots",
             have: slots,
         })?;
-        let budget = KvBudget::Blocks(blocks.max(1));
-        let mut host = KvCache::tables_only(spec, opts, budget, capacity)
-            .map_err(|e| CudaError::Exec(ExecError::from(e)))?;
+        let mut host = pool_tables(self.prefill.graph.kv, KvBudget::Blocks(blocks), capacity)?;
         for _ in 0..slots {
             host.open_slot();
         }
-        let mut layout = *host.layout();
-        layout.num_blocks = blocks.max(1);
+        self.alloc_cache(host)
+    }
+
+    /// An engine's device KV pool: as many bf16 blocks of [`DEFAULT_BLOCK_SIZE`] positions as
+    /// `budget` allows (bytes count a block's K, V and state in the device layout), allocated
+    /// whole and shared by every sequence through its page table, instead of a cache per
+    /// session. No slot is open at first: each sequence opens one ([`CudaKvCache::open_slot`],
+    /// up to `capacity` positions, blocks taken as it grows) and closes it when it finishes
+    /// ([`CudaKvCache::close_slot`]). **UNVERIFIED** on a GPU (the allocation); the block
+    /// bookkeeping is the host `KvCache`'s, tested on the CPU.
+    pub fn new_pool(&self, budget: KvBudget, capacity: usize) -> Result<CudaKvCache, CudaError> {
+        self.alloc_cache(pool_tables(self.prefill.graph.kv, budget, capacity)?)
+    }
+
+    /// The device arrays for `host`'s whole pool (its ceiling of blocks), zeroed.
+    fn alloc_cache(&self, host: KvCache) -> Result<CudaKvCache, CudaError> {
+        let layout = *host.layout();
+        let max_blocks = host.capacity().div_ceil(layout.block_size).max(1);
         Ok(CudaKvCache {
-            spec,
+            spec: host.spec(),
             max_blocks,
             k: Arc::new(
                 self.stream
@@ -756,7 +794,11 @@ impl CudaBackend {
         sampling: &SamplingParams,
         row_ids: &[u32],
     ) -> Result<Vec<u32>, CudaError> {
-        let ctl = sampling_control(sampling, &[], &[])?;
+        // One MkRow per row of logits: the parameters, the seed and the row's Philox row.
+        let controls = row_ids
+            .iter()
+            .map(|&id| row_control(sampling, id))
+            .collect::<Result<Vec<_>, _>>()?;
         let next = self.check_step(kv, tokens, rows)?;
         let plan = self.plan(kind);
         let o = plan.output;
@@ -774,10 +816,12 @@ impl CudaBackend {
         self.prepare_step(kv, &next)?;
         let out = self.run(plan, ws, kv, tokens, rows)?;
         let n = out.rows;
-        let ctl_words: Vec<i32> = control_words(&ctl).iter().map(|&w| w as i32).collect();
+        let ctl_words: Vec<i32> = controls
+            .iter()
+            .flat_map(row_words)
+            .map(|w| w as i32)
+            .collect();
         let d_ctl = self.ints(ws, "sample_ctl", &ctl_words)?;
-        let ids: Vec<i32> = row_ids.iter().map(|&r| r as i32).collect();
-        let d_ids = self.ints(ws, "sample_row_ids", &ids)?;
         let positions: Vec<i32> = from.iter().map(|&t| rows[t].pos as i32 + 1).collect();
         let d_pos = self.ints(ws, "sample_positions", &positions)?;
         let vocab = o.cols;
@@ -786,7 +830,7 @@ impl CudaBackend {
         let logits =
             self.ptr(ws.buffers[o.buffer].as_ref().expect("allocated")) + (o.col * 4) as u64;
         launch!(self, "sample_rows", cfg((n as u32, 1, 1), BLOCK);
-            logits, out.stride as i32, vocab as i32, d_ctl, d_ids, d_pos, work, d_out);
+            logits, out.stride as i32, vocab as i32, d_ctl, d_pos, work, d_out);
         let host: Vec<i32> = self
             .stream
             .clone_dtoh(&ws.ints["sample_tokens"])
@@ -1350,6 +1394,44 @@ mod tests {
                 -1
             ]
         );
+    }
+
+    /// An engine pool is sized by its budget (bytes of whole device blocks, or blocks), opens no
+    /// slot, and its sequences take distinct blocks from it and give them back on close.
+    #[test]
+    fn a_pool_is_sized_by_its_budget_and_shared_by_sequences() {
+        let spec = KvSpec {
+            layers: 2,
+            kv_heads: 1,
+            head_dim: 4,
+            state_dim: 3,
+        };
+        let per_block = pool_tables(spec, KvBudget::Blocks(1), 64)
+            .unwrap()
+            .layout()
+            .bytes_per_block();
+        // bf16 K and V per layer and head, f32 state, per position.
+        assert_eq!(per_block, DEFAULT_BLOCK_SIZE * (2 * 2 * 4 * 2 + 3 * 4));
+        let mut pool =
+            pool_tables(spec, KvBudget::Bytes(per_block * 10 + per_block / 2), 64).unwrap();
+        assert_eq!(pool.layout().num_blocks, 10);
+        assert_eq!(pool.slots(), 0);
+        let (a, b) = (pool.open_slot(), pool.open_slot());
+        let n = DEFAULT_BLOCK_SIZE;
+        pool.prepare(a, 3 * n).unwrap();
+        pool.advance(a, 3 * n);
+        pool.prepare(b, 2 * n).unwrap();
+        pool.advance(b, 2 * n);
+        let (ta, tb) = (pool.page_table(a).to_vec(), pool.page_table(b).to_vec());
+        assert_eq!((ta.len(), tb.len()), (3, 2));
+        assert!(ta.iter().all(|x| !tb.contains(x)), "{ta:?} {tb:?}");
+        assert_eq!(pool.available_blocks(), 5);
+        pool.close_slot(a);
+        assert_eq!(pool.available_blocks(), 8);
+        assert!(matches!(
+            pool_tables(spec, KvBudget::Bytes(per_block - 1), 64),
+            Err(CudaError::Exec(_))
+        ));
     }
 
     /// Applies `block_copies` to host arrays in the pool's layout and checks each destination

@@ -18,8 +18,11 @@
 //! counters (zeroed once, never reset: epochs stay monotonic across restarts), the per-row
 //! position / token / slot arrays, the [`MkControl`] block, and the ring of results in pinned,
 //! host-mapped memory. The one kernel launch is captured into a CUDA graph once; positions,
-//! tokens and sampling parameters live in device memory that [`GraphDecoder::start`] rewrites
-//! (asynchronous copies on the launch stream), so a new position never needs a new capture.
+//! tokens, page tables and each row's sampling parameters (the row table) live in device memory
+//! that [`GraphDecoder::start`], [`GraphDecoder::join`] and [`GraphDecoder::leave`] rewrite
+//! (asynchronous copies on the launch stream, ordered between replays), so a new position, a
+//! row joining with its own sequence and parameters, or a row leaving never needs a new capture.
+//! Batch rows nobody occupies are inactive (position -1): they read and write nothing.
 //! Replays of every decoder go to one stream per backend: two persistent kernels never run at
 //! once, so neither can keep the other's blocks from becoming resident.
 
@@ -31,13 +34,13 @@ use cudarc::driver::{
     result, sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
     PushKernelArg,
 };
-use kiln_codegen::{Weight, WeightDtype};
+use kiln_codegen::{MkControl, Weight, WeightDtype};
 
 use super::device::{drv, page_tables, CudaBackend, CudaError, CudaKvCache, DevMatrix};
 use super::graph_host::{
-    batch_arrays, bucket_for, check_rows, control_words, grid_blocks, host_stop_mask, padding_rows,
-    row_mask, sampling_control, wait_epoch, GraphError, GraphRow, RingBook, StreamState, WaitError,
-    CONTROL_WORDS,
+    batch_arrays, bucket_for, check_rows, control_words, grid_blocks, host_stop_mask, row_control,
+    row_mask, row_words, sampling_control, wait_epoch, GraphError, GraphRow, RingBook, StreamState,
+    WaitError, CONTROL_WORDS, NO_TOKEN,
 };
 use super::megakernel::{generate, lower_decode};
 use super::nvrtc;
@@ -55,11 +58,13 @@ const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Spins between polls of the stream while waiting on the ring.
 const POLL_SPINS: u32 = 1024;
 
-/// One decode step's results: the sampled token of each started row (in `start`'s order), and
-/// a bit per row whose token is one of the stop tokens.
+/// One decode step's results: the sampled token of each row `start` named (in its order;
+/// `NO_TOKEN` for one that has left), each batch row's token (`None` where the row was inactive
+/// in that step), and a bit per batch row whose token is one of the stop tokens.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GraphStep {
     pub tokens: Vec<u32>,
+    pub rows: Vec<Option<u32>>,
     pub stopped: u32,
 }
 
@@ -448,8 +453,10 @@ pub struct GraphDecoder {
     ring: Option<PinnedRing>,
     book: RingBook,
     kv: KvMem,
-    /// Rows started (the rest of the bucket is padding).
+    /// Rows `start` named (batch rows 0..rows).
     rows: usize,
+    /// Each batch row's cache slot (`None`: inactive).
+    slots: Vec<Option<usize>>,
     stops: Vec<u32>,
     timeout: Duration,
     /// Launched since the stream was last synchronised.
@@ -468,8 +475,8 @@ pub struct GraphDecoder {
 
 impl GraphDecoder {
     /// Compiles (or reuses) the bucket's megakernel, allocates the decoder's device memory and
-    /// the ring, and captures the launch into a graph. `kv` must have at least `bucket` slots
-    /// (padding rows need slots of their own) and is the only cache this decoder runs on.
+    /// the ring, and captures the launch into a graph. `kv` is the only cache this decoder runs
+    /// on (any number of slots: unoccupied batch rows are inactive and use none).
     ///
     /// # Safety
     ///
@@ -483,13 +490,6 @@ impl GraphDecoder {
     ) -> Result<GraphDecoder, CudaError> {
         if bucket_for(bucket) != Some(bucket) {
             return Err(GraphError::BadBucket { bucket }.into());
-        }
-        if kv.slots() < bucket {
-            return Err(GraphError::TooFewSlots {
-                bucket,
-                slots: kv.slots(),
-            }
-            .into());
         }
         let module = backend.megakernel(bucket)?;
         let weights = backend.mk_weights()?;
@@ -541,6 +541,7 @@ impl GraphDecoder {
             book,
             kv: KvMem::of(kv),
             rows: 0,
+            slots: vec![None; bucket],
             stops: Vec::new(),
             timeout: DEFAULT_TIMEOUT,
             unsynced: false,
@@ -570,16 +571,9 @@ impl GraphDecoder {
         self.timeout = timeout;
     }
 
-    /// Points the graph at `rows` (at most the bucket; the rest of the bucket is padding rows on
-    /// slots of `kv` not named in `rows`, see [`padding_rows`]) with `sampling` and
-    /// `stop_tokens`. Anything still in flight is discarded first. The uploads are ordered after
-    /// the work already on the backend's stream (the prefill or host-path steps that wrote the
-    /// cache). Each row's `pos` must be at most its slot's cached length.
-    ///
-    /// Every batch row (padding rows included) may write from its `pos` up to the capacity
-    /// while the graph runs ahead, so its slot is made writable there first: blocks are added
-    /// and shared blocks copied (copy-on-write, on the backend's stream), then the rows' page
-    /// tables are uploaded. A slot's positions from its row's `pos` on are overwritten.
+    /// Points the graph at `rows` (at most the bucket; the rest of the bucket is inactive),
+    /// all sampling with `sampling`, and `stop_tokens`: [`start_rows`](Self::start_rows) with
+    /// the same parameters for every row.
     pub fn start(
         &mut self,
         kv: &mut CudaKvCache,
@@ -587,24 +581,59 @@ impl GraphDecoder {
         sampling: &SamplingParams,
         stop_tokens: &[u32],
     ) -> Result<(), CudaError> {
+        self.start_rows(kv, rows, &vec![*sampling; rows.len()], stop_tokens)
+    }
+
+    /// Points the graph at `rows` (batch rows 0..n; the rest of the bucket is inactive), row
+    /// `i` sampling with `sampling[i]` (its own parameters and seed, its Philox row
+    /// `rows[i].row_id`), and `stop_tokens`. Anything still in flight is discarded first. The
+    /// uploads are ordered after the work already on the backend's stream (the prefill or
+    /// host-path steps that wrote the cache). Each row's `pos` must be at most its slot's cached
+    /// length.
+    ///
+    /// Every started row may write from its `pos` up to the capacity while the graph runs
+    /// ahead, so its slot is made writable there first: blocks are added and shared blocks
+    /// copied (copy-on-write, on the backend's stream), then the rows' page tables are
+    /// uploaded. A slot's positions from its row's `pos` on are overwritten.
+    pub fn start_rows(
+        &mut self,
+        kv: &mut CudaKvCache,
+        rows: &[GraphRow],
+        sampling: &[SamplingParams],
+        stop_tokens: &[u32],
+    ) -> Result<(), CudaError> {
         if !self.kv.is(kv) {
             return Err(GraphError::OtherCache.into());
         }
+        if sampling.len() != rows.len() {
+            return Err(GraphError::Sampling(format!(
+                "{} sampling parameter sets for {} rows",
+                sampling.len(),
+                rows.len()
+            ))
+            .into());
+        }
         let lens = kv.lens();
         check_rows(rows, self.bucket, &lens, kv.capacity(), self.vocab)?;
-        let pads = padding_rows(rows, self.bucket, &lens)?;
-        let ids: Vec<u32> = rows.iter().map(|r| r.row_id).collect();
-        let ctl = sampling_control(sampling, &ids, stop_tokens)?;
+        let controls = rows
+            .iter()
+            .zip(sampling)
+            .map(|(r, p)| row_control(p, r.row_id))
+            .collect::<Result<Vec<_>, _>>()?;
+        let ctl = sampling_control(&controls, stop_tokens)?;
         if self.book.in_flight() > 0 || self.unsynced {
             self.stop()?;
         }
-        let (pos, tok, slot) = batch_arrays(rows, &pads);
+        let (pos, tok, slots) = batch_arrays(rows, self.bucket);
         let capacity = kv.capacity();
-        for (&s, &p) in slot.iter().zip(&pos) {
-            kv.make_writable(&self.backend_stream, s as usize, p as usize, capacity)?;
+        let mut tables = vec![-1i32; self.bucket * self.max_blocks];
+        for (b, (s, &p)) in slots.iter().zip(&pos).enumerate() {
+            if let Some(s) = *s {
+                kv.make_writable(&self.backend_stream, s, p as usize, capacity)?;
+                let t = page_tables(kv.tables(), &[s], self.max_blocks);
+                tables[b * self.max_blocks..][..self.max_blocks].copy_from_slice(&t);
+            }
         }
-        let slots: Vec<usize> = slot.iter().map(|&s| s as usize).collect();
-        let tables = page_tables(kv.tables(), &slots, self.max_blocks);
         self.stream.join(&self.backend_stream).map_err(drv)?;
         self.stream.memcpy_htod(&pos, &mut self.pos).map_err(drv)?;
         self.stream
@@ -616,11 +645,98 @@ impl GraphDecoder {
         self.stream
             .memcpy_htod(&control_words(&ctl), &mut self.ctl)
             .map_err(drv)?;
-        let max_pos = pos.iter().map(|&p| p as usize).max().unwrap_or(0);
-        self.book.start(max_pos, capacity);
+        let positions: Vec<Option<usize>> = rows.iter().map(|r| Some(r.pos)).collect();
+        self.book.start(&positions, capacity);
         self.rows = rows.len();
+        self.slots = slots;
         self.stops = stop_tokens.to_vec();
         Ok(())
+    }
+
+    /// Batch row `b` (inactive) starts decoding `row` with `sampling` from the next replay on,
+    /// while the graph keeps running: the steps already enqueued are untouched (they run
+    /// without it), no re-capture. `row.slot` must not be another active row's, `row.pos` at
+    /// most its cached length. Its slot is made writable up to the capacity on the backend's
+    /// stream, then its position, token, page table and controls (an `MkRow`, 32 bytes) are
+    /// copied into the row table on the replay stream, after the replays already enqueued and
+    /// after the backend stream's work (the prefill that filled the slot). **UNVERIFIED** on a
+    /// GPU; the row-table semantics are checked by kiln-codegen's interpreter
+    /// (`tests/megakernel_interp.rs`).
+    pub fn join(
+        &mut self,
+        kv: &mut CudaKvCache,
+        b: usize,
+        row: GraphRow,
+        sampling: &SamplingParams,
+    ) -> Result<(), CudaError> {
+        if !self.kv.is(kv) {
+            return Err(GraphError::OtherCache.into());
+        }
+        if !self.book.started() {
+            return Err(GraphError::NotStarted.into());
+        }
+        let occupied = self.slot_of(b)?;
+        if occupied.is_some() {
+            return Err(GraphError::RowOccupied { row: b }.into());
+        }
+        if self.slots.contains(&Some(row.slot)) {
+            return Err(GraphError::DuplicateSlot {
+                row: b,
+                slot: row.slot,
+            }
+            .into());
+        }
+        let capacity = kv.capacity();
+        check_rows(&[row], 1, &kv.lens(), capacity, self.vocab)?;
+        let words = row_words(&row_control(sampling, row.row_id)?);
+        let word = MkControl::row_offset(b).map_err(|e| GraphError::Sampling(e.to_string()))? / 4;
+        kv.make_writable(&self.backend_stream, row.slot, row.pos, capacity)?;
+        let table = page_tables(kv.tables(), &[row.slot], self.max_blocks);
+        self.stream.join(&self.backend_stream).map_err(drv)?;
+        let mb = self.max_blocks;
+        self.stream
+            .memcpy_htod(&table, &mut self.tables.slice_mut(b * mb..(b + 1) * mb))
+            .map_err(drv)?;
+        self.stream
+            .memcpy_htod(&[row.token as i32], &mut self.tokens.slice_mut(b..b + 1))
+            .map_err(drv)?;
+        self.stream
+            .memcpy_htod(&words, &mut self.ctl.slice_mut(word..word + words.len()))
+            .map_err(drv)?;
+        // The position last: it is what makes the row active.
+        self.stream
+            .memcpy_htod(&[row.pos as i32], &mut self.pos.slice_mut(b..b + 1))
+            .map_err(drv)?;
+        self.book.set_row(b, Some(row.pos))?;
+        self.slots[b] = Some(row.slot);
+        Ok(())
+    }
+
+    /// Batch row `b` stops decoding from the next replay on (its position becomes -1 in the
+    /// row table, on the replay stream: the replays already enqueued still decode it and their
+    /// tokens are read as usual). Its slot is free for another row or for host-path work once
+    /// those replays are read. **UNVERIFIED** on a GPU.
+    pub fn leave(&mut self, b: usize) -> Result<(), CudaError> {
+        if self.slot_of(b)?.is_none() {
+            return Err(GraphError::RowInactive { row: b }.into());
+        }
+        self.stream
+            .memcpy_htod(&[-1i32], &mut self.pos.slice_mut(b..b + 1))
+            .map_err(drv)?;
+        self.book.set_row(b, None)?;
+        self.slots[b] = None;
+        Ok(())
+    }
+
+    /// Batch row `b`'s slot (`None`: inactive), or why `b` is not a row.
+    fn slot_of(&self, b: usize) -> Result<Option<usize>, GraphError> {
+        self.slots
+            .get(b)
+            .copied()
+            .ok_or(GraphError::RowOutOfBucket {
+                row: b,
+                bucket: self.bucket,
+            })
     }
 
     /// One graph replay (one decode step of every row), without waiting for it. Refused when
@@ -666,13 +782,19 @@ impl GraphDecoder {
         })?;
         // The tokens were written before the epoch word (with a system fence between).
         std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
-        let tokens: Vec<u32> = (0..self.rows)
+        let all: Vec<u32> = (0..self.bucket)
             .map(|b| ring.read(self.book.token_word(epoch, b)))
             .collect();
-        let stopped = (ring.read(self.book.mask_word(epoch)) & row_mask(self.rows))
-            | host_stop_mask(&tokens, &self.stops);
+        let rows: Vec<Option<u32>> = all.iter().map(|&t| (t != NO_TOKEN).then_some(t)).collect();
+        // An inactive row's NO_TOKEN is no stop, even among the host's extra stop ids.
+        let stopped = (ring.read(self.book.mask_word(epoch)) & row_mask(self.bucket))
+            | (host_stop_mask(&all, &self.stops) & live_mask(&rows));
         self.book.consume();
-        Ok(GraphStep { tokens, stopped })
+        Ok(GraphStep {
+            tokens: all[..self.rows].to_vec(),
+            rows,
+            stopped,
+        })
     }
 
     /// Waits for everything launched, discards what was not read, and stops: after this the
@@ -686,6 +808,14 @@ impl GraphDecoder {
         self.book.stop();
         Ok(())
     }
+}
+
+/// The bits of the rows that produced a token.
+fn live_mask(rows: &[Option<u32>]) -> u32 {
+    rows.iter()
+        .enumerate()
+        .filter(|(_, t)| t.is_some())
+        .fold(0, |m, (b, _)| m | (1 << b))
 }
 
 impl Drop for GraphDecoder {

@@ -1,11 +1,12 @@
 //! The host-side arithmetic of the graph-replayed decode megakernel ([`super::GraphDecoder`]):
-//! batch buckets, padding rows, the launch grid, the sampling control block and the ring of
-//! results with its epochs. Pure Rust (no feature, no GPU), so all of it is unit-tested here; the
+//! batch buckets, the row table (positions, tokens and page tables per batch row; padding rows
+//! and rows that left are inactive, position -1), the launch grid, the per-row sampling
+//! controls and the ring of results with its epochs. Pure Rust (no feature, no GPU), so all of it is unit-tested here; the
 //! CUDA side only moves the numbers this module computes.
 //!
 //! Ring protocol (contract of the generated kernel): the `e`-th launch since the counters were
 //! zeroed is epoch `e` (the first is 1). It writes ring entry `e % RING`: words `[0, batch)` are
-//! the sampled tokens, word `batch` the bitmask of rows whose token is a stop id, word
+//! the sampled tokens (`NO_TOKEN` for an inactive row), word `batch` the bitmask of rows whose token is a stop id, word
 //! `batch + 1` the epoch itself, written last. The host waits for entry `e % RING`'s epoch word
 //! to equal `e`. Epochs are never reset while the counters live (a restart continues the
 //! count), so a stale entry can never look fresh, and at most `RING - 1` launches are in flight,
@@ -19,7 +20,7 @@ use crate::sample::SamplingParams;
 
 /// Ring entries (`MK_RING` in the generated kernel) and the stop ids the device checks
 /// (`MK_MAX_STOP` in `cuda/sample.cuh`; further stop ids are checked on the host).
-pub use kiln_codegen::{MkControl, MAX_STOP, RING};
+pub use kiln_codegen::{MkControl, MkRow, MAX_STOP, NO_TOKEN, RING};
 
 /// Why the graph decoder refused or failed a request (the host-side part; driver failures are
 /// [`super::CudaError::Driver`]).
@@ -31,8 +32,12 @@ pub enum GraphError {
     BadBucket { bucket: usize },
     #[error("{rows} rows started on a decode graph of bucket {bucket}")]
     TooManyRows { rows: usize, bucket: usize },
-    #[error("a decode graph of bucket {bucket} needs a cache of at least {bucket} slots (padding rows), this one has {slots}")]
-    TooFewSlots { bucket: usize, slots: usize },
+    #[error("batch row {row} is not a row of a decode graph of bucket {bucket}")]
+    RowOutOfBucket { row: usize, bucket: usize },
+    #[error("batch row {row} is decoding a sequence already (it must leave first)")]
+    RowOccupied { row: usize },
+    #[error("batch row {row} is not decoding a sequence")]
+    RowInactive { row: usize },
     #[error("row {row}: slot {slot} out of range (the cache has {slots} slots)")]
     SlotOutOfRange {
         row: usize,
@@ -119,14 +124,6 @@ pub struct GraphRow {
     pub row_id: u32,
 }
 
-/// A filler row of a bucket larger than the rows started: a slot no started row uses, and the
-/// position its first step writes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PadRow {
-    pub slot: usize,
-    pub pos: usize,
-}
-
 /// Checks the started rows against the cache (`lens[slot]` positions cached, `capacity`) and the
 /// vocabulary.
 pub fn check_rows(
@@ -140,12 +137,6 @@ pub fn check_rows(
         return Err(GraphError::TooManyRows {
             rows: rows.len(),
             bucket,
-        });
-    }
-    if lens.len() < bucket {
-        return Err(GraphError::TooFewSlots {
-            bucket,
-            slots: lens.len(),
         });
     }
     for (row, r) in rows.iter().enumerate() {
@@ -186,60 +177,18 @@ pub fn check_rows(
     Ok(())
 }
 
-/// The filler rows of a bucket: `bucket - rows.len()` slots no started row uses, those with the
-/// fewest cached positions first (spare slots, then finished rows), each at position
-/// `min(len, lowest started position)`.
-///
-/// Why that position: a padding row writes K/V (and nanochat's smear state) at its position and
-/// advances one per step like every row, and nothing on the device checks the capacity. Starting
-/// at or below the lowest started position keeps it in bounds for as long as the started rows
-/// are (the host stops enqueuing before any started row would pass the capacity); starting at or
-/// above the slot's cached length leaves everything the slot holds intact. When a slot's cached
-/// length exceeds the lowest started position (only possible for a slot holding a longer,
-/// finished sequence), positions from there on are overwritten: the graph never changes cache
-/// lengths, so such a slot must not be read again without being refilled. Slot lengths alone
-/// cannot tell a finished row from a paused one: callers pad only with slots they no longer read.
-pub fn padding_rows(
-    rows: &[GraphRow],
-    bucket: usize,
-    lens: &[usize],
-) -> Result<Vec<PadRow>, GraphError> {
-    let need = bucket.saturating_sub(rows.len());
-    let lowest = rows.iter().map(|r| r.pos).min().unwrap_or(0);
-    let mut free: Vec<usize> = (0..lens.len())
-        .filter(|s| rows.iter().all(|r| r.slot != *s))
-        .collect();
-    if free.len() < need {
-        return Err(GraphError::TooFewSlots {
-            bucket,
-            slots: lens.len(),
-        });
-    }
-    free.sort_by_key(|&s| (lens[s], s));
-    Ok(free[..need]
-        .iter()
-        .map(|&slot| PadRow {
-            slot,
-            pos: lens[slot].min(lowest),
-        })
-        .collect())
-}
-
-/// The per-batch-row device arrays of a start: positions, tokens, slots (started rows, then
-/// padding rows with token 0).
-pub fn batch_arrays(rows: &[GraphRow], pads: &[PadRow]) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
-    let mut pos = Vec::with_capacity(rows.len() + pads.len());
-    let mut tok = Vec::with_capacity(rows.len() + pads.len());
-    let mut slot = Vec::with_capacity(rows.len() + pads.len());
-    for r in rows {
-        pos.push(r.pos as i32);
-        tok.push(r.token as i32);
-        slot.push(r.slot as i32);
-    }
-    for p in pads {
-        pos.push(p.pos as i32);
-        tok.push(0);
-        slot.push(p.slot as i32);
+/// The row table of a start of `rows` on a graph of `bucket` rows: positions, tokens and slots
+/// per batch row, the started rows first; the rest of the bucket is inactive (position -1, token
+/// 0, no slot), so it reads and writes nothing and needs no cache slot of its own.
+pub fn batch_arrays(rows: &[GraphRow], bucket: usize) -> (Vec<i32>, Vec<i32>, Vec<Option<usize>>) {
+    let n = bucket.max(rows.len());
+    let mut pos = vec![-1; n];
+    let mut tok = vec![0; n];
+    let mut slot = vec![None; n];
+    for (b, r) in rows.iter().enumerate() {
+        pos[b] = r.pos as i32;
+        tok[b] = r.token as i32;
+        slot[b] = Some(r.slot);
     }
     (pos, tok, slot)
 }
@@ -247,33 +196,48 @@ pub fn batch_arrays(rows: &[GraphRow], pads: &[PadRow]) -> (Vec<i32>, Vec<i32>, 
 /// `MkControl` as the u32 words uploaded to the device (its size is a multiple of 8 bytes).
 pub const CONTROL_WORDS: usize = MkControl::SIZE / 4;
 
-/// The control block for `params` (validated; a repetition penalty other than 1 is refused:
-/// the device sampler does not apply one), `row_ids` for the batch rows (padding rows get 0)
-/// and the first [`MAX_STOP`] of `stops` (the host checks any others itself).
-pub fn sampling_control(
-    params: &SamplingParams,
-    row_ids: &[u32],
-    stops: &[u32],
-) -> Result<MkControl, GraphError> {
+/// One `MkRow` as u32 words.
+pub const ROW_WORDS: usize = MkRow::SIZE / 4;
+
+/// One batch row's controls for `params` (validated; a repetition penalty other than 1 is
+/// refused: the device sampler does not apply one) and its Philox row.
+pub fn row_control(params: &SamplingParams, row_id: u32) -> Result<MkRow, GraphError> {
     params
         .validate()
         .map_err(|e| GraphError::Sampling(e.to_string()))?;
     if let Some(p) = params.repetition_penalty.filter(|&p| p != 1.0) {
         return Err(GraphError::RepetitionPenalty(p));
     }
-    if row_ids.len() > MAX_BATCH {
-        return Err(GraphError::TooManyRowIds(row_ids.len()));
-    }
-    MkControl::new(
+    MkRow::new(
         params.temperature,
         params.top_k,
         params.top_p,
         params.min_p,
         params.seed,
-        row_ids,
-        &stops[..stops.len().min(MAX_STOP)],
+        row_id,
     )
     .map_err(|e| GraphError::Sampling(e.to_string()))
+}
+
+/// The control block for the batch rows' controls `rows` (the rest of the table greedy) and the
+/// first [`MAX_STOP`] of `stops` (the host checks any others itself).
+pub fn sampling_control(rows: &[MkRow], stops: &[u32]) -> Result<MkControl, GraphError> {
+    if rows.len() > MAX_BATCH {
+        return Err(GraphError::TooManyRowIds(rows.len()));
+    }
+    MkControl::new(rows, &stops[..stops.len().min(MAX_STOP)])
+        .map_err(|e| GraphError::Sampling(e.to_string()))
+}
+
+/// One row's controls as u32 words (little-endian, the C layout), uploaded at word
+/// `MkControl::row_offset(b) / 4` of the device block to change batch row `b` alone.
+pub fn row_words(r: &MkRow) -> [u32; ROW_WORDS] {
+    let bytes = r.as_bytes();
+    let mut w = [0u32; ROW_WORDS];
+    for (d, b) in w.iter_mut().zip(bytes.chunks_exact(4)) {
+        *d = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    }
+    w
 }
 
 /// The control block's bytes as u32 words (little-endian, the C layout).
@@ -314,10 +278,11 @@ pub struct RingBook {
     batch: usize,
     launched: u32,
     consumed: u32,
-    /// Launches the cache capacity still allows since the last start; `None` when stopped.
-    steps_left: Option<usize>,
-    /// The position the next launch's rows write at, for the capacity error.
-    next_pos: usize,
+    /// Whether launches are allowed (started and not stopped).
+    started: bool,
+    /// Per batch row, the position the next launch writes (`None`: inactive). Launches are
+    /// stream-ordered, so a row changed between launches takes effect at the next one.
+    next: Vec<Option<usize>>,
     capacity: usize,
 }
 
@@ -327,8 +292,8 @@ impl RingBook {
             batch,
             launched: 0,
             consumed: 0,
-            steps_left: None,
-            next_pos: 0,
+            started: false,
+            next: vec![None; batch],
             capacity: 0,
         }
     }
@@ -372,35 +337,60 @@ impl RingBook {
     }
 
     pub fn started(&self) -> bool {
-        self.steps_left.is_some()
+        self.started
     }
 
-    /// A new start whose highest row position is `max_pos` in a cache of `capacity` positions:
-    /// forgets whatever was in flight (the caller has synchronised or discards it) and keeps the
-    /// epoch count.
-    pub fn start(&mut self, max_pos: usize, capacity: usize) {
+    /// A new start with each batch row's position (`None`: inactive) in a cache of `capacity`
+    /// positions: forgets whatever was in flight (the caller has synchronised or discards it)
+    /// and keeps the epoch count. Rows past `positions` are inactive.
+    pub fn start(&mut self, positions: &[Option<usize>], capacity: usize) {
         self.consumed = self.launched;
-        self.steps_left = Some(capacity.saturating_sub(max_pos));
-        self.next_pos = max_pos;
+        self.started = true;
+        self.next = vec![None; self.batch];
+        for (d, p) in self.next.iter_mut().zip(positions) {
+            *d = *p;
+        }
         self.capacity = capacity;
+    }
+
+    /// Batch row `b` joins at position `pos` (`Some`) or leaves (`None`) from the next launch
+    /// on; the launches already booked keep their rows.
+    pub fn set_row(&mut self, b: usize, pos: Option<usize>) -> Result<(), GraphError> {
+        let slot = self.next.get_mut(b).ok_or(GraphError::RowOutOfBucket {
+            row: b,
+            bucket: self.batch,
+        })?;
+        *slot = pos;
+        Ok(())
+    }
+
+    /// Each batch row's position at the next launch (`None`: inactive).
+    pub fn positions(&self) -> &[Option<usize>] {
+        &self.next
     }
 
     /// Books one launch; its epoch, or why it may not be launched.
     pub fn enqueue(&mut self) -> Result<u32, GraphError> {
-        let left = self.steps_left.ok_or(GraphError::NotStarted)?;
+        if !self.started {
+            return Err(GraphError::NotStarted);
+        }
         if self.in_flight() >= RING - 1 {
             return Err(GraphError::RingFull {
                 in_flight: self.in_flight(),
             });
         }
-        if left == 0 {
-            return Err(GraphError::CapacityReached {
-                pos: self.next_pos,
-                capacity: self.capacity,
-            });
+        // Every active row writes its position: none may be at or past the capacity.
+        if let Some(pos) = self.next.iter().flatten().copied().max() {
+            if pos >= self.capacity {
+                return Err(GraphError::CapacityReached {
+                    pos,
+                    capacity: self.capacity,
+                });
+            }
         }
-        self.steps_left = Some(left - 1);
-        self.next_pos += 1;
+        for p in self.next.iter_mut().flatten() {
+            *p += 1;
+        }
         self.launched = self.launched.wrapping_add(1);
         Ok(self.launched)
     }
@@ -423,7 +413,7 @@ impl RingBook {
     /// Forgets everything in flight and stops (the caller has synchronised the stream).
     pub fn stop(&mut self) {
         self.consumed = self.launched;
-        self.steps_left = None;
+        self.started = false;
     }
 }
 
@@ -529,38 +519,14 @@ mod tests {
     }
 
     #[test]
-    fn padding_prefers_empty_slots_and_never_outruns_the_started_rows() {
-        // Slots 0 and 2 started at 10 and 12; 1 holds 30 positions, 3 holds 5, 4 and 5 none.
-        let lens = [10, 30, 12, 5, 0, 0];
+    fn rows_past_the_started_ones_are_inactive_and_take_no_slot() {
         let rows = [row(0, 10), row(2, 12)];
-        let pads = padding_rows(&rows, 4, &lens).unwrap();
-        assert_eq!(
-            pads,
-            vec![PadRow { slot: 4, pos: 0 }, PadRow { slot: 5, pos: 0 }]
-        );
-        // Without spare slots: slot 3 (5 cached) keeps its positions, then slot 1 is cut at the
-        // lowest started position (10).
-        let lens = [10, 30, 12, 5];
-        let pads = padding_rows(&rows, 4, &lens).unwrap();
-        assert_eq!(
-            pads,
-            vec![PadRow { slot: 3, pos: 5 }, PadRow { slot: 1, pos: 10 }]
-        );
-        for p in &pads {
-            assert!(p.pos <= 10, "a padding row ahead of every started row");
-        }
-        assert_eq!(padding_rows(&rows, 2, &lens).unwrap(), vec![]);
-        assert_eq!(
-            padding_rows(&rows, 8, &lens),
-            Err(GraphError::TooFewSlots {
-                bucket: 8,
-                slots: 4
-            })
-        );
-        let (pos, tok, slot) = batch_arrays(&rows, &pads);
-        assert_eq!(pos, vec![10, 12, 5, 10]);
+        let (pos, tok, slot) = batch_arrays(&rows, 4);
+        assert_eq!(pos, vec![10, 12, -1, -1]);
         assert_eq!(tok, vec![1, 1, 0, 0]);
-        assert_eq!(slot, vec![0, 2, 3, 1]);
+        assert_eq!(slot, vec![Some(0), Some(2), None, None]);
+        // A bucket of 8 on a cache of 3 slots: nothing to pad with is needed any more.
+        assert_eq!(check_rows(&rows, 8, &[10, 0, 12], 16, 10), Ok(()));
     }
 
     #[test]
@@ -620,14 +586,14 @@ mod tests {
 
     #[test]
     fn control_block_follows_the_c_layout() {
-        // struct MkControl: 4 scalars, u64 seed at byte 16, row_ids at 24, n_stop at 56,
-        // stop_ids at 60, 124 bytes padded to 128 (8-byte alignment).
+        // struct MkControl: 8 rows of 32 bytes (4 scalars, u64 seed at 16, row_id at 24, pad),
+        // n_stop at 256, stop_ids at 260, 324 bytes padded to 328 (8-byte alignment).
         use std::mem::{offset_of, size_of};
-        assert_eq!(offset_of!(MkControl, seed), 16);
-        assert_eq!(offset_of!(MkControl, row_ids), 24);
-        assert_eq!(offset_of!(MkControl, n_stop), 56);
-        assert_eq!(offset_of!(MkControl, stop_ids), 60);
-        assert_eq!(size_of::<MkControl>(), 128);
+        assert_eq!(offset_of!(MkRow, seed), 16);
+        assert_eq!(offset_of!(MkRow, row_id), 24);
+        assert_eq!(offset_of!(MkControl, n_stop), 256);
+        assert_eq!(offset_of!(MkControl, stop_ids), 260);
+        assert_eq!(size_of::<MkControl>(), 328);
         let p = SamplingParams {
             temperature: 0.7,
             top_k: Some(40),
@@ -636,19 +602,36 @@ mod tests {
             repetition_penalty: None,
             seed: 0x1234_5678_9abc_def0,
         };
+        let q = SamplingParams {
+            temperature: 0.0,
+            top_p: Some(0.5),
+            seed: 7,
+            ..p
+        };
         let stops: Vec<u32> = (100..120).collect();
-        let c = sampling_control(&p, &[3, 5], &stops).unwrap();
+        let rows = [row_control(&p, 3).unwrap(), row_control(&q, 5).unwrap()];
+        let c = sampling_control(&rows, &stops).unwrap();
         let w = control_words(&c);
         assert_eq!(w[0], 0.7f32.to_bits());
         assert_eq!(w[1], 40);
         assert_eq!(w[2], 1.0f32.to_bits(), "top-p off is 1");
         assert_eq!(w[3], 0.05f32.to_bits());
         assert_eq!((w[4], w[5]), (0x9abc_def0, 0x1234_5678));
-        assert_eq!(&w[6..14], &[3, 5, 0, 0, 0, 0, 0, 0]);
-        assert_eq!(w[14], MAX_STOP as u32);
-        assert_eq!(w[15], 100);
-        assert_eq!(w[30], 115);
-        assert_eq!(w[31], 0, "padding");
+        assert_eq!((w[6], w[7]), (3, 0));
+        // Row 1: its own parameters, seed and Philox row.
+        assert_eq!(w[8..16], row_words(&rows[1]));
+        assert_eq!((w[8], w[10], w[12], w[14]), (0, 0.5f32.to_bits(), 7, 5));
+        assert_eq!(
+            MkControl::row_offset(1).unwrap() / 4,
+            8,
+            "a row's words start at its offset"
+        );
+        // Rows 2.. are greedy, top-p off.
+        assert_eq!((w[16], w[18]), (0, 1.0f32.to_bits()));
+        assert_eq!(w[64], MAX_STOP as u32);
+        assert_eq!(w[65], 100);
+        assert_eq!(w[80], 115);
+        assert_eq!(w[81], 0, "padding");
         // Stops beyond the device's 16 are the host's.
         assert_eq!(host_stop_mask(&[116, 7, 119, 100], &stops), 0b101);
         assert_eq!(host_stop_mask(&[116], &stops[..16]), 0);
@@ -658,17 +641,18 @@ mod tests {
             ..p
         };
         assert_eq!(
-            sampling_control(&bad, &[0], &[]),
+            row_control(&bad, 0),
             Err(GraphError::RepetitionPenalty(1.3))
         );
         let bad = SamplingParams {
             temperature: -1.0,
             ..p
         };
-        assert!(matches!(
-            sampling_control(&bad, &[0], &[]),
-            Err(GraphError::Sampling(_))
-        ));
+        assert!(matches!(row_control(&bad, 0), Err(GraphError::Sampling(_))));
+        assert_eq!(
+            sampling_control(&[rows[0]; 9], &[]),
+            Err(GraphError::TooManyRowIds(9))
+        );
     }
 
     /// A fake device: each launch writes its entry (tokens = epoch * 10 + row, epoch last).
@@ -698,7 +682,7 @@ mod tests {
             epoch: 0,
         };
         assert_eq!(book.enqueue(), Err(GraphError::NotStarted));
-        book.start(5, 10_000);
+        book.start(&[Some(5)], 10_000);
         let mut seen = Vec::new();
         // Three times around the ring, with the in-flight depth varying.
         for round in 0..3 * RING / 4 {
@@ -723,7 +707,7 @@ mod tests {
         assert_eq!(book.in_flight(), 0);
         assert_eq!(book.oldest(), Err(GraphError::NothingInFlight));
         assert_eq!(book.enqueue(), Err(GraphError::NotStarted));
-        book.start(7, 10_000);
+        book.start(&[Some(7), Some(3)], 10_000);
         let e = book.enqueue().unwrap();
         assert_eq!(e, before + 1);
         assert_ne!(dev.ring[book.epoch_word(e)], e, "stale entry looks fresh");
@@ -732,7 +716,7 @@ mod tests {
     #[test]
     fn at_most_ring_minus_one_in_flight_and_the_capacity_bounds_launches() {
         let mut book = RingBook::new(1);
-        book.start(0, 10_000);
+        book.start(&[Some(0)], 10_000);
         for _ in 0..RING - 1 {
             book.enqueue().unwrap();
         }
@@ -746,7 +730,7 @@ mod tests {
         book.enqueue().unwrap();
         // Positions 14 and 15 of a 16-position cache, then refuse.
         book.stop();
-        book.start(14, 16);
+        book.start(&[Some(14)], 16);
         book.enqueue().unwrap();
         book.enqueue().unwrap();
         assert_eq!(
@@ -759,11 +743,43 @@ mod tests {
     }
 
     #[test]
+    fn rows_join_and_leave_between_launches_and_each_bounds_the_capacity() {
+        let mut book = RingBook::new(4);
+        book.start(&[Some(3)], 16);
+        assert_eq!(book.positions(), [Some(3), None, None, None]);
+        book.enqueue().unwrap();
+        // Row 2 joins at 14: two launches left for it, while row 0 is far from the end.
+        book.set_row(2, Some(14)).unwrap();
+        book.enqueue().unwrap();
+        book.enqueue().unwrap();
+        assert_eq!(book.positions(), [Some(6), None, Some(16), None]);
+        assert_eq!(
+            book.enqueue(),
+            Err(GraphError::CapacityReached {
+                pos: 16,
+                capacity: 16
+            })
+        );
+        // It leaves: row 0 goes on; the launches in flight are untouched.
+        book.set_row(2, None).unwrap();
+        assert_eq!(book.in_flight(), 3);
+        book.enqueue().unwrap();
+        assert_eq!(book.positions(), [Some(7), None, None, None]);
+        // Every row gone: launches are still allowed (they sample nothing).
+        book.set_row(0, None).unwrap();
+        book.enqueue().unwrap();
+        assert_eq!(
+            book.set_row(4, Some(0)),
+            Err(GraphError::RowOutOfBucket { row: 4, bucket: 4 })
+        );
+    }
+
+    #[test]
     fn epochs_wrap_around_u32() {
         let mut book = RingBook::new(1);
         book.launched = u32::MAX - 1;
         book.consumed = u32::MAX - 1;
-        book.start(0, 100);
+        book.start(&[Some(0)], 100);
         let a = book.enqueue().unwrap();
         let b = book.enqueue().unwrap();
         assert_eq!((a, b), (u32::MAX, 0));
