@@ -1,4 +1,4 @@
-//! GGUF files (llama.cpp's format): the container is parsed in [`reader`], tensors (quantized
+//! GGUF files (llama.cpp's format): the container is parsed in [`crate::files::gguf`], tensors (quantized
 //! blocks included, see [`crate::model::quant`]) stay memory-mapped, and this module maps llama metadata and tensor names
 //! onto the same [`ModelConfig`] and Hugging Face tensor names that `config.json` models use, so the
 //! architecture builders never need to know which format a model came from.
