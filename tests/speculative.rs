@@ -400,3 +400,80 @@ fn mismatched_drafts_and_bad_options_are_refused() {
         "{err}"
     );
 }
+
+fn kiln(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// `kiln --spec ngram|draft` reproduces transformers' greedy tokens and reports the
+/// speculation in its JSON; bad flag combinations and a foreign draft fail naming the flag.
+#[test]
+fn cli_speculation_reproduces_the_reference_and_refuses_bad_flags() {
+    let r = common::Reference::load(&common::fixtures().join("llama_tied/reference.safetensors"));
+    let ids: Vec<String> = r.prompt_ids.iter().map(u32::to_string).collect();
+    let ids = ids.join(",");
+    let model = common::fixtures().join("llama_tied");
+    let model = model.to_str().unwrap();
+    let draft = common::fixtures().join("llama_tied.q4_0.gguf");
+    let draft = draft.to_str().unwrap();
+    let base = [
+        "-m",
+        model,
+        "--prompt-ids",
+        &ids,
+        "-n",
+        "17",
+        "--ignore-eos",
+        "--json",
+    ];
+    for extra in [
+        vec!["--spec", "ngram"],
+        vec!["--spec", "draft", "--draft", draft, "--draft-max", "3"],
+    ] {
+        let out = kiln(&[&base[..], &extra].concat());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{extra:?}: {stderr}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let got: Vec<u32> = v["generated_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(got, r.generated_ids, "{extra:?}");
+        let spec = &v["spec"];
+        assert!(
+            spec["verify_passes"].as_u64().unwrap() <= 16,
+            "{extra:?}: {spec}"
+        );
+        assert!(spec["accepted"].as_u64() <= spec["proposed"].as_u64());
+    }
+    let nanochat = common::fixtures().join("nanochat_H");
+    for (extra, want) in [
+        (vec!["--spec", "draft"], "--spec draft needs --draft MODEL"),
+        (
+            vec!["--draft", draft],
+            "--draft is only used with --spec draft",
+        ),
+        (
+            vec!["--spec", "ngram", "--draft-max", "0"],
+            "--draft-max must be at least 1",
+        ),
+        (
+            vec!["--spec", "ngram", "--samples", "2"],
+            "--spec runs one sample row",
+        ),
+        (
+            vec!["--spec", "draft", "--draft", nanochat.to_str().unwrap()],
+            "cannot draft for",
+        ),
+    ] {
+        let out = kiln(&[&base[..], &extra].concat());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?} succeeded");
+        assert!(stderr.contains(want), "{extra:?}: {stderr}");
+    }
+}
