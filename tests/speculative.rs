@@ -477,3 +477,51 @@ fn cli_speculation_reproduces_the_reference_and_refuses_bad_flags() {
         assert!(stderr.contains(want), "{extra:?}: {stderr}");
     }
 }
+
+/// `kiln-bench --spec` measures both methods against plain decoding (the run fails if their
+/// outputs differ) and prints one table row per model and thread count.
+#[test]
+fn bench_compares_speculation_with_plain_decoding() {
+    let model = common::fixtures().join("llama_tied");
+    let draft = common::fixtures().join("llama_tied.q4_0.gguf");
+    for (extra, method) in [
+        (vec!["--spec", "ngram"], "| ngram (k ≤ 4) |"),
+        (
+            vec![
+                "--spec",
+                "draft",
+                "--draft",
+                draft.to_str().unwrap(),
+                "--draft-max",
+                "2",
+            ],
+            "llama_tied.q4_0.gguf (k ≤ 2) |",
+        ),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln-bench"))
+            .args([
+                "-m",
+                model.to_str().unwrap(),
+                "-n",
+                "12",
+                "-r",
+                "1",
+                "-t",
+                "1",
+            ])
+            .args(&extra)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{extra:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let row = stdout
+            .lines()
+            .find(|l| l.contains(method))
+            .unwrap_or_else(|| panic!("{extra:?}: no row in {stdout}"));
+        assert!(row.ends_with("× |"), "{row}");
+    }
+}
