@@ -953,10 +953,10 @@ fn run_speculative(
                 threads: t,
                 weights,
             };
-            let engine = Arc::new(Engine::from_model(src.load(args.seed)?, cpu.clone())?);
+            let engine = Arc::new(Engine::from_model(src.load(args.seed)?, cpu)?);
             let draft = match args.spec.draft_path() {
                 Some(path) => Some(Arc::new(
-                    Engine::load(path, cpu.clone())
+                    Engine::load(path, cpu)
                         .with_context(|| format!("--draft {}", path.display()))?,
                 )),
                 None => None,

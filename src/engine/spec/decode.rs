@@ -30,7 +30,7 @@ const ROW: usize = 0;
 /// One sequence's source of proposals.
 enum Proposer {
     Ngram,
-    Draft(DraftRunner),
+    Draft(Box<DraftRunner>),
 }
 
 impl Proposer {
@@ -124,7 +124,7 @@ impl Session {
         let mut row = RowState::new(opts, constraint);
         let mut proposer = match &spec.method {
             SpecMethod::Ngram => Proposer::Ngram,
-            SpecMethod::Draft(d) => Proposer::Draft(DraftRunner::new(d, capacity)),
+            SpecMethod::Draft(d) => Proposer::Draft(Box::new(DraftRunner::new(d, capacity))),
         };
         let mut usage = Usage {
             prompt_tokens: prompt.len(),

@@ -77,7 +77,7 @@ impl Dist {
             }
         }
         let total: f64 = weights.iter().sum();
-        if !(total > 0.0) {
+        if total.is_nan() || total <= 0.0 {
             return point(argmax(logits));
         }
         Dist {
