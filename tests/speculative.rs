@@ -525,3 +525,30 @@ fn bench_compares_speculation_with_plain_decoding() {
         assert!(row.ends_with("× |"), "{row}");
     }
 }
+
+/// A constraint under greedy speculation: proposals it forbids are rejected, and the output,
+/// its end and its finish reason equal plain decoding's.
+#[test]
+fn constrained_greedy_speculation_equals_plain_decoding() {
+    let target = load("llama_tied");
+    let draft = load("llama_tied.q4_0.gguf");
+    let prompt = target
+        .tokenizer()
+        .encode("the cat sat on the mat. the cat sat on the mat. the cat")
+        .unwrap();
+    for rx in [
+        "( (the|cat|sat|on|mat))+\\.",
+        "( (the|cat|sat|on|mat)){1,6}\\.",
+    ] {
+        let opts = GenerateOptions {
+            constraint: Some(kiln::engine::ConstraintSpec::Regex(rx.into())),
+            ..greedy(Some(30))
+        };
+        let plain = check_methods(&target, &draft, &prompt, 256, &opts, rx);
+        assert_eq!(
+            plain.rows[0].finish_reason,
+            FinishReason::ConstraintEnd,
+            "{rx}"
+        );
+    }
+}
