@@ -1,6 +1,7 @@
 //! The parts of `kiln-bench` that are not tied to one backend: the bytes a decode step must move
 //! ([`bytes`]), the bandwidth the roofline divides by ([`bandwidth`]), the table it prints
-//! ([`report`]), and the statistics and token streams every timed run shares. The binary keeps
+//! ([`report`]), speculative against plain decoding ([`speculative`]), and the statistics and
+//! token streams every timed run shares. The binary keeps
 //! the command line and the timing loops; a backend's timing plugs in beside the CPU's and
 //! reuses all of this.
 
@@ -9,6 +10,7 @@ pub mod bytes;
 pub mod load;
 pub mod report;
 pub mod serving;
+pub mod speculative;
 
 /// A xorshift stream of token ids below the vocabulary size.
 pub fn token_ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {

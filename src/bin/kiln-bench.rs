@@ -27,14 +27,16 @@ use kiln::backend::TokenRow;
 use kiln::bench::bandwidth::{self, BandwidthSource};
 use kiln::bench::bytes::{self, Layout};
 use kiln::bench::report::{self, Row};
+use kiln::bench::speculative;
 use kiln::bench::{mean_sd, median, params_text, token_ids};
 use kiln::cli::args::{check_model_path, check_threads, Text};
 use kiln::cli::context::kv_bytes_per_position;
 use kiln::cli::memory;
 use kiln::cli::output::{die_on_closed_pipe, Stdout};
+use kiln::cli::spec::SpecArgs;
 use kiln::engine::{
     DecodePath, Device as EngineDevice, Engine, EngineOptions, GenerateOptions, ServeOptions,
-    Session,
+    Session, SpecMethod,
 };
 use kiln::graph::{human_bytes as human, Dims, Rows};
 use kiln::model::{synthetic, Model};
@@ -171,6 +173,11 @@ struct Args {
     /// through the scheduler; prints aggregate decode tokens/s and KV memory per sequence.
     #[arg(long, value_delimiter = ',', value_name = "N")]
     concurrency: Vec<usize>,
+    /// With --spec: speculative against plain decoding instead of pp/tg tests, greedy, -n
+    /// tokens (the first value) on the prompt each method should help (a code edit for ngram,
+    /// free text for draft): acceptance rate and end-to-end tokens/s of both.
+    #[command(flatten)]
+    spec: SpecArgs,
 }
 
 /// The largest -p and -n values: more positions than any model's context, and small enough
@@ -348,6 +355,9 @@ fn run() -> Result<()> {
     };
     if !args.concurrency.is_empty() {
         return run_serving(&args, &sources, &threads, weights);
+    }
+    if args.spec.spec.is_some() {
+        return run_speculative(&args, &sources, &threads, weights);
     }
     let mut bandwidth = match args.bandwidth_gbs {
         Some(gbs) if !(gbs > 0.0 && gbs.is_finite()) => {
@@ -944,6 +954,63 @@ fn run_serving(
                     r.kv_bytes_per_seq as f64 / 1024.0
                 ))?;
             }
+        }
+    }
+    Ok(())
+}
+
+/// `--spec`: speculative against plain decoding, per model and thread count.
+fn run_speculative(
+    args: &Args,
+    sources: &[Source],
+    threads: &[usize],
+    weights: WeightFormat,
+) -> Result<()> {
+    args.spec.check()?;
+    let n_gen = args.n_gen.first().copied().unwrap_or(64).max(1);
+    print_out("| model | threads | method | prompt | tokens | acceptance | passes/token | plain t/s | spec t/s | speedup |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|\n")?;
+    for src in sources {
+        for &t in threads {
+            let cpu = CpuOptions {
+                threads: t,
+                weights,
+            };
+            let engine = Arc::new(Engine::from_model(src.load(args.seed)?, cpu)?);
+            let draft = match args.spec.draft_path() {
+                Some(path) => Some(Arc::new(
+                    Engine::load(path, cpu)
+                        .with_context(|| format!("--draft {}", path.display()))?,
+                )),
+                None => None,
+            };
+            let Some(spec) = args.spec.options(&engine, draft)? else {
+                return Ok(());
+            };
+            let mut prompt =
+                speculative::encode_prompt(&engine, speculative::prompt_for(&spec.method))?;
+            // A small model's context keeps the prompt's end (the code, the request).
+            let fits = engine.max_context().saturating_sub(n_gen).max(1);
+            if prompt.len() > fits {
+                prompt.drain(..prompt.len() - fits);
+            }
+            let method = match &spec.method {
+                SpecMethod::Ngram => "ngram".to_string(),
+                SpecMethod::Draft(d) => format!("draft {}", d.model_path().display()),
+            };
+            kiln::note!("kiln-bench: {method}, {t} threads");
+            let r = speculative::run(&engine, &spec, &prompt, n_gen, args.repetitions)?;
+            print_out(&format!(
+                "| {} | {t} | {method} (k ≤ {}) | {} | {} | {:.0}% | {:.2} | {:.1} | {:.1} | {:.2}× |\n",
+                src.name(),
+                spec.max_draft,
+                r.prompt_tokens,
+                r.tokens,
+                100.0 * r.acceptance_rate,
+                r.passes_per_token,
+                r.plain_tokens_per_s,
+                r.spec_tokens_per_s,
+                r.spec_tokens_per_s / r.plain_tokens_per_s
+            ))?;
         }
     }
     Ok(())

@@ -24,9 +24,10 @@ use kiln::cli::context::{self, CacheRequest};
 use kiln::cli::input::{read_chat_line, read_prompt, ChatLine, MAX_TEXT_BYTES};
 use kiln::cli::memory;
 use kiln::cli::output::{die_on_closed_pipe, Stdout};
+use kiln::cli::spec::SpecArgs;
 use kiln::engine::{
     Constraint, ConstraintSpec, DecodePath, Engine, EngineOptions, FinishReason, GenerateOptions,
-    Session, Timings, Usage,
+    Session, SpecStats, Timings, Usage,
 };
 use kiln::kv::KvDtype;
 use kiln::note;
@@ -168,6 +169,8 @@ struct GenerateArgs {
     /// Print one JSON object (ids, masks, text, finish reasons, timings) instead of streaming.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    spec: SpecArgs,
 }
 
 #[derive(Parser, Debug)]
@@ -264,6 +267,11 @@ fn chat_error(model: &Path, e: TokenizerError) -> anyhow::Error {
 }
 
 fn load(c: &Common) -> Result<Arc<Engine>> {
+    load_at(c, &c.model)
+}
+
+/// Loads the model at `path` (the model, or a draft model) as the flags say.
+fn load_at(c: &Common, path: &Path) -> Result<Arc<Engine>> {
     let opts = EngineOptions {
         device: match c.device {
             Device::Auto => kiln::engine::Device::Auto,
@@ -293,14 +301,14 @@ fn load(c: &Common) -> Result<Arc<Engine>> {
         ..EngineOptions::default()
     };
     let t0 = Instant::now();
-    let engine = Engine::load(&c.model, opts).context("loading the model")?;
+    let engine = Engine::load(path, opts).context("loading the model")?;
     if let Some(why) = engine.fallback_reason() {
         note!("kiln: CUDA unavailable ({why}); running on the CPU");
     }
     let cfg = engine.config();
     note!(
         "kiln: {} ({}, {} layers, {} params, {} weights) loaded in {:.2} s, on {}",
-        c.model.display(),
+        path.display(),
         cfg.architecture.name(),
         cfg.num_layers,
         engine.num_params(),
@@ -413,6 +421,9 @@ struct JsonOut<'a> {
     timings: &'a Timings,
     prefill_tokens_per_s: f64,
     decode_tokens_per_s: f64,
+    /// Proposed and accepted tokens and verification passes, with --spec.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    spec: Option<SpecStats>,
 }
 
 fn generate(args: GenerateArgs) -> Result<()> {
@@ -421,6 +432,13 @@ fn generate(args: GenerateArgs) -> Result<()> {
     if args.samples == 0 {
         bail!("--samples must be at least 1");
     }
+    args.spec.check()?;
+    if args.spec.spec.is_some() && args.samples != 1 {
+        bail!(
+            "--spec runs one sample row; drop --samples {}",
+            args.samples
+        );
+    }
     let file_prompt = match &args.file {
         Some(path) => Some(read_prompt(path)?),
         None => None,
@@ -428,6 +446,13 @@ fn generate(args: GenerateArgs) -> Result<()> {
     let spec = constraint_spec(c)?;
     let engine = load(c)?;
     let spec = check_constraint(spec, &engine)?;
+    let draft = match args.spec.draft_path() {
+        Some(path) => {
+            Some(load_at(c, path).with_context(|| format!("--draft {}", path.display()))?)
+        }
+        None => None,
+    };
+    let speculation = args.spec.options(&engine, draft)?;
     let tok = engine.tokenizer();
     let text = args.prompt.as_ref().or(file_prompt.as_ref());
     let prompt_ids = match (&args.prompt_ids, text) {
@@ -454,7 +479,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
     let mut out = Stdout::lock();
     let stream_text = !args.json && args.samples == 1;
     let mut write_error = None;
-    let result = session.generate(&prompt_ids, &opts, |step| {
+    let on_step = |step: &kiln::engine::Step| {
         if let (true, Some(Some(row))) = (stream_text, step.rows.first()) {
             if let Err(e) = out.write(&row.text).and_then(|()| out.flush()) {
                 write_error = Some(e);
@@ -462,7 +487,14 @@ fn generate(args: GenerateArgs) -> Result<()> {
             }
         }
         true
-    })?;
+    };
+    let (result, spec_stats) = match &speculation {
+        Some(s) => {
+            let r = session.generate_speculative(&prompt_ids, &opts, s, on_step)?;
+            (r.batch, Some(r.spec))
+        }
+        None => (session.generate(&prompt_ids, &opts, on_step)?, None),
+    };
     if let Some(e) = write_error {
         return Err(e.into());
     }
@@ -489,6 +521,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
             timings: t,
             prefill_tokens_per_s: t.prefill_tokens_per_s(),
             decode_tokens_per_s: t.decode_tokens_per_s(),
+            spec: spec_stats,
         };
         out.line(&serde_json::to_string(&json)?)?;
         out.flush()?;
@@ -506,6 +539,18 @@ fn generate(args: GenerateArgs) -> Result<()> {
     }
     out.flush()?;
     report(t, first.finish_reason);
+    if let Some(st) = spec_stats {
+        note!(
+            "kiln: speculation accepted {}/{} proposed tokens ({:.0}%): {} tokens in {} target \
+             passes, {:.1} tok/s",
+            st.accepted,
+            st.proposed,
+            100.0 * st.acceptance_rate(),
+            result.usage.completion_tokens,
+            st.verify_passes,
+            result.usage.completion_tokens as f64 / t.decode.as_secs_f64().max(1e-9)
+        );
+    }
     Ok(())
 }
 

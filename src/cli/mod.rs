@@ -8,9 +8,11 @@
 //!   what memory allows.
 //! * [`args`]: UTF-8 text flags, thread counts, model paths.
 //! * [`input`]: prompts from a file or stdin, chat lines.
+//! * [`spec`]: the speculative-decoding flags.
 
 pub mod args;
 pub mod context;
 pub mod input;
 pub mod memory;
 pub mod output;
+pub mod spec;

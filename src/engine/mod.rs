@@ -21,6 +21,7 @@ mod scheduler;
 mod sequence;
 mod serve;
 mod session;
+pub mod spec;
 mod stop;
 mod stream;
 mod tools;
@@ -40,6 +41,7 @@ pub use scheduler::{
 pub use sequence::RequestId;
 pub use serve::{EngineHandle, RequestHandle};
 pub use session::Session;
+pub use spec::{SpecError, SpecMethod, SpecOptions, SpecResult, SpecStats};
 pub use stream::Stream;
 
 use crate::backend::cpu::{BackendError, CpuBackend};
@@ -77,6 +79,8 @@ pub enum EngineError {
     Stopped,
     #[error(transparent)]
     Constraint(#[from] ConstraintError),
+    #[error(transparent)]
+    Spec(#[from] SpecError),
     #[error("the prompt is empty")]
     EmptyPrompt,
     #[error("the prompt has {len} tokens but the context holds {capacity}")]

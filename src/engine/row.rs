@@ -61,19 +61,35 @@ impl RowState {
         if let Some(forced) = self.tool.forced.pop_front() {
             return Some((forced, 0));
         }
-        if let Some(p) = &rules.opts.logits_processor {
-            (p.0)(row_id, context, logits);
-        }
-        if let Some(p) = rules.opts.sampling.repetition_penalty {
-            sample::apply_repetition_penalty(logits, context, p);
-        }
-        if let Some(Err(_)) = self.constraint.as_mut().map(|c| c.apply(logits)) {
+        if !self.shape(rules, row_id, context, logits) {
             return None;
         }
         Some((
             sample::sample(logits, &rules.opts.sampling, row_id as u32, pos as u64),
             1,
         ))
+    }
+
+    /// Turns the model's logits into the ones the row samples from: the logits processor, the
+    /// repetition penalty, then the constraint mask. `false` when no token continues the
+    /// row's constraint. (Speculative verification samples from these by its own rule.)
+    pub fn shape(
+        &mut self,
+        rules: &RowRules<'_>,
+        row_id: usize,
+        context: &[u32],
+        logits: &mut [f32],
+    ) -> bool {
+        if let Some(p) = &rules.opts.logits_processor {
+            (p.0)(row_id, context, logits);
+        }
+        if let Some(p) = rules.opts.sampling.repetition_penalty {
+            sample::apply_repetition_penalty(logits, context, p);
+        }
+        !matches!(
+            self.constraint.as_mut().map(|c| c.apply(logits)),
+            Some(Err(_))
+        )
     }
 
     /// Takes `token` (chosen for position `pos`) into the row: tool state, counts, text and

@@ -1,0 +1,281 @@
+//! The speculative decoding loop for one sequence of a [`Session`].
+//!
+//! The cache holds every token but the last one emitted (`pending`). A pass feeds `pending`
+//! and the proposals `d₁…dₖ` at once, getting logits for every row; row `i` is where plain
+//! decoding would choose the token after `pending, d₁…dᵢ`. The rows are walked in order, each
+//! through the row's own rules exactly as plain decoding runs them (forced tool tokens, logits
+//! processor, penalty, constraint, stop tokens and strings, `max_tokens`, the context limit):
+//! a row whose chosen token is the next proposal moves on; the first that chooses otherwise,
+//! finishes the row, or has no proposal left ends the pass, and its token becomes the new
+//! `pending`. The cache is cut back to the tokens that were kept.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::dist::{judge, uniform_for, Dist, Draw, Verdict};
+use super::draft::{DraftRunner, Proposal};
+use super::{ngram, SpecError, SpecMethod, SpecOptions, SpecResult, SpecStats};
+use crate::backend::TokenRow;
+use crate::engine::collect::RowsCollector;
+use crate::engine::constraint::{prepare_during, Constraint};
+use crate::engine::row::{RowRules, RowState};
+use crate::engine::tools::ToolTokens;
+use crate::engine::{
+    BatchResult, EngineError, FinishReason, GenerateOptions, RowStep, Session, Step, Timings, Usage,
+};
+use crate::plan::PlanKind;
+
+/// The sequence's row id, which keys its Philox draws: its cache slot, as in plain decoding.
+const ROW: usize = 0;
+
+/// One sequence's source of proposals.
+enum Proposer {
+    Ngram,
+    Draft(Box<DraftRunner>),
+}
+
+impl Proposer {
+    /// Up to `k` tokens continuing `context`, each with the draft distribution it was drawn
+    /// from (`None`: a point mass).
+    fn propose(
+        &mut self,
+        context: &[u32],
+        k: usize,
+        opts: &GenerateOptions,
+    ) -> Result<Vec<Proposal>, EngineError> {
+        match self {
+            Proposer::Ngram => Ok(ngram::propose(context, k)
+                .into_iter()
+                .map(|token| Proposal { token, q: None })
+                .collect()),
+            Proposer::Draft(d) => d.propose(context, k, &opts.sampling, ROW as u32),
+        }
+    }
+}
+
+/// Records a step and shows it to the caller; `false` when the sequence is over (finished, or
+/// the caller stopped it).
+fn emit(rows: &mut RowsCollector, on_step: &mut impl FnMut(&Step) -> bool, step: RowStep) -> bool {
+    let finished = step.finished.is_some();
+    let step = Step {
+        rows: vec![Some(step)],
+    };
+    rows.push(&step);
+    let go_on = on_step(&step);
+    if finished {
+        return false;
+    }
+    if !go_on {
+        rows.set_reason(ROW, FinishReason::Cancelled);
+    }
+    go_on
+}
+
+impl Session {
+    /// [`Session::generate`] with speculative decoding (one sample row): the same tokens as
+    /// plain decoding when greedy, the same distribution when sampled. `on_step` sees one step
+    /// per token, as in plain decoding (return `false` to stop).
+    pub fn generate_speculative(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        spec: &SpecOptions,
+        mut on_step: impl FnMut(&Step) -> bool,
+    ) -> Result<SpecResult, EngineError> {
+        opts.sampling.validate()?;
+        if opts.num_samples != 1 {
+            return Err(SpecError::Samples(opts.num_samples).into());
+        }
+        if spec.max_draft == 0 {
+            return Err(SpecError::MaxDraft.into());
+        }
+        let mut constraint = match &opts.constraint {
+            Some(c) => {
+                let factory = self.engine.constraint_factory()?;
+                Some(Constraint::new(&factory, c)?)
+            }
+            None => None,
+        };
+        let t0 = Instant::now();
+        let ran = prepare_during(constraint.iter_mut().collect(), || self.prefill(prompt))?;
+        let mut timings = Timings {
+            prefill_tokens: ran,
+            prefill: t0.elapsed(),
+            ..Timings::default()
+        };
+        let t0 = Instant::now();
+        let engine = Arc::clone(&self.engine);
+        let capacity = self.dev.capacity();
+        let stop_tokens = opts
+            .stop_tokens
+            .clone()
+            .unwrap_or_else(|| engine.default_stop_tokens());
+        let tools = if opts.tools {
+            ToolTokens::of(engine.tokenizer())
+        } else {
+            None
+        };
+        let rules = RowRules {
+            tokenizer: engine.tokenizer(),
+            opts,
+            stop_tokens: &stop_tokens,
+            tools: tools.as_ref(),
+            capacity,
+        };
+        let mut row = RowState::new(opts, constraint);
+        let mut proposer = match &spec.method {
+            SpecMethod::Ngram => Proposer::Ngram,
+            SpecMethod::Draft(d) => Proposer::Draft(Box::new(DraftRunner::new(d, capacity))),
+        };
+        let mut usage = Usage {
+            prompt_tokens: prompt.len(),
+            ..Usage::default()
+        };
+        let mut stats = SpecStats::default();
+        let mut rows = RowsCollector::new(1);
+        let vocab = engine.config().vocab_size;
+        let seed = opts.sampling.seed;
+        let sampled = opts.sampling.temperature > 0.0;
+
+        // The first token comes from the prefill's logits, as in plain decoding.
+        let mut pending = None;
+        if opts.max_tokens == Some(0) {
+            rows.set_reason(ROW, FinishReason::MaxTokens);
+        } else {
+            let pos = self.dev.len(0);
+            let mut logits = self.logits.clone();
+            match row.choose(&rules, ROW, &self.tokens[0], pos, &mut logits) {
+                None => rows.set_reason(ROW, FinishReason::ConstraintBroken),
+                Some((token, mask)) => {
+                    let step = row.accept(&rules, token, mask, pos)?;
+                    usage.completion_tokens += 1;
+                    if emit(&mut rows, &mut on_step, step) {
+                        pending = Some(token);
+                    }
+                }
+            }
+        }
+        let mut k = spec.max_draft;
+        while let Some(last) = pending.take() {
+            let len = self.dev.len(0);
+            // `last` goes at `len` (< capacity, or the context limit would have ended the row);
+            // proposals fill the cache at most, and none is wasted past `max_tokens`.
+            let room = capacity.saturating_sub(len + 1);
+            let left = opts
+                .max_tokens
+                .map_or(usize::MAX, |m| m.saturating_sub(row.generated));
+            let want = k.min(room).min(left.saturating_sub(1));
+            // Queued tool output needs no guessing: it is proposed as is.
+            let guessed = row.tool.forced.is_empty();
+            let proposals: Vec<Proposal> = if !guessed {
+                let forced = row.tool.forced.iter().take(want);
+                forced.map(|&token| Proposal { token, q: None }).collect()
+            } else if want == 0 {
+                Vec::new()
+            } else {
+                let mut context = self.tokens[0].clone();
+                context.push(last);
+                proposer.propose(&context, want, opts)?
+            };
+            let mut feed = Vec::with_capacity(1 + proposals.len());
+            feed.push(last);
+            feed.extend(proposals.iter().map(|p| p.token));
+            let token_rows: Vec<TokenRow> = (0..feed.len())
+                .map(|i| TokenRow {
+                    slot: 0,
+                    pos: len + i,
+                })
+                .collect();
+            let kind = if feed.len() == 1 {
+                PlanKind::Decode
+            } else {
+                PlanKind::AllLogits
+            };
+            {
+                let masks = row.constraint.iter_mut().filter(|_| guessed).collect();
+                let (dev, logits) = (&mut self.dev, &mut self.logits);
+                prepare_during(masks, || {
+                    engine
+                        .backend
+                        .forward(kind, dev, &feed, &token_rows, logits)
+                })?;
+            }
+            self.tokens[0].extend_from_slice(&feed);
+            timings.decode_steps += 1;
+            stats.verify_passes += 1;
+            if guessed {
+                stats.proposed += proposals.len();
+            }
+
+            let mut accepted = 0;
+            let mut stop_at = proposals.len();
+            for i in 0..=proposals.len() {
+                let pos = len + 1 + i;
+                let context = &self.tokens[0][..pos];
+                let logits = &mut self.logits[i * vocab..(i + 1) * vocab];
+                let proposal = proposals.get(i);
+                let chosen = match proposal {
+                    Some(p) if sampled && row.tool.forced.is_empty() => {
+                        if row.shape(&rules, ROW, context, logits) {
+                            let target = Dist::of(logits, &opts.sampling);
+                            let (u, v) = (
+                                uniform_for(Draw::Accept, seed, ROW as u32, pos as u64),
+                                uniform_for(Draw::Resample, seed, ROW as u32, pos as u64),
+                            );
+                            match judge(&target, p.token, p.q.as_ref(), u, v) {
+                                Verdict::Accept => Some((p.token, 1)),
+                                Verdict::Replace(t) => Some((t, 1)),
+                            }
+                        } else {
+                            None
+                        }
+                    }
+                    _ => row.choose(&rules, ROW, context, pos, logits),
+                };
+                let Some((token, mask)) = chosen else {
+                    // No token continues the row's constraint: it ends without one.
+                    rows.set_reason(ROW, FinishReason::ConstraintBroken);
+                    stop_at = i;
+                    break;
+                };
+                let step = row.accept(&rules, token, mask, pos)?;
+                usage.completion_tokens += 1;
+                if !emit(&mut rows, &mut on_step, step) {
+                    stop_at = i;
+                    break;
+                }
+                if proposal.is_some_and(|p| p.token == token) {
+                    accepted += 1;
+                    continue;
+                }
+                stop_at = i;
+                pending = Some(token);
+                break;
+            }
+            // Kept: `last` and the proposals up to the row that ended the pass.
+            let keep = len + 1 + stop_at;
+            self.dev.truncate(0, keep);
+            self.tokens[0].truncate(keep);
+            if guessed && !proposals.is_empty() {
+                stats.accepted += accepted;
+                if spec.adaptive {
+                    k = if accepted == proposals.len() {
+                        (k + 1).min(spec.max_draft)
+                    } else {
+                        k.saturating_sub(1).max(1)
+                    };
+                }
+            }
+        }
+        timings.decode = t0.elapsed();
+        let rows = rows.finish(prompt, &stop_tokens);
+        Ok(SpecResult {
+            batch: BatchResult {
+                rows,
+                usage,
+                timings,
+            },
+            spec: stats,
+        })
+    }
+}

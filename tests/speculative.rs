@@ -1,0 +1,554 @@
+//! Speculative decoding (n-gram prompt lookup and a draft model): greedy output identical to
+//! plain decoding with stop strings, the context limit and forced tool tokens in play; sampled
+//! output distributed as the target's (chi-square over many seeds); drafts with another
+//! vocabulary refused.
+
+mod common;
+
+use std::sync::Arc;
+
+use kiln::backend::cpu::CpuOptions;
+use kiln::engine::{
+    BatchResult, Engine, EngineError, FinishReason, GenerateOptions, LogitsProcessor, SpecError,
+    SpecOptions,
+};
+use kiln::sample::SamplingParams;
+
+fn load(name: &str) -> Arc<Engine> {
+    Arc::new(
+        Engine::load(
+            common::fixtures().join(name),
+            CpuOptions {
+                threads: 2,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    )
+}
+
+fn same_rows(plain: &BatchResult, spec: &BatchResult, what: &str) {
+    assert_eq!(plain.rows.len(), spec.rows.len());
+    for (p, s) in plain.rows.iter().zip(&spec.rows) {
+        assert_eq!(p.generated, s.generated, "{what}: tokens");
+        assert_eq!(p.masks, s.masks, "{what}: masks");
+        assert_eq!(p.text, s.text, "{what}: text");
+        assert_eq!(p.finish_reason, s.finish_reason, "{what}: finish reason");
+    }
+    assert_eq!(plain.usage, spec.usage, "{what}: usage");
+}
+
+/// Runs `prompt` plainly and with each method on fresh sessions of `capacity`; every
+/// speculative run must equal the plain one. Returns the plain result.
+fn check_methods(
+    target: &Arc<Engine>,
+    draft: &Arc<Engine>,
+    prompt: &[u32],
+    capacity: usize,
+    opts: &GenerateOptions,
+    what: &str,
+) -> BatchResult {
+    let plain = target
+        .session(capacity)
+        .generate_batch(prompt, opts)
+        .unwrap();
+    for (name, spec) in [
+        ("ngram", SpecOptions::ngram(4).unwrap()),
+        (
+            "draft",
+            SpecOptions::draft(target, Arc::clone(draft), 3).unwrap(),
+        ),
+        (
+            "fixed-length draft",
+            SpecOptions {
+                adaptive: false,
+                ..SpecOptions::draft(target, Arc::clone(draft), 5).unwrap()
+            },
+        ),
+    ] {
+        let got = target
+            .session(capacity)
+            .generate_speculative(prompt, opts, &spec, |_| true)
+            .unwrap();
+        same_rows(&plain, &got.batch, &format!("{what}, {name}"));
+        assert!(got.spec.accepted <= got.spec.proposed);
+        assert!(got.spec.verify_passes <= plain.usage.completion_tokens);
+    }
+    plain
+}
+
+fn greedy(max_tokens: Option<usize>) -> GenerateOptions {
+    GenerateOptions {
+        max_tokens,
+        stop_tokens: Some(Vec::new()),
+        ..GenerateOptions::default()
+    }
+}
+
+/// Greedy speculation equals plain decoding on tiny fixtures: to `max_tokens`, to the context
+/// limit, and to a stop string taken from the middle of the plain output.
+#[test]
+fn greedy_speculation_equals_plain_decoding_on_fixtures() {
+    let target = load("llama_tied");
+    for draft_name in ["llama_untied", "llama_tied", "qwen2"] {
+        let draft = load(draft_name);
+        let tok = target.tokenizer();
+        let prompt = tok
+            .encode("the cat sat on the mat. the cat sat on the mat. the cat")
+            .unwrap();
+        let what = format!("draft {draft_name}");
+        let plain = check_methods(&target, &draft, &prompt, 256, &greedy(Some(40)), &what);
+        assert_eq!(plain.rows[0].finish_reason, FinishReason::MaxTokens);
+        // The context limit, reached mid-pass.
+        let limited = check_methods(
+            &target,
+            &draft,
+            &prompt,
+            prompt.len() + 13,
+            &greedy(None),
+            &what,
+        );
+        assert_eq!(limited.rows[0].finish_reason, FinishReason::ContextFull);
+        // A stop string from the middle of the output.
+        let text = &plain.rows[0].text;
+        let chars: Vec<char> = text.chars().collect();
+        let at = (2..chars.len().saturating_sub(1))
+            .find(|&i| chars[i].is_ascii_alphanumeric() && chars[i + 1].is_ascii_alphanumeric())
+            .unwrap_or_else(|| panic!("no ASCII pair in {text:?}"));
+        let cut: String = chars[at..at + 2].iter().collect();
+        let opts = GenerateOptions {
+            stop_strings: vec![cut.clone()],
+            ..greedy(Some(40))
+        };
+        let stopped = check_methods(&target, &draft, &prompt, 256, &opts, &what);
+        assert_eq!(
+            stopped.rows[0].finish_reason,
+            FinishReason::StopString,
+            "{cut:?} in {text:?}"
+        );
+        // A stop token: the output's tenth token.
+        let opts = GenerateOptions {
+            stop_tokens: Some(vec![plain.rows[0].generated[9]]),
+            ..greedy(Some(40))
+        };
+        let stopped = check_methods(&target, &draft, &prompt, 256, &opts, &what);
+        assert_eq!(stopped.rows[0].finish_reason, FinishReason::StopToken);
+    }
+}
+
+/// The demo model, drafting for itself and by n-gram, on a code edit: identical greedy output,
+/// and proposals are accepted (a model drafting for itself agrees with every proposal).
+#[test]
+fn greedy_speculation_equals_plain_decoding_on_the_demo_model() {
+    let Some(path) = common::demo_model() else {
+        eprintln!("demo model not fetched; skipping");
+        return;
+    };
+    let e = Arc::new(Engine::load(&path, CpuOptions::default()).unwrap());
+    let code = "fn add(a: i32, b: i32) -> i32 {\n    a + b\n}\n";
+    let prompt = e
+        .tokenizer()
+        .encode(&format!(
+            "<|im_start|>user\nRename add to sum:\n{code}<|im_end|>\n<|im_start|>assistant\n"
+        ))
+        .unwrap();
+    let opts = GenerateOptions {
+        max_tokens: Some(24),
+        ..GenerateOptions::default()
+    };
+    let plain = e.session(512).generate_batch(&prompt, &opts).unwrap();
+    for spec in [
+        SpecOptions::ngram(5).unwrap(),
+        SpecOptions::draft(&e, Arc::clone(&e), 4).unwrap(),
+    ] {
+        let got = e
+            .session(512)
+            .generate_speculative(&prompt, &opts, &spec, |_| true)
+            .unwrap();
+        same_rows(&plain, &got.batch, &format!("{:?}", spec.method));
+        assert!(got.spec.accepted > 0, "{:?}: {:?}", spec.method, got.spec);
+        assert!(got.batch.timings.decode_steps < plain.timings.decode_steps);
+    }
+}
+
+/// Tool use under speculation: the calculator's output is forced (mask 0) exactly where plain
+/// decoding forces it, whether the proposals guessed it or not. The model's choices are
+/// scripted by a logits processor; the prompt already holds the call, so n-gram lookup
+/// proposes the expression, the call's end and the forced output.
+#[test]
+fn forced_tool_tokens_under_speculation() {
+    let tok = common::nanochat_tokenizer();
+    let e = common::uniform_model_with(tok, 2);
+    let tok = e.tokenizer();
+    let id = |s: &str| tok.token_to_id(s).unwrap();
+    let (ps, pe, ae) = (
+        id("<|python_start|>"),
+        id("<|python_end|>"),
+        id("<|assistant_end|>"),
+    );
+    let expr = tok.encode_ordinary("12*3").unwrap();
+    let earlier = tok
+        .encode("<|python_start|>12*3<|python_end|><|output_start|>36<|output_end|>")
+        .unwrap();
+    let mut prompt = vec![id("<|bos|>"), id("<|user_start|>")];
+    prompt.extend(&earlier);
+    prompt.extend([id("<|user_end|>"), id("<|assistant_start|>")]);
+    let plen = prompt.len();
+    let script = expr.clone();
+    // Twice: python_start, the expression, python_end; then (after the forced output) end.
+    let processor = LogitsProcessor(Arc::new(move |_, ctx: &[u32], logits: &mut [f32]| {
+        let out = &ctx[plen..];
+        let calls = out.iter().filter(|&&t| t == ps).count();
+        let want = match out.iter().rposition(|&t| t == ps) {
+            None => ps,
+            Some(at) => {
+                let written = out.len() - at - 1;
+                if written < script.len() {
+                    script[written]
+                } else if written == script.len() {
+                    pe
+                } else if calls < 2 {
+                    ps
+                } else {
+                    ae
+                }
+            }
+        };
+        logits.iter_mut().for_each(|l| *l = f32::NEG_INFINITY);
+        logits[want as usize] = 0.0;
+    }));
+    for temperature in [0.0, 1.0] {
+        let opts = GenerateOptions {
+            max_tokens: Some(40),
+            logits_processor: Some(processor.clone()),
+            sampling: SamplingParams {
+                temperature,
+                seed: 5,
+                ..SamplingParams::default()
+            },
+            ..GenerateOptions::default()
+        };
+        let plain = check_methods(&e, &e, &prompt, 256, &opts, &format!("T={temperature}"));
+        let row = &plain.rows[0];
+        assert_eq!(row.finish_reason, FinishReason::StopToken);
+        let forced = 2 + tok.encode_ordinary("36").unwrap().len();
+        assert_eq!(
+            row.masks.iter().filter(|&&m| m == 0).count() - plen,
+            2 * forced
+        );
+        assert_eq!(row.generated.last(), Some(&ae));
+        let spec = e
+            .session(256)
+            .generate_speculative(&prompt, &opts, &SpecOptions::ngram(6).unwrap(), |_| true)
+            .unwrap();
+        assert!(spec.spec.accepted >= 4, "{:?}", spec.spec);
+    }
+}
+
+/// Top-3 probabilities of `logits` at temperature 1, as (id, p).
+fn top3(logits: &[f32]) -> Vec<(u32, f64)> {
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    ids.sort_by(|a, b| logits[*b as usize].total_cmp(&logits[*a as usize]));
+    ids.truncate(3);
+    let m = logits[ids[0] as usize] as f64;
+    let w: Vec<f64> = ids
+        .iter()
+        .map(|&i| (logits[i as usize] as f64 - m).exp())
+        .collect();
+    let total: f64 = w.iter().sum();
+    ids.into_iter()
+        .zip(w.into_iter().map(|x| x / total))
+        .collect()
+}
+
+/// Sampled speculation keeps the target's distribution. The first generated token is fixed by
+/// a logits processor; the next two are sampled (temperature 1, top-k 3) in one verification
+/// pass, from proposals by a different model (llama_tied's q4_0 quantization drafting for its
+/// f32 weights) and by
+/// n-gram lookup. Over 3000 seeds, the pair's frequencies are checked against the target's
+/// own probabilities with Pearson's chi-square (8 degrees of freedom; P(χ² > 26.12) = 0.001).
+/// The draws are keyed by seed and position, so the statistic is the same on every run.
+#[test]
+fn sampled_speculation_keeps_the_target_distribution() {
+    let target = load("llama_tied");
+    // The same weights quantized: close to the target, but not equal.
+    let draft = load("llama_tied.q4_0.gguf");
+    let tok = target.tokenizer();
+    let mut prompt = tok.encode("the cat sat on the mat and the dog").unwrap();
+    let first = tok.encode(" sat").unwrap()[0];
+    // Make n-gram lookup propose two tokens after `first`: the prompt's last token and
+    // `first` occur earlier, followed twice by a token `a` in the target's top 3 there.
+    let last = *prompt.last().unwrap();
+    let top3_after = |prompt: &[u32]| {
+        let mut ctx = prompt.to_vec();
+        ctx.push(first);
+        top3(target.session(128).feed(&ctx).unwrap())
+    };
+    let a = (0..tok.vocab_size() as u32)
+        .find(|&a| {
+            let mut p = vec![last, first, a, a];
+            p.extend(&prompt);
+            top3_after(&p).iter().any(|&(t, _)| t == a)
+        })
+        .expect("some token is in the top 3 after it is proposed");
+    prompt.splice(0..0, [last, first, a, a]);
+    let plen = prompt.len();
+    let processor = LogitsProcessor(Arc::new(move |_, ctx: &[u32], logits: &mut [f32]| {
+        if ctx.len() == plen {
+            logits.iter_mut().for_each(|l| *l = f32::NEG_INFINITY);
+            logits[first as usize] = 0.0;
+        }
+    }));
+    // The target's distribution of the pair after prompt + first.
+    let mut expected: Vec<((u32, u32), f64)> = Vec::new();
+    let mut ctx = prompt.clone();
+    ctx.push(first);
+    let mut s = target.session(128);
+    for (t1, p1) in top3(s.feed(&ctx).unwrap()) {
+        let mut ctx2 = ctx.clone();
+        ctx2.push(t1);
+        let mut s2 = target.session(128);
+        for (t2, p2) in top3(s2.feed(&ctx2).unwrap()) {
+            expected.push(((t1, t2), p1 * p2));
+        }
+    }
+    let n = 3000u64;
+    for (name, spec) in [
+        (
+            "draft",
+            SpecOptions::draft(&target, Arc::clone(&draft), 2).unwrap(),
+        ),
+        ("ngram", SpecOptions::ngram(2).unwrap()),
+    ] {
+        let mut counts = vec![0usize; expected.len()];
+        let (mut proposed, mut accepted) = (0, 0);
+        let mut session = target.session(128);
+        for seed in 0..n {
+            let opts = GenerateOptions {
+                max_tokens: Some(4),
+                stop_tokens: Some(Vec::new()),
+                logits_processor: Some(processor.clone()),
+                sampling: SamplingParams {
+                    temperature: 1.0,
+                    top_k: Some(3),
+                    seed,
+                    ..SamplingParams::default()
+                },
+                ..GenerateOptions::default()
+            };
+            let r = session
+                .generate_speculative(&prompt, &opts, &spec, |_| true)
+                .unwrap();
+            let g = &r.batch.rows[0].generated;
+            assert_eq!(g[0], first);
+            let cell = expected
+                .iter()
+                .position(|(pair, _)| *pair == (g[1], g[2]))
+                .unwrap_or_else(|| panic!("{name}: {g:?} is outside the target's top 3"));
+            counts[cell] += 1;
+            proposed += r.spec.proposed;
+            accepted += r.spec.accepted;
+        }
+        let chi: f64 = counts
+            .iter()
+            .zip(&expected)
+            .map(|(&c, (_, p))| {
+                let e = p * n as f64;
+                (c as f64 - e).powi(2) / e
+            })
+            .sum();
+        assert!(
+            chi < 26.12,
+            "{name}: χ² = {chi:.2}; counts {counts:?}, expected {expected:?}"
+        );
+        // Both branches of the rule ran.
+        assert!(
+            accepted > 0 && accepted < proposed,
+            "{name}: {accepted}/{proposed}"
+        );
+    }
+}
+
+/// A draft with another vocabulary is refused, naming both models; so is a draft length of 0
+/// and more than one sample row.
+#[test]
+fn mismatched_drafts_and_bad_options_are_refused() {
+    let target = load("llama_tied");
+    let other = load("nanochat_H");
+    match SpecOptions::draft(&target, Arc::clone(&other), 4) {
+        Err(e @ SpecError::DraftVocabulary { .. }) => {
+            let msg = e.to_string();
+            assert!(
+                msg.contains("nanochat_H") && msg.contains("llama_tied"),
+                "{msg}"
+            );
+        }
+        other => panic!("expected a vocabulary refusal, got {other:?}"),
+    }
+    assert!(matches!(SpecOptions::ngram(0), Err(SpecError::MaxDraft)));
+    let opts = GenerateOptions {
+        num_samples: 2,
+        ..GenerateOptions::default()
+    };
+    let spec = SpecOptions::ngram(3).unwrap();
+    let err = target
+        .session(64)
+        .generate_speculative(&[1, 2, 3], &opts, &spec, |_| true)
+        .unwrap_err();
+    assert!(
+        matches!(err, EngineError::Spec(SpecError::Samples(2))),
+        "{err}"
+    );
+}
+
+fn kiln(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// `kiln --spec ngram|draft` reproduces transformers' greedy tokens and reports the
+/// speculation in its JSON; bad flag combinations and a foreign draft fail naming the flag.
+#[test]
+fn cli_speculation_reproduces_the_reference_and_refuses_bad_flags() {
+    let r = common::Reference::load(&common::fixtures().join("llama_tied/reference.safetensors"));
+    let ids: Vec<String> = r.prompt_ids.iter().map(u32::to_string).collect();
+    let ids = ids.join(",");
+    let model = common::fixtures().join("llama_tied");
+    let model = model.to_str().unwrap();
+    let draft = common::fixtures().join("llama_tied.q4_0.gguf");
+    let draft = draft.to_str().unwrap();
+    let base = [
+        "-m",
+        model,
+        "--prompt-ids",
+        &ids,
+        "-n",
+        "17",
+        "--ignore-eos",
+        "--json",
+    ];
+    for extra in [
+        vec!["--spec", "ngram"],
+        vec!["--spec", "draft", "--draft", draft, "--draft-max", "3"],
+    ] {
+        let out = kiln(&[&base[..], &extra].concat());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{extra:?}: {stderr}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let got: Vec<u32> = v["generated_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(got, r.generated_ids, "{extra:?}");
+        let spec = &v["spec"];
+        assert!(
+            spec["verify_passes"].as_u64().unwrap() <= 16,
+            "{extra:?}: {spec}"
+        );
+        assert!(spec["accepted"].as_u64() <= spec["proposed"].as_u64());
+    }
+    let nanochat = common::fixtures().join("nanochat_H");
+    for (extra, want) in [
+        (vec!["--spec", "draft"], "--spec draft needs --draft MODEL"),
+        (
+            vec!["--draft", draft],
+            "--draft is only used with --spec draft",
+        ),
+        (
+            vec!["--spec", "ngram", "--draft-max", "0"],
+            "--draft-max must be at least 1",
+        ),
+        (
+            vec!["--spec", "ngram", "--samples", "2"],
+            "--spec runs one sample row",
+        ),
+        (
+            vec!["--spec", "draft", "--draft", nanochat.to_str().unwrap()],
+            "cannot draft for",
+        ),
+    ] {
+        let out = kiln(&[&base[..], &extra].concat());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?} succeeded");
+        assert!(stderr.contains(want), "{extra:?}: {stderr}");
+    }
+}
+
+/// `kiln-bench --spec` measures both methods against plain decoding (the run fails if their
+/// outputs differ) and prints one table row per model and thread count.
+#[test]
+fn bench_compares_speculation_with_plain_decoding() {
+    let model = common::fixtures().join("llama_tied");
+    let draft = common::fixtures().join("llama_tied.q4_0.gguf");
+    for (extra, method) in [
+        (vec!["--spec", "ngram"], "| ngram (k ≤ 4) |"),
+        (
+            vec![
+                "--spec",
+                "draft",
+                "--draft",
+                draft.to_str().unwrap(),
+                "--draft-max",
+                "2",
+            ],
+            "llama_tied.q4_0.gguf (k ≤ 2) |",
+        ),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln-bench"))
+            .args([
+                "-m",
+                model.to_str().unwrap(),
+                "-n",
+                "12",
+                "-r",
+                "1",
+                "-t",
+                "1",
+            ])
+            .args(&extra)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{extra:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let row = stdout
+            .lines()
+            .find(|l| l.contains(method))
+            .unwrap_or_else(|| panic!("{extra:?}: no row in {stdout}"));
+        assert!(row.ends_with("× |"), "{row}");
+    }
+}
+
+/// A constraint under greedy speculation: proposals it forbids are rejected, and the output,
+/// its end and its finish reason equal plain decoding's.
+#[test]
+fn constrained_greedy_speculation_equals_plain_decoding() {
+    let target = load("llama_tied");
+    let draft = load("llama_tied.q4_0.gguf");
+    let prompt = target
+        .tokenizer()
+        .encode("the cat sat on the mat. the cat sat on the mat. the cat")
+        .unwrap();
+    for rx in [
+        "( (the|cat|sat|on|mat))+\\.",
+        "( (the|cat|sat|on|mat)){1,6}\\.",
+    ] {
+        let opts = GenerateOptions {
+            constraint: Some(kiln::engine::ConstraintSpec::Regex(rx.into())),
+            ..greedy(Some(30))
+        };
+        let plain = check_methods(&target, &draft, &prompt, 256, &opts, rx);
+        assert_eq!(
+            plain.rows[0].finish_reason,
+            FinishReason::ConstraintEnd,
+            "{rx}"
+        );
+    }
+}
