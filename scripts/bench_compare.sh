@@ -74,8 +74,14 @@ mkdir -p "${LOGS}"
 echo "bench_compare: building kiln-bench" >&2
 nice -n 5 cargo build --release --quiet --bin kiln-bench
 KILN_BENCH="target/release/kiln-bench"
-mapfile -t BINDIRS < <(scripts/build_llama_cpp.sh --builds "${BUILDS}")
+# (Not `mapfile < <(...)`: a failed build must stop the script, and set -e does not see it there.)
+BINDIR_TEXT="$(scripts/build_llama_cpp.sh --builds "${BUILDS}")"
+mapfile -t BINDIRS <<< "${BINDIR_TEXT}"
 IFS=, read -r -a BUILD_NAMES <<< "${BUILDS}"
+if [[ "${#BINDIRS[@]}" -ne "${#BUILD_NAMES[@]}" ]]; then
+    echo "bench_compare: scripts/build_llama_cpp.sh gave ${#BINDIRS[@]} build directories for ${#BUILD_NAMES[@]} builds" >&2
+    exit 1
+fi
 QUANTIZE="${BINDIRS[0]}/llama-quantize"
 
 # --- models

@@ -115,6 +115,14 @@ fi
 
 # --- servers: one at a time on PORT, killed on any exit
 SERVER_PID=""
+LOAD_PID=""
+stop_load() {
+    if [[ -n "${LOAD_PID}" ]]; then
+        kill "${LOAD_PID}" 2>/dev/null || true
+        wait "${LOAD_PID}" 2>/dev/null || true
+        LOAD_PID=""
+    fi
+}
 stop_server() {
     if [[ -n "${SERVER_PID}" ]] && kill -0 "${SERVER_PID}" 2>/dev/null; then
         kill "${SERVER_PID}" 2>/dev/null || true
@@ -124,8 +132,8 @@ stop_server() {
     fi
     SERVER_PID=""
 }
-trap stop_server EXIT
-trap 'stop_server; exit 130' INT TERM
+trap 'stop_load; stop_server' EXIT
+trap 'stop_load; stop_server; exit 130' INT TERM
 
 port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/${PORT}") 2>/dev/null; }
 
@@ -160,7 +168,12 @@ load() { # label out.json
         --max-tokens "${MAX_TOKENS}" --requests-per-client "${PER_CLIENT}"
         --min-requests "${MIN_REQUESTS}" --warmup "${WARMUP}" -o json)
     echo "${cmd[*]}" >> "${LOGS}/serve-commands.txt"
-    "${cmd[@]}" > "$2"
+    # In the background and waited for: bash runs a trap only once the foreground command ends,
+    # and `wait` lets Ctrl-C or SIGTERM stop the run (and the server) at once.
+    "${cmd[@]}" > "$2" &
+    LOAD_PID=$!
+    wait "${LOAD_PID}"
+    LOAD_PID=""
 }
 
 : > "${LOGS}/serve-commands.txt"
