@@ -407,20 +407,36 @@ impl Scheduler {
         )?;
         self.stats.steps += 1;
         self.stats.computed_tokens += tokens.len() as u64;
+        // Rows choose from their logits in place (no vocabulary-sized copy per row and step);
+        // the buffer goes back for the next step whatever happens.
+        let mut logits = std::mem::take(&mut self.logits);
+        let taken = self.take_tokens(&plan, &mut logits);
+        self.logits = logits;
+        taken?;
+        self.flush();
+        Ok(!self.seqs.is_empty())
+    }
+
+    /// Advances each planned sequence by its rows and lets those that have caught up choose a
+    /// token from their row of `logits` (row `li` for plan entry `li`).
+    fn take_tokens(
+        &mut self,
+        plan: &[(usize, usize)],
+        logits: &mut [f32],
+    ) -> Result<(), EngineError> {
         let vocab = self.engine.config().vocab_size;
         for (li, &(i, n)) in plan.iter().enumerate() {
             self.seqs[i].computed += n;
             if self.seqs[i].pending() > 0 {
                 continue;
             }
-            let logits = self.logits[li * vocab..(li + 1) * vocab].to_vec();
+            let row = &mut logits[li * vocab..(li + 1) * vocab];
             if self.seqs[i].row == 0 && self.seqs[i].state.generated == 0 {
-                self.on_prompt_done(i, &logits)?;
+                self.on_prompt_done(i, row)?;
             }
-            self.take_token(i, logits)?;
+            self.take_token(i, row)?;
         }
-        self.flush();
-        Ok(!self.seqs.is_empty())
+        Ok(())
     }
 
     /// Row 0 of a request just finished its prompt: its whole blocks go to the prefix cache and
@@ -442,14 +458,14 @@ impl Scheduler {
             self.kv.copy_slot(slot, to, len);
             self.seqs[j].slot = Some(to);
             self.seqs[j].computed = len;
-            self.take_token(j, logits.to_vec())?;
+            self.take_token(j, &mut logits.to_vec())?;
         }
         Ok(())
     }
 
     /// The row chooses its next token from `logits` (or takes a forced one) and applies its
     /// stop rules.
-    fn take_token(&mut self, i: usize, mut logits: Vec<f32>) -> Result<(), EngineError> {
+    fn take_token(&mut self, i: usize, logits: &mut [f32]) -> Result<(), EngineError> {
         let engine = Arc::clone(&self.engine);
         let s = &mut self.seqs[i];
         let opts = Arc::clone(&s.opts);
@@ -466,7 +482,7 @@ impl Scheduler {
             capacity: self.kv.capacity(),
         };
         let pos = s.tokens.len();
-        let Some((token, mask)) = s.state.choose(&rules, s.row, &s.tokens, pos, &mut logits) else {
+        let Some((token, mask)) = s.state.choose(&rules, s.row, &s.tokens, pos, logits) else {
             // No token continues the row's constraint: it ends without one.
             self.finish(i, FinishReason::ConstraintBroken);
             return Ok(());

@@ -352,3 +352,60 @@ fn short_input_is_rejected() {
     let mut out = vec![0.0f32; 1];
     matmul(&w, &[1.0; 16], 16, 1, &mut out, 1, false);
 }
+
+/// A token's result does not depend on how many tokens share the call: the first
+/// `tokens − tokens mod 4` (AVX-512; 2 on AVX2) go through register tiles of any width, which
+/// all sum in one order, and the rest through the GEMV, as a one-token call does. With 6-token
+/// tiles covering tokens 4 and 5 of a 6-token call, those differed from the same tokens alone.
+#[test]
+fn tile_widths_round_like_the_narrowest_tile() {
+    let (rows, cols) = (8, 576);
+    // f32 weights: a one-token call takes the same dense GEMV as the tail (quantized weights
+    // take the block GEMV alone).
+    let w = PackedMatrix {
+        rows,
+        cols,
+        data: WeightData::F32(rand_vec(rows * cols, 11)),
+        bias: None,
+    };
+    for level in simd::available_levels() {
+        for tokens in [5, 6, 7, 10, 17] {
+            let x = rand_vec(tokens * cols, tokens as u64);
+            let mut all = vec![0f32; tokens * rows];
+            matmul_at(level, &w, &x, cols, tokens, &mut all, rows, false);
+            // The narrowest tile's width (one token at a time at the scalar level).
+            let base = match simd::clamp(level) {
+                Level::Avx512 | Level::Avx512Bf16 => 4,
+                Level::Avx2 => 2,
+                _ => 1,
+            };
+            let tiled = tokens - tokens % base;
+            for t in 0..tokens {
+                // Alone for the GEMV tokens; in a call of one narrowest tile for the others.
+                let (first, n) = if t >= tiled {
+                    (t, 1)
+                } else {
+                    (t - t % base, base)
+                };
+                let mut part = vec![0f32; n * rows];
+                matmul_at(
+                    level,
+                    &w,
+                    &x[first * cols..],
+                    cols,
+                    n,
+                    &mut part,
+                    rows,
+                    false,
+                );
+                let want = &part[(t - first) * rows..(t - first + 1) * rows];
+                let got = &all[t * rows..(t + 1) * rows];
+                let same = want
+                    .iter()
+                    .zip(got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{level:?} token {t} of {tokens}: {got:?} vs {want:?}");
+            }
+        }
+    }
+}

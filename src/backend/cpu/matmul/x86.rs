@@ -71,10 +71,12 @@ unsafe fn dense_tile<W, K: DenseKernels<W>, const T: usize>(
     }
 }
 
-/// The dense driver: groups of 4 rows, `T` tokens at a time through the register tile, then the
-/// remaining tokens through the largest of the `T2`- and `T3`-token tiles that fits and finally
-/// one at a time (GEMV); a group of fewer than 4 rows runs row by row. `T > T2 > T3 > 1`, or
-/// equal values where an ISA has fewer tile widths.
+/// The dense driver: groups of 4 rows; the first `tokens − tokens mod T2` tokens go `T` at a time
+/// through the register tile, then through `T2`- and `T3`-token tiles, and the last
+/// `tokens mod T2` one at a time (GEMV); a group of fewer than 4 rows runs row by row.
+/// `T > T2 > T3 > 1`, or equal values where an ISA has fewer tile widths. Every tile width sums a
+/// dot product in the same order, so which tokens take the GEMV (whose order differs) is what
+/// fixes the rounding: it is the same set as with `T2`-wide tiles alone.
 #[inline(always)]
 pub(super) unsafe fn dense_rows<
     W,
@@ -91,16 +93,17 @@ pub(super) unsafe fn dense_rows<
     let mut n = job.rows.start;
     while n < end {
         let full = n + 4 <= end;
+        let tiled = job.tokens - job.tokens % T2;
         let mut t = 0;
-        while t + T <= job.tokens {
+        while t + T <= tiled {
             dense_tile::<W, K, T>(w, job, n, end, t);
             t += T;
         }
-        if T2 > 1 && T2 < T && t + T2 <= job.tokens {
+        if T2 > 1 && T2 < T && t + T2 <= tiled {
             dense_tile::<W, K, T2>(w, job, n, end, t);
             t += T2;
         }
-        if T3 > 1 && T3 < T2 && t + T3 <= job.tokens {
+        if T3 > 1 && T3 < T2 && t + T3 <= tiled {
             dense_tile::<W, K, T3>(w, job, n, end, t);
             t += T3;
         }
