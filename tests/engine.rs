@@ -474,3 +474,76 @@ fn engine_is_send_and_sync_and_sessions_are_send() {
     send_sync::<Engine>();
     send::<Session>();
 }
+
+/// Log-probabilities on request: a session's stream and the scheduler give every row's every
+/// token the same numbers (the model's raw log-softmax, not the sampling distribution), and
+/// requests that do not ask get none.
+#[test]
+fn logprobs_from_a_session_equal_the_schedulers() {
+    use kiln::engine::{EngineHandle, Event, Request, ServeOptions};
+    let e = Arc::new(Engine::load(fixtures().join("llama_tied"), CpuOptions::default()).unwrap());
+    let prompt = e.tokenizer().encode("Once upon a time").unwrap();
+    let opts = GenerateOptions {
+        num_samples: 2,
+        max_tokens: Some(8),
+        logprobs: Some(3),
+        ..sampled(4)
+    };
+    let mut session_rows: Vec<Vec<(u32, kiln::engine::TokenLogprobs)>> = vec![Vec::new(); 2];
+    let mut s = Session::new(Arc::clone(&e), 200, 2);
+    for step in s.stream(&prompt, &opts).unwrap() {
+        for (r, row) in step.unwrap().rows.into_iter().enumerate() {
+            if let Some(row) = row {
+                session_rows[r].push((row.token, row.logprobs.expect("asked for")));
+            }
+        }
+    }
+    let handle = EngineHandle::start(Arc::clone(&e), ServeOptions::default()).unwrap();
+    let mut sched_rows: Vec<Vec<(u32, kiln::engine::TokenLogprobs)>> = vec![Vec::new(); 2];
+    for event in handle
+        .submit(Request {
+            prompt: prompt.clone(),
+            options: opts.clone(),
+        })
+        .unwrap()
+    {
+        if let Event::Step(step) = event {
+            for (r, row) in step.rows.into_iter().enumerate() {
+                if let Some(row) = row {
+                    sched_rows[r].push((row.token, row.logprobs.expect("asked for")));
+                }
+            }
+        }
+    }
+    for (a, b) in session_rows.iter().zip(&sched_rows) {
+        assert_eq!(a.len(), b.len());
+        for ((ta, la), (tb, lb)) in a.iter().zip(b) {
+            assert_eq!(ta, tb);
+            assert!((la.logprob - lb.logprob).abs() < 1e-4, "{la:?} {lb:?}");
+            assert_eq!(la.top.len(), 3);
+            for ((ia, pa), (ib, pb)) in la.top.iter().zip(&lb.top) {
+                assert_eq!(ia, ib);
+                assert!((pa - pb).abs() < 1e-4);
+            }
+            // The top entries are in order and the taken token is no likelier than the first.
+            assert!(la.top.windows(2).all(|w| w[0].1 >= w[1].1));
+            assert!(la.logprob <= la.top[0].1 + 1e-6);
+        }
+    }
+    let plain = Session::new(Arc::clone(&e), 200, 2)
+        .stream(
+            &prompt,
+            &GenerateOptions {
+                logprobs: None,
+                ..opts
+            },
+        )
+        .unwrap()
+        .map(|s| s.unwrap())
+        .collect::<Vec<_>>();
+    assert!(plain
+        .iter()
+        .flat_map(|s| &s.rows)
+        .flatten()
+        .all(|r| r.logprobs.is_none()));
+}
