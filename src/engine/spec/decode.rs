@@ -194,11 +194,7 @@ impl Session {
             {
                 let masks = row.constraint.iter_mut().filter(|_| guessed).collect();
                 let (dev, logits) = (&mut self.dev, &mut self.logits);
-                prepare_during(masks, || {
-                    engine
-                        .backend
-                        .forward(kind, dev, &feed, &token_rows, logits)
-                })?;
+                prepare_during(masks, || dev.forward(kind, &feed, &token_rows, logits))?;
             }
             self.tokens[0].extend_from_slice(&feed);
             timings.decode_steps += 1;
