@@ -224,7 +224,11 @@ mod tests {
         let err = render(template, &[ChatMessage::new("user", "ab\\")], true, "", "")
             .expect_err(template)
             .to_string();
-        assert!(t0.elapsed().as_secs() < 20, "{template}: {:?}", t0.elapsed());
+        assert!(
+            t0.elapsed().as_secs() < 20,
+            "{template}: {:?}",
+            t0.elapsed()
+        );
         err
     }
 
@@ -250,7 +254,10 @@ mod tests {
             assert!(err.contains("too expensive"), "{t}: {err}");
         }
         // The straight-line form, no loop: 40 statements of a few bytes each.
-        let unrolled = format!("{{% set s = 'ab' %}}{}{{{{ s }}}}", "{% set s = s ~ s %}".repeat(40));
+        let unrolled = format!(
+            "{{% set s = 'ab' %}}{}{{{{ s }}}}",
+            "{% set s = s ~ s %}".repeat(40)
+        );
         let err = refused(&unrolled);
         assert!(err.contains("too expensive"), "{err}");
     }

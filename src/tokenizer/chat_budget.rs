@@ -59,7 +59,10 @@ const STRING_FILTERS: [&str; 15] = [
 pub(super) struct Budget(Arc<AtomicUsize>);
 
 fn too_expensive(what: String) -> Error {
-    Error::new(ErrorKind::InvalidOperation, format!("too expensive: {what}"))
+    Error::new(
+        ErrorKind::InvalidOperation,
+        format!("too expensive: {what}"),
+    )
 }
 
 impl Budget {
@@ -213,7 +216,9 @@ fn estimate(name: &str, args: &[Value]) -> Result<Option<usize>, Error> {
             let mut total = 0usize;
             if let Ok(items) = input.try_iter() {
                 for item in items {
-                    total = total.saturating_add(display_len(&item)?).saturating_add(sep);
+                    total = total
+                        .saturating_add(display_len(&item)?)
+                        .saturating_add(sep);
                     if total > MAX_VALUE_BYTES {
                         break;
                     }
