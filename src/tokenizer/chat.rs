@@ -75,7 +75,7 @@ fn render_counted(
     let ast = parse(
         template,
         "chat",
-        minijinja::syntax::SyntaxConfig::default(),
+        minijinja::syntax::SyntaxConfig,
         WhitespaceConfig::default(),
     )
     .map_err(|e| TokenizerError::Template(e.to_string()))?;
