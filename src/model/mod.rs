@@ -34,10 +34,14 @@ impl Model {
     pub fn load(path: impl AsRef<Path>) -> Result<Model, LoadError> {
         let path = path.as_ref();
         let meta = crate::files::file_or_dir(path)?;
-        if meta.is_dir() {
-            hf::load(path)
+        let mut model = if meta.is_dir() {
+            hf::load(path)?
         } else {
-            gguf::load(path)
-        }
+            gguf::load(path)?
+        };
+        model
+            .tokenizer
+            .limit_prompts_to(model.config.max_position_embeddings);
+        Ok(model)
     }
 }

@@ -8,7 +8,7 @@
 
 use serde::Serialize;
 
-use super::TokenizerError;
+use super::{chat_budget, TokenizerError};
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct ChatMessage {
@@ -34,23 +34,6 @@ pub const TEMPLATE_FUEL: u64 = 10_000_000;
 /// Bytes a template may render: far more text than any model's context holds.
 pub const MAX_RENDERED_BYTES: usize = 64 << 20;
 
-/// Collects rendered text, failing once it passes [`MAX_RENDERED_BYTES`].
-struct Bounded(Vec<u8>);
-
-impl std::io::Write for Bounded {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        if self.0.len().saturating_add(buf.len()) > MAX_RENDERED_BYTES {
-            return Err(std::io::Error::other("output limit"));
-        }
-        self.0.extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 pub(super) fn render(
     template: &str,
     messages: &[ChatMessage],
@@ -68,7 +51,18 @@ pub(super) fn render(
     .map(|(text, _)| text)
 }
 
+/// Fuel for a template whose longest run of literal text is `raw` bytes: each instruction can
+/// write at most that much literal text, so the fuel also bounds the literal output by
+/// [`MAX_RENDERED_BYTES`] (values written by `{{ }}` are counted as they are written).
+fn fuel_for(raw: usize) -> u64 {
+    let by_output = (MAX_RENDERED_BYTES / raw.max(1)) as u64;
+    TEMPLATE_FUEL.min(by_output.max(1))
+}
+
 /// [`render`], and the fuel (template instructions) it used.
+///
+/// The template is compiled here rather than by `Environment::add_template` so its operators
+/// can be rewritten into size-checked ones ([`chat_budget::rewrite`]).
 fn render_counted(
     template: &str,
     messages: &[ChatMessage],
@@ -76,9 +70,42 @@ fn render_counted(
     bos_token: &str,
     eos_token: &str,
 ) -> Result<(String, u64), TokenizerError> {
+    use minijinja::machinery::{parse, CodeGenerator, Instruction, Vm, WhitespaceConfig};
+
+    let ast = parse(
+        template,
+        "chat",
+        minijinja::syntax::SyntaxConfig,
+        WhitespaceConfig::default(),
+    )
+    .map_err(|e| TokenizerError::Template(e.to_string()))?;
+    let mut generator = CodeGenerator::new("chat", template);
+    generator.compile_stmt(&ast);
+    let (mut instructions, mut blocks) = generator.finish();
+    chat_budget::rewrite(&mut instructions);
+    for block in blocks.values_mut() {
+        chat_budget::rewrite(block);
+    }
+    let longest_raw = std::iter::once(&instructions)
+        .chain(blocks.values())
+        .flat_map(|ins| {
+            (0..ins.len()).filter_map(|i| match ins.get(u32::try_from(i).ok()?) {
+                Some(Instruction::EmitRaw(s)) => Some(s.len()),
+                _ => None,
+            })
+        })
+        .max()
+        .unwrap_or(0);
+    let fuel = fuel_for(longest_raw);
+
+    let budget = chat_budget::Budget::default();
     let mut env = minijinja::Environment::new();
-    env.set_fuel(Some(TEMPLATE_FUEL));
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.set_fuel(Some(fuel));
+    chat_budget::install(
+        &mut env,
+        &budget,
+        minijinja_contrib::pycompat::unknown_method_callback,
+    );
     env.add_function(
         "raise_exception",
         |msg: String| -> Result<String, minijinja::Error> {
@@ -88,44 +115,56 @@ fn render_counted(
             ))
         },
     );
-    env.add_template("chat", template)
-        .map_err(|e| TokenizerError::Template(e.to_string()))?;
-    let tmpl = env
-        .get_template("chat")
-        .map_err(|e| TokenizerError::Template(e.to_string()))?;
-    let mut out = Bounded(Vec::new());
-    let rendered = tmpl.render_captured_to(
+    let written = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = std::sync::Arc::clone(&written);
+    env.set_formatter(move |out, state, value| {
+        let n = chat_budget::display_len(value)?;
+        let total = counter
+            .fetch_add(n, std::sync::atomic::Ordering::Relaxed)
+            .saturating_add(n);
+        if total > MAX_RENDERED_BYTES {
+            return Err(minijinja::Error::new(
+                minijinja::ErrorKind::WriteFailure,
+                "output limit",
+            ));
+        }
+        minijinja::escape_formatter(out, state, value)
+    });
+    let mut text = String::new();
+    let rendered = Vm::new(&env).eval(
+        &instructions,
         minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => bos_token,
             eos_token => eos_token,
         },
-        &mut out,
+        &blocks,
+        &mut minijinja::machinery::make_string_output(&mut text),
+        minijinja::AutoEscape::None,
     );
     match rendered {
-        Ok(captured) => {
-            let fuel = captured.state().fuel_levels().map_or(0, |(used, _)| used);
-            let text = String::from_utf8(out.0)
-                .map_err(|e| TokenizerError::Template(format!("rendered invalid UTF-8: {e}")))?;
-            Ok((text, fuel))
+        Ok((_, state)) if text.len() <= MAX_RENDERED_BYTES => {
+            let used = state.fuel_levels().map_or(0, |(used, _)| used);
+            Ok((text, used))
         }
+        Ok(_) => Err(too_long(messages.len())),
         Err(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => {
             Err(TokenizerError::Template(format!(
-                "too expensive: rendering {} message(s) ran past {TEMPLATE_FUEL} template \
-                 instructions",
+                "too expensive: rendering {} message(s) ran past {fuel} template instructions",
                 messages.len()
             )))
         }
-        Err(e) if e.kind() == minijinja::ErrorKind::WriteFailure => {
-            Err(TokenizerError::Template(format!(
-                "too expensive: rendering {} message(s) wrote more than {} MiB",
-                messages.len(),
-                MAX_RENDERED_BYTES >> 20
-            )))
-        }
+        Err(e) if e.kind() == minijinja::ErrorKind::WriteFailure => Err(too_long(messages.len())),
         Err(e) => Err(TokenizerError::Template(e.to_string())),
     }
+}
+
+fn too_long(messages: usize) -> TokenizerError {
+    TokenizerError::Template(format!(
+        "too expensive: rendering {messages} message(s) wrote more than {} MiB",
+        MAX_RENDERED_BYTES >> 20
+    ))
 }
 
 #[cfg(test)]
@@ -178,5 +217,66 @@ mod tests {
         let wide = "{% for i in range(100000) %}{{ 'x' * 10000 }}{% endfor %}";
         let err = render(wide, &[ChatMessage::new("user", "a")], true, "", "").unwrap_err();
         assert!(err.to_string().contains("more than 64 MiB"), "{err}");
+    }
+
+    fn refused(template: &str) -> String {
+        let t0 = std::time::Instant::now();
+        let err = render(template, &[ChatMessage::new("user", "ab\\")], true, "", "")
+            .expect_err(template)
+            .to_string();
+        assert!(
+            t0.elapsed().as_secs() < 20,
+            "{template}: {:?}",
+            t0.elapsed()
+        );
+        err
+    }
+
+    /// Each of these doubles a string with a handful of instructions, so fuel alone lets it ask
+    /// for terabytes (the allocation aborts the process); each is stopped at the size limit.
+    #[test]
+    fn string_doubling_templates_are_stopped_before_they_allocate() {
+        let doubling = [
+            "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+            "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+            "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s * 2 %}{% endfor %}",
+            "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s|replace('a', 'aa') %}{% endfor %}",
+            "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s.replace('b', 'bb') %}{% endfor %}",
+            "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = [ns.s, ns.s]|join %}{% endfor %}",
+            "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = '-'.join([ns.s, ns.s]) %}{% endfor %}",
+            "{% set ns = namespace(s=messages[0].content) %}{% for i in range(64) %}{% set ns.s = ns.s|tojson %}{% endfor %}",
+            "{% macro d(s, n) %}{% if n %}{{ d(s ~ s, n - 1) }}{% endif %}{% endmacro %}{{ d('ab', 60) }}",
+            "{{ 'a\nb'|indent(1000000000000) }}",
+            "{{ 'ab' * 100000000 }}",
+        ];
+        for t in doubling {
+            let err = refused(t);
+            assert!(err.contains("too expensive"), "{t}: {err}");
+        }
+        // The straight-line form, no loop: 40 statements of a few bytes each.
+        let unrolled = format!(
+            "{{% set s = 'ab' %}}{}{{{{ s }}}}",
+            "{% set s = s ~ s %}".repeat(40)
+        );
+        let err = refused(&unrolled);
+        assert!(err.contains("too expensive"), "{err}");
+    }
+
+    /// The checked operators keep minijinja's meaning for every type: the same template
+    /// rendered by minijinja unchanged (its own operators and filters) gives the same text.
+    #[test]
+    fn checked_operators_keep_their_meaning() {
+        let t = "{% set s = 'ab' %}{% set s = s ~ s %}{{ s }}|{{ s + 'c' }}|{{ 1 + 2 }}|{{ 1.5 + 1 }}|{{ [1] + [2] }}|{{ 2 * 3 }}|{{ 'ab' * 2 }}|{{ [0] * 2 }}|{{ 1 ~ none }}|{{ 'x'|replace('x', 'yz') }}|{{ ['a', 'b']|join('-') }}|{{ 'a b'.replace(' ', '_') }}|{{ ','.join(['p', 'q']) }}|{{ 'a\nb'|indent(2) }}|{{ messages[0].content|upper|tojson }}";
+        let messages = [ChatMessage::new("user", "hi")];
+        let out = render(t, &messages, false, "", "").unwrap();
+        let mut env = minijinja::Environment::new();
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        let reference = env
+            .render_str(t, minijinja::context! { messages => messages })
+            .unwrap();
+        assert_eq!(out, reference);
+        assert!(out.starts_with("abab|ababc|3|"), "{out}");
+        let err = render("{{ 'a' + 1 }}", &[], false, "", "").unwrap_err();
+        assert!(err.to_string().contains("+"), "{err}");
     }
 }

@@ -4,6 +4,7 @@
 
 mod bytes;
 mod chat;
+mod chat_budget;
 pub mod gguf;
 pub mod nanochat;
 mod stream;
@@ -73,7 +74,17 @@ pub struct Tokenizer {
     vocab_size: usize,
     source: PathBuf,
     pub specials: SpecialTokens,
+    /// The model's context in tokens, when the tokenizer belongs to a model
+    /// ([`Tokenizer::limit_prompts_to`]): a rendered chat prompt longer than it can hold is
+    /// refused before it is encoded.
+    context_tokens: Option<usize>,
+    /// Bytes of the longest vocabulary entry, computed on first use.
+    longest_token: OnceLock<usize>,
 }
+
+/// Bytes a token is assumed to cover at least, whatever the vocabulary's longest entry: text a
+/// normalizer shortens still fits a prompt of context × this.
+const MIN_BYTES_PER_TOKEN: usize = 16;
 
 impl Tokenizer {
     /// Parses a `tokenizer.json` document. The document is checked first (JSON syntax, decoders
@@ -101,6 +112,8 @@ impl Tokenizer {
             json: json.to_vec(),
             source: source.to_path_buf(),
             specials,
+            context_tokens: None,
+            longest_token: OnceLock::new(),
         })
     }
 
@@ -135,6 +148,33 @@ impl Tokenizer {
             reason: e.to_string(),
         })?;
         Tokenizer::from_json(&bytes, source, SpecialTokens::default())
+    }
+
+    /// Refuses rendered chat prompts that a context of `tokens` cannot hold (see
+    /// [`Tokenizer::max_prompt_bytes`]). Set by `Model::load` from the model's context.
+    pub fn limit_prompts_to(&mut self, tokens: usize) {
+        self.context_tokens = Some(tokens);
+    }
+
+    /// The longest rendered chat prompt worth encoding: the context in tokens times the bytes
+    /// one token can cover (the longest vocabulary entry's bytes, at least
+    /// [`MIN_BYTES_PER_TOKEN`]). Encoding needs tens of bytes of memory per byte of text, so a
+    /// template that renders megabytes is refused here instead of exhausting memory in the
+    /// encoder. `None` when the tokenizer belongs to no model.
+    pub fn max_prompt_bytes(&self) -> Option<usize> {
+        let context = self.context_tokens?;
+        let longest = *self.longest_token.get_or_init(|| {
+            guarded("measuring the vocabulary", || {
+                self.inner
+                    .get_vocab(true)
+                    .keys()
+                    .map(String::len)
+                    .max()
+                    .unwrap_or(0)
+            })
+            .unwrap_or(0)
+        });
+        Some(context.saturating_mul(longest.max(MIN_BYTES_PER_TOKEN)))
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -223,7 +263,17 @@ impl Tokenizer {
     /// format when the vocabulary has nanochat's special tokens.
     pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, TokenizerError> {
         if self.specials.chat_template.is_some() {
-            return self.encode(&self.apply_chat_template(messages, true)?);
+            let text = self.apply_chat_template(messages, true)?;
+            if let Some(limit) = self.max_prompt_bytes().filter(|&l| text.len() > l) {
+                return Err(TokenizerError::Template(format!(
+                    "rendered a prompt of {} bytes from {} message(s), more than the model's \
+                     context of {} tokens can hold (at most {limit} bytes); refusing to encode it",
+                    text.len(),
+                    messages.len(),
+                    self.context_tokens.unwrap_or(0)
+                )));
+            }
+            return self.encode(&text);
         }
         if nanochat::NanochatTokens::of(self).is_ok() {
             let msgs: Vec<nanochat::Message> = messages
@@ -254,5 +304,30 @@ impl Tokenizer {
             &token_text(self.specials.bos_token_id),
             &token_text(self.specials.eos_token_ids.first().copied()),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A byte tokenizer (longest entry 2 bytes) for a model of 8 tokens of context: prompts up
+    /// to 8 × 16 bytes encode, a longer rendered prompt is refused before encoding.
+    #[test]
+    fn a_rendered_prompt_longer_than_the_context_can_hold_is_refused() {
+        let mut tok = Tokenizer::bytes_only(Path::new("tokenizer.json")).unwrap();
+        tok.specials.chat_template = Some("{{ messages[0].content }}".into());
+        let fits = [ChatMessage::new("user", "a".repeat(128))];
+        let too_long = [ChatMessage::new("user", "a".repeat(129))];
+        assert_eq!(tok.chat_prompt(&too_long).unwrap().len(), 129);
+        tok.limit_prompts_to(8);
+        assert_eq!(tok.max_prompt_bytes(), Some(128));
+        assert_eq!(tok.chat_prompt(&fits).unwrap().len(), 128);
+        let err = tok.chat_prompt(&too_long).unwrap_err().to_string();
+        assert!(
+            err.starts_with("chat template: rendered a prompt of 129 bytes")
+                && err.contains("context of 8 tokens"),
+            "{err}"
+        );
     }
 }

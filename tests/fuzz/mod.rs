@@ -676,8 +676,15 @@ fn edge_json_int(rng: &mut Rng) -> Value {
 
 /// Pieces of Jinja that real templates use, and some that break them. Loop bounds stay small:
 /// a template that is merely expensive is bounded by the renderer's own limits, not tested
-/// here by waiting.
-const TEMPLATE_PIECES: [&str; 30] = [
+/// here by waiting; strings that double per step are what those limits must stop.
+const TEMPLATE_PIECES: [&str; 37] = [
+    "{% set ns = namespace(s=messages[0].content) %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+    "{% set s = message.content ~ message.content %}{% set s = s + s %}{% set s = s * 3 %}{{ s }}",
+    "{{ messages[0].content * 100000 }}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s|replace('a', 'aa') %}{% endfor %}",
+    "{% set ns = namespace(s='\\\\') %}{% for i in range(40) %}{% set ns.s = ns.s|tojson %}{% endfor %}",
+    "{% macro d(s, n) %}{% if n %}{{ d(s ~ s, n - 1) }}{% endif %}{% endmacro %}{{ d(bos_token ~ 'x', 40) }}",
+    "{{ ([message.content] * 1000)|join(message.content * 1000) }}",
     "{% for message in messages %}",
     "{% endfor %}",
     "{{ message['role'] }}",
