@@ -13,8 +13,7 @@ use std::collections::VecDeque;
 
 use super::{EngineError, LogitsProcessor};
 use crate::backend::cpu::{CpuBackend, Workspace};
-use crate::backend::cuda::GraphRow;
-use crate::backend::TokenRow;
+use crate::backend::{GraphRow, TokenRow};
 use crate::kv::KvCache;
 use crate::plan::PlanKind;
 use crate::sample::{self, SamplingParams};
