@@ -290,7 +290,6 @@ fn load(c: &Common) -> Result<Arc<Engine>> {
             KvType::Fp8 => KvDtype::Fp8E4m3,
             KvType::Q8 => KvDtype::Q8,
         },
-        ..EngineOptions::default()
     };
     let t0 = Instant::now();
     let engine = Engine::load(&c.model, opts).context("loading the model")?;
