@@ -16,6 +16,8 @@ mod cuda_device;
 mod device;
 mod graph_run;
 mod logprobs;
+#[cfg(test)]
+mod padded_vocab;
 mod row;
 mod scheduler;
 mod sequence;
