@@ -28,8 +28,8 @@ use std::path::{Path, PathBuf};
 
 use common::{demo_model, fixtures, gpu_or_skip, rel_l2};
 use kiln::backend::cpu::{CpuBackend, CpuOptions, WeightFormat, Workspace};
-use kiln::backend::cuda::{CudaBackend, CudaKvCache, CudaWorkspace, GraphDecoder, GraphRow};
-use kiln::backend::TokenRow;
+use kiln::backend::cuda::{CudaBackend, CudaKvCache, CudaWorkspace, GraphDecoder};
+use kiln::backend::{GraphRow, TokenRow};
 use kiln::model::Model;
 use kiln::plan::PlanKind;
 use kiln::sample::{argmax, sample, SamplingParams};

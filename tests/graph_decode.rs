@@ -1,5 +1,5 @@
 //! The engine's pipelined decode (the path the CUDA megakernel's graph takes) against the
-//! plain host path, on the CPU: `EngineOptions::emulate_graph_on_cpu` swaps the graph decoder
+//! plain host path, on the CPU: `Engine::emulating_graph_decode_on_cpu` swaps the graph decoder
 //! for a CPU stand-in that runs up to 8 steps ahead of the engine exactly as the device does
 //! (cache written past the confirmed lengths, tokens sampled ahead, everything in flight dropped
 //! when the host must take over). Every result must equal the host path's: tokens, masks, text,
@@ -11,20 +11,15 @@ use std::sync::Arc;
 
 use common::fixtures;
 use kiln::backend::cpu::CpuOptions;
-use kiln::engine::{BatchResult, Engine, EngineOptions, GenerateOptions, LogitsProcessor, Session};
+use kiln::engine::{BatchResult, Engine, GenerateOptions, LogitsProcessor, Session};
+use kiln::model::Model;
 use kiln::sample::SamplingParams;
 
 fn engines(fixture: &str) -> (Arc<Engine>, Arc<Engine>) {
     let path = fixtures().join(fixture);
     let host = Engine::load(&path, CpuOptions::default()).unwrap();
-    let graph = Engine::load(
-        &path,
-        EngineOptions {
-            emulate_graph_on_cpu: true,
-            ..EngineOptions::default()
-        },
-    )
-    .unwrap();
+    let model = Model::load(&path).unwrap();
+    let graph = Engine::emulating_graph_decode_on_cpu(model, CpuOptions::default()).unwrap();
     assert!(graph.uses_megakernel() && !host.uses_megakernel());
     (Arc::new(host), Arc::new(graph))
 }
@@ -132,13 +127,19 @@ fn stop_strings_and_stop_tokens_end_rows_as_on_the_host() {
 
 #[test]
 fn forced_tool_tokens_leave_the_graph_and_come_back() {
-    let host = common::uniform_model_on(common::nanochat_tokenizer(), CpuOptions::default().into());
-    let graph = common::uniform_model_on(
-        common::nanochat_tokenizer(),
-        EngineOptions {
-            emulate_graph_on_cpu: true,
-            ..EngineOptions::default()
-        },
+    let host = Arc::new(
+        Engine::from_model(
+            common::uniform_model_of(common::nanochat_tokenizer()),
+            CpuOptions::default(),
+        )
+        .unwrap(),
+    );
+    let graph = Arc::new(
+        Engine::emulating_graph_decode_on_cpu(
+            common::uniform_model_of(common::nanochat_tokenizer()),
+            CpuOptions::default(),
+        )
+        .unwrap(),
     );
     let tok = host.tokenizer();
     let id = |s: &str| tok.token_to_id(s).unwrap();

@@ -5,4 +5,4 @@ pub mod cpu;
 pub mod cuda;
 mod step;
 
-pub use step::{check_step, ExecError, TokenRow};
+pub use step::{check_step, ExecError, GraphRow, TokenRow};

@@ -1,5 +1,6 @@
-//! What every backend shares about one step: where each token row goes, the errors a step can
-//! fail with, and the checks made before any backend runs it.
+//! What every backend shares about one step: where each token row goes (and, for a graph-replayed
+//! decode, which token it embeds), the errors a step can fail with, and the checks made before any
+//! backend runs it.
 
 use std::collections::BTreeMap;
 
@@ -10,6 +11,16 @@ use crate::kv::KvError;
 pub struct TokenRow {
     pub slot: usize,
     pub pos: usize,
+}
+
+/// One row to decode: the token it embeds at position `pos` of cache slot `slot`, and the
+/// engine row keying its Philox draws.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GraphRow {
+    pub slot: usize,
+    pub pos: usize,
+    pub token: u32,
+    pub row_id: u32,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

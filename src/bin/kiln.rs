@@ -298,7 +298,6 @@ fn load_at(c: &Common, path: &Path) -> Result<Arc<Engine>> {
             KvType::Fp8 => KvDtype::Fp8E4m3,
             KvType::Q8 => KvDtype::Q8,
         },
-        ..EngineOptions::default()
     };
     let t0 = Instant::now();
     let engine = Engine::load(path, opts).context("loading the model")?;

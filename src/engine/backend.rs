@@ -3,8 +3,7 @@
 //! so they can only ever run on that device.
 
 use crate::backend::cpu::CpuBackend;
-use crate::backend::cuda::GraphRow;
-use crate::backend::TokenRow;
+use crate::backend::{GraphRow, TokenRow};
 use crate::model::ModelConfig;
 use crate::plan::{ExecutionPlan, PlanKind};
 use crate::sample::SamplingParams;

@@ -6,15 +6,14 @@
 //! Like the device, each queued step embeds the token the previous step sampled at the next
 //! position, writes the cache past the lengths the engine has confirmed, and samples the next
 //! token (Philox keyed by the engine row and the position the token takes); nothing but the
-//! tokens reaches the engine until it consumes a step. Enabled with
-//! `EngineOptions::emulate_graph_on_cpu` (tests only: on a CPU it buys no speed).
+//! tokens reaches the engine until it consumes a step. Enabled only through the test entry point
+//! `Engine::emulating_graph_decode_on_cpu` (on a CPU it buys no speed).
 
 use std::collections::VecDeque;
 
 use super::{EngineError, LogitsProcessor};
 use crate::backend::cpu::{CpuBackend, Workspace};
-use crate::backend::cuda::GraphRow;
-use crate::backend::TokenRow;
+use crate::backend::{GraphRow, TokenRow};
 use crate::kv::KvCache;
 use crate::plan::PlanKind;
 use crate::sample::{self, SamplingParams};

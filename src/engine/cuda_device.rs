@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use super::backend::{Backend, Caches, CpuGraphInputs};
 use super::EngineError;
-use crate::backend::cuda::{CudaBackend, CudaKvCache, CudaWorkspace, GraphDecoder, GraphRow};
-use crate::backend::TokenRow;
+use crate::backend::cuda::{CudaBackend, CudaKvCache, CudaWorkspace, GraphDecoder};
+use crate::backend::{GraphRow, TokenRow};
 use crate::model::ModelConfig;
 use crate::plan::{ExecutionPlan, PlanKind};
 use crate::sample::SamplingParams;

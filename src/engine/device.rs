@@ -49,10 +49,6 @@ pub struct EngineOptions {
     /// How sessions' KV caches store keys and values on the CPU (default f32, exact). The
     /// CUDA backend keeps bf16.
     pub kv_dtype: KvDtype,
-    /// Decode on the CPU through the stand-in for the CUDA decode graph, which runs ahead of
-    /// the engine as the device does (tests of the engine's pipelined decode; no speed gain).
-    #[doc(hidden)]
-    pub emulate_graph_on_cpu: bool,
 }
 
 impl From<CpuOptions> for EngineOptions {
@@ -76,7 +72,7 @@ pub(crate) fn start(model: &Model, opts: EngineOptions) -> Result<Started, Engin
         Ok(Started {
             backend: Box::new(CpuDevice::new(
                 CpuBackend::new(&model.config, &model.weights, opts.cpu)?,
-                opts.emulate_graph_on_cpu,
+                false,
                 opts.kv_dtype,
             )),
             fallback,
@@ -100,6 +96,24 @@ pub(crate) fn start(model: &Model, opts: EngineOptions) -> Result<Started, Engin
         #[cfg(not(feature = "cuda"))]
         Device::Auto => cpu(Some("built without the `cuda` cargo feature".into())),
     }
+}
+
+/// Compiles `model` for the CPU, decoding through the CPU stand-in of the CUDA decode graph
+/// (`cpu_graph.rs`), which runs ahead of the engine as the device does. Only tests of the
+/// engine's pipelined decode want this: on a CPU it buys no speed.
+pub(crate) fn start_graph_emulation(
+    model: &Model,
+    cpu: CpuOptions,
+    kv_dtype: KvDtype,
+) -> Result<Started, EngineError> {
+    Ok(Started {
+        backend: Box::new(CpuDevice::new(
+            CpuBackend::new(&model.config, &model.weights, cpu)?,
+            true,
+            kv_dtype,
+        )),
+        fallback: None,
+    })
 }
 
 #[cfg(feature = "cuda")]

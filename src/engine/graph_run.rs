@@ -14,7 +14,7 @@
 
 use super::backend::{Backend, Caches, CpuGraphInputs};
 use super::{EngineError, LogitsProcessor};
-use crate::backend::cuda::GraphRow;
+use crate::backend::GraphRow;
 use crate::sample::SamplingParams;
 use kiln_codegen::bucket_for;
 

@@ -16,6 +16,8 @@ mod cuda_device;
 mod device;
 mod graph_run;
 mod logprobs;
+#[cfg(test)]
+mod padded_vocab;
 mod row;
 mod scheduler;
 mod sequence;
@@ -44,9 +46,9 @@ pub use session::Session;
 pub use spec::{SpecError, SpecMethod, SpecOptions, SpecResult, SpecStats};
 pub use stream::Stream;
 
-use crate::backend::cpu::{BackendError, CpuBackend};
+use crate::backend::cpu::{BackendError, CpuBackend, CpuOptions};
 use crate::backend::ExecError;
-use crate::kv::KvError;
+use crate::kv::{KvDtype, KvError};
 use crate::model::{LoadError, Model, ModelConfig};
 use crate::sample::{SampleError, SamplingParams};
 use crate::tokenizer::{Tokenizer, TokenizerError};
@@ -117,7 +119,24 @@ impl Engine {
 
     pub fn from_model(model: Model, opts: impl Into<EngineOptions>) -> Result<Engine, EngineError> {
         let started = device::start(&model, opts.into())?;
-        Ok(Engine {
+        Ok(Engine::started(model, started))
+    }
+
+    /// A test entry point, not a device: `model` on the CPU backend (with `cpu`, f32 caches),
+    /// decoding through the CPU stand-in of the CUDA decode graph, which runs up to the ring's
+    /// depth of steps ahead of the engine exactly as the device does. The engine's pipelined
+    /// decode is tested with it on machines without a GPU; it buys no speed.
+    #[doc(hidden)]
+    pub fn emulating_graph_decode_on_cpu(
+        model: Model,
+        cpu: CpuOptions,
+    ) -> Result<Engine, EngineError> {
+        let started = device::start_graph_emulation(&model, cpu, KvDtype::default())?;
+        Ok(Engine::started(model, started))
+    }
+
+    fn started(model: Model, started: device::Started) -> Engine {
+        Engine {
             num_params: model.weights.num_params(),
             model_path: model.path,
             weight_type: model.weight_type,
@@ -125,7 +144,7 @@ impl Engine {
             backend: started.backend,
             fallback: started.fallback,
             constraints: OnceLock::new(),
-        })
+        }
     }
 
     pub fn config(&self) -> &ModelConfig {

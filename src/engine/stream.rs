@@ -13,8 +13,7 @@ use super::tools::ToolTokens;
 use super::{
     BatchResult, EngineError, FinishReason, GenerateOptions, RowStep, Step, Timings, Usage,
 };
-use crate::backend::cuda::GraphRow;
-use crate::backend::TokenRow;
+use crate::backend::{GraphRow, TokenRow};
 use crate::plan::PlanKind;
 
 /// Generation: a session's streams and the batch calls built on them.

@@ -131,21 +131,17 @@ pub fn uniform_model_with(
     tokenizer: kiln::tokenizer::Tokenizer,
     threads: usize,
 ) -> std::sync::Arc<kiln::engine::Engine> {
-    uniform_model_on(
-        tokenizer,
-        kiln::backend::cpu::CpuOptions {
-            threads,
-            ..Default::default()
-        }
-        .into(),
+    let opts = kiln::backend::cpu::CpuOptions {
+        threads,
+        ..Default::default()
+    };
+    std::sync::Arc::new(
+        kiln::engine::Engine::from_model(uniform_model_of(tokenizer), opts).unwrap(),
     )
 }
 
-/// The uniform model on the engine `opts` describe.
-pub fn uniform_model_on(
-    tokenizer: kiln::tokenizer::Tokenizer,
-    opts: kiln::engine::EngineOptions,
-) -> std::sync::Arc<kiln::engine::Engine> {
+/// The uniform model's config and weights over any tokenizer, not yet on an engine.
+pub fn uniform_model_of(tokenizer: kiln::tokenizer::Tokenizer) -> kiln::model::Model {
     use kiln::model::{Architecture, Model, ModelConfig, RopeStyle, Tensor, Weights};
     let vocab = tokenizer.vocab_size();
     let (c, f, heads, kv, d) = (16, 32, 2, 1, 8);
@@ -221,14 +217,13 @@ pub fn uniform_model_on(
     t(&format!("{p}.mlp.down_proj.weight"), vec![c, f], false);
     t("model.norm.weight", vec![c], false);
     t("lm_head.weight", vec![vocab, c], true);
-    let model = Model {
+    Model {
         path: "uniform-model".into(),
         config,
         weights: w,
         tokenizer,
         weight_type: "f32".into(),
-    };
-    std::sync::Arc::new(kiln::engine::Engine::from_model(model, opts).unwrap())
+    }
 }
 
 /// Whether a CUDA GPU is usable; without one, prints `SKIPPED: <reason>` for the test log.

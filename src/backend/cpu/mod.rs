@@ -11,6 +11,8 @@ pub mod matmul;
 pub mod norm;
 mod rope;
 pub mod simd;
+#[cfg(test)]
+mod synthetic_models;
 
 use std::collections::HashMap;
 

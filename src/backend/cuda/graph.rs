@@ -39,11 +39,12 @@ use kiln_codegen::{MkControl, Weight, WeightDtype};
 use super::device::{drv, page_tables, CudaBackend, CudaError, CudaKvCache, DevMatrix};
 use super::graph_host::{
     batch_arrays, bucket_for, check_rows, control_words, grid_blocks, host_stop_mask, row_control,
-    row_mask, row_words, sampling_control, wait_epoch, GraphError, GraphRow, RingBook, StreamState,
+    row_mask, row_words, sampling_control, wait_epoch, GraphError, RingBook, StreamState,
     WaitError, CONTROL_WORDS, NO_TOKEN,
 };
 use super::megakernel::{generate, lower_decode};
 use super::nvrtc;
+use crate::backend::GraphRow;
 use crate::graph::{Linear, Op};
 use crate::model::{LoadError, Weights};
 use crate::plan::ExecutionPlan;

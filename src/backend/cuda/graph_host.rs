@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use kiln_codegen::MAX_BATCH;
 
+use crate::backend::GraphRow;
 use crate::sample::SamplingParams;
 
 /// Ring entries (`MK_RING` in the generated kernel) and the stop ids the device checks
@@ -112,16 +113,6 @@ pub fn grid_blocks(
         return Err(GraphError::NoOccupancy { threads });
     }
     Ok((sms.max(1) * blocks_per_sm).min(tiles).max(1))
-}
-
-/// One row to decode: the token it embeds at position `pos` of cache slot `slot`, and the
-/// engine row keying its Philox draws.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GraphRow {
-    pub slot: usize,
-    pub pos: usize,
-    pub token: u32,
-    pub row_id: u32,
 }
 
 /// Checks the started rows against the cache (`lens[slot]` positions cached, `capacity`) and the

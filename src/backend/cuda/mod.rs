@@ -35,4 +35,4 @@ pub mod nvrtc;
 pub use device::{probe, CudaBackend, CudaError, CudaKvCache, CudaWorkspace, DeviceInfo};
 #[cfg(feature = "cuda")]
 pub use graph::{GraphDecoder, GraphStep};
-pub use graph_host::{bucket_for, GraphError, GraphRow, MkControl, RING};
+pub use graph_host::{bucket_for, GraphError, MkControl, RING};
