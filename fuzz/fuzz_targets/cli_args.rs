@@ -10,7 +10,9 @@ use std::os::unix::ffi::OsStringExt;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let argv = std::iter::once(OsString::from("kiln"))
-        .chain(data.split(|&b| b == 0).map(|a| OsString::from_vec(a.to_vec())));
+    let argv = std::iter::once(OsString::from("kiln")).chain(
+        data.split(|&b| b == 0)
+            .map(|a| OsString::from_vec(a.to_vec())),
+    );
     let _ = kiln::cli::kiln_args::parse_args(argv);
 });
