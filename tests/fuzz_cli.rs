@@ -12,6 +12,10 @@
 //! KILN_FUZZ_CLI_CASES=5000 KILN_FUZZ_CLI_SEED=7 cargo test --release --test fuzz_cli -- --nocapture
 //! KILN_FUZZ_CLI_SHOW=1 ...   # also print every case's exit status and error line
 //! ```
+//!
+//! The same mutator's `kiln` and `kiln chat` command lines also go, in-process and many more of
+//! them, through `kiln::cli::kiln_args::parse_args` (what the binary runs before it loads a
+//! model; the `cli_args` cargo-fuzz target drives it with libFuzzer's bytes).
 
 mod cli_support;
 
@@ -546,4 +550,65 @@ fn hostile_command_lines_never_crash_or_hang() {
         failures.len(),
         failures.join("\n")
     );
+}
+
+/// The `kiln` and `kiln chat` command lines of the mutator, parsed and checked in-process as
+/// the binary does before it loads a model: none may panic. Without process start-up, thousands
+/// take well under a second.
+#[test]
+fn hostile_kiln_command_lines_parse_in_process_without_panic() {
+    use kiln::cli::kiln_args::{parse_args, KilnArgsError, KilnCommand};
+
+    let dir = TempDir::new("fuzz-parse");
+    let fifo = dir.path().join("fifo");
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let empty_dir = dir.path().join("empty");
+    std::fs::create_dir(&empty_dir).unwrap();
+    let mut non_utf8 = dir.path().as_os_str().to_owned().into_vec();
+    non_utf8.extend_from_slice(b"/m\xff");
+    let non_utf8 = OsString::from_vec(non_utf8);
+    std::os::unix::fs::symlink(fixtures().join("llama_tied"), &non_utf8).unwrap();
+    let scratch = dir.path().join("scratch");
+    std::fs::create_dir(&scratch).unwrap();
+    let places = Places {
+        tied: fixtures().join("llama_tied").display().to_string(),
+        gguf: fixtures()
+            .join("llama_tied.q4_1.gguf")
+            .display()
+            .to_string(),
+        fifo: fifo.display().to_string(),
+        empty_dir: empty_dir.display().to_string(),
+        non_utf8,
+        scratch,
+    };
+    let mut rng = Rng(1);
+    // Outcomes seen: parsed, usage error (exit 2), refused by a check (exit 1).
+    let mut seen = [0usize; 3];
+    let mut parsed = 0;
+    while parsed < 5000 {
+        let case = generate(&mut rng, &places);
+        if case.exe != KILN {
+            continue;
+        }
+        parsed += 1;
+        let argv = std::iter::once(OsString::from(KILN)).chain(case.args.iter().cloned());
+        let outcome = std::panic::catch_unwind(|| parse_args(argv));
+        match outcome {
+            Ok(Ok(KilnCommand::Generate(_) | KilnCommand::Chat(_))) => seen[0] += 1,
+            Ok(Ok(KilnCommand::Serve(_))) => panic!("{:?} parsed as kiln serve", case.args),
+            Ok(Err(KilnArgsError::Usage(_))) => seen[1] += 1,
+            Ok(Err(_)) => seen[2] += 1,
+            Err(_) => panic!("parse_args panicked on {:?}", case.args),
+        }
+    }
+    eprintln!(
+        "parse_args: {parsed} command lines: {} parsed, {} usage errors, {} refused by checks",
+        seen[0], seen[1], seen[2]
+    );
+    // The mutator reaches every outcome; if it stopped doing so, this test would test less.
+    assert!(seen.iter().all(|&n| n > 0), "outcomes {seen:?}");
 }

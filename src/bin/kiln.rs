@@ -9,22 +9,23 @@
 #[path = "kiln/serve.rs"]
 mod serve;
 
-use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, Parser, ValueEnum};
+use clap::Parser;
 use serde::Serialize;
 
 use kiln::backend::cpu::{CpuOptions, WeightFormat};
-use kiln::cli::args::{check_model_path, check_threads, Text};
 use kiln::cli::context::{self, CacheRequest};
 use kiln::cli::input::{read_chat_line, read_prompt, ChatLine, MAX_TEXT_BYTES};
+use kiln::cli::kiln_args::{
+    parse_args, ChatArgs, Common, Decode, Device, GenerateArgs, KilnArgsError, KilnCommand, KvType,
+    Weights,
+};
 use kiln::cli::memory;
 use kiln::cli::output::{die_on_closed_pipe, Stdout};
-use kiln::cli::spec::SpecArgs;
 use kiln::engine::{
     Constraint, ConstraintSpec, DecodePath, Engine, EngineOptions, FinishReason, GenerateOptions,
     Session, SpecStats, Timings, Usage,
@@ -36,182 +37,22 @@ use kiln::sample::SamplingParams;
 use kiln::tokenizer::nanochat::NanochatTokens;
 use kiln::tokenizer::{ChatMessage, TokenizerError};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Device {
-    /// CUDA when a GPU, driver and NVRTC are present, else the CPU (one line on stderr says why).
-    Auto,
-    Cpu,
-    /// Fail unless CUDA is usable.
-    Cuda,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Decode {
-    /// The megakernel where the model lowers to it, else per-op.
-    Auto,
-    /// One kernel per plan instruction.
-    PerOp,
-    /// One generated kernel per step, replayed as a CUDA graph (fails if the model does not
-    /// lower to it).
-    Megakernel,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum KvType {
-    F32,
-    Bf16,
-    F16,
-    Fp8,
-    Q8,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Weights {
-    /// bf16 stays bf16; f32, f16 and quantized types run exactly.
-    Auto,
-    F32,
-    /// Round weights to bf16: half the memory traffic per token of f32.
-    Bf16,
-}
-
-/// Options shared by one-shot generation and chat.
-#[derive(Args, Debug)]
-struct Common {
-    /// Model: a Hugging Face directory or a .gguf file.
-    #[arg(short, long)]
-    model: PathBuf,
-    /// Tokens to generate at most (per reply in chat).
-    #[arg(short = 'n', long, default_value_t = 256)]
-    n_predict: usize,
-    /// Context: positions the KV cache holds (0 = the model's whole context). Default: what the
-    /// run needs (prompt + -n; in chat, the whole context), at most 4096 and at most what memory
-    /// holds.
-    #[arg(short = 'c', long = "ctx-size", value_name = "N")]
-    ctx_size: Option<usize>,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temp: f32,
-    #[arg(long)]
-    top_k: Option<usize>,
-    #[arg(long)]
-    top_p: Option<f32>,
-    #[arg(long)]
-    min_p: Option<f32>,
-    /// Penalty (> 1) on tokens already in the context.
-    #[arg(long)]
-    repeat_penalty: Option<f32>,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Stop when the text contains this string (repeatable, not empty); the match is not printed.
-    #[arg(long = "stop", value_parser = Text::NON_EMPTY)]
-    stop: Vec<String>,
-    /// Keep generating past end-of-sequence tokens.
-    #[arg(long)]
-    ignore_eos: bool,
-    /// Do not run the calculator tool on <|python_start|>…<|python_end|> (nanochat models).
-    #[arg(long)]
-    no_tools: bool,
-    /// CPU threads (0 = all cores; at most 4 × the cores, or 64).
-    #[arg(short = 't', long, default_value_t = 0)]
-    threads: usize,
-    /// How weights are held in memory.
-    #[arg(long, value_enum, default_value_t = Weights::Auto)]
-    weights: Weights,
-    /// How the KV cache stores keys and values on the CPU: f32 (exact), bf16, f16, fp8
-    /// (e4m3) or q8 (32-value groups; head size divisible by 32).
-    #[arg(long, value_enum, default_value_t = KvType::F32)]
-    kv_type: KvType,
-    /// Where to run.
-    #[arg(long, value_enum, default_value_t = Device::Auto)]
-    device: Device,
-    /// How decode steps run on CUDA (ignored on the CPU).
-    #[arg(long, value_enum, default_value_t = Decode::Auto)]
-    decode: Decode,
-    /// Constrain the output to JSON valid under this JSON Schema (a file).
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["regex", "grammar"])]
-    json_schema: Option<PathBuf>,
-    /// Constrain the output to match this regular expression (whole output, Rust syntax).
-    #[arg(long, value_name = "RE", conflicts_with = "grammar")]
-    regex: Option<String>,
-    /// Constrain the output to this grammar (a file in llguidance's Lark syntax).
-    #[arg(long, value_name = "FILE")]
-    grammar: Option<PathBuf>,
-}
-
-#[derive(Parser, Debug)]
-#[command(
-    name = "kiln",
-    version,
-    about = "Generate text with a decoder-only language model",
-    after_help = "Interactive multi-turn chat: kiln chat -m MODEL\nOpenAI-compatible HTTP server: kiln serve -m MODEL"
-)]
-struct GenerateArgs {
-    #[command(flatten)]
-    common: Common,
-    /// Prompt text.
-    #[arg(short, long, value_parser = Text::ANY, conflicts_with_all = ["prompt_ids", "file"])]
-    prompt: Option<String>,
-    /// Read the prompt from a file (`-` for stdin), for prompts longer than the argument limit.
-    #[arg(short = 'f', long, value_name = "FILE", conflicts_with = "prompt_ids")]
-    file: Option<PathBuf>,
-    /// Prompt as comma-separated token ids instead of text.
-    #[arg(long, value_delimiter = ',')]
-    prompt_ids: Option<Vec<u32>>,
-    /// Wrap the prompt in the model's chat template as a user message.
-    #[arg(long, conflicts_with = "prompt_ids")]
-    chat: bool,
-    /// System message (with --chat).
-    #[arg(long, requires = "chat", value_parser = Text::ANY)]
-    system: Option<String>,
-    /// Independent samples of the prompt from one prefill.
-    #[arg(long, default_value_t = 1)]
-    samples: usize,
-    /// Print one JSON object (ids, masks, text, finish reasons, timings) instead of streaming.
-    #[arg(long)]
-    json: bool,
-    #[command(flatten)]
-    spec: SpecArgs,
-}
-
-#[derive(Parser, Debug)]
-#[command(
-    name = "kiln chat",
-    version,
-    about = "Chat with a model; the conversation's cache is reused across turns"
-)]
-struct ChatArgs {
-    #[command(flatten)]
-    common: Common,
-    /// System message.
-    #[arg(long, value_parser = Text::ANY)]
-    system: Option<String>,
-}
-
 fn main() {
     die_on_closed_pipe();
     // Arguments as the OS gave them: a non-UTF-8 path is still a path, and non-UTF-8 text is
     // an error naming its flag (`Text`), not a panic in `std::env::args`.
-    let mut argv: Vec<OsString> = std::env::args_os().collect();
-    let res = if argv.get(1).is_some_and(|a| a == "chat") {
-        argv.splice(..2, [OsString::from("kiln chat")]);
-        chat(ChatArgs::parse_from(argv))
-    } else if argv.get(1).is_some_and(|a| a == "serve") {
-        argv.splice(..2, [OsString::from("kiln serve")]);
-        serve::run(serve::ServeArgs::parse_from(argv))
-    } else {
-        generate(GenerateArgs::parse_from(argv))
+    let res = match parse_args(std::env::args_os()) {
+        Ok(KilnCommand::Generate(args)) => generate(args),
+        Ok(KilnCommand::Chat(args)) => chat(args),
+        Ok(KilnCommand::Serve(argv)) => serve::run(serve::ServeArgs::parse_from(argv)),
+        // Usage errors, --help and --version: clap's message and exit status.
+        Err(KilnArgsError::Usage(e)) => e.exit(),
+        Err(e) => Err(e.into()),
     };
     if let Err(e) = res {
         note!("error: {e:#}");
         std::process::exit(1);
     }
-}
-
-/// Checks what can be checked before the model is loaded.
-fn check_common(c: &Common) -> Result<()> {
-    check_model_path("-m", &c.model)?;
-    check_threads("-t", c.threads)?;
-    Ok(())
 }
 
 /// Positions for a session's cache: what `needed` asks (all of the context when `None`), cut
@@ -426,18 +267,8 @@ struct JsonOut<'a> {
 }
 
 fn generate(args: GenerateArgs) -> Result<()> {
+    // `parse_args` checked the flags that need no model.
     let c = &args.common;
-    check_common(c)?;
-    if args.samples == 0 {
-        bail!("--samples must be at least 1");
-    }
-    args.spec.check()?;
-    if args.spec.spec.is_some() && args.samples != 1 {
-        bail!(
-            "--spec runs one sample row; drop --samples {}",
-            args.samples
-        );
-    }
     let file_prompt = match &args.file {
         Some(path) => Some(read_prompt(path)?),
         None => None,
@@ -554,8 +385,8 @@ fn generate(args: GenerateArgs) -> Result<()> {
 }
 
 fn chat(args: ChatArgs) -> Result<()> {
+    // `parse_args` checked the flags that need no model.
     let c = &args.common;
-    check_common(c)?;
     let spec = constraint_spec(c)?;
     let engine = load(c)?;
     let spec = check_constraint(spec, &engine)?;

@@ -9,10 +9,12 @@
 //! * [`args`]: UTF-8 text flags, thread counts, model paths.
 //! * [`input`]: prompts from a file or stdin, chat lines.
 //! * [`spec`]: the speculative-decoding flags.
+//! * [`kiln_args`]: the `kiln` binary's command line, parsed and checked without a model.
 
 pub mod args;
 pub mod context;
 pub mod input;
+pub mod kiln_args;
 pub mod memory;
 pub mod output;
 pub mod spec;
