@@ -58,68 +58,64 @@ pub fn attention(
     let ptr = OutPtr(out_data.as_mut_ptr());
     let layout = *kv.layout();
     let f32_in_place = layout.dtype == KvDtype::F32;
-    // Scratch (scores, the head's output, decoded keys/values) is made once per rayon job, not
-    // per (token, head) task: a batched decode step runs rows × heads small tasks per layer.
-    let scratch = || {
-        let (kbuf, vbuf) = if f32_in_place {
+    (0..rows.len() * s.heads).into_par_iter().for_each(|task| {
+        let (t, h) = (task / s.heads, task % s.heads);
+        let r = rows[t];
+        let lo = s.window.map_or(0, |w| r.pos.saturating_sub(w));
+        let n = r.pos + 1;
+        let table = kv.page_table(r.slot);
+        let qh = &q.0[t * q.1 + q.2 + h * d..t * q.1 + q.2 + (h + 1) * d];
+        // One head's keys and values, a block at a time through the page table: read in place
+        // when stored as f32, else decoded into this task's scratch.
+        let bs = layout.block_size;
+        let (mut kbuf, mut vbuf) = if f32_in_place {
             (Vec::new(), Vec::new())
         } else {
-            (
-                vec![0.0f32; layout.block_size * d],
-                vec![0.0f32; layout.block_size * d],
-            )
+            (vec![0.0f32; bs * d], vec![0.0f32; bs * d])
         };
-        (kbuf, vbuf, Vec::<f32>::new(), vec![0.0f32; d])
-    };
-    (0..rows.len() * s.heads)
-        .into_par_iter()
-        .for_each_init(scratch, |buf, task| {
-            let (kbuf, vbuf, scores, acc) = buf;
-            let (t, h) = (task / s.heads, task % s.heads);
-            let r = rows[t];
-            let lo = s.window.map_or(0, |w| r.pos.saturating_sub(w));
-            let n = r.pos + 1;
-            let table = kv.page_table(r.slot);
-            let qh = &q.0[t * q.1 + q.2 + h * d..t * q.1 + q.2 + (h + 1) * d];
-            // One head's keys and values, a block at a time through the page table: read in place
-            // when stored as f32, else decoded into the scratch.
-            let bs = layout.block_size;
-            scores.clear();
-            let mut each_block = |f: &mut PositionFn| {
-                let mut start = lo - lo % bs;
-                while start < n {
-                    let block = table[start / bs];
-                    let rows_here = bs.min(n - start);
-                    let (keys, values): (&[f32], &[f32]) = if f32_in_place {
-                        kv.pool().head_block_f32(s.layer, block, h / group)
-                    } else {
-                        kv.pool()
-                            .decode_rows(s.layer, block, h / group, 0, rows_here, kbuf, vbuf);
-                        (kbuf, vbuf)
-                    };
-                    for j in start.max(lo)..start + rows_here {
-                        let o = (j - start) * d;
-                        f(j, &keys[o..o + d], &values[o..o + d]);
-                    }
-                    start += bs;
+        let mut scores: Vec<f32> = Vec::with_capacity(n - lo);
+        let mut each_block = |f: &mut PositionFn| {
+            let mut start = lo - lo % bs;
+            while start < n {
+                let block = table[start / bs];
+                let rows_here = bs.min(n - start);
+                let (keys, values): (&[f32], &[f32]) = if f32_in_place {
+                    kv.pool().head_block_f32(s.layer, block, h / group)
+                } else {
+                    kv.pool().decode_rows(
+                        s.layer,
+                        block,
+                        h / group,
+                        0,
+                        rows_here,
+                        &mut kbuf,
+                        &mut vbuf,
+                    );
+                    (&kbuf, &vbuf)
+                };
+                for j in start.max(lo)..start + rows_here {
+                    let o = (j - start) * d;
+                    f(j, &keys[o..o + d], &values[o..o + d]);
                 }
-            };
-            each_block(&mut |_, key, _| scores.push(simd::dot_f32(qh, key) * s.scale));
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0f32;
-            for sc in scores.iter_mut() {
-                *sc = (*sc - max).exp();
-                sum += *sc;
+                start += bs;
             }
-            acc.fill(0.0);
-            each_block(&mut |j, _, value| simd::axpy(scores[j - lo] / sum, value, acc));
-            let p = ptr;
-            // SAFETY: each task writes its own `d` floats of row `t`, head `h`; bounds asserted above.
-            unsafe {
-                let dst = p.0.add(t * out_stride + out_col + h * d);
-                std::ptr::copy_nonoverlapping(acc.as_ptr(), dst, d);
-            }
-        });
+        };
+        each_block(&mut |_, key, _| scores.push(simd::dot_f32(qh, key) * s.scale));
+        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0f32;
+        for sc in &mut scores {
+            *sc = (*sc - max).exp();
+            sum += *sc;
+        }
+        let mut acc = vec![0.0f32; d];
+        each_block(&mut |j, _, value| simd::axpy(scores[j - lo] / sum, value, &mut acc));
+        let p = ptr;
+        // SAFETY: each task writes its own `d` floats of row `t`, head `h`; bounds asserted above.
+        unsafe {
+            let dst = p.0.add(t * out_stride + out_col + h * d);
+            std::ptr::copy_nonoverlapping(acc.as_ptr(), dst, d);
+        }
+    });
 }
 
 #[cfg(test)]
