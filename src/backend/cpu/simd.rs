@@ -248,22 +248,19 @@ pub(crate) mod x86 {
 
     // ----- AVX-512 (16 lanes, masked tails) -----
 
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline(always)]
     pub(crate) unsafe fn tail_mask16(n: usize) -> __mmask16 {
         ((1u32 << n) - 1) as __mmask16
     }
 
     /// 16 bf16 at `p` widened to f32 (zero-extend, shift into the high half).
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline(always)]
     pub(crate) unsafe fn load_bf16_512(p: *const bf16) -> __m512 {
         let h = _mm256_loadu_si256(p as *const __m256i);
         _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
     }
 
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline(always)]
     pub(crate) unsafe fn load_bf16_512_mask(p: *const bf16, m: __mmask16) -> __m512 {
         let h = _mm256_maskz_loadu_epi16(m, p as *const i16);
         _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
@@ -281,18 +278,15 @@ pub(crate) mod x86 {
     }
 
     impl Load for f32 {
-        #[inline]
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+        #[inline(always)]
         unsafe fn ld16(p: *const f32) -> __m512 {
             _mm512_loadu_ps(p)
         }
-        #[inline]
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+        #[inline(always)]
         unsafe fn ld16_mask(p: *const f32, m: __mmask16) -> __m512 {
             _mm512_maskz_loadu_ps(m, p)
         }
-        #[inline]
-        #[target_feature(enable = "avx2,fma")]
+        #[inline(always)]
         unsafe fn ld8(p: *const f32) -> __m256 {
             _mm256_loadu_ps(p)
         }
@@ -303,18 +297,15 @@ pub(crate) mod x86 {
     }
 
     impl Load for bf16 {
-        #[inline]
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+        #[inline(always)]
         unsafe fn ld16(p: *const bf16) -> __m512 {
             load_bf16_512(p)
         }
-        #[inline]
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+        #[inline(always)]
         unsafe fn ld16_mask(p: *const bf16, m: __mmask16) -> __m512 {
             load_bf16_512_mask(p, m)
         }
-        #[inline]
-        #[target_feature(enable = "avx2,fma")]
+        #[inline(always)]
         unsafe fn ld8(p: *const bf16) -> __m256 {
             load_bf16_256(p)
         }
@@ -423,8 +414,7 @@ pub(crate) mod x86 {
 
     // ----- AVX2 + FMA (8 lanes, scalar tails) -----
 
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[inline(always)]
     pub(crate) unsafe fn hsum256(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -432,8 +422,7 @@ pub(crate) mod x86 {
         _mm_cvtss_f32(s)
     }
 
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[inline(always)]
     pub(crate) unsafe fn load_bf16_256(p: *const bf16) -> __m256 {
         let h = _mm_loadu_si128(p as *const __m128i);
         _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))

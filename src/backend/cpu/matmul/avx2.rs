@@ -32,36 +32,30 @@ impl<W: Load> DenseKernels<W> for Avx2 {
 impl Lanes for Avx2 {
     type V = __m256;
     const N: usize = 8;
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[inline(always)]
     unsafe fn zero() -> __m256 {
         _mm256_setzero_ps()
     }
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[inline(always)]
     unsafe fn load(p: *const f32) -> __m256 {
         _mm256_loadu_ps(p)
     }
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[inline(always)]
     unsafe fn fmadd(a: __m256, b: __m256, c: __m256) -> __m256 {
         _mm256_fmadd_ps(a, b, c)
     }
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[inline(always)]
     unsafe fn add(a: __m256, b: __m256) -> __m256 {
         _mm256_add_ps(a, b)
     }
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[inline(always)]
     unsafe fn sum(v: __m256) -> f32 {
         hsum256(v)
     }
 }
 
 /// `R` rows × `T` tokens register tile.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
+#[inline(always)]
 unsafe fn tile_256<W: Load, const R: usize, const T: usize>(
     w: [*const W; R],
     x: [*const f32; T],
@@ -96,8 +90,7 @@ unsafe fn tile_256<W: Load, const R: usize, const T: usize>(
 }
 
 /// Like [`tile_256`] with one token, unrolled twice over k for 2R chains.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
+#[inline(always)]
 unsafe fn gemv_256<W: Load, const R: usize>(w: [*const W; R], x: *const f32, k: usize) -> [f32; R] {
     let mut a0 = [_mm256_setzero_ps(); R];
     let mut a1 = [_mm256_setzero_ps(); R];
@@ -143,8 +136,7 @@ pub(super) trait Quants256: Legacy {
 }
 
 /// The 16 quant bytes of a Q4 block as nibbles: elements 0..8, 8..16, 16..24, 24..32.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
+#[inline(always)]
 unsafe fn nibbles_256(qs: *const u8) -> [__m256i; 4] {
     let v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs as *const __m128i));
     let v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.add(8) as *const __m128i));
@@ -158,8 +150,7 @@ unsafe fn nibbles_256(qs: *const u8) -> [__m256i; 4] {
 }
 
 impl Quants256 for Q8_0 {
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[inline(always)]
     unsafe fn q256(p: *const u8) -> [__m256; 4] {
         std::array::from_fn(|j| {
             let q = _mm_loadl_epi64(p.add(2 + 8 * j) as *const __m128i);
@@ -169,8 +160,7 @@ impl Quants256 for Q8_0 {
 }
 
 impl Quants256 for Q4_0 {
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[inline(always)]
     unsafe fn q256(p: *const u8) -> [__m256; 4] {
         let n = nibbles_256(p.add(2));
         let eight = _mm256_set1_epi32(8);
@@ -179,8 +169,7 @@ impl Quants256 for Q4_0 {
 }
 
 impl Quants256 for Q4_1 {
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[inline(always)]
     unsafe fn q256(p: *const u8) -> [__m256; 4] {
         nibbles_256(p.add(4)).map(|v| _mm256_cvtepi32_ps(v))
     }
@@ -188,8 +177,7 @@ impl Quants256 for Q4_1 {
 
 /// The block's f16 scale and (Q4_1) min widened to f32: lanes `[d, m, ·, ·]` (lane 1 is junk
 /// for formats without a min).
-#[inline]
-#[target_feature(enable = "avx2,f16c")]
+#[inline(always)]
 unsafe fn scales(p: *const u8) -> __m128 {
     _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p as *const i32)))
 }
@@ -219,8 +207,7 @@ impl<Q: Quants256> BlockGemv for Legacy256<Q> {
     }
 }
 
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
+#[inline(always)]
 unsafe fn qgemv_256<Q: Quants256, const R: usize>(
     w: [*const u8; R],
     x: *const f32,

@@ -41,36 +41,30 @@ impl<W: Load> DenseKernels<W> for Avx512 {
 impl Lanes for Avx512 {
     type V = __m512;
     const N: usize = 16;
-    #[inline]
-    #[target_feature(enable = "avx512f")]
+    #[inline(always)]
     unsafe fn zero() -> __m512 {
         _mm512_setzero_ps()
     }
-    #[inline]
-    #[target_feature(enable = "avx512f")]
+    #[inline(always)]
     unsafe fn load(p: *const f32) -> __m512 {
         _mm512_loadu_ps(p)
     }
-    #[inline]
-    #[target_feature(enable = "avx512f")]
+    #[inline(always)]
     unsafe fn fmadd(a: __m512, b: __m512, c: __m512) -> __m512 {
         _mm512_fmadd_ps(a, b, c)
     }
-    #[inline]
-    #[target_feature(enable = "avx512f")]
+    #[inline(always)]
     unsafe fn add(a: __m512, b: __m512) -> __m512 {
         _mm512_add_ps(a, b)
     }
-    #[inline]
-    #[target_feature(enable = "avx512f")]
+    #[inline(always)]
     unsafe fn sum(v: __m512) -> f32 {
         _mm512_reduce_add_ps(v)
     }
 }
 
 /// `R` rows against one activation row: 2R independent FMA chains over k.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline(always)]
 unsafe fn gemv_512<W: Load, const R: usize>(w: [*const W; R], x: *const f32, k: usize) -> [f32; R] {
     let mut a0 = [_mm512_setzero_ps(); R];
     let mut a1 = [_mm512_setzero_ps(); R];
@@ -108,8 +102,7 @@ unsafe fn gemv_512<W: Load, const R: usize>(w: [*const W; R], x: *const f32, k: 
 }
 
 /// `R` rows × `T` tokens register tile: each weight vector loaded once per `T` tokens.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline(always)]
 unsafe fn tile_512<W: Load, const R: usize, const T: usize>(
     w: [*const W; R],
     x: [*const f32; T],
@@ -126,8 +119,7 @@ unsafe fn tile_512<W: Load, const R: usize, const T: usize>(
 }
 
 /// The tile's accumulators: lane sums of `acc[r][t]` are the dot products of row `r`, token `t`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline(always)]
 unsafe fn tile_acc_512<W: Load, const R: usize, const T: usize>(
     w: [*const W; R],
     x: [*const f32; T],
@@ -167,8 +159,7 @@ unsafe fn tile_acc_512<W: Load, const R: usize, const T: usize>(
 /// Lane sums of 16 vectors at once, in 45 shuffles and adds instead of 16 separate reductions:
 /// lane `4·a + b` of the result is the sum of `v[a + 4·b]` (so with `v[t + 4·r]` holding row `r`,
 /// token `t` of a 4 × 4 tile, 128-bit lane `t` holds rows 0..4 of token `t`).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline(always)]
 unsafe fn hsum16_512(v: [__m512; 16]) -> __m512 {
     // 512 → 256 bits per source: s[i] = [v[2i] (2 × 128) | v[2i+1] (2 × 128)].
     let s: [__m512; 8] = std::array::from_fn(|i| {
@@ -215,8 +206,7 @@ unsafe fn lane128(v: __m512, l: usize) -> __m128 {
 /// [`hsum16_512`] as one 128-bit vector per token (the tile's 4 rows, contiguous in the output),
 /// which gets the existing output (when accumulating) and then the bias added, in the scalar
 /// [`Job::put`]'s order, so the values written are the same.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline(always)]
 unsafe fn tile4_put_512<W: Load, const T: usize>(w: [*const W; 4], job: &Job, n: usize, t: usize) {
     let acc = tile_acc_512::<W, 4, T>(w, x86::tok_ptrs(job, t), job.k);
     let bias = job.bias.map(|b| _mm_loadu_ps(b[n..n + 4].as_ptr()));
@@ -262,8 +252,7 @@ pub(super) trait Quants512: Legacy {
 /// The 16 quant bytes of a Q4 block at `qs` as 32 f32 values `table[nibble]`: low nibbles
 /// (elements 0..16), high nibbles (16..32). `vpermps` reads only the low 4 bits of each index,
 /// so one table lookup both masks the nibble and converts it (exactly) to f32.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline(always)]
 unsafe fn nibbles_512(qs: *const u8, table: __m512) -> (__m512, __m512) {
     let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs as *const __m128i));
     (
@@ -273,8 +262,7 @@ unsafe fn nibbles_512(qs: *const u8, table: __m512) -> (__m512, __m512) {
 }
 
 impl Quants512 for Q8_0 {
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline(always)]
     unsafe fn q512(p: *const u8) -> (__m512, __m512) {
         let a = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(2) as *const __m128i));
         let b = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(18) as *const __m128i));
@@ -283,8 +271,7 @@ impl Quants512 for Q8_0 {
 }
 
 impl Quants512 for Q4_0 {
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline(always)]
     unsafe fn q512(p: *const u8) -> (__m512, __m512) {
         let t = _mm512_setr_ps(
             -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0,
@@ -294,8 +281,7 @@ impl Quants512 for Q4_0 {
 }
 
 impl Quants512 for Q4_1 {
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline(always)]
     unsafe fn q512(p: *const u8) -> (__m512, __m512) {
         let t = _mm512_setr_ps(
             0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
@@ -334,8 +320,7 @@ impl<Q: Quants512> BlockGemv for Legacy512<Q> {
 
 // `j` indexes x, every row's blocks and the scale buffer together.
 #[allow(clippy::needless_range_loop)]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline(always)]
 unsafe fn qgemv_512<Q: Quants512, const R: usize>(
     w: [*const u8; R],
     x: *const f32,
