@@ -14,7 +14,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use clap::Parser;
 use serde::Serialize;
 
 use kiln::backend::cpu::{CpuOptions, WeightFormat};
@@ -44,7 +43,7 @@ fn main() {
     let res = match parse_args(std::env::args_os()) {
         Ok(KilnCommand::Generate(args)) => generate(args),
         Ok(KilnCommand::Chat(args)) => chat(args),
-        Ok(KilnCommand::Serve(argv)) => serve::run(serve::ServeArgs::parse_from(argv)),
+        Ok(KilnCommand::Serve(cmd)) => serve::run(cmd),
         // Usage errors, --help and --version: clap's message and exit status.
         Err(KilnArgsError::Usage(e)) => e.exit(),
         Err(e) => Err(e.into()),

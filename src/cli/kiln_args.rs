@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, ValueEnum};
 
 use super::args::{check_model_path, check_threads, ArgError, Text};
+use super::serve_args::{parse_serve_args, ServeArgsError, ServeCommand};
 use super::spec::{SpecArgError, SpecArgs};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -168,9 +169,9 @@ pub enum KilnCommand {
     Generate(GenerateArgs),
     /// `kiln chat -m MODEL ...`: interactive chat.
     Chat(ChatArgs),
-    /// `kiln serve ...`: the HTTP server, whose flags the binary parses; the argument list
-    /// starts with `kiln serve` in place of the program name and `serve`.
-    Serve(Vec<OsString>),
+    /// `kiln serve ...`: the HTTP server (flags parsed and checked by
+    /// [`super::serve_args::parse_serve_args`]).
+    Serve(ServeCommand),
 }
 
 /// Why a `kiln` command line was refused before any model was loaded.
@@ -183,6 +184,9 @@ pub enum KilnArgsError {
     Arg(#[from] ArgError),
     #[error(transparent)]
     Spec(#[from] SpecArgError),
+    /// A `kiln serve` flag refused by a check (its usage errors are [`KilnArgsError::Usage`]).
+    #[error(transparent)]
+    Serve(ServeArgsError),
     #[error("--samples must be at least 1")]
     NoSamples,
     #[error("--spec runs one sample row; drop --samples {0}")]
@@ -190,8 +194,8 @@ pub enum KilnArgsError {
 }
 
 /// Parses `argv` (program name first, as the OS gives it) and checks what can be checked
-/// before a model is loaded: the model path, the thread count, `--samples` and the speculative
-/// decoding flags. Reads no file but the model path's metadata; never panics or exits.
+/// before a model is loaded: the model path, the thread count, `--samples`, the speculative
+/// decoding flags and, for `kiln serve`, its own flags. Reads no file but the model path's metadata; never panics or exits.
 pub fn parse_args(argv: impl IntoIterator<Item = OsString>) -> Result<KilnCommand, KilnArgsError> {
     let mut argv: Vec<OsString> = argv.into_iter().collect();
     if argv.get(1).is_some_and(|a| a == "chat") {
@@ -201,7 +205,11 @@ pub fn parse_args(argv: impl IntoIterator<Item = OsString>) -> Result<KilnComman
         Ok(KilnCommand::Chat(args))
     } else if argv.get(1).is_some_and(|a| a == "serve") {
         argv.splice(..2, [OsString::from("kiln serve")]);
-        Ok(KilnCommand::Serve(argv))
+        match parse_serve_args(argv) {
+            Ok(c) => Ok(KilnCommand::Serve(c)),
+            Err(ServeArgsError::Usage(e)) => Err(KilnArgsError::Usage(e)),
+            Err(e) => Err(KilnArgsError::Serve(e)),
+        }
     } else {
         let args = GenerateArgs::try_parse_from(argv)?;
         check_generate(&args)?;

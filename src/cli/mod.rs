@@ -10,6 +10,7 @@
 //! * [`input`]: prompts from a file or stdin, chat lines.
 //! * [`spec`]: the speculative-decoding flags.
 //! * [`kiln_args`]: the `kiln` binary's command line, parsed and checked without a model.
+//! * [`serve_args`]: `kiln serve`'s command line, likewise.
 
 pub mod args;
 pub mod context;
@@ -17,4 +18,5 @@ pub mod input;
 pub mod kiln_args;
 pub mod memory;
 pub mod output;
+pub mod serve_args;
 pub mod spec;
