@@ -195,7 +195,8 @@ pub enum KilnArgsError {
 
 /// Parses `argv` (program name first, as the OS gives it) and checks what can be checked
 /// before a model is loaded: the model path, the thread count, `--samples`, the speculative
-/// decoding flags and, for `kiln serve`, its own flags. Reads no file but the model path's metadata; never panics or exits.
+/// decoding flags and, for `kiln serve`, its own flags. Reads no file but the model path's
+/// metadata; never panics or exits.
 pub fn parse_args(argv: impl IntoIterator<Item = OsString>) -> Result<KilnCommand, KilnArgsError> {
     let mut argv: Vec<OsString> = argv.into_iter().collect();
     if argv.get(1).is_some_and(|a| a == "chat") {
