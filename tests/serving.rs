@@ -431,6 +431,81 @@ fn prefix_cache_computes_only_the_new_suffix() {
     }
 }
 
+/// The step budget: with more running streams than `max_step_tokens`, every stream still
+/// advances each step, and a joining prompt is prefilled a quarter of the budget at a time
+/// beside them (not starved until streams finish, nor run whole in one long step).
+#[test]
+fn decode_rows_always_run_and_prefill_keeps_a_quarter_of_the_budget() {
+    let e = engine("llama_tied");
+    let mut s = Scheduler::new(
+        Arc::clone(&e),
+        ServeOptions {
+            kv_budget: KvBudget::Blocks(200),
+            kv: KvOptions {
+                block_size: 16,
+                dtype: KvDtype::F32,
+            },
+            max_step_tokens: 8,
+            ..ServeOptions::default()
+        },
+    )
+    .unwrap();
+    let streams = 12;
+    let stores: Vec<_> = (0..=streams)
+        .map(|_| Arc::new(Mutex::new(Collected::default())))
+        .collect();
+    for (i, store) in stores.iter().take(streams).enumerate() {
+        let mut o = greedy(40);
+        o.stop_tokens = Some(vec![]);
+        let req = Request {
+            prompt: vec![5 + i as u32, 9, 11],
+            options: o,
+        };
+        s.submit(i as u64, req, sink(store)).unwrap();
+    }
+    // Every stream has its first token once their prompts (3 tokens each) are in.
+    while stores[..streams]
+        .iter()
+        .any(|c| c.lock().unwrap().rows.is_empty())
+    {
+        s.step().unwrap();
+    }
+    let long: Vec<u32> = (0..40).map(|i| 3 + (i * 13 % 100) as u32).collect();
+    s.submit(
+        99,
+        Request {
+            prompt: long.clone(),
+            options: greedy(4),
+        },
+        sink(&stores[streams]),
+    )
+    .unwrap();
+    let mut steps = 0;
+    while stores[streams].lock().unwrap().rows.is_empty() {
+        let before: Vec<usize> = stores[..streams]
+            .iter()
+            .map(|c| c.lock().unwrap().rows[&0].len())
+            .collect();
+        let computed = s.stats().computed_tokens;
+        s.step().unwrap();
+        steps += 1;
+        // All 12 streams advanced, and the prompt took its quarter of the budget (2 tokens).
+        for (c, b) in stores[..streams].iter().zip(before) {
+            assert_eq!(c.lock().unwrap().rows[&0].len(), b + 1, "step {steps}");
+        }
+        assert_eq!(s.stats().computed_tokens - computed, streams as u64 + 2);
+    }
+    assert_eq!(steps, long.len() / 2);
+    while !s.is_idle() {
+        s.step().unwrap();
+    }
+    let alone = e.generate_batch(&long, &greedy(4)).unwrap().rows[0]
+        .generated
+        .clone();
+    assert_eq!(stores[streams].lock().unwrap().rows[&0], alone);
+    s.cache().check_invariants().unwrap();
+}
+
 /// The handle: many threads submit at once; streaming, waiting, cancelling and dropping a
 /// request all end cleanly and free the blocks.
 #[test]
