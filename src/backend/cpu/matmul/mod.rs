@@ -407,13 +407,7 @@ unsafe fn quant_rows_of<F: QuantMethod>(level: Level, blocks: &[u8], job: &Job) 
         let mut n0 = job.rows.start;
         while n0 < job.rows.end {
             let n1 = (n0 + TILE_ROWS).min(job.rows.end);
-            // Grow only: shrinking for a short last tile (or a narrower matrix) would make the
-            // next call zero-fill the tail again, a memset of the tile per call at decode.
-            let need = (n1 - n0) * job.k;
-            if tile.len() < need {
-                tile.resize(need, 0.0);
-            }
-            let tile = &mut tile[..need];
+            tile.resize((n1 - n0) * job.k, 0.0);
             dequantize_at::<F>(level, &blocks[n0 * rb..n1 * rb], tile);
             // The tile's row r is output n0 + r: shift the output and bias views to match.
             let sub = Job {
