@@ -24,7 +24,7 @@ pub struct ServingRow {
     pub n_gen: usize,
     /// Wall time from submission to the last token.
     pub total_s: f64,
-    /// Decode tokens (after every sequence's first) per second over all sequences.
+    /// Tokens generated after every sequence has its first, per second over all sequences.
     pub decode_tokens_per_s: f64,
     /// Scheduler steps taken in the decode phase.
     pub decode_steps: u64,
@@ -76,6 +76,7 @@ pub fn run(
     }
     let mut decode_start = None;
     let mut steps_at_start = 0;
+    let mut generated_at_start = 0;
     while !sched.is_idle() {
         sched.step()?;
         if decode_start.is_none()
@@ -83,11 +84,14 @@ pub fn run(
         {
             decode_start = Some(Instant::now());
             steps_at_start = sched.stats().steps;
+            generated_at_start = sched.stats().generated_tokens;
         }
     }
     let end = Instant::now();
     let start = decode_start.unwrap_or(end);
-    let decode_tokens = concurrency * n_gen.saturating_sub(1);
+    // Tokens generated while the clock ran: sequences whose prompts were in early have
+    // already decoded some by then (more of them the smaller the step budget).
+    let decode_tokens = (sched.stats().generated_tokens - generated_at_start) as usize;
     let secs = (end - start).as_secs_f64();
     Ok(ServingRow {
         concurrency,
