@@ -36,7 +36,8 @@ pub struct ServeArgs {
     /// Requests generating at once (each of n choices counts).
     #[arg(long, default_value_t = 64)]
     pub max_running: usize,
-    /// Requests that may wait for a place; more get 429 with Retry-After.
+    /// Requests that may wait for a place; more get 429 with Retry-After (0: none wait, a
+    /// request that finds every place taken is refused at once).
     #[arg(long, default_value_t = 256)]
     pub max_queue: usize,
     /// Tokens one engine step may run: decode rows count one each, and prompts are prefilled
@@ -164,7 +165,6 @@ pub fn parse_serve_args(
     for (flag, v) in [
         ("--max-running", args.max_running),
         ("--max-step-tokens", args.max_step_tokens),
-        ("--max-queue", args.max_queue),
         ("--max-body", args.max_body),
         ("--kv-budget", args.kv_budget),
     ] {
@@ -275,13 +275,15 @@ mod tests {
         for flag in [
             "--max-running",
             "--max-step-tokens",
-            "--max-queue",
             "--max-body",
             "--kv-budget",
         ] {
             let e = parse(&[flag, "0"]).unwrap_err();
             assert_eq!(e.to_string(), format!("{flag} must be at least 1"));
         }
+        // No queue at all is a setting (every request past --max-running is refused), not an
+        // error: the OpenAI client check runs the server that way.
+        assert_eq!(parse(&["--max-queue", "0"]).unwrap().args.max_queue, 0);
         let e = parse(&["--host", "nowhere"]).unwrap_err();
         assert!(matches!(e, ServeArgsError::Host { .. }), "{e}");
         for (flag, value) in [
