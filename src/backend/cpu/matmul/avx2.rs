@@ -9,7 +9,13 @@ use std::marker::PhantomData;
 use super::x86::{self, block_sums, BlockGemv, Blocks, DenseKernels, Lanes, Legacy};
 use super::Job;
 use crate::backend::cpu::simd::x86::{hsum256, Load};
-use crate::model::quant::{self, BlockFormat, Q4_0, Q4_1, Q8_0};
+use crate::model::quant::{self, BlockFormat, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0};
+
+/// Bytes ahead of the current load that the dense GEMV prefetches in each weight row. The
+/// quantized GEMVs prefetch the same block of the next group of rows instead (the driver's
+/// `pf`). Without software prefetch the four interleaved row streams of a GEMV reached about
+/// half the bandwidth they reach with it (Q8_0 lm_head of Qwen2.5-0.5B, AMD EPYC Zen 3).
+const PF_DIST: usize = 1024;
 
 /// The AVX2 ISA, as the shared drivers see it.
 pub(super) struct Avx2;
@@ -99,6 +105,8 @@ unsafe fn gemv_256<W: Load, const R: usize>(w: [*const W; R], x: *const f32, k: 
         let x0 = _mm256_loadu_ps(x.add(i));
         let x1 = _mm256_loadu_ps(x.add(i + 8));
         for r in 0..R {
+            // Decode streams each weight once from DRAM: prefetch every row's lines ahead.
+            _mm_prefetch::<_MM_HINT_T0>((w[r].add(i) as *const i8).wrapping_add(PF_DIST));
             a0[r] = _mm256_fmadd_ps(W::ld8(w[r].add(i)), x0, a0[r]);
             a1[r] = _mm256_fmadd_ps(W::ld8(w[r].add(i + 8)), x1, a1[r]);
         }
@@ -152,30 +160,92 @@ unsafe fn nibbles_256(qs: *const u8) -> [__m256i; 4] {
 impl Quants256 for Q8_0 {
     #[inline(always)]
     unsafe fn q256(p: *const u8) -> [__m256; 4] {
-        std::array::from_fn(|j| {
-            let q = _mm_loadl_epi64(p.add(2 + 8 * j) as *const __m128i);
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))
-        })
+        let q = |j: usize| p.add(2 + 8 * j) as *const __m128i;
+        [
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(q(0)))),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(q(1)))),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(q(2)))),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(q(3)))),
+        ]
     }
 }
 
 impl Quants256 for Q4_0 {
     #[inline(always)]
     unsafe fn q256(p: *const u8) -> [__m256; 4] {
-        let n = nibbles_256(p.add(2));
-        let eight = _mm256_set1_epi32(8);
-        n.map(|v| _mm256_cvtepi32_ps(_mm256_sub_epi32(v, eight)))
+        to_f32_minus(nibbles_256(p.add(2)), 8)
     }
 }
 
 impl Quants256 for Q4_1 {
     #[inline(always)]
     unsafe fn q256(p: *const u8) -> [__m256; 4] {
-        nibbles_256(p.add(4)).map(|v| _mm256_cvtepi32_ps(v))
+        to_f32_minus(nibbles_256(p.add(4)), 0)
     }
 }
 
-/// The block's f16 scale and (Q4_1) min widened to f32: lanes `[d, m, ·, ·]` (lane 1 is junk
+/// A Q5 block's 32 five-bit quants: the nibbles at `qs` (as [`nibbles_256`]) with bit `e` of
+/// the little-endian `qh` word at `qh` as bit 4 of element `e`. Written without closures: a
+/// closure (`array::from_fn`, `map`) is compiled without the caller's target features, and when
+/// it is not inlined early every intrinsic in it becomes a call (13× slower tile dequantization
+/// when this was first written with `from_fn`).
+#[inline(always)]
+unsafe fn five_bits_256(qh: *const u8, qs: *const u8) -> [__m256i; 4] {
+    let h = _mm256_set1_epi32(std::ptr::read_unaligned(qh as *const i32));
+    let one = _mm256_set1_epi32(1);
+    let [n0, n1, n2, n3] = nibbles_256(qs);
+    let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let eight = _mm256_set1_epi32(8);
+    let at1 = _mm256_add_epi32(lanes, eight);
+    let at2 = _mm256_add_epi32(at1, eight);
+    let at3 = _mm256_add_epi32(at2, eight);
+    [
+        _mm256_or_si256(
+            n0,
+            _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srlv_epi32(h, lanes), one)),
+        ),
+        _mm256_or_si256(
+            n1,
+            _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srlv_epi32(h, at1), one)),
+        ),
+        _mm256_or_si256(
+            n2,
+            _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srlv_epi32(h, at2), one)),
+        ),
+        _mm256_or_si256(
+            n3,
+            _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srlv_epi32(h, at3), one)),
+        ),
+    ]
+}
+
+/// Four vectors of integer lanes to f32, after subtracting `offset` from each.
+#[inline(always)]
+unsafe fn to_f32_minus(v: [__m256i; 4], offset: i32) -> [__m256; 4] {
+    let o = _mm256_set1_epi32(offset);
+    [
+        _mm256_cvtepi32_ps(_mm256_sub_epi32(v[0], o)),
+        _mm256_cvtepi32_ps(_mm256_sub_epi32(v[1], o)),
+        _mm256_cvtepi32_ps(_mm256_sub_epi32(v[2], o)),
+        _mm256_cvtepi32_ps(_mm256_sub_epi32(v[3], o)),
+    ]
+}
+
+impl Quants256 for Q5_0 {
+    #[inline(always)]
+    unsafe fn q256(p: *const u8) -> [__m256; 4] {
+        to_f32_minus(five_bits_256(p.add(2), p.add(6)), 16)
+    }
+}
+
+impl Quants256 for Q5_1 {
+    #[inline(always)]
+    unsafe fn q256(p: *const u8) -> [__m256; 4] {
+        to_f32_minus(five_bits_256(p.add(4), p.add(8)), 0)
+    }
+}
+
+/// The block's f16 scale and (Q4_1, Q5_1) min widened to f32: lanes `[d, m, ·, ·]` (lane 1 is junk
 /// for formats without a min).
 #[inline(always)]
 unsafe fn scales(p: *const u8) -> __m128 {
@@ -201,9 +271,9 @@ impl<Q: Quants256> BlockGemv for Legacy256<Q> {
         x: *const f32,
         prep: &[f32],
         nb: usize,
-        _pf: usize,
+        pf: usize,
     ) -> [f32; R] {
-        qgemv_256::<Q, R>(w, x, prep.as_ptr(), nb)
+        qgemv_256::<Q, R>(w, x, prep.as_ptr(), nb, pf)
     }
 }
 
@@ -213,14 +283,19 @@ unsafe fn qgemv_256<Q: Quants256, const R: usize>(
     x: *const f32,
     xs: *const f32,
     nb: usize,
+    pf: usize,
 ) -> [f32; R] {
     const QK: usize = 32;
     let mut acc = [_mm256_setzero_ps(); R];
     let mut macc = [_mm_setzero_ps(); R];
     for b in 0..nb {
-        let xv: [__m256; 4] = std::array::from_fn(|j| _mm256_loadu_ps(x.add(b * QK + 8 * j)));
+        let mut xv = [_mm256_setzero_ps(); 4];
+        for (j, v) in xv.iter_mut().enumerate() {
+            *v = _mm256_loadu_ps(x.add(b * QK + 8 * j));
+        }
         for r in 0..R {
             let p = w[r].add(b * Q::BYTES);
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pf) as *const i8);
             let dm = scales(p);
             let q = Q::q256(p);
             let mut s = _mm256_mul_ps(q[0], xv[0]);
@@ -233,10 +308,14 @@ unsafe fn qgemv_256<Q: Quants256, const R: usize>(
             }
         }
     }
-    std::array::from_fn(|r| hsum256(acc[r]) + _mm_cvtss_f32(macc[r]))
+    let mut s = [0f32; R];
+    for r in 0..R {
+        s[r] = hsum256(acc[r]) + _mm_cvtss_f32(macc[r]);
+    }
+    s
 }
 
-/// GEMV (`job.tokens == 1`) on Q8_0/Q4_0/Q4_1 blocks.
+/// GEMV (`job.tokens == 1`) on Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn legacy_rows<Q: Quants256>(w: *const u8, job: &Job) {
     x86::gemv_rows::<Legacy256<Q>>(w, job)
@@ -275,4 +354,218 @@ pub(super) unsafe fn dequantize_legacy<Q: Quants256>(src: *const u8, nb: usize, 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn dequantize_blocks<F: BlockFormat>(src: &[u8], dst: &mut [f32]) {
     quant::dequantize_blocks::<F>(src, dst)
+}
+
+// ----- K-quants -----
+
+/// Q4_K's eight 6-bit sub-block scales (bytes 0..8) and mins (bytes 8..16) from the 12 packed
+/// bytes at `s`, four at a time in 32-bit words: sub-blocks 0..4 keep theirs in the low 6 bits
+/// of bytes 0..4 (scales) and 4..8 (mins); sub-blocks 4..8 take their low 4 bits from the
+/// nibbles of bytes 8..12 and their top 2 bits from the top 2 bits of bytes 0..4 (scales) and
+/// 4..8 (mins). The same values as the format's decoding (`scale_min_k4`).
+#[inline(always)]
+pub(super) fn k4_scales_mins(s: &[u8; 12]) -> [u8; 16] {
+    let w = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+    let (w0, w1, w2) = (w(0), w(1), w(2));
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+    let words = [
+        w0 & LOW6,
+        (w2 & LOW4) | (((w0 >> 6) & LOW2) << 4),
+        w1 & LOW6,
+        ((w2 >> 4) & LOW4) | (((w1 >> 6) & LOW2) << 4),
+    ];
+    let mut out = [0u8; 16];
+    for (o, v) in out.chunks_exact_mut(4).zip(words) {
+        o.copy_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
+/// Q4_K's GEMV, folding each 32-element sub-block's scale into its partial sum as the legacy
+/// kernels do: per super-block and row, the eight `d·sc_j` and `dmin·m_j` are formed once (the
+/// same f32 products the format's decoding forms), the mins are dotted with the activation
+/// row's sub-block sums `Σx` (computed once per call), and per sub-block `s = Σ q·x` over four
+/// 8-lane vectors enters the row's accumulator as `acc += d·sc_j · s`. The result is the f32
+/// product of the dequantized weights with f32 activations up to the rounding of the sums.
+struct K4Gemv256;
+
+impl BlockGemv for K4Gemv256 {
+    const ELEMS: usize = Q4_K::ELEMS;
+    const BYTES: usize = Q4_K::BYTES;
+
+    #[inline(always)]
+    unsafe fn prepare(x: *const f32, nb: usize) -> Vec<f32> {
+        let x = std::slice::from_raw_parts(x, nb * Q4_K::ELEMS);
+        x.chunks_exact(32).map(|c| c.iter().sum()).collect()
+    }
+
+    // `r` indexes the row pointers, scale buffers and accumulators together.
+    #[allow(clippy::needless_range_loop)]
+    #[inline(always)]
+    unsafe fn gemv<const R: usize>(
+        w: [*const u8; R],
+        x: *const f32,
+        prep: &[f32],
+        nb: usize,
+        pf: usize,
+    ) -> [f32; R] {
+        let low4 = _mm256_set1_epi32(0x0f);
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut macc = [_mm256_setzero_ps(); R];
+        let mut dsc = [[0f32; 8]; R];
+        for b in 0..nb {
+            let sums = _mm256_loadu_ps(prep.as_ptr().add(8 * b));
+            for r in 0..R {
+                let p = w[r].add(b * Q4_K::BYTES);
+                for line in 0..Q4_K::BYTES.div_ceil(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pf + 64 * line) as *const i8);
+                }
+                let dm = scales(p);
+                let sm = k4_scales_mins(&*(p.add(4) as *const [u8; 12]));
+                let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                    sm.as_ptr() as *const __m128i
+                )));
+                let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                    sm.as_ptr().add(8) as *const __m128i,
+                )));
+                let d = _mm256_broadcastss_ps(dm);
+                let dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+                _mm256_storeu_ps(dsc[r].as_mut_ptr(), _mm256_mul_ps(d, sc));
+                macc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dmin, mn), sums, macc[r]);
+            }
+            let xb = x.add(b * Q4_K::ELEMS);
+            // 32 bytes of quants per pair of sub-blocks: low nibbles sub-block 2c, high 2c + 1.
+            for c in 0..4 {
+                let mut xl = [_mm256_setzero_ps(); 4];
+                let mut xh = [_mm256_setzero_ps(); 4];
+                for j in 0..4 {
+                    xl[j] = _mm256_loadu_ps(xb.add(64 * c + 8 * j));
+                    xh[j] = _mm256_loadu_ps(xb.add(64 * c + 32 + 8 * j));
+                }
+                for r in 0..R {
+                    let qs = w[r].add(b * Q4_K::BYTES + 16 + 32 * c);
+                    let mut sl = _mm256_setzero_ps();
+                    let mut sh = _mm256_setzero_ps();
+                    for j in 0..4 {
+                        let v =
+                            _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.add(8 * j) as *const __m128i));
+                        let lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4));
+                        let hi = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v));
+                        sl = _mm256_fmadd_ps(lo, xl[j], sl);
+                        sh = _mm256_fmadd_ps(hi, xh[j], sh);
+                    }
+                    acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&dsc[r][2 * c]), sl, acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&dsc[r][2 * c + 1]), sh, acc[r]);
+                }
+            }
+        }
+        // Σ_j d·sc_j·Σq·x − Σ_j dmin·m_j·Σx
+        let mut s = [0f32; R];
+        for r in 0..R {
+            s[r] = hsum256(acc[r]) - hsum256(macc[r]);
+        }
+        s
+    }
+}
+
+/// Q6_K's GEMV. A super-block's 16 sub-blocks of 16 elements each have a signed 8-bit scale
+/// `sc` under the super-block's f16 `d`; an element is `d·sc·(q − 32)` with the quant's low 4
+/// bits in `ql` and its top 2 in `qh`. Per 8 elements and row, the quants are rebuilt in 8
+/// integer lanes, multiplied by `sc` as integers (exact: |sc·(q − 32)| ≤ 4,096), converted to
+/// f32 and multiplied with x into the super-block's partial; `d` is applied once per super-block
+/// and row (`acc += d · partial`). Equal to the f32 product of the dequantized weights with f32
+/// activations up to the rounding of the sums.
+struct K6Gemv256;
+
+impl BlockGemv for K6Gemv256 {
+    const ELEMS: usize = Q6_K::ELEMS;
+    const BYTES: usize = Q6_K::BYTES;
+
+    #[inline(always)]
+    unsafe fn prepare(_x: *const f32, _nb: usize) -> Vec<f32> {
+        Vec::new()
+    }
+
+    // `r` indexes the row pointers and accumulators together.
+    #[allow(clippy::needless_range_loop)]
+    #[inline(always)]
+    unsafe fn gemv<const R: usize>(
+        w: [*const u8; R],
+        x: *const f32,
+        _prep: &[f32],
+        nb: usize,
+        pf: usize,
+    ) -> [f32; R] {
+        let low4 = _mm256_set1_epi32(0x0f);
+        let low2 = _mm256_set1_epi32(0x03);
+        let bias = _mm256_set1_epi32(32);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for b in 0..nb {
+            let mut part = [_mm256_setzero_ps(); R];
+            let xb = x.add(b * Q6_K::ELEMS);
+            for r in 0..R {
+                let p = w[r].add(b * Q6_K::BYTES);
+                for line in 0..Q6_K::BYTES.div_ceil(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pf + 64 * line) as *const i8);
+                }
+            }
+            // Half `h` of the super-block uses 64 bytes of `ql` and 32 of `qh`; its 32-element
+            // quarter `q` takes the low (quarters 0, 1) or high (2, 3) nibbles of `ql` run
+            // `q % 2`, and bits `2·q..` of `qh`. Element `l` of a quarter is byte `l` of both.
+            for h in 0..2 {
+                for q in 0..4 {
+                    let lshift = _mm_cvtsi32_si128(4 * (q / 2) as i32);
+                    let hshift = _mm_cvtsi32_si128(2 * q as i32);
+                    for piece in 0..4 {
+                        let l0 = 8 * piece;
+                        let xv = _mm256_loadu_ps(xb.add(128 * h + 32 * q + l0));
+                        for r in 0..R {
+                            let p = w[r].add(b * Q6_K::BYTES);
+                            let ql = p.add(64 * h + 32 * (q % 2) + l0);
+                            let qh = p.add(128 + 32 * h + l0);
+                            let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(ql as *const __m128i));
+                            let hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qh as *const __m128i));
+                            let lo = _mm256_and_si256(_mm256_srl_epi32(lo, lshift), low4);
+                            let hi = _mm256_and_si256(_mm256_srl_epi32(hi, hshift), low2);
+                            let v = _mm256_sub_epi32(
+                                _mm256_or_si256(lo, _mm256_slli_epi32::<4>(hi)),
+                                bias,
+                            );
+                            // Sub-block (16 elements) `8·h + 2·q + piece / 2`.
+                            let sc = *(p.add(192 + 8 * h + 2 * q + piece / 2) as *const i8);
+                            let v = _mm256_mullo_epi32(v, _mm256_set1_epi32(sc as i32));
+                            part[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), xv, part[r]);
+                        }
+                    }
+                }
+            }
+            for r in 0..R {
+                let p = w[r].add(b * Q6_K::BYTES + 208);
+                let d =
+                    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                        u16::from_le_bytes([*p, *p.add(1)]) as i32,
+                    )));
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), part[r], acc[r]);
+            }
+        }
+        let mut s = [0f32; R];
+        for r in 0..R {
+            s[r] = hsum256(acc[r]);
+        }
+        s
+    }
+}
+
+/// GEMV (`job.tokens == 1`) on Q4_K blocks (see [`K4Gemv256`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn k4_rows(w: *const u8, job: &Job) {
+    x86::gemv_rows::<K4Gemv256>(w, job)
+}
+
+/// GEMV (`job.tokens == 1`) on Q6_K blocks (see [`K6Gemv256`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn k6_rows(w: *const u8, job: &Job) {
+    x86::gemv_rows::<K6Gemv256>(w, job)
 }

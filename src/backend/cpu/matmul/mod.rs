@@ -27,7 +27,16 @@
 //!   `d·Σ q·x + m·Σ x` (Q4_1; the block sums `Σ x` of the activation row are computed once per
 //!   call and shared by every row). Four rows run together so each x vector is loaded once per
 //!   four rows.
-//! - decode, every other format (Q5_0, Q5_1, Q2_K…Q8_K): the generic block GEMV of [`x86`]:
+//! - decode, Q5_0/Q5_1 (AVX2 kernels, which AVX-512 CPUs run too): as the Q4 formats, with the
+//!   fifth bit of each quant taken from the block's 32-bit `qh` word by a variable shift.
+//! - decode, Q4_K (AVX2, run by AVX-512 CPUs too): per 256-element super-block and row, the
+//!   eight 6-bit scales and mins are unpacked once into `d·sc_j` and `dmin·m_j`; each 32-element
+//!   sub-block's `Σ q·x` is scaled by `d·sc_j` into the accumulator, and `Σ_j dmin·m_j·Σx_j`
+//!   (sub-block sums of x computed once per call) is subtracted at the end.
+//! - decode, Q6_K (likewise): per 16-element sub-block the 6-bit quants are rebuilt in integer
+//!   lanes and multiplied by the sub-block's 8-bit scale as integers (exact), converted and
+//!   multiplied with x into a super-block partial that `d` scales once.
+//! - decode, every other format (Q2_K, Q3_K, Q5_K, Q8_K): the generic block GEMV of [`x86`]:
 //!   each block is decoded exactly (ggml's operations, vectorised by the compiler under the
 //!   ISA's features) into an L1 buffer and multiplied with x by FMA, four rows at a time.
 //! - prefill (`tokens > 1`, and every token count at the scalar level): a tile of rows is
@@ -344,13 +353,58 @@ macro_rules! legacy_quant_method {
 }
 legacy_quant_method!(Q8_0, Q4_0, Q4_1);
 
-impl QuantMethod for quant::Q5_0 {}
-impl QuantMethod for quant::Q5_1 {}
+/// Q5_0 and Q5_1 have the legacy kernels in AVX2 only (GEMV and bit-exact tile dequantization);
+/// AVX-512 CPUs run the same AVX2 code, which folds each block's scale into its partial sum
+/// instead of decoding every block into a buffer first as the generic block GEMV does. A 16-lane
+/// version is still to be written (and measured on an AVX-512 machine).
+macro_rules! avx2_legacy_quant_method {
+    ($($t:ident),*) => {$(
+        impl QuantMethod for quant::$t {
+            #[cfg(target_arch = "x86_64")]
+            unsafe fn gemv_avx512(w: *const u8, job: &Job) {
+                avx2::legacy_rows::<Self>(w, job)
+            }
+            #[cfg(target_arch = "x86_64")]
+            unsafe fn gemv_avx2(w: *const u8, job: &Job) {
+                avx2::legacy_rows::<Self>(w, job)
+            }
+            #[cfg(target_arch = "x86_64")]
+            unsafe fn dequantize_avx2(blocks: &[u8], out: &mut [f32]) {
+                let nb = out.len() / Self::ELEMS;
+                assert!(blocks.len() >= nb * Self::BYTES);
+                avx2::dequantize_legacy::<Self>(blocks.as_ptr(), nb, out.as_mut_ptr())
+            }
+        }
+    )*};
+}
+avx2_legacy_quant_method!(Q5_0, Q5_1);
+
 impl QuantMethod for quant::Q2_K {}
 impl QuantMethod for quant::Q3_K {}
-impl QuantMethod for quant::Q4_K {}
+/// Q4_K and Q6_K have hand-written AVX2 GEMVs (`avx2::k4_rows`, `avx2::k6_rows`) that apply the
+/// sub-block scales to partial sums; AVX-512 CPUs run them too, as for Q5_0 above. Prefill tiles
+/// use the generic exact decoding.
+impl QuantMethod for quant::Q4_K {
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_avx512(w: *const u8, job: &Job) {
+        avx2::k4_rows(w, job)
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_avx2(w: *const u8, job: &Job) {
+        avx2::k4_rows(w, job)
+    }
+}
 impl QuantMethod for quant::Q5_K {}
-impl QuantMethod for quant::Q6_K {}
+impl QuantMethod for quant::Q6_K {
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_avx512(w: *const u8, job: &Job) {
+        avx2::k6_rows(w, job)
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_avx2(w: *const u8, job: &Job) {
+        avx2::k6_rows(w, job)
+    }
+}
 impl QuantMethod for quant::Q8_K {}
 
 /// [`QuantMethod`]'s GEMV at `level` (clamped); `false` when the level has none (scalar).

@@ -12,7 +12,7 @@
 //! batched decode fell from ~410 to ~250 tok/s (SmolLM2 Q4_1, 16 sequences, AMD EPYC, 2 threads).
 
 use super::Job;
-use crate::model::quant::{BlockFormat, Q4_0, Q4_1, Q8_0};
+use crate::model::quant::{BlockFormat, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 
 /// An ISA's dense kernels: an `R` rows × `T` tokens register tile, and `R` rows against one token.
 pub(super) trait DenseKernels<W> {
@@ -171,7 +171,7 @@ pub(super) unsafe fn gemv_rows<K: BlockGemv>(w: *const u8, job: &Job) {
     }
 }
 
-/// The legacy formats with hand-written kernels (Q8_0, Q4_0, Q4_1), which fold the block scale
+/// The legacy formats with hand-written kernels (Q8_0, Q4_0, Q4_1, and on AVX2 Q5_0, Q5_1), which fold the block scale
 /// (and min) into the block's partial sum: `d·Σq·x (+ m·Σx)`.
 pub(super) trait Legacy: BlockFormat {
     /// Whether the block carries a min `m` (value `d·q + m`) after its scale `d`.
@@ -185,6 +185,12 @@ impl Legacy for Q4_0 {
     const HAS_MIN: bool = false;
 }
 impl Legacy for Q4_1 {
+    const HAS_MIN: bool = true;
+}
+impl Legacy for Q5_0 {
+    const HAS_MIN: bool = false;
+}
+impl Legacy for Q5_1 {
     const HAS_MIN: bool = true;
 }
 
