@@ -19,6 +19,7 @@ mod tests;
 use half::f16;
 use rayon::prelude::*;
 
+pub(crate) use kquants::scales_mins_k4;
 pub use kquants::{Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K};
 pub use legacy::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 

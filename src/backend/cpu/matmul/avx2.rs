@@ -6,7 +6,7 @@
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
-use super::x86::{self, block_sums, BlockGemv, Blocks, DenseKernels, Lanes, Legacy};
+use super::x86::{self, block_sums, chunk_sums, BlockGemv, Blocks, DenseKernels, Lanes, Legacy};
 use super::Job;
 use crate::backend::cpu::simd::x86::{hsum256, Load};
 use crate::model::quant::{self, BlockFormat, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0};
@@ -16,6 +16,15 @@ use crate::model::quant::{self, BlockFormat, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K,
 // the four interleaved row streams reached about half the bandwidth they reach with it (Q8_0
 // lm_head of Qwen2.5-0.5B, AMD EPYC Zen 3); a fixed 1 KiB distance within the row did little
 // for rows of about 1 KiB (SmolLM2 BF16 decode 26-28 tok/s against 37-41 with the next group).
+
+/// Prefetches the cache lines of a `bytes`-long block starting at `p` (a hint: `p` may point
+/// past the matrix, as for the last group of rows).
+#[inline(always)]
+unsafe fn prefetch_block(p: *const u8, bytes: usize) {
+    for line in 0..bytes.div_ceil(64) {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * line) as *const i8);
+    }
+}
 
 /// The AVX2 ISA, as the shared drivers see it.
 pub(super) struct Avx2;
@@ -296,7 +305,7 @@ unsafe fn qgemv_256<Q: Quants256, const R: usize>(
         }
         for r in 0..R {
             let p = w[r].add(b * Q::BYTES);
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pf) as *const i8);
+            prefetch_block(p.wrapping_add(pf), Q::BYTES);
             let dm = scales(p);
             let q = Q::q256(p);
             let mut s = _mm256_mul_ps(q[0], xv[0]);
@@ -359,31 +368,6 @@ pub(super) unsafe fn dequantize_blocks<F: BlockFormat>(src: &[u8], dst: &mut [f3
 
 // ----- K-quants -----
 
-/// Q4_K's eight 6-bit sub-block scales (bytes 0..8) and mins (bytes 8..16) from the 12 packed
-/// bytes at `s`, four at a time in 32-bit words: sub-blocks 0..4 keep theirs in the low 6 bits
-/// of bytes 0..4 (scales) and 4..8 (mins); sub-blocks 4..8 take their low 4 bits from the
-/// nibbles of bytes 8..12 and their top 2 bits from the top 2 bits of bytes 0..4 (scales) and
-/// 4..8 (mins). The same values as the format's decoding (`scale_min_k4`).
-#[inline(always)]
-pub(super) fn k4_scales_mins(s: &[u8; 12]) -> [u8; 16] {
-    let w = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
-    let (w0, w1, w2) = (w(0), w(1), w(2));
-    const LOW6: u32 = 0x3f3f_3f3f;
-    const LOW4: u32 = 0x0f0f_0f0f;
-    const LOW2: u32 = 0x0303_0303;
-    let words = [
-        w0 & LOW6,
-        (w2 & LOW4) | (((w0 >> 6) & LOW2) << 4),
-        w1 & LOW6,
-        ((w2 >> 4) & LOW4) | (((w1 >> 6) & LOW2) << 4),
-    ];
-    let mut out = [0u8; 16];
-    for (o, v) in out.chunks_exact_mut(4).zip(words) {
-        o.copy_from_slice(&v.to_le_bytes());
-    }
-    out
-}
-
 /// Q4_K's GEMV, folding each 32-element sub-block's scale into its partial sum as the legacy
 /// kernels do: per super-block and row, the eight `d·sc_j` and `dmin·m_j` are formed once (the
 /// same f32 products the format's decoding forms), the mins are dotted with the activation
@@ -398,8 +382,7 @@ impl BlockGemv for K4Gemv256 {
 
     #[inline(always)]
     unsafe fn prepare(x: *const f32, nb: usize) -> Vec<f32> {
-        let x = std::slice::from_raw_parts(x, nb * Q4_K::ELEMS);
-        x.chunks_exact(32).map(|c| c.iter().sum()).collect()
+        chunk_sums(x, nb * Q4_K::ELEMS, 32)
     }
 
     // `r` indexes the row pointers, scale buffers and accumulators together.
@@ -420,11 +403,9 @@ impl BlockGemv for K4Gemv256 {
             let sums = _mm256_loadu_ps(prep.as_ptr().add(8 * b));
             for r in 0..R {
                 let p = w[r].add(b * Q4_K::BYTES);
-                for line in 0..Q4_K::BYTES.div_ceil(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pf + 64 * line) as *const i8);
-                }
+                prefetch_block(p.wrapping_add(pf), Q4_K::BYTES);
                 let dm = scales(p);
-                let sm = k4_scales_mins(&*(p.add(4) as *const [u8; 12]));
+                let sm = quant::scales_mins_k4(&*(p.add(4) as *const [u8; 12]));
                 let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
                     sm.as_ptr() as *const __m128i
                 )));
@@ -507,10 +488,7 @@ impl BlockGemv for K6Gemv256 {
             let mut part = [_mm256_setzero_ps(); R];
             let xb = x.add(b * Q6_K::ELEMS);
             for r in 0..R {
-                let p = w[r].add(b * Q6_K::BYTES);
-                for line in 0..Q6_K::BYTES.div_ceil(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pf + 64 * line) as *const i8);
-                }
+                prefetch_block(w[r].add(b * Q6_K::BYTES).wrapping_add(pf), Q6_K::BYTES);
             }
             // Half `h` of the super-block uses 64 bytes of `ql` and 32 of `qh`; its 32-element
             // quarter `q` takes the low (quarters 0, 1) or high (2, 3) nibbles of `ql` run
@@ -544,10 +522,7 @@ impl BlockGemv for K6Gemv256 {
             }
             for r in 0..R {
                 let p = w[r].add(b * Q6_K::BYTES + 208);
-                let d =
-                    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
-                        u16::from_le_bytes([*p, *p.add(1)]) as i32,
-                    )));
+                let d = quant::f16_at(std::slice::from_raw_parts(p, 2));
                 acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), part[r], acc[r]);
             }
         }

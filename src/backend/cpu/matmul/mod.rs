@@ -323,24 +323,32 @@ trait QuantMethod: BlockFormat + Sized {
     }
 }
 
-/// Q8_0, Q4_0 and Q4_1 have hand-written kernels that fold each block's scale into its partial
-/// sum (see the module documentation).
+/// The legacy formats' AVX2 kernels (see the module documentation): the GEMV that folds each
+/// block's scale into its partial sum, and bit-exact tile dequantization. Items of a
+/// [`QuantMethod`] impl.
+macro_rules! avx2_legacy_kernels {
+    () => {
+        #[cfg(target_arch = "x86_64")]
+        unsafe fn gemv_avx2(w: *const u8, job: &Job) {
+            avx2::legacy_rows::<Self>(w, job)
+        }
+        #[cfg(target_arch = "x86_64")]
+        unsafe fn dequantize_avx2(blocks: &[u8], out: &mut [f32]) {
+            let nb = out.len() / Self::ELEMS;
+            assert!(blocks.len() >= nb * Self::BYTES);
+            avx2::dequantize_legacy::<Self>(blocks.as_ptr(), nb, out.as_mut_ptr())
+        }
+    };
+}
+
+/// Q8_0, Q4_0 and Q4_1 have the legacy kernels on both ISAs.
 macro_rules! legacy_quant_method {
     ($($t:ident),*) => {$(
         impl QuantMethod for quant::$t {
+            avx2_legacy_kernels!();
             #[cfg(target_arch = "x86_64")]
             unsafe fn gemv_avx512(w: *const u8, job: &Job) {
                 avx512::legacy_rows::<Self>(w, job)
-            }
-            #[cfg(target_arch = "x86_64")]
-            unsafe fn gemv_avx2(w: *const u8, job: &Job) {
-                avx2::legacy_rows::<Self>(w, job)
-            }
-            #[cfg(target_arch = "x86_64")]
-            unsafe fn dequantize_avx2(blocks: &[u8], out: &mut [f32]) {
-                let nb = out.len() / Self::ELEMS;
-                assert!(blocks.len() >= nb * Self::BYTES);
-                avx2::dequantize_legacy::<Self>(blocks.as_ptr(), nb, out.as_mut_ptr())
             }
             #[cfg(target_arch = "x86_64")]
             unsafe fn dequantize_avx512(blocks: &[u8], out: &mut [f32]) {
@@ -353,26 +361,17 @@ macro_rules! legacy_quant_method {
 }
 legacy_quant_method!(Q8_0, Q4_0, Q4_1);
 
-/// Q5_0 and Q5_1 have the legacy kernels in AVX2 only (GEMV and bit-exact tile dequantization);
-/// AVX-512 CPUs run the same AVX2 code, which folds each block's scale into its partial sum
-/// instead of decoding every block into a buffer first as the generic block GEMV does. A 16-lane
-/// version is still to be written (and measured on an AVX-512 machine).
+/// Q5_0 and Q5_1 have the legacy kernels in AVX2 only; AVX-512 CPUs run the same AVX2 GEMV,
+/// which folds each block's scale into its partial sum instead of decoding every block into a
+/// buffer first as the generic block GEMV does (and the tile dequantization, by the trait's
+/// default). A 16-lane version is still to be written (and measured on an AVX-512 machine).
 macro_rules! avx2_legacy_quant_method {
     ($($t:ident),*) => {$(
         impl QuantMethod for quant::$t {
+            avx2_legacy_kernels!();
             #[cfg(target_arch = "x86_64")]
             unsafe fn gemv_avx512(w: *const u8, job: &Job) {
-                avx2::legacy_rows::<Self>(w, job)
-            }
-            #[cfg(target_arch = "x86_64")]
-            unsafe fn gemv_avx2(w: *const u8, job: &Job) {
-                avx2::legacy_rows::<Self>(w, job)
-            }
-            #[cfg(target_arch = "x86_64")]
-            unsafe fn dequantize_avx2(blocks: &[u8], out: &mut [f32]) {
-                let nb = out.len() / Self::ELEMS;
-                assert!(blocks.len() >= nb * Self::BYTES);
-                avx2::dequantize_legacy::<Self>(blocks.as_ptr(), nb, out.as_mut_ptr())
+                Self::gemv_avx2(w, job)
             }
         }
     )*};
@@ -387,7 +386,7 @@ impl QuantMethod for quant::Q3_K {}
 impl QuantMethod for quant::Q4_K {
     #[cfg(target_arch = "x86_64")]
     unsafe fn gemv_avx512(w: *const u8, job: &Job) {
-        avx2::k4_rows(w, job)
+        Self::gemv_avx2(w, job)
     }
     #[cfg(target_arch = "x86_64")]
     unsafe fn gemv_avx2(w: *const u8, job: &Job) {
@@ -398,7 +397,7 @@ impl QuantMethod for quant::Q5_K {}
 impl QuantMethod for quant::Q6_K {
     #[cfg(target_arch = "x86_64")]
     unsafe fn gemv_avx512(w: *const u8, job: &Job) {
-        avx2::k6_rows(w, job)
+        Self::gemv_avx2(w, job)
     }
     #[cfg(target_arch = "x86_64")]
     unsafe fn gemv_avx2(w: *const u8, job: &Job) {
