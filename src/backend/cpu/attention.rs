@@ -1,10 +1,18 @@
-//! Attention over the KV cache for the CPU: each (token, query head) pair is one task that
-//! scores the cached keys of its KV head up to its own position, softmaxes in f32 and sums the
-//! values. Grouped-query heads share the KV head `h / (heads / kv_heads)`, as `repeat_kv` does.
+//! Attention over the KV cache for the CPU. Grouped-query heads share the KV head
+//! `h / (heads / kv_heads)`, as `repeat_kv` does; one task takes one token and the query heads of
+//! one KV head, so each cached key and value (read in place, or decoded once from a narrower
+//! storage type) serves every head of its group while it is in L1. Per (token, head) the
+//! arithmetic is fixed whatever the grouping: scores `q·k · scale` by the SIMD level's dot
+//! product, a softmax in f32 (max, `exp`, sum in position order), and the values summed in
+//! position order with per-lane fused multiply-adds, as `simd::axpy` sums them. On AVX2 the dot
+//! products and the weighted sum are inlined into one kernel that keeps 64 lanes of the output in
+//! registers across positions; other levels call the `simd` entry points.
+
+use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::simd;
+use super::simd::{self, Level};
 use crate::backend::TokenRow;
 use crate::kv::{KvCache, KvDtype};
 
@@ -17,9 +25,6 @@ pub struct AttentionShape {
     /// Keys older than `pos - window` are not attended (sliding-window layers).
     pub window: Option<usize>,
 }
-
-/// Called per attended position with its index, key row and value row.
-type PositionFn<'a> = dyn FnMut(usize, &[f32], &[f32]) + 'a;
 
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
@@ -55,67 +60,252 @@ pub fn attention(
     assert!(
         rows.is_empty() || out_data.len() >= (rows.len() - 1) * out_stride + out_col + s.heads * d
     );
+    for t in 0..rows.len() {
+        assert!(
+            q.0.len() >= t * q.1 + q.2 + s.heads * d,
+            "attention query too short"
+        );
+    }
+    // Whole groups per task when there are enough tasks to share among the threads; a single
+    // decode row with few KV heads splits its groups head by head instead.
+    let threads = rayon::current_num_threads().max(1);
+    let per_task = if rows.len() * s.kv_heads >= 2 * threads {
+        group
+    } else {
+        1
+    };
+    let chunks = group / per_task;
     let ptr = OutPtr(out_data.as_mut_ptr());
-    let layout = *kv.layout();
-    let f32_in_place = layout.dtype == KvDtype::F32;
-    (0..rows.len() * s.heads).into_par_iter().for_each(|task| {
-        let (t, h) = (task / s.heads, task % s.heads);
-        let r = rows[t];
-        let lo = s.window.map_or(0, |w| r.pos.saturating_sub(w));
-        let n = r.pos + 1;
-        let table = kv.page_table(r.slot);
-        let qh = &q.0[t * q.1 + q.2 + h * d..t * q.1 + q.2 + (h + 1) * d];
-        // One head's keys and values, a block at a time through the page table: read in place
-        // when stored as f32, else decoded into this task's scratch.
-        let bs = layout.block_size;
-        let (mut kbuf, mut vbuf) = if f32_in_place {
-            (Vec::new(), Vec::new())
-        } else {
-            (vec![0.0f32; bs * d], vec![0.0f32; bs * d])
-        };
-        let mut scores: Vec<f32> = Vec::with_capacity(n - lo);
-        let mut each_block = |f: &mut PositionFn| {
-            let mut start = lo - lo % bs;
-            while start < n {
-                let block = table[start / bs];
-                let rows_here = bs.min(n - start);
-                let (keys, values): (&[f32], &[f32]) = if f32_in_place {
-                    kv.pool().head_block_f32(s.layer, block, h / group)
-                } else {
-                    kv.pool().decode_rows(
-                        s.layer,
-                        block,
-                        h / group,
-                        0,
-                        rows_here,
-                        &mut kbuf,
-                        &mut vbuf,
-                    );
-                    (&kbuf, &vbuf)
-                };
-                for j in start.max(lo)..start + rows_here {
-                    let o = (j - start) * d;
-                    f(j, &keys[o..o + d], &values[o..o + d]);
+    let level = simd::level();
+    (0..rows.len() * s.kv_heads * chunks)
+        .into_par_iter()
+        .for_each(|task| {
+            let t = task / (s.kv_heads * chunks);
+            let g = task % (s.kv_heads * chunks) / chunks;
+            let h0 = g * group + task % chunks * per_task;
+            let p = ptr;
+            let job = Task {
+                s,
+                row: rows[t],
+                kv_head: g,
+                heads: h0..h0 + per_task,
+                q: &q.0[t * q.1 + q.2..],
+                // SAFETY (of the writes through it): each task writes its own heads of row `t`;
+                // bounds asserted above.
+                out: unsafe { p.0.add(t * out_stride + out_col) },
+            };
+            SCRATCH.with_borrow_mut(|scratch| match simd::clamp(level) {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the clamped level says the CPU has AVX2 and FMA.
+                Level::Avx2 => unsafe { attend_avx2(kv, &job, scratch) },
+                other => unsafe { attend(&AtLevel(other), kv, &job, scratch) },
+            });
+        });
+}
+
+/// One task: token `row`, query heads `heads` (all of KV head `kv_head`).
+struct Task<'a> {
+    s: &'a AttentionShape,
+    row: TokenRow,
+    kv_head: usize,
+    heads: std::ops::Range<usize>,
+    /// The token's query row (heads at `h · head_dim`).
+    q: &'a [f32],
+    /// The token's output row (heads at `h · head_dim`).
+    out: *mut f32,
+}
+
+/// A thread's buffers, reused from task to task.
+#[derive(Default)]
+struct Scratch {
+    /// `heads × positions` scores, then probabilities.
+    scores: Vec<f32>,
+    /// One block's keys and values decoded from a narrower storage type.
+    keys: Vec<f32>,
+    values: Vec<f32>,
+    /// `heads × head_dim` outputs being summed.
+    acc: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// The arithmetic of a task, per SIMD level.
+trait Ops {
+    /// `Σ q[i]·k[i]`, rounded as `simd::dot_f32` rounds it.
+    unsafe fn dot(&self, q: &[f32], k: &[f32]) -> f32;
+    /// `acc += Σ_j w[j] · values[j·d ..][..d]` in order of `j`, each term as `simd::axpy`.
+    unsafe fn weighted_sum(&self, acc: &mut [f32], w: &[f32], values: &[f32], d: usize);
+}
+
+/// Through the `simd` entry points at a level.
+struct AtLevel(Level);
+
+impl Ops for AtLevel {
+    #[inline(always)]
+    unsafe fn dot(&self, q: &[f32], k: &[f32]) -> f32 {
+        simd::dot_f32_at(self.0, q, k)
+    }
+    #[inline(always)]
+    unsafe fn weighted_sum(&self, acc: &mut [f32], w: &[f32], values: &[f32], d: usize) {
+        for (j, &wj) in w.iter().enumerate() {
+            simd::axpy_at(self.0, wj, &values[j * d..(j + 1) * d], acc);
+        }
+    }
+}
+
+/// The task under AVX2 + FMA with its arithmetic inlined.
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA; as [`attend`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_avx2(kv: &KvCache, job: &Task, scratch: &mut Scratch) {
+    attend(&avx2::Avx2, kv, job, scratch)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::Ops;
+    use crate::backend::cpu::simd::x86::dot_256_body;
+
+    pub(super) struct Avx2;
+
+    impl Ops for Avx2 {
+        #[inline(always)]
+        unsafe fn dot(&self, q: &[f32], k: &[f32]) -> f32 {
+            debug_assert_eq!(q.len(), k.len());
+            dot_256_body(q.as_ptr(), k.as_ptr(), q.len())
+        }
+
+        /// 64 output lanes at a time stay in eight registers across every position; per lane
+        /// the sum is `simd::axpy`'s (`fma(w, v, acc)` in position order; the scalar lanes past
+        /// the last whole vector `acc + w·v`, rounded twice).
+        #[inline(always)]
+        unsafe fn weighted_sum(&self, acc: &mut [f32], w: &[f32], values: &[f32], d: usize) {
+            assert!(acc.len() >= d && values.len() >= w.len() * d);
+            let (pa, pv) = (acc.as_mut_ptr(), values.as_ptr());
+            let mut c = 0;
+            while c + 64 <= d {
+                let mut a = [_mm256_setzero_ps(); 8];
+                for (u, a) in a.iter_mut().enumerate() {
+                    *a = _mm256_loadu_ps(pa.add(c + 8 * u));
                 }
-                start += bs;
+                for (j, &wj) in w.iter().enumerate() {
+                    let vw = _mm256_set1_ps(wj);
+                    let v = pv.add(j * d + c);
+                    for (u, a) in a.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(vw, _mm256_loadu_ps(v.add(8 * u)), *a);
+                    }
+                }
+                for (u, a) in a.iter().enumerate() {
+                    _mm256_storeu_ps(pa.add(c + 8 * u), *a);
+                }
+                c += 64;
             }
-        };
-        each_block(&mut |_, key, _| scores.push(simd::dot_f32(qh, key) * s.scale));
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            while c + 8 <= d {
+                let mut a = _mm256_loadu_ps(pa.add(c));
+                for (j, &wj) in w.iter().enumerate() {
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(wj), _mm256_loadu_ps(pv.add(j * d + c)), a);
+                }
+                _mm256_storeu_ps(pa.add(c), a);
+                c += 8;
+            }
+            for lane in c..d {
+                for (j, &wj) in w.iter().enumerate() {
+                    *pa.add(lane) += wj * *pv.add(j * d + lane);
+                }
+            }
+        }
+    }
+}
+
+/// Scores, softmax and weighted values for one task.
+///
+/// # Safety
+/// `job.out` is valid for writes of the task's heads; `job.q` holds them.
+#[inline(always)]
+unsafe fn attend<O: Ops>(o: &O, kv: &KvCache, job: &Task, scratch: &mut Scratch) {
+    let s = job.s;
+    let d = s.head_dim;
+    let r = job.row;
+    let lo = s.window.map_or(0, |w| r.pos.saturating_sub(w));
+    let n = r.pos + 1;
+    let positions = n - lo;
+    let hc = job.heads.len();
+    let table = kv.page_table(r.slot);
+    let layout = *kv.layout();
+    let bs = layout.block_size;
+    let f32_in_place = layout.dtype == KvDtype::F32;
+    let Scratch {
+        scores,
+        keys: kbuf,
+        values: vbuf,
+        acc,
+    } = scratch;
+    if !f32_in_place {
+        kbuf.resize(bs * d, 0.0);
+        vbuf.resize(bs * d, 0.0);
+    }
+    scores.clear();
+    scores.resize(hc * positions, 0.0);
+    // One block of this KV head's keys and values (rows `0..rows_here` of the block).
+    let block_rows = |block: u32, rows_here: usize, kbuf: &mut Vec<f32>, vbuf: &mut Vec<f32>| {
+        if f32_in_place {
+            let (k, v) = kv.pool().head_block_f32(s.layer, block, job.kv_head);
+            (k.as_ptr(), v.as_ptr())
+        } else {
+            kv.pool()
+                .decode_rows(s.layer, block, job.kv_head, 0, rows_here, kbuf, vbuf);
+            (kbuf.as_ptr(), vbuf.as_ptr())
+        }
+    };
+    let first_block = lo - lo % bs;
+    let mut start = first_block;
+    while start < n {
+        let rows_here = bs.min(n - start);
+        let (keys, _) = block_rows(table[start / bs], rows_here, kbuf, vbuf);
+        for j in start.max(lo)..start + rows_here {
+            let key = std::slice::from_raw_parts(keys.add((j - start) * d), d);
+            for (i, h) in job.heads.clone().enumerate() {
+                let qh = &job.q[h * d..(h + 1) * d];
+                scores[i * positions + j - lo] = o.dot(qh, key) * s.scale;
+            }
+        }
+        start += bs;
+    }
+    for head in scores.chunks_exact_mut(positions) {
+        let max = head.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0.0f32;
-        for sc in &mut scores {
+        for sc in head.iter_mut() {
             *sc = (*sc - max).exp();
             sum += *sc;
         }
-        let mut acc = vec![0.0f32; d];
-        each_block(&mut |j, _, value| simd::axpy(scores[j - lo] / sum, value, &mut acc));
-        let p = ptr;
-        // SAFETY: each task writes its own `d` floats of row `t`, head `h`; bounds asserted above.
-        unsafe {
-            let dst = p.0.add(t * out_stride + out_col + h * d);
-            std::ptr::copy_nonoverlapping(acc.as_ptr(), dst, d);
+        for sc in head.iter_mut() {
+            *sc /= sum;
         }
-    });
+    }
+    acc.clear();
+    acc.resize(hc * d, 0.0);
+    let mut start = first_block;
+    while start < n {
+        let rows_here = bs.min(n - start);
+        let (_, values) = block_rows(table[start / bs], rows_here, kbuf, vbuf);
+        let first = start.max(lo);
+        let count = start + rows_here - first;
+        let vals = std::slice::from_raw_parts(values.add((first - start) * d), count * d);
+        for i in 0..hc {
+            let w = &scores[i * positions + first - lo..][..count];
+            o.weighted_sum(&mut acc[i * d..(i + 1) * d], w, vals, d);
+        }
+        start += bs;
+    }
+    for (i, h) in job.heads.clone().enumerate() {
+        std::ptr::copy_nonoverlapping(acc.as_ptr().add(i * d), job.out.add(h * d), d);
+    }
 }
 
 #[cfg(test)]

@@ -431,8 +431,13 @@ pub(crate) mod x86 {
     /// `Σ a[i]·b[i]`, four accumulators, scalar tail.
     #[target_feature(enable = "avx2,fma")]
     pub(crate) unsafe fn dot_256<A: Load>(a: &[A], b: &[f32]) -> f32 {
-        let n = a.len();
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        dot_256_body(a.as_ptr(), b.as_ptr(), a.len())
+    }
+
+    /// [`dot_256`]'s arithmetic, inlined into callers compiled with AVX2 and FMA (the attention
+    /// kernel), so a dot product rounds the same wherever it is computed.
+    #[inline(always)]
+    pub(crate) unsafe fn dot_256_body<A: Load>(pa: *const A, pb: *const f32, n: usize) -> f32 {
         let mut acc = [_mm256_setzero_ps(); 4];
         let mut i = 0;
         while i + 32 <= n {
@@ -457,8 +462,13 @@ pub(crate) mod x86 {
 
     #[target_feature(enable = "avx2,fma")]
     pub(crate) unsafe fn axpy_256(a: f32, x: &[f32], y: &mut [f32]) {
-        let n = x.len();
-        let (px, py) = (x.as_ptr(), y.as_mut_ptr());
+        axpy_256_body(a, x.as_ptr(), y.as_mut_ptr(), x.len())
+    }
+
+    /// [`axpy_256`]'s arithmetic (fused per vector lane, `y + a·x` rounded twice in the scalar
+    /// tail), for callers compiled with AVX2 and FMA.
+    #[inline(always)]
+    pub(crate) unsafe fn axpy_256_body(a: f32, px: *const f32, py: *mut f32, n: usize) {
         let va = _mm256_set1_ps(a);
         let mut i = 0;
         while i + 8 <= n {
