@@ -137,23 +137,30 @@ fn gemm(c: &mut Criterion) {
     g.sample_size(10)
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_secs(1));
-    let (rows, cols, tokens) = (576, 1536, 64);
-    for bf in [false, true] {
-        let w = matrix(rows, cols, bf);
-        let x = rand_vec(tokens * cols, 2);
-        let mut out = vec![0f32; tokens * rows];
-        // Report FLOP-ish work as "elements": multiply-adds.
-        g.throughput(Throughput::Elements((rows * cols * tokens) as u64));
-        let dt = if bf { "bf16" } else { "f32" };
-        // Level::Avx512Bf16 runs the same FMA kernel as Avx512 (see matmul.rs), so skip it.
-        for level in levels(false)
-            .into_iter()
-            .filter(|&l| l != Level::Avx512Bf16)
-        {
-            let id = BenchmarkId::new(format!("{dt}/{rows}x{cols}x{tokens}"), level.name());
-            g.bench_function(id, |b| {
-                b.iter(|| run(level, &w, black_box(&x), tokens, &mut out))
-            });
+    // A prefill chunk (512 tokens) and a batched decode step (16 sequences) of SmolLM2-sized
+    // projections, in every weight storage the CPU backend multiplies by.
+    for (rows, cols, tokens) in [(576, 1536, 64), (1536, 576, 512), (1536, 576, 16)] {
+        let storages = [
+            ("f32", matrix(rows, cols, false)),
+            ("bf16", matrix(rows, cols, true)),
+            ("q8_0", quant_matrix(rows, cols, QuantKind::Q8_0)),
+            ("q4_1", quant_matrix(rows, cols, QuantKind::Q4_1)),
+        ];
+        for (dt, w) in &storages {
+            let x = rand_vec(tokens * cols, 2);
+            let mut out = vec![0f32; tokens * rows];
+            // Report FLOP-ish work as "elements": multiply-adds.
+            g.throughput(Throughput::Elements((rows * cols * tokens) as u64));
+            // Level::Avx512Bf16 runs the same FMA kernel as Avx512 (see matmul.rs), so skip it.
+            for level in levels(false)
+                .into_iter()
+                .filter(|&l| l != Level::Avx512Bf16)
+            {
+                let id = BenchmarkId::new(format!("{dt}/{rows}x{cols}x{tokens}"), level.name());
+                g.bench_function(id, |b| {
+                    b.iter(|| run(level, w, black_box(&x), tokens, &mut out))
+                });
+            }
         }
     }
     g.finish();

@@ -1,12 +1,12 @@
-//! AVX2 + FMA + F16C kernels (8 f32 lanes, scalar k tails; 16 ymm registers, so the prefill
-//! tile is 4 rows × 2 tokens). The drivers are shared with AVX-512 (see [`super::x86`]); the entry
+//! AVX2 + FMA + F16C kernels (8 f32 lanes, scalar k tails; the multi-token kernel is in
+//! [`super::avx2_panel`]). The drivers are shared with AVX-512 (see [`super::x86`]); the entry
 //! points here instantiate them with this file's kernels under `#[target_feature]`. The prefill
 //! tiles' dequantization runs here for every AVX level.
 
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
-use super::x86::{self, block_sums, chunk_sums, BlockGemv, Blocks, DenseKernels, Lanes, Legacy};
+use super::x86::{self, block_sums, chunk_sums, BlockGemv, Blocks, DenseGemv, Lanes, Legacy};
 use super::Job;
 use crate::backend::cpu::simd::x86::{hsum256, Load};
 use crate::model::quant::{self, BlockFormat, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0};
@@ -29,15 +29,7 @@ unsafe fn prefetch_block(p: *const u8, bytes: usize) {
 /// The AVX2 ISA, as the shared drivers see it.
 pub(super) struct Avx2;
 
-impl<W: Load> DenseKernels<W> for Avx2 {
-    #[inline(always)]
-    unsafe fn tile<const R: usize, const T: usize>(
-        w: [*const W; R],
-        x: [*const f32; T],
-        k: usize,
-    ) -> [[f32; T]; R] {
-        tile_256(w, x, k)
-    }
+impl<W: Load> DenseGemv<W> for Avx2 {
     #[inline(always)]
     unsafe fn gemv<const R: usize>(w: [*const W; R], x: *const f32, k: usize) -> [f32; R] {
         gemv_256(w, x, k)
@@ -69,42 +61,8 @@ impl Lanes for Avx2 {
     }
 }
 
-/// `R` rows × `T` tokens register tile.
-#[inline(always)]
-unsafe fn tile_256<W: Load, const R: usize, const T: usize>(
-    w: [*const W; R],
-    x: [*const f32; T],
-    k: usize,
-) -> [[f32; T]; R] {
-    let mut acc = [[_mm256_setzero_ps(); T]; R];
-    let mut i = 0;
-    while i + 8 <= k {
-        let mut xv = [_mm256_setzero_ps(); T];
-        for t in 0..T {
-            xv[t] = _mm256_loadu_ps(x[t].add(i));
-        }
-        for r in 0..R {
-            let wv = W::ld8(w[r].add(i));
-            for t in 0..T {
-                acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
-            }
-        }
-        i += 8;
-    }
-    let mut s = [[0f32; T]; R];
-    for r in 0..R {
-        for t in 0..T {
-            let mut v = hsum256(acc[r][t]);
-            for j in i..k {
-                v += (*w[r].add(j)).get() * *x[t].add(j);
-            }
-            s[r][t] = v;
-        }
-    }
-    s
-}
-
-/// Like [`tile_256`] with one token, unrolled twice over k for 2R chains.
+/// `R` rows against one token: two k-unrolled accumulators per row (2R chains), prefetching the
+/// next group of rows.
 #[inline(always)]
 unsafe fn gemv_256<W: Load, const R: usize>(w: [*const W; R], x: *const f32, k: usize) -> [f32; R] {
     let mut a0 = [_mm256_setzero_ps(); R];
@@ -140,10 +98,15 @@ unsafe fn gemv_256<W: Load, const R: usize>(w: [*const W; R], x: *const f32, k: 
     s
 }
 
-/// f32/bf16 rows (any token count).
+/// f32/bf16 rows (any token count): the GEMV for one token, packed panels for more
+/// ([`super::avx2_panel`]).
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn dense_rows<W: Load>(w: *const W, job: &Job) {
-    x86::dense_rows::<W, Avx2, 2, 2, 2>(w, job)
+    if job.tokens == 1 {
+        x86::dense_gemv_rows::<W, Avx2>(w, job)
+    } else {
+        super::avx2_panel::panel_rows(w, job)
+    }
 }
 
 // ----- Quantized blocks -----

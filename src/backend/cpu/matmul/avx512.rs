@@ -7,7 +7,7 @@
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
-use super::x86::{self, block_sums, BlockGemv, Blocks, DenseKernels, Lanes, Legacy};
+use super::x86::{self, block_sums, BlockGemv, Blocks, DenseGemv, DenseKernels, Lanes, Legacy};
 use super::Job;
 use crate::backend::cpu::simd::x86::{tail_mask16, Load};
 use crate::model::quant::{BlockFormat, Q4_0, Q4_1, Q8_0};
@@ -19,6 +19,13 @@ const PF_DIST: usize = 1024;
 /// The AVX-512 ISA, as the shared drivers see it.
 pub(super) struct Avx512;
 
+impl<W: Load> DenseGemv<W> for Avx512 {
+    #[inline(always)]
+    unsafe fn gemv<const R: usize>(w: [*const W; R], x: *const f32, k: usize) -> [f32; R] {
+        gemv_512(w, x, k)
+    }
+}
+
 impl<W: Load> DenseKernels<W> for Avx512 {
     #[inline(always)]
     unsafe fn tile<const R: usize, const T: usize>(
@@ -27,10 +34,6 @@ impl<W: Load> DenseKernels<W> for Avx512 {
         k: usize,
     ) -> [[f32; T]; R] {
         tile_512(w, x, k)
-    }
-    #[inline(always)]
-    unsafe fn gemv<const R: usize>(w: [*const W; R], x: *const f32, k: usize) -> [f32; R] {
-        gemv_512(w, x, k)
     }
     #[inline(always)]
     unsafe fn tile4_put<const T: usize>(w: [*const W; 4], job: &Job, n: usize, t: usize) {

@@ -6,9 +6,10 @@
 //! file per ISA: [`avx512`], [`avx2`], [`scalar`], with the row/token drivers they share written
 //! once in [`x86`]. Decode (`tokens == 1`) runs 4 weight rows against the activation row with two
 //! k-unrolled accumulators per row and software prefetch; prefill (and batched decode, whose
-//! rows are tokens too) runs a 4 rows × 6 tokens register tile (24 zmm accumulators, then 4- and
-//! 2-token tiles for the rest; 4 × 2 ymm on AVX2) so each weight vector is loaded once per 6
-//! tokens, with 1-row / 1-token tails and masked (AVX-512) or scalar (AVX2) k tails. On AVX-512 a
+//! rows are tokens too) runs, on AVX-512, a 4 rows × 6 tokens register tile of dot products (24
+//! zmm accumulators, then 4- and 2-token tiles for the rest) so each weight vector is loaded once
+//! per 6 tokens, with 1-row / 1-token tails and masked k tails; on AVX2, 6 tokens × 16 outputs
+//! over weights packed k-major ([`avx2_panel`]: broadcasts and FMAs, no reductions). On AVX-512 a
 //! whole tile's sums are reduced 16 at a time by one shuffle tree and stored as one 4-row vector
 //! per token: with k = 576 (SmolLM2's hidden size) 16 separate lane reductions cost about a
 //! fifth of the tile's FMAs. An
@@ -56,6 +57,8 @@ use crate::with_format;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx2_panel;
 #[cfg(target_arch = "x86_64")]
 // The AVX-512 intrinsics are stable since Rust 1.89, the workspace's `rust-version`.
 mod avx512;
@@ -131,11 +134,15 @@ unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 /// Output rows handled by one task: small enough to balance across threads, large enough that
-/// the per-task overhead vanishes next to the bytes streamed. A multiple of 4, the kernels' row
-/// block.
+/// the per-task overhead vanishes next to the bytes streamed. A multiple of 4, the GEMVs' row
+/// block, or of 16 with more than one token.
 fn rows_per_task(w: &PackedMatrix, tokens: usize) -> usize {
     let threads = rayon::current_num_threads().max(1);
-    let by_threads = w.rows.div_ceil(threads * 4).next_multiple_of(4);
+    // Multi-token calls go 16 outputs at a time (AVX2's packed panels, quantized prefill tiles).
+    let by_threads = w
+        .rows
+        .div_ceil(threads * 4)
+        .next_multiple_of(if tokens > 1 { 16 } else { 4 });
     let min_rows = if tokens > 1 { 16 } else { 64 };
     by_threads.max(min_rows).min(w.rows.max(1))
 }

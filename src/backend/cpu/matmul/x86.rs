@@ -14,14 +14,18 @@
 use super::Job;
 use crate::model::quant::{BlockFormat, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 
-/// An ISA's dense kernels: an `R` rows × `T` tokens register tile, and `R` rows against one token.
-pub(super) trait DenseKernels<W> {
+/// An ISA's dense GEMV: `R` rows against one token.
+pub(super) trait DenseGemv<W> {
+    unsafe fn gemv<const R: usize>(w: [*const W; R], x: *const f32, k: usize) -> [f32; R];
+}
+
+/// An ISA's dense prefill kernels: an `R` rows × `T` tokens register tile of dot products.
+pub(super) trait DenseKernels<W>: DenseGemv<W> {
     unsafe fn tile<const R: usize, const T: usize>(
         w: [*const W; R],
         x: [*const f32; T],
         k: usize,
     ) -> [[f32; T]; R];
-    unsafe fn gemv<const R: usize>(w: [*const W; R], x: *const f32, k: usize) -> [f32; R];
 
     /// A whole `4 × T` tile, rows `n..n + 4` (at `w`) by tokens `t..t + T`, written to the
     /// output. The default reduces through [`DenseKernels::tile`] and writes element by element;
@@ -96,11 +100,9 @@ pub(super) unsafe fn dense_rows<
     w: *const W,
     job: &Job,
 ) {
-    let k = job.k;
     let end = job.rows.end;
     let mut n = job.rows.start;
     while n < end {
-        let full = n + 4 <= end;
         let tiled = job.tokens - job.tokens % T2;
         let mut t = 0;
         while t + T <= tiled {
@@ -115,18 +117,43 @@ pub(super) unsafe fn dense_rows<
             dense_tile::<W, K, T3>(w, job, n, end, t);
             t += T3;
         }
-        while t < job.tokens {
-            if full {
-                let s = K::gemv::<4>(row_ptrs(w, n, k), job.xptr(t), k);
-                put_tile::<4, 1>(job, n, t, s.map(|v| [v]));
-            } else {
-                for r in n..end {
-                    let s = K::gemv::<1>(row_ptrs(w, r, k), job.xptr(t), k);
-                    job.put(t, r, s[0]);
-                }
+        gemv_tokens::<W, K>(w, job, n, end, t);
+        n = (n + 4).min(end);
+    }
+}
+
+/// Tokens `t..` of the rows `n..end` (at most 4) through the GEMV, one token at a time.
+#[inline(always)]
+unsafe fn gemv_tokens<W, K: DenseGemv<W>>(
+    w: *const W,
+    job: &Job,
+    n: usize,
+    end: usize,
+    mut t: usize,
+) {
+    let k = job.k;
+    while t < job.tokens {
+        if n + 4 <= end {
+            let s = K::gemv::<4>(row_ptrs(w, n, k), job.xptr(t), k);
+            put_tile::<4, 1>(job, n, t, s.map(|v| [v]));
+        } else {
+            for r in n..end {
+                let s = K::gemv::<1>(row_ptrs(w, r, k), job.xptr(t), k);
+                job.put(t, r, s[0]);
             }
-            t += 1;
         }
+        t += 1;
+    }
+}
+
+/// Every token through the dense GEMV, groups of 4 rows (for ISAs whose multi-token calls take
+/// another kernel).
+#[inline(always)]
+pub(super) unsafe fn dense_gemv_rows<W, K: DenseGemv<W>>(w: *const W, job: &Job) {
+    let end = job.rows.end;
+    let mut n = job.rows.start;
+    while n < end {
+        gemv_tokens::<W, K>(w, job, n, end, 0);
         n = (n + 4).min(end);
     }
 }
