@@ -294,6 +294,65 @@ pub(super) unsafe fn legacy_rows<Q: Quants256>(w: *const u8, job: &Job) {
     x86::gemv_rows::<Legacy256<Q>>(w, job)
 }
 
+/// A few tokens (2 to 4: small batched-decode steps, speculative verification; for more,
+/// dequantizing a tile once for the packed-panel kernel costs less) on Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 blocks: each row's blocks are read and decoded
+/// once for all the tokens, and per token the arithmetic is [`qgemv_256`]'s, so every token's
+/// result is bit-identical to its one-token call. Returns `false` (nothing done) for other
+/// token counts.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn legacy_tokens_rows<Q: Quants256>(w: *const u8, job: &Job) -> bool {
+    match job.tokens {
+        2 => legacy_tokens::<Q, 2>(w, job),
+        3 => legacy_tokens::<Q, 3>(w, job),
+        4 => legacy_tokens::<Q, 4>(w, job),
+        _ => return false,
+    }
+    true
+}
+
+#[inline(always)]
+unsafe fn legacy_tokens<Q: Quants256, const T: usize>(w: *const u8, job: &Job) {
+    const QK: usize = 32;
+    let nb = job.k / QK;
+    let rb = nb * Q::BYTES;
+    let x: [*const f32; T] = x86::tok_ptrs(job, 0);
+    let mut sums = Vec::with_capacity(T);
+    for &xt in &x {
+        sums.push(block_sums::<Q>(xt, nb));
+    }
+    let mut xs = [std::ptr::null::<f32>(); T];
+    for (p, s) in xs.iter_mut().zip(&sums) {
+        *p = s.as_ptr();
+    }
+    for n in job.rows.clone() {
+        let row = w.add(n * rb);
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut macc = [_mm_setzero_ps(); T];
+        for b in 0..nb {
+            let p = row.add(b * Q::BYTES);
+            // The next row follows this one in memory.
+            prefetch_block(p.wrapping_add(rb), Q::BYTES);
+            let dm = scales(p);
+            let d = _mm256_broadcastss_ps(dm);
+            let q = Q::q256(p);
+            for t in 0..T {
+                let xb = x[t].add(b * QK);
+                let mut s = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
+                s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb.add(8)), s);
+                s = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb.add(16)), s);
+                s = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb.add(24)), s);
+                acc[t] = _mm256_fmadd_ps(d, s, acc[t]);
+                if Q::HAS_MIN {
+                    macc[t] = _mm_fmadd_ss(_mm_movehdup_ps(dm), _mm_load_ss(xs[t].add(b)), macc[t]);
+                }
+            }
+        }
+        for t in 0..T {
+            job.put(t, n, hsum256(acc[t]) + _mm_cvtss_f32(macc[t]));
+        }
+    }
+}
+
 /// GEMV (`job.tokens == 1`) on blocks of any format (see [`Blocks`]).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn block_rows<F: BlockFormat>(w: *const u8, job: &Job) {

@@ -40,6 +40,10 @@
 //! - decode, every other format (Q2_K, Q3_K, Q5_K, Q8_K): the generic block GEMV of [`x86`]:
 //!   each block is decoded exactly (ggml's operations, vectorised by the compiler under the
 //!   ISA's features) into an L1 buffer and multiplied with x by FMA, four rows at a time.
+//! - 2 to 4 tokens (small batched-decode steps, speculative verification), legacy formats,
+//!   AVX2: each row's blocks are decoded once for all the tokens, and each token is summed as
+//!   its one-token GEMV sums it (bit-identical), instead of dequantizing whole tiles for a few
+//!   tokens.
 //! - prefill (`tokens > 1`, and every token count at the scalar level): a tile of rows is
 //!   dequantized to f32 (bit-identical to ggml's reference dequantization) into thread-local
 //!   scratch and handed to the f32 kernels, so the per-element dequantization cost is shared by
@@ -315,6 +319,14 @@ trait QuantMethod: BlockFormat + Sized {
         avx2::block_rows::<Self>(w, job)
     }
 
+    /// A few tokens at once on the blocks, AVX2, each token rounded as its one-token GEMV;
+    /// `false` (nothing done) where the format or token count has no such kernel, and the
+    /// dequantized tiles are used. Safety as [`QuantMethod::gemv_avx2`].
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_tokens_avx2(_w: *const u8, _job: &Job) -> bool {
+        false
+    }
+
     /// Whole blocks to f32 (`out.len() / ELEMS` of them), bit-identical to
     /// [`quant::dequantize_row`], AVX2 (safety: the CPU supports AVX2, FMA and F16C).
     #[cfg(target_arch = "x86_64")]
@@ -338,6 +350,10 @@ macro_rules! avx2_legacy_kernels {
         #[cfg(target_arch = "x86_64")]
         unsafe fn gemv_avx2(w: *const u8, job: &Job) {
             avx2::legacy_rows::<Self>(w, job)
+        }
+        #[cfg(target_arch = "x86_64")]
+        unsafe fn gemv_tokens_avx2(w: *const u8, job: &Job) -> bool {
+            avx2::legacy_tokens_rows::<Self>(w, job)
         }
         #[cfg(target_arch = "x86_64")]
         unsafe fn dequantize_avx2(blocks: &[u8], out: &mut [f32]) {
@@ -460,6 +476,10 @@ unsafe fn quant_rows(level: Level, kind: QuantKind, blocks: &[u8], job: &Job) {
 
 unsafe fn quant_rows_of<F: QuantMethod>(level: Level, blocks: &[u8], job: &Job) {
     if job.tokens == 1 && gemv_at::<F>(level, blocks.as_ptr(), job) {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if level == Level::Avx2 && F::gemv_tokens_avx2(blocks.as_ptr(), job) {
         return;
     }
     let rb = job.k / F::ELEMS * F::BYTES;

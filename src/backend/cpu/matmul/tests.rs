@@ -412,3 +412,47 @@ fn tile_widths_round_like_the_narrowest_tile() {
         }
     }
 }
+
+/// Two to four tokens on legacy blocks at the AVX2 level decode each block once for all of them
+/// and round each token as its one-token GEMV: a batched decode step of a few sequences gives
+/// each sequence bit for bit what it gets alone (with bias, accumulating into the output, and
+/// over a split across threads).
+#[test]
+fn few_legacy_tokens_round_like_one_token_calls() {
+    if !simd::available_levels().contains(&Level::Avx2) {
+        println!("skipped: this CPU has no AVX2");
+        return;
+    }
+    let (rows, cols) = (70, 320);
+    for kind in [
+        QuantKind::Q8_0,
+        QuantKind::Q4_0,
+        QuantKind::Q4_1,
+        QuantKind::Q5_0,
+        QuantKind::Q5_1,
+    ] {
+        let w = quant_matrix(kind, rows, cols, true, 5);
+        for tokens in 2..=4 {
+            let x = rand_vec(tokens * cols, 40 + tokens as u64);
+            let start = rand_vec(tokens * rows, 7);
+            let mut all = start.clone();
+            matmul_at(Level::Avx2, &w, &x, cols, tokens, &mut all, rows, true);
+            for t in 0..tokens {
+                let mut one = start[t * rows..(t + 1) * rows].to_vec();
+                matmul_at(
+                    Level::Avx2,
+                    &w,
+                    &x[t * cols..],
+                    cols,
+                    1,
+                    &mut one,
+                    rows,
+                    true,
+                );
+                let got = &all[t * rows..(t + 1) * rows];
+                let same = one.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{} token {t} of {tokens}", kind.name());
+            }
+        }
+    }
+}
