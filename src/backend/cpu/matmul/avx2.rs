@@ -294,44 +294,83 @@ pub(super) unsafe fn legacy_rows<Q: Quants256>(w: *const u8, job: &Job) {
     x86::gemv_rows::<Legacy256<Q>>(w, job)
 }
 
-/// A few tokens (2 to 4: small batched-decode steps, speculative verification; for more,
-/// dequantizing a tile once for the packed-panel kernel costs less) on Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 blocks: each row's blocks are read and decoded
-/// once for all the tokens, and per token the arithmetic is [`qgemv_256`]'s, so every token's
-/// result is bit-identical to its one-token call. Returns `false` (nothing done) for other
-/// token counts.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn legacy_tokens_rows<Q: Quants256>(w: *const u8, job: &Job) -> bool {
+/// A format's kernel for a few tokens against one row: each block is read and decoded once for
+/// all `T` tokens, and per token the arithmetic is the format's one-token GEMV's, so every
+/// token's result is bit-identical to its one-token call.
+trait RowTokens {
+    const ELEMS: usize;
+    const BYTES: usize;
+    /// As [`BlockGemv::prepare`], per token.
+    unsafe fn prepare(x: *const f32, nb: usize) -> Vec<f32>;
+    /// One row of `nb` blocks at `row` against `T` tokens; `pf` is the distance to prefetch.
+    unsafe fn row<const T: usize>(
+        row: *const u8,
+        x: [*const f32; T],
+        prep: [*const f32; T],
+        nb: usize,
+        pf: usize,
+    ) -> [f32; T];
+}
+
+/// The few-token driver (2 to 4 tokens: small batched-decode steps, speculative verification;
+/// for more, dequantizing a tile once for the packed-panel kernel costs less): row by row,
+/// prefetching the next row. Returns `false` (nothing done) for other token counts.
+#[inline(always)]
+unsafe fn few_tokens_rows<K: RowTokens>(w: *const u8, job: &Job) -> bool {
     match job.tokens {
-        2 => legacy_tokens::<Q, 2>(w, job),
-        3 => legacy_tokens::<Q, 3>(w, job),
-        4 => legacy_tokens::<Q, 4>(w, job),
+        2 => few_tokens::<K, 2>(w, job),
+        3 => few_tokens::<K, 3>(w, job),
+        4 => few_tokens::<K, 4>(w, job),
         _ => return false,
     }
     true
 }
 
 #[inline(always)]
-unsafe fn legacy_tokens<Q: Quants256, const T: usize>(w: *const u8, job: &Job) {
-    const QK: usize = 32;
-    let nb = job.k / QK;
-    let rb = nb * Q::BYTES;
+unsafe fn few_tokens<K: RowTokens, const T: usize>(w: *const u8, job: &Job) {
+    let nb = job.k / K::ELEMS;
+    let rb = nb * K::BYTES;
     let x: [*const f32; T] = x86::tok_ptrs(job, 0);
-    let mut sums = Vec::with_capacity(T);
+    let mut preps = Vec::with_capacity(T);
     for &xt in &x {
-        sums.push(block_sums::<Q>(xt, nb));
+        preps.push(K::prepare(xt, nb));
     }
-    let mut xs = [std::ptr::null::<f32>(); T];
-    for (p, s) in xs.iter_mut().zip(&sums) {
-        *p = s.as_ptr();
+    let mut prep = [std::ptr::null::<f32>(); T];
+    for (p, v) in prep.iter_mut().zip(&preps) {
+        *p = v.as_ptr();
     }
     for n in job.rows.clone() {
-        let row = w.add(n * rb);
+        let s = K::row::<T>(w.add(n * rb), x, prep, nb, rb);
+        for (t, &v) in s.iter().enumerate() {
+            job.put(t, n, v);
+        }
+    }
+}
+
+impl<Q: Quants256> RowTokens for Legacy256<Q> {
+    const ELEMS: usize = Q::ELEMS;
+    const BYTES: usize = Q::BYTES;
+
+    #[inline(always)]
+    unsafe fn prepare(x: *const f32, nb: usize) -> Vec<f32> {
+        block_sums::<Q>(x, nb)
+    }
+
+    /// Per token as [`qgemv_256`].
+    #[inline(always)]
+    unsafe fn row<const T: usize>(
+        row: *const u8,
+        x: [*const f32; T],
+        xs: [*const f32; T],
+        nb: usize,
+        pf: usize,
+    ) -> [f32; T] {
+        const QK: usize = 32;
         let mut acc = [_mm256_setzero_ps(); T];
         let mut macc = [_mm_setzero_ps(); T];
         for b in 0..nb {
             let p = row.add(b * Q::BYTES);
-            // The next row follows this one in memory.
-            prefetch_block(p.wrapping_add(rb), Q::BYTES);
+            prefetch_block(p.wrapping_add(pf), Q::BYTES);
             let dm = scales(p);
             let d = _mm256_broadcastss_ps(dm);
             let q = Q::q256(p);
@@ -347,10 +386,30 @@ unsafe fn legacy_tokens<Q: Quants256, const T: usize>(w: *const u8, job: &Job) {
                 }
             }
         }
+        let mut s = [0f32; T];
         for t in 0..T {
-            job.put(t, n, hsum256(acc[t]) + _mm_cvtss_f32(macc[t]));
+            s[t] = hsum256(acc[t]) + _mm_cvtss_f32(macc[t]);
         }
+        s
     }
+}
+
+/// A few tokens on Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 blocks (see [`few_tokens_rows`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn legacy_tokens_rows<Q: Quants256>(w: *const u8, job: &Job) -> bool {
+    few_tokens_rows::<Legacy256<Q>>(w, job)
+}
+
+/// A few tokens on Q4_K blocks (see [`few_tokens_rows`], [`K4Gemv256`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn k4_tokens_rows(w: *const u8, job: &Job) -> bool {
+    few_tokens_rows::<K4Gemv256>(w, job)
+}
+
+/// A few tokens on Q6_K blocks (see [`few_tokens_rows`], [`K6Gemv256`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn k6_tokens_rows(w: *const u8, job: &Job) -> bool {
+    few_tokens_rows::<K6Gemv256>(w, job)
 }
 
 /// GEMV (`job.tokens == 1`) on blocks of any format (see [`Blocks`]).
@@ -474,6 +533,78 @@ impl BlockGemv for K4Gemv256 {
     }
 }
 
+impl RowTokens for K4Gemv256 {
+    const ELEMS: usize = Q4_K::ELEMS;
+    const BYTES: usize = Q4_K::BYTES;
+
+    #[inline(always)]
+    unsafe fn prepare(x: *const f32, nb: usize) -> Vec<f32> {
+        chunk_sums(x, nb * Q4_K::ELEMS, 32)
+    }
+
+    /// Per token as [`K4Gemv256`]'s GEMV; the quants of each pair of sub-blocks are widened
+    /// once for all the tokens.
+    #[inline(always)]
+    unsafe fn row<const T: usize>(
+        row: *const u8,
+        x: [*const f32; T],
+        prep: [*const f32; T],
+        nb: usize,
+        pf: usize,
+    ) -> [f32; T] {
+        let low4 = _mm256_set1_epi32(0x0f);
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut macc = [_mm256_setzero_ps(); T];
+        let mut dsc = [0f32; 8];
+        for b in 0..nb {
+            let p = row.add(b * Q4_K::BYTES);
+            prefetch_block(p.wrapping_add(pf), Q4_K::BYTES);
+            let dm = scales(p);
+            let sm = quant::scales_mins_k4(&*(p.add(4) as *const [u8; 12]));
+            let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                sm.as_ptr() as *const __m128i
+            )));
+            let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                sm.as_ptr().add(8) as *const __m128i
+            )));
+            let d = _mm256_broadcastss_ps(dm);
+            let dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+            _mm256_storeu_ps(dsc.as_mut_ptr(), _mm256_mul_ps(d, sc));
+            let dm_mn = _mm256_mul_ps(dmin, mn);
+            for t in 0..T {
+                let sums = _mm256_loadu_ps(prep[t].add(8 * b));
+                macc[t] = _mm256_fmadd_ps(dm_mn, sums, macc[t]);
+            }
+            for c in 0..4 {
+                let qs = p.add(16 + 32 * c);
+                let mut lo = [_mm256_setzero_ps(); 4];
+                let mut hi = [_mm256_setzero_ps(); 4];
+                for j in 0..4 {
+                    let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.add(8 * j) as *const __m128i));
+                    lo[j] = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4));
+                    hi[j] = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v));
+                }
+                for t in 0..T {
+                    let xb = x[t].add(b * Q4_K::ELEMS + 64 * c);
+                    let mut sl = _mm256_setzero_ps();
+                    let mut sh = _mm256_setzero_ps();
+                    for j in 0..4 {
+                        sl = _mm256_fmadd_ps(lo[j], _mm256_loadu_ps(xb.add(8 * j)), sl);
+                        sh = _mm256_fmadd_ps(hi[j], _mm256_loadu_ps(xb.add(32 + 8 * j)), sh);
+                    }
+                    acc[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(&dsc[2 * c]), sl, acc[t]);
+                    acc[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(&dsc[2 * c + 1]), sh, acc[t]);
+                }
+            }
+        }
+        let mut s = [0f32; T];
+        for t in 0..T {
+            s[t] = hsum256(acc[t]) - hsum256(macc[t]);
+        }
+        s
+    }
+}
+
 /// Q6_K's GEMV. A super-block's 16 sub-blocks of 16 elements each have a signed 8-bit scale
 /// `sc` under the super-block's f16 `d`; an element is `d·sc·(q − 32)` with the quant's low 4
 /// bits in `ql` and its top 2 in `qh`. Per 8 elements and row, the quants are rebuilt in 8
@@ -551,6 +682,71 @@ impl BlockGemv for K6Gemv256 {
         let mut s = [0f32; R];
         for r in 0..R {
             s[r] = hsum256(acc[r]);
+        }
+        s
+    }
+}
+
+impl RowTokens for K6Gemv256 {
+    const ELEMS: usize = Q6_K::ELEMS;
+    const BYTES: usize = Q6_K::BYTES;
+
+    #[inline(always)]
+    unsafe fn prepare(_x: *const f32, _nb: usize) -> Vec<f32> {
+        Vec::new()
+    }
+
+    /// Per token as [`K6Gemv256`]'s GEMV; each 8 quants are rebuilt and scaled once for all the
+    /// tokens.
+    #[inline(always)]
+    unsafe fn row<const T: usize>(
+        row: *const u8,
+        x: [*const f32; T],
+        _prep: [*const f32; T],
+        nb: usize,
+        pf: usize,
+    ) -> [f32; T] {
+        let low4 = _mm256_set1_epi32(0x0f);
+        let low2 = _mm256_set1_epi32(0x03);
+        let bias = _mm256_set1_epi32(32);
+        let mut acc = [_mm256_setzero_ps(); T];
+        for b in 0..nb {
+            let p = row.add(b * Q6_K::BYTES);
+            prefetch_block(p.wrapping_add(pf), Q6_K::BYTES);
+            let mut part = [_mm256_setzero_ps(); T];
+            for h in 0..2 {
+                for q in 0..4 {
+                    let lshift = _mm_cvtsi32_si128(4 * (q / 2) as i32);
+                    let hshift = _mm_cvtsi32_si128(2 * q as i32);
+                    for piece in 0..4 {
+                        let l0 = 8 * piece;
+                        let ql = p.add(64 * h + 32 * (q % 2) + l0);
+                        let qh = p.add(128 + 32 * h + l0);
+                        let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(ql as *const __m128i));
+                        let hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qh as *const __m128i));
+                        let lo = _mm256_and_si256(_mm256_srl_epi32(lo, lshift), low4);
+                        let hi = _mm256_and_si256(_mm256_srl_epi32(hi, hshift), low2);
+                        let v =
+                            _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32::<4>(hi)), bias);
+                        let sc = *(p.add(192 + 8 * h + 2 * q + piece / 2) as *const i8);
+                        let v =
+                            _mm256_cvtepi32_ps(_mm256_mullo_epi32(v, _mm256_set1_epi32(sc as i32)));
+                        for t in 0..T {
+                            let xv =
+                                _mm256_loadu_ps(x[t].add(b * Q6_K::ELEMS + 128 * h + 32 * q + l0));
+                            part[t] = _mm256_fmadd_ps(v, xv, part[t]);
+                        }
+                    }
+                }
+            }
+            let d = quant::f16_at(std::slice::from_raw_parts(p.add(208), 2));
+            for t in 0..T {
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d), part[t], acc[t]);
+            }
+        }
+        let mut s = [0f32; T];
+        for t in 0..T {
+            s[t] = hsum256(acc[t]);
         }
         s
     }

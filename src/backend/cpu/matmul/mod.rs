@@ -41,7 +41,7 @@
 //!   each block is decoded exactly (ggml's operations, vectorised by the compiler under the
 //!   ISA's features) into an L1 buffer and multiplied with x by FMA, four rows at a time.
 //! - 2 to 4 tokens (small batched-decode steps, speculative verification), legacy formats,
-//!   AVX2: each row's blocks are decoded once for all the tokens, and each token is summed as
+//!   Q4_K and Q6_K, AVX2: each row's blocks are decoded once for all the tokens, and each token is summed as
 //!   its one-token GEMV sums it (bit-identical), instead of dequantizing whole tiles for a few
 //!   tokens.
 //! - prefill (`tokens > 1`, and every token count at the scalar level): a tile of rows is
@@ -415,6 +415,10 @@ impl QuantMethod for quant::Q4_K {
     unsafe fn gemv_avx2(w: *const u8, job: &Job) {
         avx2::k4_rows(w, job)
     }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_tokens_avx2(w: *const u8, job: &Job) -> bool {
+        avx2::k4_tokens_rows(w, job)
+    }
 }
 impl QuantMethod for quant::Q5_K {}
 impl QuantMethod for quant::Q6_K {
@@ -425,6 +429,10 @@ impl QuantMethod for quant::Q6_K {
     #[cfg(target_arch = "x86_64")]
     unsafe fn gemv_avx2(w: *const u8, job: &Job) {
         avx2::k6_rows(w, job)
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_tokens_avx2(w: *const u8, job: &Job) -> bool {
+        avx2::k6_tokens_rows(w, job)
     }
 }
 impl QuantMethod for quant::Q8_K {}

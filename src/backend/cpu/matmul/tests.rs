@@ -413,23 +413,25 @@ fn tile_widths_round_like_the_narrowest_tile() {
     }
 }
 
-/// Two to four tokens on legacy blocks at the AVX2 level decode each block once for all of them
-/// and round each token as its one-token GEMV: a batched decode step of a few sequences gives
-/// each sequence bit for bit what it gets alone (with bias, accumulating into the output, and
-/// over a split across threads).
+/// Two to four tokens on legacy, Q4_K and Q6_K blocks at the AVX2 level decode each block once
+/// for all of them and round each token as its one-token GEMV: a batched decode step of a few
+/// sequences gives each sequence bit for bit what it gets alone (with bias, accumulating into
+/// the output, and over a split across threads).
 #[test]
-fn few_legacy_tokens_round_like_one_token_calls() {
+fn few_block_tokens_round_like_one_token_calls() {
     if !simd::available_levels().contains(&Level::Avx2) {
         println!("skipped: this CPU has no AVX2");
         return;
     }
-    let (rows, cols) = (70, 320);
-    for kind in [
-        QuantKind::Q8_0,
-        QuantKind::Q4_0,
-        QuantKind::Q4_1,
-        QuantKind::Q5_0,
-        QuantKind::Q5_1,
+    let rows = 70;
+    for (kind, cols) in [
+        (QuantKind::Q8_0, 320),
+        (QuantKind::Q4_0, 320),
+        (QuantKind::Q4_1, 320),
+        (QuantKind::Q5_0, 320),
+        (QuantKind::Q5_1, 320),
+        (QuantKind::Q4_K, 512),
+        (QuantKind::Q6_K, 512),
     ] {
         let w = quant_matrix(kind, rows, cols, true, 5);
         for tokens in 2..=4 {
