@@ -312,8 +312,8 @@ trait RowTokens {
     ) -> [f32; T];
 }
 
-/// The few-token driver (2 to 4 tokens: small batched-decode steps, speculative verification;
-/// for more, dequantizing a tile once for the packed-panel kernel costs less): row by row,
+/// The few-token driver (2 to 8 tokens: small batched-decode steps, speculative verification;
+/// for more, dequantizing a tile once for the packed-panel kernel costs about as much): row by row,
 /// prefetching the next row. Returns `false` (nothing done) for other token counts.
 #[inline(always)]
 unsafe fn few_tokens_rows<K: RowTokens>(w: *const u8, job: &Job) -> bool {
@@ -321,6 +321,10 @@ unsafe fn few_tokens_rows<K: RowTokens>(w: *const u8, job: &Job) -> bool {
         2 => few_tokens::<K, 2>(w, job),
         3 => few_tokens::<K, 3>(w, job),
         4 => few_tokens::<K, 4>(w, job),
+        5 => few_tokens::<K, 5>(w, job),
+        6 => few_tokens::<K, 6>(w, job),
+        7 => few_tokens::<K, 7>(w, job),
+        8 => few_tokens::<K, 8>(w, job),
         _ => return false,
     }
     true

@@ -40,7 +40,7 @@
 //! - decode, every other format (Q2_K, Q3_K, Q5_K, Q8_K): the generic block GEMV of [`x86`]:
 //!   each block is decoded exactly (ggml's operations, vectorised by the compiler under the
 //!   ISA's features) into an L1 buffer and multiplied with x by FMA, four rows at a time.
-//! - 2 to 4 tokens (small batched-decode steps, speculative verification), legacy formats,
+//! - 2 to 8 tokens (small batched-decode steps, speculative verification), legacy formats,
 //!   Q4_K and Q6_K, AVX2: each row's blocks are decoded once for all the tokens, and each token is summed as
 //!   its one-token GEMV sums it (bit-identical), instead of dequantizing whole tiles for a few
 //!   tokens.

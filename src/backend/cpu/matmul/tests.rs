@@ -413,7 +413,7 @@ fn tile_widths_round_like_the_narrowest_tile() {
     }
 }
 
-/// Two to four tokens on legacy, Q4_K and Q6_K blocks at the AVX2 level decode each block once
+/// Two to eight tokens on legacy, Q4_K and Q6_K blocks at the AVX2 level decode each block once
 /// for all of them and round each token as its one-token GEMV: a batched decode step of a few
 /// sequences gives each sequence bit for bit what it gets alone (with bias, accumulating into
 /// the output, and over a split across threads).
@@ -434,7 +434,7 @@ fn few_block_tokens_round_like_one_token_calls() {
         (QuantKind::Q6_K, 512),
     ] {
         let w = quant_matrix(kind, rows, cols, true, 5);
-        for tokens in 2..=4 {
+        for tokens in 2..=8 {
             let x = rand_vec(tokens * cols, 40 + tokens as u64);
             let start = rand_vec(tokens * rows, 7);
             let mut all = start.clone();
