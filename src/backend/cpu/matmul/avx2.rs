@@ -461,6 +461,39 @@ pub(super) unsafe fn dequantize_blocks<F: BlockFormat>(src: &[u8], dst: &mut [f3
 /// product of the dequantized weights with f32 activations up to the rounding of the sums.
 struct K4Gemv256;
 
+/// A Q4_K super-block's eight `d·sc_j` and eight `dmin·m_j`, formed as the format's decoding
+/// forms them.
+#[inline(always)]
+unsafe fn k4_scales(p: *const u8) -> (__m256, __m256) {
+    let dm = scales(p);
+    let sm = quant::scales_mins_k4(&*(p.add(4) as *const [u8; 12]));
+    let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+        sm.as_ptr() as *const __m128i
+    )));
+    let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+        sm.as_ptr().add(8) as *const __m128i
+    )));
+    let d = _mm256_broadcastss_ps(dm);
+    let dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+    (_mm256_mul_ps(d, sc), _mm256_mul_ps(dmin, mn))
+}
+
+/// The quants of sub-blocks `2c` (low nibbles) and `2c + 1` (high nibbles) of the Q4_K
+/// super-block at `p`, as f32 in four 8-lane vectors each.
+#[inline(always)]
+unsafe fn k4_pair(p: *const u8, c: usize) -> ([__m256; 4], [__m256; 4]) {
+    let low4 = _mm256_set1_epi32(0x0f);
+    let qs = p.add(16 + 32 * c);
+    let mut lo = [_mm256_setzero_ps(); 4];
+    let mut hi = [_mm256_setzero_ps(); 4];
+    for j in 0..4 {
+        let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.add(8 * j) as *const __m128i));
+        lo[j] = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4));
+        hi[j] = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v));
+    }
+    (lo, hi)
+}
+
 impl BlockGemv for K4Gemv256 {
     const ELEMS: usize = Q4_K::ELEMS;
     const BYTES: usize = Q4_K::BYTES;
@@ -480,7 +513,6 @@ impl BlockGemv for K4Gemv256 {
         nb: usize,
         pf: usize,
     ) -> [f32; R] {
-        let low4 = _mm256_set1_epi32(0x0f);
         let mut acc = [_mm256_setzero_ps(); R];
         let mut macc = [_mm256_setzero_ps(); R];
         let mut dsc = [[0f32; 8]; R];
@@ -489,18 +521,9 @@ impl BlockGemv for K4Gemv256 {
             for r in 0..R {
                 let p = w[r].add(b * Q4_K::BYTES);
                 prefetch_block(p.wrapping_add(pf), Q4_K::BYTES);
-                let dm = scales(p);
-                let sm = quant::scales_mins_k4(&*(p.add(4) as *const [u8; 12]));
-                let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                    sm.as_ptr() as *const __m128i
-                )));
-                let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                    sm.as_ptr().add(8) as *const __m128i,
-                )));
-                let d = _mm256_broadcastss_ps(dm);
-                let dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
-                _mm256_storeu_ps(dsc[r].as_mut_ptr(), _mm256_mul_ps(d, sc));
-                macc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dmin, mn), sums, macc[r]);
+                let (d_sc, dmin_m) = k4_scales(p);
+                _mm256_storeu_ps(dsc[r].as_mut_ptr(), d_sc);
+                macc[r] = _mm256_fmadd_ps(dmin_m, sums, macc[r]);
             }
             let xb = x.add(b * Q4_K::ELEMS);
             // 32 bytes of quants per pair of sub-blocks: low nibbles sub-block 2c, high 2c + 1.
@@ -512,16 +535,12 @@ impl BlockGemv for K4Gemv256 {
                     xh[j] = _mm256_loadu_ps(xb.add(64 * c + 32 + 8 * j));
                 }
                 for r in 0..R {
-                    let qs = w[r].add(b * Q4_K::BYTES + 16 + 32 * c);
+                    let (lo, hi) = k4_pair(w[r].add(b * Q4_K::BYTES), c);
                     let mut sl = _mm256_setzero_ps();
                     let mut sh = _mm256_setzero_ps();
                     for j in 0..4 {
-                        let v =
-                            _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.add(8 * j) as *const __m128i));
-                        let lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4));
-                        let hi = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v));
-                        sl = _mm256_fmadd_ps(lo, xl[j], sl);
-                        sh = _mm256_fmadd_ps(hi, xh[j], sh);
+                        sl = _mm256_fmadd_ps(lo[j], xl[j], sl);
+                        sh = _mm256_fmadd_ps(hi[j], xh[j], sh);
                     }
                     acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&dsc[r][2 * c]), sl, acc[r]);
                     acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&dsc[r][2 * c + 1]), sh, acc[r]);
@@ -556,38 +575,20 @@ impl RowTokens for K4Gemv256 {
         nb: usize,
         pf: usize,
     ) -> [f32; T] {
-        let low4 = _mm256_set1_epi32(0x0f);
         let mut acc = [_mm256_setzero_ps(); T];
         let mut macc = [_mm256_setzero_ps(); T];
         let mut dsc = [0f32; 8];
         for b in 0..nb {
             let p = row.add(b * Q4_K::BYTES);
             prefetch_block(p.wrapping_add(pf), Q4_K::BYTES);
-            let dm = scales(p);
-            let sm = quant::scales_mins_k4(&*(p.add(4) as *const [u8; 12]));
-            let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                sm.as_ptr() as *const __m128i
-            )));
-            let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                sm.as_ptr().add(8) as *const __m128i
-            )));
-            let d = _mm256_broadcastss_ps(dm);
-            let dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
-            _mm256_storeu_ps(dsc.as_mut_ptr(), _mm256_mul_ps(d, sc));
-            let dm_mn = _mm256_mul_ps(dmin, mn);
+            let (d_sc, dm_mn) = k4_scales(p);
+            _mm256_storeu_ps(dsc.as_mut_ptr(), d_sc);
             for t in 0..T {
                 let sums = _mm256_loadu_ps(prep[t].add(8 * b));
                 macc[t] = _mm256_fmadd_ps(dm_mn, sums, macc[t]);
             }
             for c in 0..4 {
-                let qs = p.add(16 + 32 * c);
-                let mut lo = [_mm256_setzero_ps(); 4];
-                let mut hi = [_mm256_setzero_ps(); 4];
-                for j in 0..4 {
-                    let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.add(8 * j) as *const __m128i));
-                    lo[j] = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4));
-                    hi[j] = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v));
-                }
+                let (lo, hi) = k4_pair(p, c);
                 for t in 0..T {
                     let xb = x[t].add(b * Q4_K::ELEMS + 64 * c);
                     let mut sl = _mm256_setzero_ps();
@@ -618,6 +619,34 @@ impl RowTokens for K4Gemv256 {
 /// activations up to the rounding of the sums.
 struct K6Gemv256;
 
+/// Eight quants of the Q6_K super-block at `p` times their sub-block's scale, as f32 (exact:
+/// integers up to 4,096): half `h` uses 64 bytes of `ql` and 32 of `qh`; its 32-element quarter
+/// `q` takes the low (quarters 0, 1) or high (2, 3) nibbles of `ql` run `q % 2` and bits
+/// `2·q..` of `qh`; `piece` is the quarter's 8-element part (element `l` is byte `l` of both).
+#[inline(always)]
+unsafe fn k6_eight(p: *const u8, h: usize, q: usize, piece: usize) -> __m256 {
+    let l0 = 8 * piece;
+    let ql = p.add(64 * h + 32 * (q % 2) + l0);
+    let qh = p.add(128 + 32 * h + l0);
+    let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(ql as *const __m128i));
+    let hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qh as *const __m128i));
+    let lo = _mm256_and_si256(
+        _mm256_srl_epi32(lo, _mm_cvtsi32_si128(4 * (q / 2) as i32)),
+        _mm256_set1_epi32(0x0f),
+    );
+    let hi = _mm256_and_si256(
+        _mm256_srl_epi32(hi, _mm_cvtsi32_si128(2 * q as i32)),
+        _mm256_set1_epi32(0x03),
+    );
+    let v = _mm256_sub_epi32(
+        _mm256_or_si256(lo, _mm256_slli_epi32::<4>(hi)),
+        _mm256_set1_epi32(32),
+    );
+    // Sub-block (16 elements) `8·h + 2·q + piece / 2`.
+    let sc = *(p.add(192 + 8 * h + 2 * q + piece / 2) as *const i8);
+    _mm256_cvtepi32_ps(_mm256_mullo_epi32(v, _mm256_set1_epi32(sc as i32)))
+}
+
 impl BlockGemv for K6Gemv256 {
     const ELEMS: usize = Q6_K::ELEMS;
     const BYTES: usize = Q6_K::BYTES;
@@ -647,6 +676,9 @@ impl BlockGemv for K6Gemv256 {
             for r in 0..R {
                 prefetch_block(w[r].add(b * Q6_K::BYTES).wrapping_add(pf), Q6_K::BYTES);
             }
+            // The decoding of `k6_eight`, written out so the per-quarter shift counts stay out
+            // of the row loop: calling `k6_eight` here measured ~11% slower Qwen2.5-0.5B decode
+            // (AMD EPYC Zen 3). Same operations, same values.
             // Half `h` of the super-block uses 64 bytes of `ql` and 32 of `qh`; its 32-element
             // quarter `q` takes the low (quarters 0, 1) or high (2, 3) nibbles of `ql` run
             // `q % 2`, and bits `2·q..` of `qh`. Element `l` of a quarter is byte `l` of both.
@@ -710,9 +742,6 @@ impl RowTokens for K6Gemv256 {
         nb: usize,
         pf: usize,
     ) -> [f32; T] {
-        let low4 = _mm256_set1_epi32(0x0f);
-        let low2 = _mm256_set1_epi32(0x03);
-        let bias = _mm256_set1_epi32(32);
         let mut acc = [_mm256_setzero_ps(); T];
         for b in 0..nb {
             let p = row.add(b * Q6_K::BYTES);
@@ -720,21 +749,9 @@ impl RowTokens for K6Gemv256 {
             let mut part = [_mm256_setzero_ps(); T];
             for h in 0..2 {
                 for q in 0..4 {
-                    let lshift = _mm_cvtsi32_si128(4 * (q / 2) as i32);
-                    let hshift = _mm_cvtsi32_si128(2 * q as i32);
                     for piece in 0..4 {
                         let l0 = 8 * piece;
-                        let ql = p.add(64 * h + 32 * (q % 2) + l0);
-                        let qh = p.add(128 + 32 * h + l0);
-                        let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(ql as *const __m128i));
-                        let hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qh as *const __m128i));
-                        let lo = _mm256_and_si256(_mm256_srl_epi32(lo, lshift), low4);
-                        let hi = _mm256_and_si256(_mm256_srl_epi32(hi, hshift), low2);
-                        let v =
-                            _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32::<4>(hi)), bias);
-                        let sc = *(p.add(192 + 8 * h + 2 * q + piece / 2) as *const i8);
-                        let v =
-                            _mm256_cvtepi32_ps(_mm256_mullo_epi32(v, _mm256_set1_epi32(sc as i32)));
+                        let v = k6_eight(p, h, q, piece);
                         for t in 0..T {
                             let xv =
                                 _mm256_loadu_ps(x[t].add(b * Q6_K::ELEMS + 128 * h + 32 * q + l0));
