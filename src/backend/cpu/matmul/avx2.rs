@@ -297,11 +297,8 @@ pub(super) unsafe fn legacy_rows<Q: Quants256>(w: *const u8, job: &Job) {
 /// A format's kernel for a few tokens against one row: each block is read and decoded once for
 /// all `T` tokens, and per token the arithmetic is the format's one-token GEMV's, so every
 /// token's result is bit-identical to its one-token call.
-trait RowTokens {
-    const ELEMS: usize;
-    const BYTES: usize;
-    /// As [`BlockGemv::prepare`], per token.
-    unsafe fn prepare(x: *const f32, nb: usize) -> Vec<f32>;
+/// Its block geometry and per-token preparation are the GEMV's ([`BlockGemv`]).
+trait RowTokens: BlockGemv {
     /// One row of `nb` blocks at `row` against `T` tokens; `pf` is the distance to prefetch.
     unsafe fn row<const T: usize>(
         row: *const u8,
@@ -352,14 +349,6 @@ unsafe fn few_tokens<K: RowTokens, const T: usize>(w: *const u8, job: &Job) {
 }
 
 impl<Q: Quants256> RowTokens for Legacy256<Q> {
-    const ELEMS: usize = Q::ELEMS;
-    const BYTES: usize = Q::BYTES;
-
-    #[inline(always)]
-    unsafe fn prepare(x: *const f32, nb: usize) -> Vec<f32> {
-        block_sums::<Q>(x, nb)
-    }
-
     /// Per token as [`qgemv_256`].
     #[inline(always)]
     unsafe fn row<const T: usize>(
@@ -557,14 +546,6 @@ impl BlockGemv for K4Gemv256 {
 }
 
 impl RowTokens for K4Gemv256 {
-    const ELEMS: usize = Q4_K::ELEMS;
-    const BYTES: usize = Q4_K::BYTES;
-
-    #[inline(always)]
-    unsafe fn prepare(x: *const f32, nb: usize) -> Vec<f32> {
-        chunk_sums(x, nb * Q4_K::ELEMS, 32)
-    }
-
     /// Per token as [`K4Gemv256`]'s GEMV; the quants of each pair of sub-blocks are widened
     /// once for all the tokens.
     #[inline(always)]
@@ -724,14 +705,6 @@ impl BlockGemv for K6Gemv256 {
 }
 
 impl RowTokens for K6Gemv256 {
-    const ELEMS: usize = Q6_K::ELEMS;
-    const BYTES: usize = Q6_K::BYTES;
-
-    #[inline(always)]
-    unsafe fn prepare(_x: *const f32, _nb: usize) -> Vec<f32> {
-        Vec::new()
-    }
-
     /// Per token as [`K6Gemv256`]'s GEMV; each 8 quants are rebuilt and scaled once for all the
     /// tokens.
     #[inline(always)]
