@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use half::{bf16, f16};
-use kiln::backend::cpu::matmul::{matmul_rows_at, PackedMatrix, WeightData};
+use kiln::backend::cpu::matmul::{matmul_rows_with, Numerics, PackedMatrix, WeightData};
 use kiln::backend::cpu::simd::{self, Level};
 use kiln::model::quant::QuantKind;
 
@@ -72,10 +72,22 @@ fn levels(include_scalar: bool) -> Vec<Level> {
 }
 
 fn run(level: Level, w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
+    run_with(level, Numerics::Exact, w, x, tokens, out)
+}
+
+fn run_with(
+    level: Level,
+    numerics: Numerics,
+    w: &PackedMatrix,
+    x: &[f32],
+    tokens: usize,
+    out: &mut [f32],
+) {
     // SAFETY: `out` holds `tokens × rows` contiguous outputs.
     unsafe {
-        matmul_rows_at(
+        matmul_rows_with(
             level,
+            numerics,
             w,
             x,
             w.cols,
@@ -122,10 +134,16 @@ fn gemv(c: &mut Criterion) {
                 .into_iter()
                 .filter(|&l| l != Level::Avx512Bf16)
             {
-                let id = BenchmarkId::new(format!("{}/{rows}x{cols}", kind.name()), level.name());
-                g.bench_function(id, |b| {
-                    b.iter(|| run(level, &w, black_box(&x), 1, &mut out))
-                });
+                for numerics in Numerics::ALL {
+                    let name = match numerics {
+                        Numerics::Exact => kind.name().to_string(),
+                        n => format!("{}-{}", kind.name(), n.name()),
+                    };
+                    let id = BenchmarkId::new(format!("{name}/{rows}x{cols}"), level.name());
+                    g.bench_function(id, |b| {
+                        b.iter(|| run_with(level, numerics, &w, black_box(&x), 1, &mut out))
+                    });
+                }
             }
         }
     }

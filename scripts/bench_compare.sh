@@ -6,6 +6,7 @@
 #
 #   scripts/bench_compare.sh [--quick] [-t THREADS] [-r REPS] [--rounds N] [-p N] [-n N]
 #                            [--models LIST] [--builds native,noamx] [--cpus LIST]
+#                            [--numerics exact,int16]
 #
 #   -t THREADS    thread counts, comma list (default 2; -t 1 or -t 1,2 for one thread)
 #   -r REPS       repetitions per tool run (default 5)
@@ -14,6 +15,8 @@
 #   --models LIST comma list of q4_1, bf16, q8_0, q4_k_m (default all)
 #   --builds LIST llama.cpp builds to run (default native,noamx; see scripts/build_llama_cpp.sh)
 #   --cpus LIST   run every tool under `taskset -c LIST` (default: no pinning)
+#   --numerics L  kiln's numerics modes to run, each a column (default exact; see kiln-bench
+#                 --numerics: int16 rounds decode activations to 16-bit integers)
 #   --quick       a check that everything runs, not a measurement: pp64, tg16, -r 1, 1 round
 #
 # Models: the demo model SmolLM2-135M-Instruct Q4_1 (scripts/fetch_demo_model.sh), its BF16 and
@@ -32,6 +35,7 @@ TG=128
 MODELS="q4_1,bf16,q8_0,q4_k_m"
 BUILDS="native,noamx"
 CPUS=""
+NUMERICS="exact"
 QUICK=0
 
 usage() {
@@ -49,6 +53,7 @@ while [[ $# -gt 0 ]]; do
         --models) need_arg "$@"; MODELS="$2"; shift 2 ;;
         --builds) need_arg "$@"; BUILDS="$2"; shift 2 ;;
         --cpus) need_arg "$@"; CPUS="$2"; shift 2 ;;
+        --numerics) need_arg "$@"; NUMERICS="$2"; shift 2 ;;
         --quick) QUICK=1; shift ;;
         -h|--help) usage ;;
         *) echo "bench_compare: unknown argument '$1'" >&2; usage ;;
@@ -61,6 +66,8 @@ for v in "${REPS}" "${ROUNDS}" "${PP}" "${TG}"; do
     [[ "${v}" =~ ^[1-9][0-9]*$ ]] || { echo "bench_compare: '${v}' is not a positive integer" >&2; exit 2; }
 done
 [[ "${THREADS}" =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || { echo "bench_compare: -t '${THREADS}' is not a comma list of thread counts" >&2; exit 2; }
+[[ "${NUMERICS}" =~ ^(exact|int16)(,(exact|int16))*$ ]] || { echo "bench_compare: --numerics '${NUMERICS}' is not a comma list of exact, int16" >&2; exit 2; }
+IFS=, read -r -a NUMERICS_LIST <<< "${NUMERICS}"
 PIN=()
 if [[ -n "${CPUS}" ]]; then
     command -v taskset >/dev/null || { echo "bench_compare: --cpus needs taskset (util-linux)" >&2; exit 1; }
@@ -119,9 +126,9 @@ done
 # (Each run is in a command substitution, a subshell: the commands are collected in a file.)
 CMDLOG="${LOGS}/commands.txt"
 : > "${CMDLOG}"
-run_kiln() { # model threads pp tg
-    local log="${LOGS}/kiln-$(basename "$1")-t$2-p$3-n$4.json" cmd
-    cmd=("${PIN[@]}" "${KILN_BENCH}" -m "$1" -t "$2" -p "$3" -n "$4" -r "${REPS}" -o json)
+run_kiln() { # model threads pp tg numerics
+    local log="${LOGS}/kiln-$(basename "$1")-t$2-p$3-n$4-$5.json" cmd
+    cmd=("${PIN[@]}" "${KILN_BENCH}" -m "$1" -t "$2" -p "$3" -n "$4" -r "${REPS}" --numerics "$5" -o json)
     echo "${cmd[*]}" >> "${CMDLOG}"
     if ! "${cmd[@]}" >"${log}" 2>"${log}.stderr"; then
         echo "bench_compare: kiln-bench failed: ${cmd[*]}" >&2
@@ -169,17 +176,24 @@ for file in "${MODEL_FILES[@]}"; do
     for t in "${THREAD_LIST[@]}"; do
         for test in "pp${PP}" "tg${TG}"; do
             if [[ "${test}" == pp* ]]; then p="${PP}"; n=0; else p=0; n="${TG}"; fi
-            declare -a K=() ; declare -A L=()
+            declare -A K=() ; declare -A L=()
             for b in "${BUILD_NAMES[@]}"; do L[$b]=""; done
+            for nm in "${NUMERICS_LIST[@]}"; do K[$nm]=""; done
             for round in $(seq 1 "${ROUNDS}"); do
                 echo "bench_compare: $(basename "${file}") t=${t} ${test} round ${round}/${ROUNDS}" >&2
-                K+=("$(run_kiln "${file}" "${t}" "${p}" "${n}")")
+                for nm in "${NUMERICS_LIST[@]}"; do
+                    K[$nm]+=" $(run_kiln "${file}" "${t}" "${p}" "${n}" "${nm}")"
+                done
                 for i in "${!BUILD_NAMES[@]}"; do
                     b="${BUILD_NAMES[$i]}"
                     L[$b]+=" $(run_llama "${BINDIRS[$i]}" "${b}" "${file}" "${t}" "${p}" "${n}")"
                 done
             done
-            row="$(basename "${file}")|${t}|${test}|$(median "${K[@]}")"
+            row="$(basename "${file}")|${t}|${test}"
+            for nm in "${NUMERICS_LIST[@]}"; do
+                # shellcheck disable=SC2086  # the list of this mode's results
+                row+="|$(median ${K[$nm]})"
+            done
             for b in "${BUILD_NAMES[@]}"; do
                 # shellcheck disable=SC2086  # the list of this build's results
                 row+="|$(median ${L[$b]})"
@@ -202,18 +216,24 @@ echo "CPU: ${CPU_MODEL}, $(nproc) logical CPUs; flags: ${CPU_FLAGS}"
 [[ "${QUICK}" == 1 ]] && echo "(--quick: a check that the tools run, not a measurement)"
 echo "Each figure: the median over ${ROUNDS} alternating round(s) of each tool's mean over ${REPS} repetition(s), tokens/s."
 echo
-header="| model | threads | test | kiln t/s"
-sep="|---|---:|---|---:"
+header="| model | threads | test"
+sep="|---|---:|---"
+ratios=""
+for nm in "${NUMERICS_LIST[@]}"; do header+=" | kiln ${nm} t/s"; sep+="|---:"; ratios+=" | kiln ${nm} / best"; done
 for b in "${BUILD_NAMES[@]}"; do header+=" | llama.cpp ${b} t/s"; sep+="|---:"; done
-echo "${header} | best llama.cpp | kiln / best |"
-echo "${sep}|---|---:|"
+echo "${header} | best llama.cpp${ratios} |"
+echo -n "${sep}|---"
+for nm in "${NUMERICS_LIST[@]}"; do echo -n "|---:"; done
+echo "|"
 for r in "${RESULTS[@]}"; do
-    "${PY}" - "${r}" "${BUILDS}" <<'PYEOF'
+    "${PY}" - "${r}" "${BUILDS}" "${NUMERICS}" <<'PYEOF'
 import sys
 cells = sys.argv[1].split("|")
 builds = sys.argv[2].split(",")
-model, threads, test, kiln = cells[:4]
-llama = cells[4:]
+modes = sys.argv[3].split(",")
+model, threads, test = cells[:3]
+kiln = cells[3:3 + len(modes)]
+llama = cells[3 + len(modes):]
 def num(v):
     try:
         return float(v)
@@ -221,8 +241,8 @@ def num(v):
         return None
 best = max(((num(v), b) for v, b in zip(llama, builds) if num(v) is not None), default=None)
 best_txt = "%.2f (%s)" % best if best else "none"
-ratio = "%.2f" % (num(kiln) / best[0]) if best and num(kiln) is not None and best[0] > 0 else "-"
-print("| %s | %s | %s | %s | %s | %s | %s |" % (model, threads, test, kiln, " | ".join(llama), best_txt, ratio))
+ratios = ["%.2f" % (num(k) / best[0]) if best and num(k) is not None and best[0] > 0 else "-" for k in kiln]
+print("| %s | %s | %s | %s | %s | %s | %s |" % (model, threads, test, " | ".join(kiln), " | ".join(llama), best_txt, " | ".join(ratios)))
 PYEOF
 done
 echo

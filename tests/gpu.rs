@@ -69,6 +69,7 @@ fn pair(path: &Path) -> Option<Pair> {
         CpuOptions {
             threads: 0,
             weights: WeightFormat::BF16,
+            ..Default::default()
         },
     )
     .unwrap_or_else(|e| panic!("{}: {e}", path.display()));

@@ -95,6 +95,7 @@ fn setup_with(
         CpuOptions {
             threads: 0,
             weights: WeightFormat::BF16,
+            ..Default::default()
         },
     )
     .unwrap();

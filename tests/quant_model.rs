@@ -105,6 +105,7 @@ fn logits(model: &Model, weights: WeightFormat) -> (Vec<Vec<f32>>, usize) {
         CpuOptions {
             threads: 2,
             weights,
+            ..Default::default()
         },
     )
     .unwrap();

@@ -1,6 +1,7 @@
 //! The parts of `kiln-bench` that are not tied to one backend: the bytes a decode step must move
 //! ([`bytes`]), the bandwidth the roofline divides by ([`bandwidth`]), the table it prints
-//! ([`report`]), speculative against plain decoding ([`speculative`]), and the statistics and
+//! ([`report`]), speculative against plain decoding ([`speculative`]), what a faster numerics
+//! mode costs in agreement with the exact path ([`numerics`]), and the statistics and
 //! token streams every timed run shares. The binary keeps
 //! the command line and the timing loops; a backend's timing plugs in beside the CPU's and
 //! reuses all of this.
@@ -8,6 +9,7 @@
 pub mod bandwidth;
 pub mod bytes;
 pub mod load;
+pub mod numerics;
 pub mod report;
 pub mod serving;
 pub mod speculative;

@@ -22,14 +22,14 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use serde::Serialize;
 
-use kiln::backend::cpu::{simd, CpuBackend, CpuOptions, WeightFormat, Workspace};
+use kiln::backend::cpu::{simd, CpuBackend, CpuOptions, Numerics, WeightFormat, Workspace};
 use kiln::backend::TokenRow;
 use kiln::bench::bandwidth::{self, BandwidthSource};
 use kiln::bench::bytes::{self, Layout};
 use kiln::bench::report::{self, Row};
-use kiln::bench::speculative;
 use kiln::bench::{mean_sd, median, params_text, token_ids};
-use kiln::cli::args::{check_model_path, check_threads, Text};
+use kiln::bench::{numerics, speculative};
+use kiln::cli::args::{check_model_path, check_threads, NumericsArg, Text};
 use kiln::cli::context::kv_bytes_per_position;
 use kiln::cli::memory;
 use kiln::cli::output::{die_on_closed_pipe, Stdout};
@@ -141,6 +141,15 @@ struct Args {
     /// How weights are held in memory.
     #[arg(long, value_enum, default_value_t = Weights::Auto)]
     weights: Weights,
+    /// How CPU decode multiplies activations by quantized weights (comma list, each a row of
+    /// the table): exact (f32 activations) or int16 (16-bit integer activations).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "exact")]
+    numerics: Vec<NumericsArg>,
+    /// Instead of timing: decode N greedy tokens on each of a few built-in prompts with the
+    /// exact path choosing and each other --numerics value following, and print their
+    /// agreement (leading greedy tokens, top-1) and the KL divergence of their distributions.
+    #[arg(long, value_name = "N")]
+    agreement: Option<usize>,
     /// Size of the buffer used to measure bandwidth, in MiB (keep it far above the LLC).
     #[arg(long, default_value_t = 1024)]
     bandwidth_mib: usize,
@@ -353,11 +362,30 @@ fn run() -> Result<()> {
         Weights::F32 => WeightFormat::F32,
         Weights::Bf16 => WeightFormat::BF16,
     };
+    if args.numerics.is_empty() {
+        bail!("--numerics needs at least one of exact, int16");
+    }
+    if args.device == Device::Cuda && args.numerics != [NumericsArg::Exact] {
+        bail!("--numerics applies to the CPU backend; the CUDA backend has one numerics");
+    }
+    let cpu_opts = |threads: usize| -> Result<CpuOptions> {
+        match args.numerics[..] {
+            [n] => Ok(CpuOptions {
+                threads,
+                weights,
+                numerics: n.numerics(),
+            }),
+            _ => bail!("--concurrency and --spec take one --numerics value"),
+        }
+    };
+    if let Some(steps) = args.agreement {
+        return run_agreement(&args, &sources, threads[0], weights, steps);
+    }
     if !args.concurrency.is_empty() {
-        return run_serving(&args, &sources, &threads, weights);
+        return run_serving(&args, &sources, &threads, &cpu_opts);
     }
     if args.spec.spec.is_some() {
-        return run_speculative(&args, &sources, &threads, weights);
+        return run_speculative(&args, &sources, &threads, &cpu_opts);
     }
     let mut bandwidth = match args.bandwidth_gbs {
         Some(gbs) if !(gbs > 0.0 && gbs.is_finite()) => {
@@ -385,7 +413,10 @@ fn run() -> Result<()> {
             (_, Weights::Bf16) => format!("{} as bf16", model_ref.weight_type),
         };
         let max_ctx = model_ref.config.max_position_embeddings;
-        for &t in &threads {
+        for (&t, &numerics) in threads
+            .iter()
+            .flat_map(|t| args.numerics.iter().map(move |n| (t, n)))
+        {
             let bw = bandwidth.get(t)?;
             let target: Box<dyn Target> = match args.device {
                 Device::Cpu => {
@@ -397,6 +428,7 @@ fn run() -> Result<()> {
                             CpuOptions {
                                 threads: t,
                                 weights,
+                                numerics: numerics.numerics(),
                             },
                         )?,
                     })
@@ -559,7 +591,10 @@ struct CpuTarget {
 
 impl Target for CpuTarget {
     fn backend(&self) -> String {
-        format!("CPU ({})", simd::level().name())
+        match self.backend.numerics() {
+            Numerics::Exact => format!("CPU ({})", simd::level().name()),
+            n => format!("CPU ({}, {})", simd::level().name(), n.name()),
+        }
     }
 
     fn threads(&self) -> usize {
@@ -911,7 +946,7 @@ fn run_serving(
     args: &Args,
     sources: &[Source],
     threads: &[usize],
-    weights: WeightFormat,
+    cpu_opts: &dyn Fn(usize) -> Result<CpuOptions>,
 ) -> Result<()> {
     const MAX_CONCURRENCY: usize = 4096;
     if let Some(&c) = args
@@ -926,13 +961,7 @@ fn run_serving(
     print_out("| model | threads | sequences | prompt | tokens each | decode t/s (all) | t/s per sequence | steps | KV per sequence |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")?;
     for src in sources {
         for &t in threads {
-            let engine = Arc::new(Engine::from_model(
-                src.load(args.seed)?,
-                CpuOptions {
-                    threads: t,
-                    weights,
-                },
-            )?);
+            let engine = Arc::new(Engine::from_model(src.load(args.seed)?, cpu_opts(t)?)?);
             // One short run first so the pool and caches are warm.
             kiln::bench::serving::run(&engine, ServeOptions::default(), 1, prompt, 4, args.seed)?;
             for &c in &args.concurrency {
@@ -959,22 +988,93 @@ fn run_serving(
     Ok(())
 }
 
+/// `--agreement N`: each non-exact `--numerics` value against the exact path, per model and
+/// built-in prompt.
+fn run_agreement(
+    args: &Args,
+    sources: &[Source],
+    threads: usize,
+    weights: WeightFormat,
+    steps: usize,
+) -> Result<()> {
+    const MAX_STEPS: usize = 1 << 16;
+    if steps == 0 || steps > MAX_STEPS {
+        bail!("--agreement {steps}: give 1 to {MAX_STEPS} steps");
+    }
+    let others: Vec<NumericsArg> = args
+        .numerics
+        .iter()
+        .copied()
+        .filter(|&n| n != NumericsArg::Exact)
+        .collect();
+    if others.is_empty() {
+        bail!("--agreement compares --numerics values other than exact against exact: give one, e.g. --numerics int16");
+    }
+    let engine = |numerics: NumericsArg, model| -> Result<Arc<Engine>> {
+        let cpu = CpuOptions {
+            threads,
+            weights,
+            numerics: numerics.numerics(),
+        };
+        Ok(Arc::new(Engine::from_model(model, cpu)?))
+    };
+    print_out("| model | numerics | prompt | prompt tokens | steps | leading equal | top-1 equal | mean KL | max KL |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n")?;
+    for src in sources {
+        let exact = engine(NumericsArg::Exact, src.load(args.seed)?)?;
+        for &n in &others {
+            let other = engine(n, src.load(args.seed)?)?;
+            let (mut leading, mut top1, mut kl, mut count) = (0, 0, 0.0, 0);
+            for (i, text) in numerics::PROMPTS.iter().enumerate() {
+                let ids = speculative::encode_prompt(&exact, text)?;
+                note!(
+                    "kiln-bench: {} {} prompt {i}: {steps} steps",
+                    src.name(),
+                    n.numerics().name()
+                );
+                let r = numerics::compare(&exact, &other, &ids, steps)?;
+                print_out(&format!(
+                    "| {} | {} | {i} | {} | {} | {} | {} | {:.3e} | {:.3e} |\n",
+                    src.name(),
+                    n.numerics().name(),
+                    r.prompt_tokens,
+                    r.steps,
+                    r.leading,
+                    r.top1_equal,
+                    r.mean_kl,
+                    r.max_kl
+                ))?;
+                leading += r.leading;
+                top1 += r.top1_equal;
+                kl += r.mean_kl;
+                count += 1;
+            }
+            print_out(&format!(
+                "| {} | {} | all | | {} | {} | {} | {:.3e} | |\n",
+                src.name(),
+                n.numerics().name(),
+                steps * count,
+                leading,
+                top1,
+                kl / count as f64
+            ))?;
+        }
+    }
+    Ok(())
+}
+
 /// `--spec`: speculative against plain decoding, per model and thread count.
 fn run_speculative(
     args: &Args,
     sources: &[Source],
     threads: &[usize],
-    weights: WeightFormat,
+    cpu_opts: &dyn Fn(usize) -> Result<CpuOptions>,
 ) -> Result<()> {
     args.spec.check()?;
     let n_gen = args.n_gen.first().copied().unwrap_or(64).max(1);
     print_out("| model | threads | method | prompt | tokens | acceptance | passes/token | plain t/s | spec t/s | speedup |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|\n")?;
     for src in sources {
         for &t in threads {
-            let cpu = CpuOptions {
-                threads: t,
-                weights,
-            };
+            let cpu = cpu_opts(t)?;
             let engine = Arc::new(Engine::from_model(src.load(args.seed)?, cpu)?);
             let draft = match args.spec.draft_path() {
                 Some(path) => Some(Arc::new(

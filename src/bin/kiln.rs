@@ -130,6 +130,7 @@ fn load_at(c: &Common, path: &Path) -> Result<Arc<Engine>> {
                 Weights::F32 => WeightFormat::F32,
                 Weights::Bf16 => WeightFormat::BF16,
             },
+            numerics: c.numerics.numerics(),
         },
         kv_dtype: match c.kv_type {
             KvType::F32 => KvDtype::F32,

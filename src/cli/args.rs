@@ -201,3 +201,24 @@ mod tests {
         assert!(e.to_string().starts_with("-t 100000: at most"), "{e}");
     }
 }
+
+/// `--numerics`: how decode treats activations against quantized weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum NumericsArg {
+    /// f32 activations: results equal the f32 product with the dequantized weights up to the
+    /// rounding of the sums (the default).
+    Exact,
+    /// Activations rounded to 16-bit integers per 32 values, integer dot products on Q8_0,
+    /// Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K weights in one-token steps (AVX2 CPUs): faster
+    /// decode, not bit-equal to exact.
+    Int16,
+}
+
+impl NumericsArg {
+    pub fn numerics(self) -> crate::backend::cpu::Numerics {
+        match self {
+            NumericsArg::Exact => crate::backend::cpu::Numerics::Exact,
+            NumericsArg::Int16 => crate::backend::cpu::Numerics::Int16,
+        }
+    }
+}

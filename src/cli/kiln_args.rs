@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, ValueEnum};
 
-use super::args::{check_model_path, check_threads, ArgError, Text};
+use super::args::{check_model_path, check_threads, ArgError, NumericsArg, Text};
 use super::serve_args::{parse_serve_args, ServeArgsError, ServeCommand};
 use super::spec::{SpecArgError, SpecArgs};
 
@@ -92,6 +92,10 @@ pub struct Common {
     /// How weights are held in memory.
     #[arg(long, value_enum, default_value_t = Weights::Auto)]
     pub weights: Weights,
+    /// How decode multiplies activations by quantized weights: exact (f32 activations) or
+    /// int16 (activations rounded to 16-bit integers; faster, not bit-equal).
+    #[arg(long, value_enum, default_value_t = NumericsArg::Exact)]
+    pub numerics: NumericsArg,
     /// How the KV cache stores keys and values on the CPU: f32 (exact), bf16, f16, fp8
     /// (e4m3) or q8 (32-value groups; head size divisible by 32).
     #[arg(long, value_enum, default_value_t = KvType::F32)]

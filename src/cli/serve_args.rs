@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
-use super::args::{check_model_path, check_threads, ArgError, Text};
+use super::args::{check_model_path, check_threads, ArgError, NumericsArg, Text};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -64,6 +64,11 @@ pub struct ServeArgs {
     /// CPU threads (0 = all cores).
     #[arg(short = 't', long, default_value_t = 0)]
     pub threads: usize,
+    /// How one-row decode steps multiply activations by quantized weights: exact (f32
+    /// activations) or int16 (rounded to 16-bit integers; faster, not bit-equal). Batched
+    /// steps of several rows run exact either way.
+    #[arg(long, value_enum, default_value_t = NumericsArg::Exact)]
+    pub numerics: NumericsArg,
 }
 
 /// `kiln serve`'s flags, parsed and checked.

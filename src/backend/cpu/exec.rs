@@ -178,7 +178,8 @@ pub(super) fn run(
                     };
                     let xs = &xs[xoff..];
                     match epilogue {
-                        Epilogue::None => matmul::matmul(
+                        Epilogue::None => matmul::matmul_numerics(
+                            be.numerics,
                             m,
                             xs,
                             ldx,
@@ -188,7 +189,8 @@ pub(super) fn run(
                             false,
                         ),
                         Epilogue::Activation(a) => {
-                            matmul::matmul(
+                            matmul::matmul_numerics(
+                                be.numerics,
                                 m,
                                 xs,
                                 ldx,
@@ -212,7 +214,8 @@ pub(super) fn run(
                                         .copy_from_slice(r.row(t));
                                 }
                             }
-                            matmul::matmul(
+                            matmul::matmul_numerics(
+                                be.numerics,
                                 m,
                                 xs,
                                 ldx,
@@ -225,7 +228,16 @@ pub(super) fn run(
                         Epilogue::Gated(a) => {
                             let f = m.rows / 2;
                             ws.gated.resize(rows_out * m.rows, 0.0);
-                            matmul::matmul(m, xs, ldx, rows_out, &mut ws.gated, m.rows, false);
+                            matmul::matmul_numerics(
+                                be.numerics,
+                                m,
+                                xs,
+                                ldx,
+                                rows_out,
+                                &mut ws.gated,
+                                m.rows,
+                                false,
+                            );
                             for t in 0..rows_out {
                                 let g = &ws.gated[t * m.rows..(t + 1) * m.rows];
                                 elementwise::gated(

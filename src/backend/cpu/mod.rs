@@ -24,6 +24,7 @@ use crate::graph::{Linear, Norm, Op};
 use crate::kv::{KvBudget, KvCache, KvDtype, KvError, KvOptions};
 use crate::model::{DType, LoadError, ModelConfig, Weights};
 use crate::plan::{compile_graph, ExecutionPlan, Phase, PlanKind};
+pub use matmul::Numerics;
 use matmul::{PackedMatrix, WeightData};
 
 /// How linear weights are held in memory.
@@ -44,6 +45,9 @@ pub struct CpuOptions {
     /// Worker threads; 0 uses every core.
     pub threads: usize,
     pub weights: WeightFormat,
+    /// How decode GEMVs on quantized weights treat the activations ([`Numerics::Exact`] by
+    /// default).
+    pub numerics: Numerics,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -58,6 +62,7 @@ pub struct CpuBackend {
     config: ModelConfig,
     pool: rayon::ThreadPool,
     threads: usize,
+    numerics: Numerics,
     prefill: ExecutionPlan,
     decode: ExecutionPlan,
     all_logits: ExecutionPlan,
@@ -174,6 +179,7 @@ impl CpuBackend {
             config: config.clone(),
             pool,
             threads,
+            numerics: opts.numerics,
             prefill,
             decode,
             all_logits,
@@ -191,6 +197,10 @@ impl CpuBackend {
 
     pub fn threads(&self) -> usize {
         self.threads
+    }
+
+    pub fn numerics(&self) -> Numerics {
+        self.numerics
     }
 
     pub fn plan(&self, kind: PlanKind) -> &ExecutionPlan {

@@ -18,6 +18,7 @@ fn run(model: &Model, ids: &[u32]) -> Vec<Vec<f32>> {
         CpuOptions {
             threads: 1,
             weights: WeightFormat::AsStored,
+            ..Default::default()
         },
     )
     .unwrap();

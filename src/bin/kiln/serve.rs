@@ -29,6 +29,7 @@ pub fn run(cmd: ServeCommand) -> Result<()> {
         device: kiln::engine::Device::Cpu,
         cpu: CpuOptions {
             threads: args.threads,
+            numerics: args.numerics.numerics(),
             ..CpuOptions::default()
         },
         ..EngineOptions::default()

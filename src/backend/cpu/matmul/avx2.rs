@@ -453,7 +453,7 @@ struct K4Gemv256;
 /// A Q4_K super-block's eight `d·sc_j` and eight `dmin·m_j`, formed as the format's decoding
 /// forms them.
 #[inline(always)]
-unsafe fn k4_scales(p: *const u8) -> (__m256, __m256) {
+pub(super) unsafe fn k4_scales(p: *const u8) -> (__m256, __m256) {
     let dm = scales(p);
     let sm = quant::scales_mins_k4(&*(p.add(4) as *const [u8; 12]));
     let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(

@@ -62,15 +62,53 @@ use crate::with_format;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
+mod avx2_i16;
+#[cfg(target_arch = "x86_64")]
 mod avx2_panel;
 #[cfg(target_arch = "x86_64")]
 // The AVX-512 intrinsics are stable since Rust 1.89, the workspace's `rust-version`.
 mod avx512;
+mod int16;
 mod scalar;
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+
+/// How activations meet quantized weights in one-token GEMVs (decode).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Numerics {
+    /// f32 activations (never rounded): every product equals the f32 product of the
+    /// dequantized weights with the activations, up to the rounding of the sums. The default:
+    /// it is what the tests hold kiln to against transformers and nanochat.
+    #[default]
+    Exact,
+    /// Activations rounded to 16-bit integers per 32-element block (`x ≈ d·q`,
+    /// `d = max|x| / 32767`: at most a relative 1.5·10⁻⁵ of the block's largest value per
+    /// element) and multiplied with the weights' integer quants in integer lanes. Faster decode
+    /// on Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K weights where the CPU has AVX2; everything
+    /// else (f32/bf16 weights, other formats, prefill and batched steps, CPUs without AVX2) runs
+    /// as [`Numerics::Exact`]. What it costs in agreement with the exact path is measured in the
+    /// README.
+    Int16,
+}
+
+impl Numerics {
+    pub const ALL: [Numerics; 2] = [Numerics::Exact, Numerics::Int16];
+
+    /// The name used by `--numerics`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Numerics::Exact => "exact",
+            Numerics::Int16 => "int16",
+        }
+    }
+
+    /// Parses a `--numerics` value (`exact`, `int16`).
+    pub fn parse(s: &str) -> Option<Numerics> {
+        Numerics::ALL.into_iter().find(|n| n.name() == s)
+    }
+}
 
 /// Weight storage the kernels read directly (bf16 is never widened in memory, quantized blocks
 /// are never dequantized in memory).
@@ -167,10 +205,61 @@ pub fn matmul(
     matmul_at(simd::level(), w, x, ldx, tokens, out, ldo, accumulate)
 }
 
+/// [`matmul`] with the given [`Numerics`].
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_numerics(
+    numerics: Numerics,
+    w: &PackedMatrix,
+    x: &[f32],
+    ldx: usize,
+    tokens: usize,
+    out: &mut [f32],
+    ldo: usize,
+    accumulate: bool,
+) {
+    matmul_with(
+        simd::level(),
+        numerics,
+        w,
+        x,
+        ldx,
+        tokens,
+        out,
+        ldo,
+        accumulate,
+    )
+}
+
 /// [`matmul`] at an explicit SIMD level (clamped to what the CPU supports).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_at(
     level: Level,
+    w: &PackedMatrix,
+    x: &[f32],
+    ldx: usize,
+    tokens: usize,
+    out: &mut [f32],
+    ldo: usize,
+    accumulate: bool,
+) {
+    matmul_with(
+        level,
+        Numerics::Exact,
+        w,
+        x,
+        ldx,
+        tokens,
+        out,
+        ldo,
+        accumulate,
+    )
+}
+
+/// [`matmul`] at an explicit SIMD level (clamped to what the CPU supports) and [`Numerics`].
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_with(
+    level: Level,
+    numerics: Numerics,
     w: &PackedMatrix,
     x: &[f32],
     ldx: usize,
@@ -190,13 +279,47 @@ pub fn matmul_at(
     let ptr = OutPtr(out.as_mut_ptr());
     let chunk = rows_per_task(w, tokens);
     let starts: Vec<usize> = (0..w.rows).step_by(chunk).collect();
+    // Rounded once per call, shared by every task.
+    let xq = rounded_activations(level, numerics, w, x, tokens);
     starts.into_par_iter().for_each(|r0| {
         let rows = r0..(r0 + chunk).min(w.rows);
         let p = ptr;
         // SAFETY: tasks own disjoint column ranges `rows` of every output row, and `out` outlives
         // the parallel loop; the asserts above bound every index written.
-        unsafe { matmul_rows_at(level, w, x, ldx, tokens, rows, p.0, ldo, accumulate) };
+        unsafe {
+            rows_job(
+                level,
+                w,
+                x,
+                ldx,
+                tokens,
+                rows,
+                p.0,
+                ldo,
+                accumulate,
+                xq.as_ref(),
+            )
+        };
     });
+}
+
+/// The activation row rounded to 16-bit integers when `numerics` asks for it and a kernel will
+/// use it: one token, quantized weights of a format with an integer kernel, an AVX2 CPU.
+fn rounded_activations(
+    level: Level,
+    numerics: Numerics,
+    w: &PackedMatrix,
+    x: &[f32],
+    tokens: usize,
+) -> Option<int16::XI16> {
+    if numerics != Numerics::Int16 || tokens != 1 || simd::clamp(level) < Level::Avx2 {
+        return None;
+    }
+    let WeightData::Quant { kind, .. } = &w.data else {
+        return None;
+    };
+    let int = with_format!(*kind, F => F::INT16);
+    (int && w.cols.is_multiple_of(int16::BLOCK)).then(|| int16::quantize(&x[..w.cols]))
 }
 
 /// The single-threaded kernel over a block of output rows.
@@ -217,6 +340,42 @@ pub unsafe fn matmul_rows(
     matmul_rows_at(simd::level(), w, x, ldx, tokens, rows, out, ldo, accumulate)
 }
 
+/// [`matmul_rows_at`] with the given [`Numerics`] (the activation row is rounded here, per call).
+///
+/// # Safety
+/// As [`matmul_rows`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn matmul_rows_with(
+    level: Level,
+    numerics: Numerics,
+    w: &PackedMatrix,
+    x: &[f32],
+    ldx: usize,
+    tokens: usize,
+    rows: Range<usize>,
+    out: *mut f32,
+    ldo: usize,
+    accumulate: bool,
+) {
+    let xq = if tokens == 1 && x.len() >= w.cols {
+        rounded_activations(level, numerics, w, x, tokens)
+    } else {
+        None
+    };
+    rows_job(
+        level,
+        w,
+        x,
+        ldx,
+        tokens,
+        rows,
+        out,
+        ldo,
+        accumulate,
+        xq.as_ref(),
+    )
+}
+
 /// [`matmul_rows`] at an explicit SIMD level (clamped to what the CPU supports).
 ///
 /// # Safety
@@ -232,6 +391,26 @@ pub unsafe fn matmul_rows_at(
     out: *mut f32,
     ldo: usize,
     accumulate: bool,
+) {
+    rows_job(level, w, x, ldx, tokens, rows, out, ldo, accumulate, None)
+}
+
+/// [`matmul_rows_at`], with the rounded activation row of [`Numerics::Int16`] where there is one.
+///
+/// # Safety
+/// As [`matmul_rows`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_job(
+    level: Level,
+    w: &PackedMatrix,
+    x: &[f32],
+    ldx: usize,
+    tokens: usize,
+    rows: Range<usize>,
+    out: *mut f32,
+    ldo: usize,
+    accumulate: bool,
+    xq: Option<&int16::XI16>,
 ) {
     if tokens == 0 || rows.is_empty() {
         return;
@@ -257,6 +436,7 @@ pub unsafe fn matmul_rows_at(
         out,
         ldo,
         accumulate,
+        xq,
     };
     if let WeightData::Quant { kind, blocks } = &w.data {
         quant_rows(level, *kind, blocks, &job);
@@ -303,6 +483,18 @@ unsafe fn dense_rows(level: Level, data: Dense, job: &Job) {
 /// override them. [`gemv_at`] and [`dequantize_at`] pick the ISA at run time; the scalar level
 /// runs dequantized tiles through the scalar f32 kernels.
 trait QuantMethod: BlockFormat + Sized {
+    /// Whether [`QuantMethod::gemv_i16_avx2`] has a kernel (so the activations are worth
+    /// rounding for [`Numerics::Int16`]).
+    const INT16: bool = false;
+
+    /// One-token GEMV against activations rounded to 16-bit integers, AVX2 (run by AVX-512 CPUs
+    /// too); `false` (nothing done) where the format has no such kernel. Safety as
+    /// [`QuantMethod::gemv_avx2`], with `x` the rounded row.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_i16_avx2(_w: *const u8, _job: &Job, _x: &int16::XI16) -> bool {
+        false
+    }
+
     /// One-token GEMV over `job.rows` on the blocks at `w`, AVX-512.
     ///
     /// # Safety
@@ -347,6 +539,12 @@ trait QuantMethod: BlockFormat + Sized {
 /// [`QuantMethod`] impl.
 macro_rules! avx2_legacy_kernels {
     () => {
+        const INT16: bool = true;
+        #[cfg(target_arch = "x86_64")]
+        unsafe fn gemv_i16_avx2(w: *const u8, job: &Job, x: &int16::XI16) -> bool {
+            avx2_i16::legacy_rows::<Self>(w, job, x);
+            true
+        }
         #[cfg(target_arch = "x86_64")]
         unsafe fn gemv_avx2(w: *const u8, job: &Job) {
             avx2::legacy_rows::<Self>(w, job)
@@ -407,6 +605,12 @@ impl QuantMethod for quant::Q3_K {}
 /// sub-block scales to partial sums; AVX-512 CPUs run them too, as for Q5_0 above. Prefill tiles
 /// use the generic exact decoding.
 impl QuantMethod for quant::Q4_K {
+    const INT16: bool = true;
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_i16_avx2(w: *const u8, job: &Job, x: &int16::XI16) -> bool {
+        avx2_i16::k4_rows(w, job, x);
+        true
+    }
     #[cfg(target_arch = "x86_64")]
     unsafe fn gemv_avx512(w: *const u8, job: &Job) {
         Self::gemv_avx2(w, job)
@@ -422,6 +626,12 @@ impl QuantMethod for quant::Q4_K {
 }
 impl QuantMethod for quant::Q5_K {}
 impl QuantMethod for quant::Q6_K {
+    const INT16: bool = true;
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_i16_avx2(w: *const u8, job: &Job, x: &int16::XI16) -> bool {
+        avx2_i16::k6_rows(w, job, x);
+        true
+    }
     #[cfg(target_arch = "x86_64")]
     unsafe fn gemv_avx512(w: *const u8, job: &Job) {
         Self::gemv_avx2(w, job)
@@ -483,6 +693,12 @@ unsafe fn quant_rows(level: Level, kind: QuantKind, blocks: &[u8], job: &Job) {
 }
 
 unsafe fn quant_rows_of<F: QuantMethod>(level: Level, blocks: &[u8], job: &Job) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(x) = job.xq {
+        if job.tokens == 1 && level >= Level::Avx2 && F::gemv_i16_avx2(blocks.as_ptr(), job, x) {
+            return;
+        }
+    }
     if job.tokens == 1 && gemv_at::<F>(level, blocks.as_ptr(), job) {
         return;
     }
@@ -528,6 +744,8 @@ struct Job<'a> {
     out: *mut f32,
     ldo: usize,
     accumulate: bool,
+    /// The activation row rounded for [`Numerics::Int16`] (one token only), if rounded.
+    xq: Option<&'a int16::XI16>,
 }
 
 impl Job<'_> {

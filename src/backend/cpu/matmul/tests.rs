@@ -458,3 +458,142 @@ fn few_block_tokens_round_like_one_token_calls() {
         }
     }
 }
+
+// ----- Numerics::Int16 -----
+
+/// The vectorised rounding of activations equals the scalar reference bit for bit: random
+/// blocks, a zero block, subnormal and huge magnitudes, exact ties (rounded to even), and
+/// blocks holding NaN or an infinity (scale NaN, quants 0).
+#[test]
+fn int16_rounding_matches_reference() {
+    let mut x = rand_vec(32 * 12, 7);
+    x[32..64].fill(0.0);
+    for (i, v) in x[64..96].iter_mut().enumerate() {
+        *v = (i as f32 - 16.0) * 1e-40;
+    }
+    for v in &mut x[96..128] {
+        *v *= 3e38;
+    }
+    x[128] = 32767.0;
+    for (i, v) in x[129..160].iter_mut().enumerate() {
+        *v = i as f32 - 15.5;
+    }
+    x[170] = f32::NAN;
+    x[200] = f32::INFINITY;
+    x[240] = f32::NEG_INFINITY;
+    let r = int16::quantize_ref(&x);
+    assert_eq!(r.d[1], 0.0);
+    assert!(r.d[5].is_nan() && r.d[6].is_nan() && r.d[7].is_nan());
+    assert_eq!(&r.q[129..133], &[-16, -14, -14, -12], "ties round to even");
+    let v = int16::quantize(&x);
+    assert_eq!(v.q, r.q);
+    let bits = |d: &[f32]| d.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&v.d), bits(&r.d));
+    assert_eq!(bits(&v.sums), bits(&r.sums));
+}
+
+/// The formats with integer kernels.
+const INT16_KINDS: [QuantKind; 7] = [
+    QuantKind::Q8_0,
+    QuantKind::Q4_0,
+    QuantKind::Q4_1,
+    QuantKind::Q5_0,
+    QuantKind::Q5_1,
+    QuantKind::Q4_K,
+    QuantKind::Q6_K,
+];
+
+/// One-token GEMVs with [`Numerics::Int16`] compute the dequantized weights times the rounded
+/// activations `d·q` (f64 reference, error within f32 rounding of the sums), stay within the
+/// rounding's bound `Σ|w|·d/2` of the exact product, and differ from the exact kernels (so the
+/// integer path ran), on every level that has it, split over the pool or not.
+#[test]
+fn int16_gemv_matches_rounded_reference() {
+    let levels: Vec<Level> = simd::available_levels()
+        .into_iter()
+        .filter(|&l| l >= Level::Avx2)
+        .collect();
+    if levels.is_empty() {
+        println!("SKIPPED: this CPU has no AVX2, so Numerics::Int16 runs the exact kernels");
+        return;
+    }
+    for level in levels {
+        for kind in INT16_KINDS {
+            let n = kind.block_elems();
+            for (rows, cols) in [
+                (1, n),
+                (3, 2 * n),
+                (4, n),
+                (7, 3 * n),
+                (17, 5 * n),
+                (70, 2 * n),
+            ] {
+                let cols = if n == 32 { cols * 3 } else { cols };
+                for (bias, acc, par) in [
+                    (false, false, false),
+                    (true, true, false),
+                    (true, false, true),
+                ] {
+                    let seed = (rows * 1000 + cols) as u64;
+                    let w = quant_matrix(kind, rows, cols, bias, seed);
+                    let x = rand_vec(cols, seed + 2);
+                    let out0 = rand_vec(rows + 3, seed + 3);
+                    let mut out = out0.clone();
+                    let mut exact = out0.clone();
+                    if par {
+                        matmul_with(level, Numerics::Int16, &w, &x, cols, 1, &mut out, rows, acc);
+                    } else {
+                        unsafe {
+                            let p = out.as_mut_ptr();
+                            matmul_rows_with(
+                                level,
+                                Numerics::Int16,
+                                &w,
+                                &x,
+                                cols,
+                                1,
+                                0..rows,
+                                p,
+                                rows,
+                                acc,
+                            )
+                        };
+                    }
+                    matmul_at(level, &w, &x, cols, 1, &mut exact, rows, acc);
+                    let xr = int16::quantize_ref(&x);
+                    let wf = weights_f64(&w);
+                    let mut differs = false;
+                    for r in 0..rows {
+                        let base = if acc { out0[r] as f64 } else { 0.0 }
+                            + w.bias.as_ref().map_or(0.0, |b| b[r] as f64);
+                        let (mut want, mut mag, mut bound) = (base, base.abs(), 0.0);
+                        for k in 0..cols {
+                            let d = xr.d[k / 32] as f64;
+                            let p = wf[r * cols + k] * xr.q[k] as f64 * d;
+                            want += p;
+                            mag += p.abs();
+                            bound += wf[r * cols + k].abs() * d / 2.0;
+                        }
+                        let err = (out[r] as f64 - want).abs();
+                        assert!(
+                            err <= 1e-5 * mag,
+                            "{level:?} {kind:?} {rows}x{cols} row {r}: {} want {want} (err {err:e}, mag {mag})",
+                            out[r]
+                        );
+                        let off = (out[r] as f64 - exact[r] as f64).abs();
+                        assert!(
+                            off <= bound + 1e-5 * mag,
+                            "{level:?} {kind:?} row {r}: {off:e} from exact, bound {bound:e}"
+                        );
+                        differs |= out[r] != exact[r];
+                    }
+                    assert!(
+                        differs,
+                        "{level:?} {kind:?} {rows}x{cols}: equal to the exact kernels"
+                    );
+                    assert_eq!(out[rows..], out0[rows..], "wrote past the output");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,417 @@
+//! AVX2 GEMVs against 16-bit integer activations ([`super::Numerics::Int16`], [`super::int16`]).
+//! Per 32-element block and row, the weights' integer quants are built in 16-bit lanes and
+//! multiplied with the activation integers by `vpmaddwd` (16 exact products per instruction,
+//! summed in pairs into i32 lanes), the block's integer sum is converted to f32 once and scaled by
+//! `d_w·d_x`. The f32 path spends a widening, a conversion and an FMA per 8 weights; this one
+//! spends about a third of that. AVX-512 CPUs run these too.
+//!
+//! Integer ranges (no lane can overflow, whatever a file holds): an activation integer is at most
+//! 32,767 in magnitude, and a block's i32 lane sums four products (two per `vpmaddwd`, two
+//! vectors). The largest weight integer is Q6_K's `sc·(q − 32)`, at most 128 · 32 = 4,096, so a
+//! lane stays below 4 · 4,096 · 32,768 = 2²⁹; Q8_0's quants (≤ 128) give at most 2²⁴.
+
+use std::arch::x86_64::*;
+use std::marker::PhantomData;
+
+use super::int16::{self, XI16};
+use super::x86::Legacy;
+use super::x86::{self, row_ptrs};
+use super::Job;
+use crate::backend::cpu::simd::x86::hsum256;
+use crate::model::quant::{self, BlockFormat, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0};
+
+/// Rounds `x` (whole 32-element blocks) to [`XI16`], bit-identical to [`int16::quantize_ref`]:
+/// the same largest magnitude, the same scale and reciprocal, `x · (1/d)` rounded to nearest
+/// even by `vcvtps2dq`.
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn quantize(x: &[f32]) -> XI16 {
+    const B: usize = int16::BLOCK;
+    let nb = x.len() / B;
+    let mut out = XI16 {
+        q: vec![0; nb * B],
+        d: vec![0.0; nb],
+        sums: int16::block_sums(x),
+    };
+    let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    for b in 0..nb {
+        let p = x.as_ptr().add(b * B);
+        let v = [
+            _mm256_loadu_ps(p),
+            _mm256_loadu_ps(p.add(8)),
+            _mm256_loadu_ps(p.add(16)),
+            _mm256_loadu_ps(p.add(24)),
+        ];
+        // `v − v` is NaN exactly where `v` is NaN or infinite.
+        let inf = _mm256_or_ps(
+            _mm256_or_ps(_mm256_sub_ps(v[0], v[0]), _mm256_sub_ps(v[1], v[1])),
+            _mm256_or_ps(_mm256_sub_ps(v[2], v[2]), _mm256_sub_ps(v[3], v[3])),
+        );
+        if _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(inf, inf)) != 0 {
+            out.d[b] = f32::NAN;
+            continue;
+        }
+        let m = _mm256_max_ps(
+            _mm256_max_ps(_mm256_and_ps(v[0], abs), _mm256_and_ps(v[1], abs)),
+            _mm256_max_ps(_mm256_and_ps(v[2], abs), _mm256_and_ps(v[3], abs)),
+        );
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        let (d, id) = int16::scale_of(_mm_cvtss_f32(m));
+        out.d[b] = d;
+        let id = _mm256_set1_ps(id);
+        let i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], id));
+        let i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], id));
+        let i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], id));
+        let i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], id));
+        // `packs` interleaves the 128-bit halves; the permute restores element order.
+        let lo = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packs_epi32(i0, i1));
+        let hi = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packs_epi32(i2, i3));
+        let q = out.q.as_mut_ptr().add(b * B) as *mut __m256i;
+        _mm256_storeu_si256(q, lo);
+        _mm256_storeu_si256(q.add(1), hi);
+    }
+    out
+}
+
+/// Prefetches the cache lines of a `bytes`-long block starting at `p` (a hint: `p` may point
+/// past the matrix, as for the last group of rows).
+#[inline(always)]
+unsafe fn prefetch_block(p: *const u8, bytes: usize) {
+    for line in 0..bytes.div_ceil(64) {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * line) as *const i8);
+    }
+}
+
+/// The block's f16 scale and (Q4_1, Q5_1) min widened to f32: lanes `[d, m, ·, ·]`.
+#[inline(always)]
+unsafe fn scales(p: *const u8) -> __m128 {
+    _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p as *const i32)))
+}
+
+/// The 32 activation integers of block `b` as two 16-lane vectors.
+#[inline(always)]
+unsafe fn x_block(x: &XI16, b: usize) -> [__m256i; 2] {
+    let p = x.q.as_ptr().add(b * int16::BLOCK) as *const __m256i;
+    [_mm256_loadu_si256(p), _mm256_loadu_si256(p.add(1))]
+}
+
+/// `Σ w·x` of two 16-lane pairs, in eight i32 lanes.
+#[inline(always)]
+unsafe fn dot32(w: [__m256i; 2], x: [__m256i; 2]) -> __m256i {
+    _mm256_add_epi32(_mm256_madd_epi16(w[0], x[0]), _mm256_madd_epi16(w[1], x[1]))
+}
+
+/// A legacy block's 32 integer quants (Q4_0's −8, Q5_0's −16 applied) in 16-bit lanes:
+/// elements 0..16, 16..32.
+pub(super) trait QuantsI16: Legacy {
+    unsafe fn q16(p: *const u8) -> [__m256i; 2];
+}
+
+/// The 16 quant bytes at `qs` as nibbles in 16-bit lanes: elements 0..16 (low nibbles) and
+/// 16..32 (high nibbles).
+#[inline(always)]
+unsafe fn nibbles(qs: *const u8) -> [__m256i; 2] {
+    let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(qs as *const __m128i));
+    [
+        _mm256_and_si256(v, _mm256_set1_epi16(0x0f)),
+        _mm256_srli_epi16::<4>(v),
+    ]
+}
+
+/// Bit 4 of each element from the block's 32-bit `qh` word at `qh` (bit `e` for element `e`),
+/// as 16 or 0 in the two 16-lane vectors.
+#[inline(always)]
+unsafe fn fifth_bits(qh: *const u8) -> [__m256i; 2] {
+    let h = std::ptr::read_unaligned(qh as *const u32);
+    let bits = _mm256_setr_epi16(
+        1,
+        2,
+        4,
+        8,
+        16,
+        32,
+        64,
+        128,
+        256,
+        512,
+        1024,
+        2048,
+        4096,
+        8192,
+        16384,
+        i16::MIN,
+    );
+    let sixteen = _mm256_set1_epi16(16);
+    let lo = _mm256_set1_epi16(h as u16 as i16);
+    let hi = _mm256_set1_epi16((h >> 16) as u16 as i16);
+    [
+        _mm256_and_si256(
+            _mm256_cmpeq_epi16(_mm256_and_si256(lo, bits), bits),
+            sixteen,
+        ),
+        _mm256_and_si256(
+            _mm256_cmpeq_epi16(_mm256_and_si256(hi, bits), bits),
+            sixteen,
+        ),
+    ]
+}
+
+#[inline(always)]
+unsafe fn minus(v: [__m256i; 2], offset: i16) -> [__m256i; 2] {
+    let o = _mm256_set1_epi16(offset);
+    [_mm256_sub_epi16(v[0], o), _mm256_sub_epi16(v[1], o)]
+}
+
+impl QuantsI16 for Q8_0 {
+    #[inline(always)]
+    unsafe fn q16(p: *const u8) -> [__m256i; 2] {
+        [
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(2) as *const __m128i)),
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(18) as *const __m128i)),
+        ]
+    }
+}
+
+impl QuantsI16 for Q4_0 {
+    #[inline(always)]
+    unsafe fn q16(p: *const u8) -> [__m256i; 2] {
+        minus(nibbles(p.add(2)), 8)
+    }
+}
+
+impl QuantsI16 for Q4_1 {
+    #[inline(always)]
+    unsafe fn q16(p: *const u8) -> [__m256i; 2] {
+        nibbles(p.add(4))
+    }
+}
+
+impl QuantsI16 for Q5_0 {
+    #[inline(always)]
+    unsafe fn q16(p: *const u8) -> [__m256i; 2] {
+        let n = nibbles(p.add(6));
+        let h = fifth_bits(p.add(2));
+        minus(
+            [_mm256_or_si256(n[0], h[0]), _mm256_or_si256(n[1], h[1])],
+            16,
+        )
+    }
+}
+
+impl QuantsI16 for Q5_1 {
+    #[inline(always)]
+    unsafe fn q16(p: *const u8) -> [__m256i; 2] {
+        let n = nibbles(p.add(8));
+        let h = fifth_bits(p.add(4));
+        [_mm256_or_si256(n[0], h[0]), _mm256_or_si256(n[1], h[1])]
+    }
+}
+
+/// A GEMV over rows of blocks against one rounded activation row: `R` rows (the driver
+/// [`rows`] runs groups of 4, then single rows).
+trait GemvI16 {
+    /// Elements and bytes per block.
+    const ELEMS: usize;
+    const BYTES: usize;
+    /// `R` rows of `nb` blocks against `x`; `pf` is the byte distance to prefetch ahead.
+    unsafe fn gemv<const R: usize>(w: [*const u8; R], x: &XI16, nb: usize, pf: usize) -> [f32; R];
+}
+
+/// The legacy formats: per block and row `acc += (d_w·d_x) · Σ q·x_q`, and for the formats with
+/// a min `m_w·Σx` (exact f32 block sums) into a scalar accumulator.
+struct LegacyI16<Q>(PhantomData<Q>);
+
+impl<Q: QuantsI16> GemvI16 for LegacyI16<Q> {
+    const ELEMS: usize = Q::ELEMS;
+    const BYTES: usize = Q::BYTES;
+
+    #[inline(always)]
+    unsafe fn gemv<const R: usize>(w: [*const u8; R], x: &XI16, nb: usize, pf: usize) -> [f32; R] {
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut macc = [_mm_setzero_ps(); R];
+        for b in 0..nb {
+            let xq = x_block(x, b);
+            let dx = _mm_load_ss(x.d.as_ptr().add(b));
+            let xs = _mm_load_ss(x.sums.as_ptr().add(b));
+            for r in 0..R {
+                let p = w[r].add(b * Q::BYTES);
+                prefetch_block(p.wrapping_add(pf), Q::BYTES);
+                let dm = scales(p);
+                let s = _mm256_cvtepi32_ps(dot32(Q::q16(p), xq));
+                acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_mul_ss(dm, dx)), s, acc[r]);
+                if Q::HAS_MIN {
+                    macc[r] = _mm_fmadd_ss(_mm_movehdup_ps(dm), xs, macc[r]);
+                }
+            }
+        }
+        let mut s = [0f32; R];
+        for r in 0..R {
+            s[r] = hsum256(acc[r]) + _mm_cvtss_f32(macc[r]);
+        }
+        s
+    }
+}
+
+/// Q4_K: per super-block and row the eight `d·sc_j` (formed as the exact kernel forms them)
+/// times the eight activation scales, one per 32-element sub-block; the min term
+/// `Σ_j dmin·m_j·Σx_j` from the exact f32 sub-block sums.
+struct K4I16;
+
+impl GemvI16 for K4I16 {
+    const ELEMS: usize = Q4_K::ELEMS;
+    const BYTES: usize = Q4_K::BYTES;
+
+    #[allow(clippy::needless_range_loop)]
+    #[inline(always)]
+    unsafe fn gemv<const R: usize>(w: [*const u8; R], x: &XI16, nb: usize, pf: usize) -> [f32; R] {
+        let low4 = _mm256_set1_epi16(0x0f);
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut macc = [_mm256_setzero_ps(); R];
+        let mut scale = [[0f32; 8]; R];
+        for b in 0..nb {
+            let sums = _mm256_loadu_ps(x.sums.as_ptr().add(8 * b));
+            let dx = _mm256_loadu_ps(x.d.as_ptr().add(8 * b));
+            for r in 0..R {
+                let p = w[r].add(b * Q4_K::BYTES);
+                prefetch_block(p.wrapping_add(pf), Q4_K::BYTES);
+                let (d_sc, dmin_m) = super::avx2::k4_scales(p);
+                _mm256_storeu_ps(scale[r].as_mut_ptr(), _mm256_mul_ps(d_sc, dx));
+                macc[r] = _mm256_fmadd_ps(dmin_m, sums, macc[r]);
+            }
+            // 32 bytes of quants per pair of sub-blocks: low nibbles sub-block 2c, high 2c + 1.
+            for c in 0..4 {
+                let xl = x_block(x, 8 * b + 2 * c);
+                let xh = x_block(x, 8 * b + 2 * c + 1);
+                for r in 0..R {
+                    let qs = w[r].add(b * Q4_K::BYTES + 16 + 32 * c);
+                    let a = _mm256_cvtepu8_epi16(_mm_loadu_si128(qs as *const __m128i));
+                    let a2 = _mm256_cvtepu8_epi16(_mm_loadu_si128(qs.add(16) as *const __m128i));
+                    let lo = [_mm256_and_si256(a, low4), _mm256_and_si256(a2, low4)];
+                    let hi = [_mm256_srli_epi16::<4>(a), _mm256_srli_epi16::<4>(a2)];
+                    let sl = _mm256_cvtepi32_ps(dot32(lo, xl));
+                    let sh = _mm256_cvtepi32_ps(dot32(hi, xh));
+                    acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&scale[r][2 * c]), sl, acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&scale[r][2 * c + 1]), sh, acc[r]);
+                }
+            }
+        }
+        let mut s = [0f32; R];
+        for r in 0..R {
+            s[r] = hsum256(acc[r]) - hsum256(macc[r]);
+        }
+        s
+    }
+}
+
+/// Q6_K: each 16-lane vector of a 32-element quarter is one 16-element sub-block; its quants
+/// `q − 32` are rebuilt in 16-bit lanes and multiplied by the sub-block's scale as integers
+/// (`vpmullw`, exact), dotted with the activation integers, and the quarter's sum is scaled by
+/// `d·d_x`.
+struct K6I16;
+
+impl GemvI16 for K6I16 {
+    const ELEMS: usize = Q6_K::ELEMS;
+    const BYTES: usize = Q6_K::BYTES;
+
+    #[allow(clippy::needless_range_loop)]
+    #[inline(always)]
+    unsafe fn gemv<const R: usize>(w: [*const u8; R], x: &XI16, nb: usize, pf: usize) -> [f32; R] {
+        let low4 = _mm256_set1_epi16(0x0f);
+        let low2 = _mm256_set1_epi16(0x03);
+        let bias = _mm256_set1_epi16(32);
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut scale = [[0f32; 8]; R];
+        for b in 0..nb {
+            let dx = _mm256_loadu_ps(x.d.as_ptr().add(8 * b));
+            for r in 0..R {
+                let p = w[r].add(b * Q6_K::BYTES);
+                prefetch_block(p.wrapping_add(pf), Q6_K::BYTES);
+                let d = quant::f16_at(std::slice::from_raw_parts(p.add(208), 2));
+                _mm256_storeu_ps(scale[r].as_mut_ptr(), _mm256_mul_ps(_mm256_set1_ps(d), dx));
+            }
+            // Half `h` uses 64 bytes of `ql` and 32 of `qh`; its quarter `q` (32 elements, activation
+            // block 4h + q) takes the low (quarters 0, 1) or high (2, 3) nibbles of `ql` run `q % 2`
+            // and bits `2q..` of `qh`; element `l` of a quarter is byte `l` of both.
+            for h in 0..2 {
+                for q in 0..4 {
+                    let lshift = _mm_cvtsi32_si128(4 * (q / 2) as i32);
+                    let hshift = _mm_cvtsi32_si128(2 * q as i32);
+                    let xq = x_block(x, 8 * b + 4 * h + q);
+                    for r in 0..R {
+                        let p = w[r].add(b * Q6_K::BYTES);
+                        let mut v = [_mm256_setzero_si256(); 2];
+                        for (half, vh) in v.iter_mut().enumerate() {
+                            let ql = p.add(64 * h + 32 * (q % 2) + 16 * half);
+                            let qh = p.add(128 + 32 * h + 16 * half);
+                            let lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(ql as *const __m128i));
+                            let hi = _mm256_cvtepu8_epi16(_mm_loadu_si128(qh as *const __m128i));
+                            let lo = _mm256_and_si256(_mm256_srl_epi16(lo, lshift), low4);
+                            let hi = _mm256_and_si256(_mm256_srl_epi16(hi, hshift), low2);
+                            let qv = _mm256_sub_epi16(
+                                _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi)),
+                                bias,
+                            );
+                            // Sub-block (16 elements) `8h + 2q + half`.
+                            let sc = *(p.add(192 + 8 * h + 2 * q + half) as *const i8);
+                            *vh = _mm256_mullo_epi16(qv, _mm256_set1_epi16(sc as i16));
+                        }
+                        let s = _mm256_cvtepi32_ps(dot32(v, xq));
+                        acc[r] =
+                            _mm256_fmadd_ps(_mm256_broadcast_ss(&scale[r][4 * h + q]), s, acc[r]);
+                    }
+                }
+            }
+        }
+        let mut s = [0f32; R];
+        for r in 0..R {
+            s[r] = hsum256(acc[r]);
+        }
+        s
+    }
+}
+
+/// The integer GEMV driver (`job.tokens == 1`): groups of 4 rows, then single rows, each group
+/// prefetching the same block of the next group (as [`x86::gemv_rows`] does for f32 activations).
+#[inline(always)]
+unsafe fn rows<K: GemvI16>(w: *const u8, job: &Job, x: &XI16) {
+    let nb = job.k / K::ELEMS;
+    let rb = nb * K::BYTES;
+    let end = job.rows.end;
+    let mut n = job.rows.start;
+    while n + 4 <= end {
+        let s = K::gemv::<4>(row_ptrs(w, n, rb), x, nb, 4 * rb);
+        x86::put_tile::<4, 1>(job, n, 0, s.map(|v| [v]));
+        n += 4;
+    }
+    while n < end {
+        let s = K::gemv::<1>(row_ptrs(w, n, rb), x, nb, rb);
+        job.put(0, n, s[0]);
+        n += 1;
+    }
+}
+
+/// GEMV on Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 blocks against 16-bit activations.
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; `job` as [`super::matmul_rows_at`], with `w` holding
+/// `job.rows.end` rows and `x` the rounded activation row (`job.k` elements).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn legacy_rows<Q: QuantsI16>(w: *const u8, job: &Job, x: &XI16) {
+    rows::<LegacyI16<Q>>(w, job, x)
+}
+
+/// GEMV on Q4_K blocks against 16-bit activations (safety as [`legacy_rows`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn k4_rows(w: *const u8, job: &Job, x: &XI16) {
+    rows::<K4I16>(w, job, x)
+}
+
+/// GEMV on Q6_K blocks against 16-bit activations (safety as [`legacy_rows`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn k6_rows(w: *const u8, job: &Job, x: &XI16) {
+    rows::<K6I16>(w, job, x)
+}
