@@ -111,11 +111,24 @@ pub(super) trait QuantsI16: Legacy {
     unsafe fn q16(p: *const u8) -> [__m256i; 2];
 }
 
+/// `v`, through an empty `asm!` block, so the compiler cannot move the mask and shift that
+/// follow it to before the widening that produced it. Seeing `(zext(b) & 15, zext(b) >> 4)`,
+/// LLVM narrows both to bytes and widens twice (six instructions instead of three per 16
+/// quant bytes); the barrier costs no instruction. (`asm!` needs the function's own `avx`
+/// feature for a ymm operand, hence `#[inline]` rather than `#[inline(always)]`; an empty
+/// function is always inlined, which `nm` on the binaries shows.)
+#[target_feature(enable = "avx")]
+#[inline]
+unsafe fn opaque(mut v: __m256i) -> __m256i {
+    std::arch::asm!("/* {0} */", inout(ymm_reg) v, options(pure, nomem, nostack, preserves_flags));
+    v
+}
+
 /// The 16 quant bytes at `qs` as nibbles in 16-bit lanes: elements 0..16 (low nibbles) and
 /// 16..32 (high nibbles).
 #[inline(always)]
 unsafe fn nibbles(qs: *const u8) -> [__m256i; 2] {
-    let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(qs as *const __m128i));
+    let v = opaque(_mm256_cvtepu8_epi16(_mm_loadu_si128(qs as *const __m128i)));
     [
         _mm256_and_si256(v, _mm256_set1_epi16(0x0f)),
         _mm256_srli_epi16::<4>(v),
@@ -211,53 +224,72 @@ impl QuantsI16 for Q5_1 {
     }
 }
 
-/// A GEMV over rows of blocks against one rounded activation row: `R` rows (the driver
-/// [`rows`] runs groups of 4, then single rows).
+/// A format's integer kernel: `R` rows against `T` rounded activation rows, each block's quants
+/// decoded once for all the tokens. The drivers run `R = 4, T = 1` (and `1, 1`) for a GEMV and
+/// `R = 1, T = 2..8` for a few tokens; per (row, token) the operations and their order are the
+/// same in every shape, so a token's result never depends on what it is computed beside.
 trait GemvI16 {
     /// Elements and bytes per block.
     const ELEMS: usize;
     const BYTES: usize;
-    /// `R` rows of `nb` blocks against `x`; `pf` is the byte distance to prefetch ahead.
-    unsafe fn gemv<const R: usize>(w: [*const u8; R], x: &XI16, nb: usize, pf: usize) -> [f32; R];
+    /// Rows `w` of `nb` blocks against `x`; `pf` is the byte distance to prefetch ahead.
+    unsafe fn tile<const R: usize, const T: usize>(
+        w: [*const u8; R],
+        x: [&XI16; T],
+        nb: usize,
+        pf: usize,
+    ) -> [[f32; T]; R];
 }
 
-/// The legacy formats: per block and row `acc += (d_w·d_x) · Σ q·x_q`, and for the formats with
-/// a min `m_w·Σx` (exact f32 block sums) into a scalar accumulator.
+/// The legacy formats: per block, row and token `acc += (d_w·d_x) · Σ q·x_q`, and for the
+/// formats with a min `m_w·Σx` (exact f32 block sums) into a scalar accumulator.
 struct LegacyI16<Q>(PhantomData<Q>);
 
 impl<Q: QuantsI16> GemvI16 for LegacyI16<Q> {
     const ELEMS: usize = Q::ELEMS;
     const BYTES: usize = Q::BYTES;
 
+    // `r` and `t` index the row pointers, activations and accumulators together.
+    #[allow(clippy::needless_range_loop)]
     #[inline(always)]
-    unsafe fn gemv<const R: usize>(w: [*const u8; R], x: &XI16, nb: usize, pf: usize) -> [f32; R] {
-        let mut acc = [_mm256_setzero_ps(); R];
-        let mut macc = [_mm_setzero_ps(); R];
+    unsafe fn tile<const R: usize, const T: usize>(
+        w: [*const u8; R],
+        x: [&XI16; T],
+        nb: usize,
+        pf: usize,
+    ) -> [[f32; T]; R] {
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        let mut macc = [[_mm_setzero_ps(); T]; R];
         for b in 0..nb {
-            let xq = x_block(x, b);
-            let dx = _mm_load_ss(x.d.as_ptr().add(b));
-            let xs = _mm_load_ss(x.sums.as_ptr().add(b));
             for r in 0..R {
                 let p = w[r].add(b * Q::BYTES);
                 prefetch_block(p.wrapping_add(pf), Q::BYTES);
                 let dm = scales(p);
-                let s = _mm256_cvtepi32_ps(dot32(Q::q16(p), xq));
-                acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_mul_ss(dm, dx)), s, acc[r]);
-                if Q::HAS_MIN {
-                    macc[r] = _mm_fmadd_ss(_mm_movehdup_ps(dm), xs, macc[r]);
+                let q = Q::q16(p);
+                for t in 0..T {
+                    let s = _mm256_cvtepi32_ps(dot32(q, x_block(x[t], b)));
+                    let dx = _mm_load_ss(x[t].d.as_ptr().add(b));
+                    let d = _mm256_broadcastss_ps(_mm_mul_ss(dm, dx));
+                    acc[r][t] = _mm256_fmadd_ps(d, s, acc[r][t]);
+                    if Q::HAS_MIN {
+                        let xs = _mm_load_ss(x[t].sums.as_ptr().add(b));
+                        macc[r][t] = _mm_fmadd_ss(_mm_movehdup_ps(dm), xs, macc[r][t]);
+                    }
                 }
             }
         }
-        let mut s = [0f32; R];
+        let mut s = [[0f32; T]; R];
         for r in 0..R {
-            s[r] = hsum256(acc[r]) + _mm_cvtss_f32(macc[r]);
+            for t in 0..T {
+                s[r][t] = hsum256(acc[r][t]) + _mm_cvtss_f32(macc[r][t]);
+            }
         }
         s
     }
 }
 
-/// Q4_K: per super-block and row the eight `d·sc_j` (formed as the exact kernel forms them)
-/// times the eight activation scales, one per 32-element sub-block; the min term
+/// Q4_K: per super-block, row and token the eight `d·sc_j` (formed as the exact kernel forms
+/// them) times the eight activation scales, one per 32-element sub-block; the min term
 /// `Σ_j dmin·m_j·Σx_j` from the exact f32 sub-block sums.
 struct K4I16;
 
@@ -267,41 +299,52 @@ impl GemvI16 for K4I16 {
 
     #[allow(clippy::needless_range_loop)]
     #[inline(always)]
-    unsafe fn gemv<const R: usize>(w: [*const u8; R], x: &XI16, nb: usize, pf: usize) -> [f32; R] {
+    unsafe fn tile<const R: usize, const T: usize>(
+        w: [*const u8; R],
+        x: [&XI16; T],
+        nb: usize,
+        pf: usize,
+    ) -> [[f32; T]; R] {
         let low4 = _mm256_set1_epi16(0x0f);
-        let mut acc = [_mm256_setzero_ps(); R];
-        let mut macc = [_mm256_setzero_ps(); R];
-        let mut scale = [[0f32; 8]; R];
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        let mut macc = [[_mm256_setzero_ps(); T]; R];
+        let mut scale = [[0f32; 8]; T];
         for b in 0..nb {
-            let sums = _mm256_loadu_ps(x.sums.as_ptr().add(8 * b));
-            let dx = _mm256_loadu_ps(x.d.as_ptr().add(8 * b));
             for r in 0..R {
                 let p = w[r].add(b * Q4_K::BYTES);
                 prefetch_block(p.wrapping_add(pf), Q4_K::BYTES);
                 let (d_sc, dmin_m) = super::avx2::k4_scales(p);
-                _mm256_storeu_ps(scale[r].as_mut_ptr(), _mm256_mul_ps(d_sc, dx));
-                macc[r] = _mm256_fmadd_ps(dmin_m, sums, macc[r]);
-            }
-            // 32 bytes of quants per pair of sub-blocks: low nibbles sub-block 2c, high 2c + 1.
-            for c in 0..4 {
-                let xl = x_block(x, 8 * b + 2 * c);
-                let xh = x_block(x, 8 * b + 2 * c + 1);
-                for r in 0..R {
-                    let qs = w[r].add(b * Q4_K::BYTES + 16 + 32 * c);
-                    let a = _mm256_cvtepu8_epi16(_mm_loadu_si128(qs as *const __m128i));
-                    let a2 = _mm256_cvtepu8_epi16(_mm_loadu_si128(qs.add(16) as *const __m128i));
+                for t in 0..T {
+                    let dx = _mm256_loadu_ps(x[t].d.as_ptr().add(8 * b));
+                    _mm256_storeu_ps(scale[t].as_mut_ptr(), _mm256_mul_ps(d_sc, dx));
+                    let sums = _mm256_loadu_ps(x[t].sums.as_ptr().add(8 * b));
+                    macc[r][t] = _mm256_fmadd_ps(dmin_m, sums, macc[r][t]);
+                }
+                // 32 bytes of quants per pair of sub-blocks: low nibbles sub-block 2c, high 2c + 1.
+                for c in 0..4 {
+                    let qs = p.add(16 + 32 * c);
+                    let a = opaque(_mm256_cvtepu8_epi16(_mm_loadu_si128(qs as *const __m128i)));
+                    let a2 = opaque(_mm256_cvtepu8_epi16(_mm_loadu_si128(
+                        qs.add(16) as *const __m128i
+                    )));
                     let lo = [_mm256_and_si256(a, low4), _mm256_and_si256(a2, low4)];
                     let hi = [_mm256_srli_epi16::<4>(a), _mm256_srli_epi16::<4>(a2)];
-                    let sl = _mm256_cvtepi32_ps(dot32(lo, xl));
-                    let sh = _mm256_cvtepi32_ps(dot32(hi, xh));
-                    acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&scale[r][2 * c]), sl, acc[r]);
-                    acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&scale[r][2 * c + 1]), sh, acc[r]);
+                    for t in 0..T {
+                        let sl = _mm256_cvtepi32_ps(dot32(lo, x_block(x[t], 8 * b + 2 * c)));
+                        let sh = _mm256_cvtepi32_ps(dot32(hi, x_block(x[t], 8 * b + 2 * c + 1)));
+                        let dl = _mm256_broadcast_ss(&scale[t][2 * c]);
+                        let dh = _mm256_broadcast_ss(&scale[t][2 * c + 1]);
+                        acc[r][t] = _mm256_fmadd_ps(dl, sl, acc[r][t]);
+                        acc[r][t] = _mm256_fmadd_ps(dh, sh, acc[r][t]);
+                    }
                 }
             }
         }
-        let mut s = [0f32; R];
+        let mut s = [[0f32; T]; R];
         for r in 0..R {
-            s[r] = hsum256(acc[r]) - hsum256(macc[r]);
+            for t in 0..T {
+                s[r][t] = hsum256(acc[r][t]) - hsum256(macc[r][t]);
+            }
         }
         s
     }
@@ -319,30 +362,34 @@ impl GemvI16 for K6I16 {
 
     #[allow(clippy::needless_range_loop)]
     #[inline(always)]
-    unsafe fn gemv<const R: usize>(w: [*const u8; R], x: &XI16, nb: usize, pf: usize) -> [f32; R] {
+    unsafe fn tile<const R: usize, const T: usize>(
+        w: [*const u8; R],
+        x: [&XI16; T],
+        nb: usize,
+        pf: usize,
+    ) -> [[f32; T]; R] {
         let low4 = _mm256_set1_epi16(0x0f);
         let low2 = _mm256_set1_epi16(0x03);
         let bias = _mm256_set1_epi16(32);
-        let mut acc = [_mm256_setzero_ps(); R];
-        let mut scale = [[0f32; 8]; R];
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        let mut scale = [[0f32; 8]; T];
         for b in 0..nb {
-            let dx = _mm256_loadu_ps(x.d.as_ptr().add(8 * b));
             for r in 0..R {
                 let p = w[r].add(b * Q6_K::BYTES);
                 prefetch_block(p.wrapping_add(pf), Q6_K::BYTES);
-                let d = quant::f16_at(std::slice::from_raw_parts(p.add(208), 2));
-                _mm256_storeu_ps(scale[r].as_mut_ptr(), _mm256_mul_ps(_mm256_set1_ps(d), dx));
-            }
-            // Half `h` uses 64 bytes of `ql` and 32 of `qh`; its quarter `q` (32 elements, activation
-            // block 4h + q) takes the low (quarters 0, 1) or high (2, 3) nibbles of `ql` run `q % 2`
-            // and bits `2q..` of `qh`; element `l` of a quarter is byte `l` of both.
-            for h in 0..2 {
-                for q in 0..4 {
-                    let lshift = _mm_cvtsi32_si128(4 * (q / 2) as i32);
-                    let hshift = _mm_cvtsi32_si128(2 * q as i32);
-                    let xq = x_block(x, 8 * b + 4 * h + q);
-                    for r in 0..R {
-                        let p = w[r].add(b * Q6_K::BYTES);
+                let d = _mm256_set1_ps(quant::f16_at(std::slice::from_raw_parts(p.add(208), 2)));
+                for t in 0..T {
+                    let dx = _mm256_loadu_ps(x[t].d.as_ptr().add(8 * b));
+                    _mm256_storeu_ps(scale[t].as_mut_ptr(), _mm256_mul_ps(d, dx));
+                }
+                // Half `h` uses 64 bytes of `ql` and 32 of `qh`; its quarter `q` (32 elements,
+                // activation block 4h + q) takes the low (quarters 0, 1) or high (2, 3) nibbles
+                // of `ql` run `q % 2` and bits `2q..` of `qh`; element `l` of a quarter is byte
+                // `l` of both.
+                for h in 0..2 {
+                    for q in 0..4 {
+                        let lshift = _mm_cvtsi32_si128(4 * (q / 2) as i32);
+                        let hshift = _mm_cvtsi32_si128(2 * q as i32);
                         let mut v = [_mm256_setzero_si256(); 2];
                         for (half, vh) in v.iter_mut().enumerate() {
                             let ql = p.add(64 * h + 32 * (q % 2) + 16 * half);
@@ -359,59 +406,96 @@ impl GemvI16 for K6I16 {
                             let sc = *(p.add(192 + 8 * h + 2 * q + half) as *const i8);
                             *vh = _mm256_mullo_epi16(qv, _mm256_set1_epi16(sc as i16));
                         }
-                        let s = _mm256_cvtepi32_ps(dot32(v, xq));
-                        acc[r] =
-                            _mm256_fmadd_ps(_mm256_broadcast_ss(&scale[r][4 * h + q]), s, acc[r]);
+                        for t in 0..T {
+                            let s = _mm256_cvtepi32_ps(dot32(v, x_block(x[t], 8 * b + 4 * h + q)));
+                            let ds = _mm256_broadcast_ss(&scale[t][4 * h + q]);
+                            acc[r][t] = _mm256_fmadd_ps(ds, s, acc[r][t]);
+                        }
                     }
                 }
             }
         }
-        let mut s = [0f32; R];
+        let mut s = [[0f32; T]; R];
         for r in 0..R {
-            s[r] = hsum256(acc[r]);
+            for t in 0..T {
+                s[r][t] = hsum256(acc[r][t]);
+            }
         }
         s
     }
 }
 
-/// The integer GEMV driver (`job.tokens == 1`): groups of 4 rows, then single rows, each group
-/// prefetching the same block of the next group (as [`x86::gemv_rows`] does for f32 activations).
+/// Tokens handled together by the few-token kernels (more go through the exact kernels).
+pub(super) const MAX_TOKENS: usize = 8;
+
+/// The integer driver. One token: groups of 4 rows, then single rows, each group prefetching
+/// the same block of the next group (as [`x86::gemv_rows`] does for f32 activations). Two to
+/// [`MAX_TOKENS`] tokens: row by row, each row's blocks decoded once for all of them.
 #[inline(always)]
-unsafe fn rows<K: GemvI16>(w: *const u8, job: &Job, x: &XI16) {
+unsafe fn rows<K: GemvI16>(w: *const u8, job: &Job, x: &[XI16]) -> bool {
     let nb = job.k / K::ELEMS;
     let rb = nb * K::BYTES;
-    let end = job.rows.end;
-    let mut n = job.rows.start;
-    while n + 4 <= end {
-        let s = K::gemv::<4>(row_ptrs(w, n, rb), x, nb, 4 * rb);
-        x86::put_tile::<4, 1>(job, n, 0, s.map(|v| [v]));
-        n += 4;
+    match x.len() {
+        1 => {
+            let end = job.rows.end;
+            let mut n = job.rows.start;
+            while n + 4 <= end {
+                let s = K::tile::<4, 1>(row_ptrs(w, n, rb), [&x[0]], nb, 4 * rb);
+                x86::put_tile(job, n, 0, s);
+                n += 4;
+            }
+            while n < end {
+                let s = K::tile::<1, 1>(row_ptrs(w, n, rb), [&x[0]], nb, rb);
+                x86::put_tile(job, n, 0, s);
+                n += 1;
+            }
+        }
+        2 => tokens::<K, 2>(w, job, x, nb, rb),
+        3 => tokens::<K, 3>(w, job, x, nb, rb),
+        4 => tokens::<K, 4>(w, job, x, nb, rb),
+        5 => tokens::<K, 5>(w, job, x, nb, rb),
+        6 => tokens::<K, 6>(w, job, x, nb, rb),
+        7 => tokens::<K, 7>(w, job, x, nb, rb),
+        8 => tokens::<K, 8>(w, job, x, nb, rb),
+        _ => return false,
     }
-    while n < end {
-        let s = K::gemv::<1>(row_ptrs(w, n, rb), x, nb, rb);
-        job.put(0, n, s[0]);
-        n += 1;
+    true
+}
+
+#[inline(always)]
+unsafe fn tokens<K: GemvI16, const T: usize>(
+    w: *const u8,
+    job: &Job,
+    x: &[XI16],
+    nb: usize,
+    rb: usize,
+) {
+    let xs: [&XI16; T] = std::array::from_fn(|t| &x[t]);
+    for n in job.rows.clone() {
+        let s = K::tile::<1, T>(row_ptrs(w, n, rb), xs, nb, rb);
+        x86::put_tile(job, n, 0, s);
     }
 }
 
-/// GEMV on Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 blocks against 16-bit activations.
+/// Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 blocks against `x.len()` rounded activation rows (1 to
+/// [`MAX_TOKENS`]; `false`, nothing done, for other counts).
 ///
 /// # Safety
 /// The CPU supports AVX2, FMA and F16C; `job` as [`super::matmul_rows_at`], with `w` holding
-/// `job.rows.end` rows and `x` the rounded activation row (`job.k` elements).
+/// `job.rows.end` rows and `x` the job's token rows rounded (`job.k` elements each).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn legacy_rows<Q: QuantsI16>(w: *const u8, job: &Job, x: &XI16) {
+pub(super) unsafe fn legacy_rows<Q: QuantsI16>(w: *const u8, job: &Job, x: &[XI16]) -> bool {
     rows::<LegacyI16<Q>>(w, job, x)
 }
 
-/// GEMV on Q4_K blocks against 16-bit activations (safety as [`legacy_rows`]).
+/// As [`legacy_rows`], Q4_K blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn k4_rows(w: *const u8, job: &Job, x: &XI16) {
+pub(super) unsafe fn k4_rows(w: *const u8, job: &Job, x: &[XI16]) -> bool {
     rows::<K4I16>(w, job, x)
 }
 
-/// GEMV on Q6_K blocks against 16-bit activations (safety as [`legacy_rows`]).
+/// As [`legacy_rows`], Q6_K blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn k6_rows(w: *const u8, job: &Job, x: &XI16) {
+pub(super) unsafe fn k6_rows(w: *const u8, job: &Job, x: &[XI16]) -> bool {
     rows::<K6I16>(w, job, x)
 }

@@ -75,7 +75,7 @@ mod tests;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-/// How activations meet quantized weights in one-token GEMVs (decode).
+/// How activations meet quantized weights in decode (calls of 1 to 8 tokens).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Numerics {
     /// f32 activations (never rounded): every product equals the f32 product of the
@@ -85,10 +85,12 @@ pub enum Numerics {
     Exact,
     /// Activations rounded to 16-bit integers per 32-element block (`x ≈ d·q`,
     /// `d = max|x| / 32767`: at most a relative 1.5·10⁻⁵ of the block's largest value per
-    /// element) and multiplied with the weights' integer quants in integer lanes. Faster decode
-    /// on Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K weights where the CPU has AVX2; everything
-    /// else (f32/bf16 weights, other formats, prefill and batched steps, CPUs without AVX2) runs
-    /// as [`Numerics::Exact`]. What it costs in agreement with the exact path is measured in the
+    /// element) and multiplied with the weights' integer quants in integer lanes, in calls of 1
+    /// to 8 tokens (decode, small batched steps, speculative verification; each token's result
+    /// is the same whichever call it is in). Faster decode on Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K
+    /// and Q6_K weights where the CPU has AVX2; everything else (f32/bf16 weights, other
+    /// formats, calls of more tokens such as prefill, CPUs without AVX2) runs as
+    /// [`Numerics::Exact`]. What it costs in agreement with the exact path is measured in the
     /// README.
     Int16,
 }
@@ -280,7 +282,7 @@ pub fn matmul_with(
     let chunk = rows_per_task(w, tokens);
     let starts: Vec<usize> = (0..w.rows).step_by(chunk).collect();
     // Rounded once per call, shared by every task.
-    let xq = rounded_activations(level, numerics, w, x, tokens);
+    let xq = rounded_activations(level, numerics, w, x, ldx, tokens);
     starts.into_par_iter().for_each(|r0| {
         let rows = r0..(r0 + chunk).min(w.rows);
         let p = ptr;
@@ -297,29 +299,46 @@ pub fn matmul_with(
                 p.0,
                 ldo,
                 accumulate,
-                xq.as_ref(),
+                xq.as_deref(),
             )
         };
     });
 }
 
-/// The activation row rounded to 16-bit integers when `numerics` asks for it and a kernel will
-/// use it: one token, quantized weights of a format with an integer kernel, an AVX2 CPU.
+/// The token rows rounded to 16-bit integers when `numerics` asks for it and a kernel will use
+/// them: 1 to 8 tokens (more run the exact kernels, whose packed tiles serve many tokens),
+/// quantized weights of a format with an integer kernel, an AVX2 CPU.
 fn rounded_activations(
     level: Level,
     numerics: Numerics,
     w: &PackedMatrix,
     x: &[f32],
+    ldx: usize,
     tokens: usize,
-) -> Option<int16::XI16> {
-    if numerics != Numerics::Int16 || tokens != 1 || simd::clamp(level) < Level::Avx2 {
+) -> Option<Vec<int16::XI16>> {
+    #[cfg(target_arch = "x86_64")]
+    let max_tokens = avx2_i16::MAX_TOKENS;
+    #[cfg(not(target_arch = "x86_64"))]
+    let max_tokens = 0;
+    if numerics != Numerics::Int16
+        || !(1..=max_tokens).contains(&tokens)
+        || simd::clamp(level) < Level::Avx2
+        || !w.cols.is_multiple_of(int16::BLOCK)
+        || x.len() < (tokens - 1) * ldx + w.cols
+    {
         return None;
     }
     let WeightData::Quant { kind, .. } = &w.data else {
         return None;
     };
-    let int = with_format!(*kind, F => F::INT16);
-    (int && w.cols.is_multiple_of(int16::BLOCK)).then(|| int16::quantize(&x[..w.cols]))
+    if !with_format!(*kind, F => F::INT16) {
+        return None;
+    }
+    Some(
+        (0..tokens)
+            .map(|t| int16::quantize(&x[t * ldx..t * ldx + w.cols]))
+            .collect(),
+    )
 }
 
 /// The single-threaded kernel over a block of output rows.
@@ -357,11 +376,7 @@ pub unsafe fn matmul_rows_with(
     ldo: usize,
     accumulate: bool,
 ) {
-    let xq = if tokens == 1 && x.len() >= w.cols {
-        rounded_activations(level, numerics, w, x, tokens)
-    } else {
-        None
-    };
+    let xq = rounded_activations(level, numerics, w, x, ldx, tokens);
     rows_job(
         level,
         w,
@@ -372,7 +387,7 @@ pub unsafe fn matmul_rows_with(
         out,
         ldo,
         accumulate,
-        xq.as_ref(),
+        xq.as_deref(),
     )
 }
 
@@ -410,7 +425,7 @@ unsafe fn rows_job(
     out: *mut f32,
     ldo: usize,
     accumulate: bool,
-    xq: Option<&int16::XI16>,
+    xq: Option<&[int16::XI16]>,
 ) {
     if tokens == 0 || rows.is_empty() {
         return;
@@ -491,7 +506,7 @@ trait QuantMethod: BlockFormat + Sized {
     /// too); `false` (nothing done) where the format has no such kernel. Safety as
     /// [`QuantMethod::gemv_avx2`], with `x` the rounded row.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn gemv_i16_avx2(_w: *const u8, _job: &Job, _x: &int16::XI16) -> bool {
+    unsafe fn gemv_i16_avx2(_w: *const u8, _job: &Job, _x: &[int16::XI16]) -> bool {
         false
     }
 
@@ -541,9 +556,8 @@ macro_rules! avx2_legacy_kernels {
     () => {
         const INT16: bool = true;
         #[cfg(target_arch = "x86_64")]
-        unsafe fn gemv_i16_avx2(w: *const u8, job: &Job, x: &int16::XI16) -> bool {
-            avx2_i16::legacy_rows::<Self>(w, job, x);
-            true
+        unsafe fn gemv_i16_avx2(w: *const u8, job: &Job, x: &[int16::XI16]) -> bool {
+            avx2_i16::legacy_rows::<Self>(w, job, x)
         }
         #[cfg(target_arch = "x86_64")]
         unsafe fn gemv_avx2(w: *const u8, job: &Job) {
@@ -607,9 +621,8 @@ impl QuantMethod for quant::Q3_K {}
 impl QuantMethod for quant::Q4_K {
     const INT16: bool = true;
     #[cfg(target_arch = "x86_64")]
-    unsafe fn gemv_i16_avx2(w: *const u8, job: &Job, x: &int16::XI16) -> bool {
-        avx2_i16::k4_rows(w, job, x);
-        true
+    unsafe fn gemv_i16_avx2(w: *const u8, job: &Job, x: &[int16::XI16]) -> bool {
+        avx2_i16::k4_rows(w, job, x)
     }
     #[cfg(target_arch = "x86_64")]
     unsafe fn gemv_avx512(w: *const u8, job: &Job) {
@@ -628,9 +641,8 @@ impl QuantMethod for quant::Q5_K {}
 impl QuantMethod for quant::Q6_K {
     const INT16: bool = true;
     #[cfg(target_arch = "x86_64")]
-    unsafe fn gemv_i16_avx2(w: *const u8, job: &Job, x: &int16::XI16) -> bool {
-        avx2_i16::k6_rows(w, job, x);
-        true
+    unsafe fn gemv_i16_avx2(w: *const u8, job: &Job, x: &[int16::XI16]) -> bool {
+        avx2_i16::k6_rows(w, job, x)
     }
     #[cfg(target_arch = "x86_64")]
     unsafe fn gemv_avx512(w: *const u8, job: &Job) {
@@ -695,7 +707,10 @@ unsafe fn quant_rows(level: Level, kind: QuantKind, blocks: &[u8], job: &Job) {
 unsafe fn quant_rows_of<F: QuantMethod>(level: Level, blocks: &[u8], job: &Job) {
     #[cfg(target_arch = "x86_64")]
     if let Some(x) = job.xq {
-        if job.tokens == 1 && level >= Level::Avx2 && F::gemv_i16_avx2(blocks.as_ptr(), job, x) {
+        if x.len() == job.tokens
+            && level >= Level::Avx2
+            && F::gemv_i16_avx2(blocks.as_ptr(), job, x)
+        {
             return;
         }
     }
@@ -744,8 +759,8 @@ struct Job<'a> {
     out: *mut f32,
     ldo: usize,
     accumulate: bool,
-    /// The activation row rounded for [`Numerics::Int16`] (one token only), if rounded.
-    xq: Option<&'a int16::XI16>,
+    /// The token rows rounded for [`Numerics::Int16`] (one to eight tokens), if rounded.
+    xq: Option<&'a [int16::XI16]>,
 }
 
 impl Job<'_> {

@@ -597,3 +597,64 @@ fn int16_gemv_matches_rounded_reference() {
         }
     }
 }
+
+/// With [`Numerics::Int16`], a call of 2 to 8 tokens gives each token exactly (bit for bit) what
+/// its own one-token call gives, with bias and accumulation, so a row's result does not depend
+/// on the batch it is computed in; 9 tokens run the exact kernels.
+#[test]
+fn int16_tokens_round_like_one_token_calls() {
+    if simd::detected() < Level::Avx2 {
+        println!("SKIPPED: this CPU has no AVX2, so Numerics::Int16 runs the exact kernels");
+        return;
+    }
+    let level = simd::detected();
+    for kind in INT16_KINDS {
+        let n = kind.block_elems();
+        let (rows, cols) = (13, if n == 32 { 6 * n } else { 2 * n });
+        let w = quant_matrix(kind, rows, cols, true, 99);
+        let ldx = cols + 5;
+        for tokens in 2..=9 {
+            let x = rand_vec((tokens - 1) * ldx + cols, 5 + tokens as u64);
+            let out0 = rand_vec(tokens * rows, 6);
+            let mut out = out0.clone();
+            matmul_with(
+                level,
+                Numerics::Int16,
+                &w,
+                &x,
+                ldx,
+                tokens,
+                &mut out,
+                rows,
+                true,
+            );
+            let mut exact = out0.clone();
+            matmul_at(level, &w, &x, ldx, tokens, &mut exact, rows, true);
+            for t in 0..tokens {
+                let mut one = out0[t * rows..(t + 1) * rows].to_vec();
+                let xt = &x[t * ldx..t * ldx + cols];
+                matmul_with(
+                    level,
+                    Numerics::Int16,
+                    &w,
+                    xt,
+                    cols,
+                    1,
+                    &mut one,
+                    rows,
+                    true,
+                );
+                let got = &out[t * rows..(t + 1) * rows];
+                if tokens <= 8 {
+                    assert_eq!(got, &one[..], "{kind:?} token {t} of {tokens}");
+                } else {
+                    assert_eq!(
+                        got,
+                        &exact[t * rows..(t + 1) * rows],
+                        "{kind:?} 9 tokens run exact"
+                    );
+                }
+            }
+        }
+    }
+}
