@@ -265,9 +265,13 @@ mod tests {
             "-t",
             "2",
             "--no-prefix-cache",
+            "--numerics",
+            "int16",
         ])
         .unwrap();
         assert_eq!(c.addr.to_string(), "[::1]:9");
+        assert_eq!(c.args.numerics, NumericsArg::Int16);
+        assert_eq!(parse(&[]).unwrap().args.numerics, NumericsArg::Exact);
         assert_eq!(c.args.kv_budget, 1 << 30);
         assert_eq!(c.args.max_step_tokens, 64);
         assert_eq!(c.args.api_key.as_deref(), Some("k"));
@@ -297,6 +301,7 @@ mod tests {
             ("--read-timeout", "0"),
             ("--port", "70000"),
             ("--max-running", "-1"),
+            ("--numerics", "int8"),
         ] {
             let e = parse(&[&format!("{flag}={value}")]).unwrap_err();
             let ServeArgsError::Usage(u) = &e else {
