@@ -20,7 +20,7 @@ use crate::model::quant::{self, BlockFormat, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K,
 /// Prefetches the cache lines of a `bytes`-long block starting at `p` (a hint: `p` may point
 /// past the matrix, as for the last group of rows).
 #[inline(always)]
-unsafe fn prefetch_block(p: *const u8, bytes: usize) {
+pub(super) unsafe fn prefetch_block(p: *const u8, bytes: usize) {
     for line in 0..bytes.div_ceil(64) {
         _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * line) as *const i8);
     }
@@ -221,7 +221,7 @@ impl Quants256 for Q5_1 {
 /// The block's f16 scale and (Q4_1, Q5_1) min widened to f32: lanes `[d, m, ·, ·]` (lane 1 is junk
 /// for formats without a min).
 #[inline(always)]
-unsafe fn scales(p: *const u8) -> __m128 {
+pub(super) unsafe fn scales(p: *const u8) -> __m128 {
     _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p as *const i32)))
 }
 

@@ -13,6 +13,7 @@
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
+use super::avx2::{k4_scales, prefetch_block, scales};
 use super::int16::{self, XI16};
 use super::x86::Legacy;
 use super::x86::{self, row_ptrs};
@@ -75,21 +76,6 @@ pub(super) unsafe fn quantize(x: &[f32]) -> XI16 {
         _mm256_storeu_si256(q.add(1), hi);
     }
     out
-}
-
-/// Prefetches the cache lines of a `bytes`-long block starting at `p` (a hint: `p` may point
-/// past the matrix, as for the last group of rows).
-#[inline(always)]
-unsafe fn prefetch_block(p: *const u8, bytes: usize) {
-    for line in 0..bytes.div_ceil(64) {
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * line) as *const i8);
-    }
-}
-
-/// The block's f16 scale and (Q4_1, Q5_1) min widened to f32: lanes `[d, m, ·, ·]`.
-#[inline(always)]
-unsafe fn scales(p: *const u8) -> __m128 {
-    _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p as *const i32)))
 }
 
 /// The 32 activation integers of block `b` as two 16-lane vectors.
@@ -313,7 +299,7 @@ impl GemvI16 for K4I16 {
             for r in 0..R {
                 let p = w[r].add(b * Q4_K::BYTES);
                 prefetch_block(p.wrapping_add(pf), Q4_K::BYTES);
-                let (d_sc, dmin_m) = super::avx2::k4_scales(p);
+                let (d_sc, dmin_m) = k4_scales(p);
                 for t in 0..T {
                     let dx = _mm256_loadu_ps(x[t].d.as_ptr().add(8 * b));
                     _mm256_storeu_ps(scale[t].as_mut_ptr(), _mm256_mul_ps(d_sc, dx));
