@@ -178,7 +178,7 @@ pub(super) fn run(
                     };
                     let xs = &xs[xoff..];
                     match epilogue {
-                        Epilogue::None => matmul::matmul_numerics(
+                        Epilogue::None => matmul::matmul(
                             be.numerics,
                             m,
                             xs,
@@ -189,7 +189,7 @@ pub(super) fn run(
                             false,
                         ),
                         Epilogue::Activation(a) => {
-                            matmul::matmul_numerics(
+                            matmul::matmul(
                                 be.numerics,
                                 m,
                                 xs,
@@ -214,7 +214,7 @@ pub(super) fn run(
                                         .copy_from_slice(r.row(t));
                                 }
                             }
-                            matmul::matmul_numerics(
+                            matmul::matmul(
                                 be.numerics,
                                 m,
                                 xs,
@@ -228,7 +228,7 @@ pub(super) fn run(
                         Epilogue::Gated(a) => {
                             let f = m.rows / 2;
                             ws.gated.resize(rows_out * m.rows, 0.0);
-                            matmul::matmul_numerics(
+                            matmul::matmul(
                                 be.numerics,
                                 m,
                                 xs,

@@ -291,7 +291,6 @@ impl GemvI16 for K4I16 {
         nb: usize,
         pf: usize,
     ) -> [[f32; T]; R] {
-        let low4 = _mm256_set1_epi16(0x0f);
         let mut acc = [[_mm256_setzero_ps(); T]; R];
         let mut macc = [[_mm256_setzero_ps(); T]; R];
         let mut scale = [[0f32; 8]; T];
@@ -309,12 +308,9 @@ impl GemvI16 for K4I16 {
                 // 32 bytes of quants per pair of sub-blocks: low nibbles sub-block 2c, high 2c + 1.
                 for c in 0..4 {
                     let qs = p.add(16 + 32 * c);
-                    let a = opaque(_mm256_cvtepu8_epi16(_mm_loadu_si128(qs as *const __m128i)));
-                    let a2 = opaque(_mm256_cvtepu8_epi16(_mm_loadu_si128(
-                        qs.add(16) as *const __m128i
-                    )));
-                    let lo = [_mm256_and_si256(a, low4), _mm256_and_si256(a2, low4)];
-                    let hi = [_mm256_srli_epi16::<4>(a), _mm256_srli_epi16::<4>(a2)];
+                    let [lo0, hi0] = nibbles(qs);
+                    let [lo1, hi1] = nibbles(qs.add(16));
+                    let (lo, hi) = ([lo0, lo1], [hi0, hi1]);
                     for t in 0..T {
                         let sl = _mm256_cvtepi32_ps(dot32(lo, x_block(x[t], 8 * b + 2 * c)));
                         let sh = _mm256_cvtepi32_ps(dot32(hi, x_block(x[t], 8 * b + 2 * c + 1)));

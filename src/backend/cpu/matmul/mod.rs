@@ -105,11 +105,6 @@ impl Numerics {
             Numerics::Int16 => "int16",
         }
     }
-
-    /// Parses a `--numerics` value (`exact`, `int16`).
-    pub fn parse(s: &str) -> Option<Numerics> {
-        Numerics::ALL.into_iter().find(|n| n.name() == s)
-    }
 }
 
 /// Weight storage the kernels read directly (bf16 is never widened in memory, quantized blocks
@@ -192,24 +187,11 @@ fn rows_per_task(w: &PackedMatrix, tokens: usize) -> usize {
 }
 
 /// `out[t·ldo + n] (+)= bias[n] + Σ_k W[n,k]·x[t·ldx + k]` for every token `t` and output `n`,
-/// split over the current rayon pool by output rows.
+/// split over the current rayon pool by output rows, with the given [`Numerics`].
 ///
 /// `accumulate` adds into `out` (a fused residual add) instead of overwriting it.
-pub fn matmul(
-    w: &PackedMatrix,
-    x: &[f32],
-    ldx: usize,
-    tokens: usize,
-    out: &mut [f32],
-    ldo: usize,
-    accumulate: bool,
-) {
-    matmul_at(simd::level(), w, x, ldx, tokens, out, ldo, accumulate)
-}
-
-/// [`matmul`] with the given [`Numerics`].
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_numerics(
+pub fn matmul(
     numerics: Numerics,
     w: &PackedMatrix,
     x: &[f32],
@@ -232,7 +214,7 @@ pub fn matmul_numerics(
     )
 }
 
-/// [`matmul`] at an explicit SIMD level (clamped to what the CPU supports).
+/// [`matmul`] at an explicit SIMD level (clamped to what the CPU supports), exact.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_at(
     level: Level,
