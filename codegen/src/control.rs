@@ -239,17 +239,29 @@ mod tests {
         line[pre.len()..].trim().parse().unwrap()
     }
 
-    /// Every `static_assert(<lhs> == <n>, ...)` of the header, as (lhs, n).
+    /// Every `static_assert(<lhs> == <n>, ...)` of the header, as (lhs, n), and every
+    /// `KILN_OFFSET_IS(T, f, n);` (the offset check that compiles where NVRTC has
+    /// `__builtin_offsetof`) as ("__builtin_offsetof(T, f)", n).
     fn asserts() -> Vec<(String, usize)> {
-        HEADER
+        let plain = HEADER
             .lines()
             .filter_map(|l| l.trim().strip_prefix("static_assert("))
             .map(|l| {
                 let (lhs, rest) = l.split_once(" == ").unwrap();
                 let n = rest.split(',').next().unwrap().trim().parse().unwrap();
                 (lhs.to_string(), n)
-            })
-            .collect()
+            });
+        let offsets = HEADER
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("KILN_OFFSET_IS("))
+            .filter_map(|l| l.strip_suffix(");"))
+            .map(|l| {
+                let parts: Vec<&str> = l.split(", ").collect();
+                assert_eq!(parts.len(), 3, "KILN_OFFSET_IS({l})");
+                let lhs = format!("__builtin_offsetof({}, {})", parts[0], parts[1]);
+                (lhs, parts[2].parse().unwrap())
+            });
+        plain.chain(offsets).collect()
     }
 
     #[test]
