@@ -1,56 +1,128 @@
 #!/usr/bin/env bash
-# One command for a GPU machine: build with CUDA, run every GPU test, check kiln on the GPU against
-# the CPU, measure the device's copy bandwidth, benchmark decode on both GPU paths at every batch
-# bucket, time PyTorch on the same models, and print a short table. Fits a 10-minute call on an
-# H100: stages that would start after KILN_GPU_CHECK_BUDGET seconds (default 540) are skipped and
+# One command for a GPU machine: run every GPU test, check kiln on the GPU against the CPU,
+# measure the device's copy bandwidth, benchmark decode on both GPU paths at every batch bucket,
+# run compute-sanitizer on a few steps, time PyTorch on the same models, and print a short table.
+# Stages that would start after KILN_GPU_CHECK_BUDGET seconds (default 540) are skipped and
 # recorded as such, so the table always prints.
 #
-#   scripts/gpu-check.sh            # logs in $KILN_GPU_WORK (default /tmp/kiln-gpu-check);
-#                                   # with $OUT set: $OUT/summary.md and $OUT/gpu-check-logs.tgz
+#   scripts/gpu-check.sh                      # every stage; logs in $KILN_GPU_WORK (default
+#                                             # /tmp/kiln-gpu-check); with $OUT set, also
+#                                             # $OUT/summary.md and $OUT/gpu-check-logs.tgz
+#   KILN_GPU_STAGES=env,tests scripts/gpu-check.sh   # only some stages (names below)
+#   scripts/gpu-check.sh --stash-only         # only keep what this transfer carried (below)
 #
-# Stages (each one's output in WORK/<stage>.log; a failure is recorded and the next stage runs):
-#  1. build: `cargo build --release --features cuda` (bins + the GPU tests). Without cargo on the
-#     machine, binaries built elsewhere by scripts/gpu-pack.sh and carried in .gpu/bin are used.
-#  2. test:<name>: every test file that uses the CUDA backend (tests/*.rs naming `backend::cuda`
-#     or `feature = "cuda"`: the NVRTC gate, the megakernel gate, GPU vs CPU logits on every
-#     fixture and 128 greedy SmolLM2 tokens), and the library's `cuda` unit tests.
-#  3. bandwidth-kiln, bandwidth-torch: a device-to-device copy of 1 GiB, bytes read + written,
-#     median of 20 event-timed copies (kiln-bench --measure-gpu-bandwidth, and torch's copy_ as a
-#     cross-check). Every roofline % below divides by the kiln measurement (--bandwidth-gbs).
-#  4. correct:<model>:<path>: `kiln --device cuda --decode per-op|megakernel` greedy ids against
-#     `kiln --device cpu --weights bf16` on the same prompt (and 3 greedy samples at once, which
-#     must each equal the batch-1 result): the demo model when present, and a fixture model.
-#  5. bench:<model>:<path>: kiln-bench --device cuda --decode <path>, tg$N at batch 1,2,4,8, for
-#     the synthetic Llama-3.2-1B shape, SmolLM2-135M (the demo GGUF when present, uploaded as
-#     bf16; always also the synthetic shape with its exact config), plus a CPU baseline row.
-#  6. torch:<shape>: scripts/torch_compare.py on the same shapes (transformers StaticCache +
-#     torch.compile reduce-overhead CUDA graphs) at KILN_TORCH_BATCHES (default 1: each batch
-#     size costs a compile of about a minute).
-#  7. The stage table, the bandwidths, and per kiln row: t/s, ms/token, % of bandwidth, PyTorch's
-#     t/s on the same model and batch, and the ratio (scripts/gpu_report.py).
+# Binaries. With cargo on the machine it builds (`--features cuda`). Without it (a GPU machine
+# with no Rust toolchain) it uses what scripts/gpu-pack.sh built elsewhere: the archive
+# .gpu/pack/kiln-gpu-bin.tar.xz (unpacked with xz, or python3's tarfile/lzma where xz is
+# missing) or an unpacked .gpu/bin.
+#
+# The demo model, when one transfer cannot carry it: scripts/gpu-pack.sh --split-model cuts it
+# into .gpu/model-1 … .gpu/model-N, one per transfer. Every run (and `--stash-only`, which does
+# nothing else) copies the archive and any carried parts to $KILN_GPU_STASH (default
+# /tmp/kiln-gpu-stash, outside the checkout, so a later transfer that replaces the checkout keeps
+# them); once all N parts are there they are joined into models/ and checked against the sha256.
+#
+# Stages (KILN_GPU_STAGES, comma-separated, in this order; default all). Each stage's output is
+# in WORK/<stage>.log; a failure is recorded and the next stage runs:
+#  env        the device, driver, toolkit, NVRTC found, tools, and a 4-token smoke run per path.
+#  tests      every test function of every test file that uses the CUDA backend (tests/*.rs
+#             naming `backend::cuda` or `feature = "cuda"`) and the library's `cuda` unit tests,
+#             one process per test function under its own time limit (a hang costs one test).
+#             KILN_GPU_TEST_FILTER (a grep -E pattern on "file::test") narrows them and
+#             KILN_GPU_TEST_SKIP (default: the all-fixture megakernel NVRTC gate) leaves some out.
+#  demo       with the demo model present: the demo-model tests (filter `smollm2`) and its
+#             `correct` rows (for a run that only then has the model).
+#  bandwidth  a device-to-device copy of 1 GiB, bytes read + written, median of 20 event-timed
+#             copies (kiln-bench --measure-gpu-bandwidth; torch's copy_ as a cross-check).
+#  correct    `kiln --device cuda --decode per-op|megakernel` greedy ids against
+#             `kiln --device cpu --weights bf16 --kv-type bf16` on the same prompt (and 3 greedy
+#             samples at once, which must each equal the batch-1 result), on fixture models.
+#  bench      kiln-bench --device cuda --decode megakernel|per-op, tg$KILN_BENCH_N (128) at batch
+#             $KILN_BATCHES (1,2,4,8), -r $KILN_BENCH_REPS (5), for KILN_GPU_BENCH_MODELS (default:
+#             the synthetic Llama-3.2-1B and SmolLM2-135M shapes, the demo GGUF when present, a
+#             CPU row); the megakernel once per KILN_GPU_MK_ROWS value ("default", or matvec rows
+#             per tile, e.g. "default 8 16").
+#  ncu        Nsight Compute: one megakernel step (speed of light, occupancy, warp stalls) and
+#             the per-op path's kernel times over about one step.
+#  sanitize   compute-sanitizer memcheck on a few per-op and megakernel steps, racecheck and
+#             synccheck on the megakernel (a fixture model, few tokens).
+#  torch      scripts/torch_compare.py on the same shapes (transformers StaticCache +
+#             torch.compile reduce-overhead CUDA graphs) at KILN_TORCH_BATCHES (default 1).
+# Then the stage table, the bandwidths, and per kiln row: t/s, ms/token, % of bandwidth,
+# PyTorch's t/s on the same model and batch, and the ratio (scripts/gpu_report.py).
 #
 # Method (docs/gpu-method.md): device time after a warm-up, the median of repeated runs, random
 # non-zero weights, and a measured device-to-device copy (bytes read + bytes written) as the
-# bandwidth ceiling. Bytes per token: bf16 weights read once + bf16 KV read to the mean context
-# + new K/V written, `kiln-bench --bytes-per-token`.
-#
-# Status: written without access to a GPU; this script and everything it runs on the device are
-# UNVERIFIED until run on one. The CPU-side pieces (kiln-bench flags, torch_compare.py's refusal
-# and bytes, gpu_report.py) are tested by tests/bench.rs, tests/torch_compare.rs, tests/gpu_report.rs.
-set -euo pipefail
+# bandwidth ceiling.
+set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
 WORK=${KILN_GPU_WORK:-/tmp/kiln-gpu-check}
+STASH=${KILN_GPU_STASH:-/tmp/kiln-gpu-stash}
 BUDGET=${KILN_GPU_CHECK_BUDGET:-540}
+TEST_LIMIT=${KILN_GPU_TEST_LIMIT:-120}
+# Tests that need no GPU and take minutes of NVRTC (CI runs them): skipped unless asked for.
+TEST_SKIP=${KILN_GPU_TEST_SKIP-generated_megakernel_compiles_for_sm90_and_sm80}
 N_GEN=${KILN_BENCH_N:-128}
+REPS=${KILN_BENCH_REPS:-5}
+# Matvec rows per megakernel tile to bench (KILN_MK_MATVEC_ROWS); "default" is the built-in size.
+MK_ROWS=${KILN_GPU_MK_ROWS:-default}
+# Synthetic shape names, smollm2-gguf (the demo model, when present) and cpu (a CPU row).
+BENCH_MODELS=${KILN_GPU_BENCH_MODELS:-llama-3.2-1b smollm2-135m smollm2-gguf cpu}
 BATCHES=${KILN_BATCHES:-1,2,4,8}
 TORCH_BATCHES=${KILN_TORCH_BATCHES:-1}
+STAGES=${KILN_GPU_STAGES:-env,tests,demo,bandwidth,correct,ncu,bench,sanitize,torch}
 DEMO=models/SmolLM2-135M-Instruct.Q4_1.gguf
 PY=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 RUST_BACKTRACE=1 PY
+mkdir -p "$STASH"
+
+want() { [[ ",$STAGES," == *",$1,"* ]]; }
+# Stages that run the decode megakernel (directly, through a CUDA graph, or through the engine);
+# after one of them times out, the rest are skipped and say why.
+MK_PATTERN=${KILN_GPU_MK_PATTERN:-megakernel|graph|gpu_engine}
+MK_HUNG=""
+
+# --- what this transfer carried: the binary archive and model parts go to the stash ---------
+if [[ -f .gpu/pack/kiln-gpu-bin.tar.xz ]]; then
+    cmp -s .gpu/pack/kiln-gpu-bin.tar.xz "$STASH/kiln-gpu-bin.tar.xz" ||
+        { cp .gpu/pack/kiln-gpu-bin.tar.xz "$STASH/" && rm -rf "$STASH/bin"; }
+fi
+for d in .gpu/model-*; do
+    [[ -f $d/part ]] || continue
+    cp "$d/part" "$STASH/${d#.gpu/}.part"
+    [[ -f $d/sha256 ]] && cp "$d/sha256" "$STASH/model.sha256"
+    [[ -f $d/count ]] && cp "$d/count" "$STASH/model.count"
+    echo "stash: ${d#.gpu/} ($(stat -c %s "$d/part") bytes)"
+done
+if [[ -f $STASH/kiln-gpu-bin.tar.xz && ! -d $STASH/bin ]]; then
+    if command -v xz >/dev/null; then
+        xz -dc "$STASH/kiln-gpu-bin.tar.xz" | tar -x -C "$STASH"
+    else
+        "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' \
+            "$STASH/kiln-gpu-bin.tar.xz" "$STASH"
+    fi && echo "stash: unpacked $(ls "$STASH/bin" | wc -l) files into $STASH/bin"
+fi
+if [[ ! -f $DEMO && -f $STASH/model.count && -f $STASH/model.sha256 ]]; then
+    n=$(cat "$STASH/model.count")
+    parts=()
+    for ((i = 1; i <= n; i++)); do parts+=("$STASH/model-$i.part"); done
+    if ls "${parts[@]}" >/dev/null 2>&1; then
+        mkdir -p models
+        cat "${parts[@]}" >"$DEMO"
+        (cd "$(dirname "$DEMO")" && sha256sum -c --quiet "$STASH/model.sha256") || {
+            echo "stash: the joined demo model fails its sha256; removed"
+            rm -f "$DEMO"
+        }
+    else
+        echo "stash: demo model parts so far: $(ls "$STASH"/model-*.part 2>/dev/null | wc -l) of $n"
+    fi
+fi
+[[ ${1:-} == --stash-only ]] && exit 0
+
 rm -rf "$WORK"
 mkdir -p "$WORK"
-: > "$WORK/stages.tsv"
+: >"$WORK/stages.tsv"
 
 # stage NAME LIMIT [--stdout FILE] CMD...: runs CMD (an executable; use `bash -c` for more) with
 # stdout+stderr in WORK/NAME.log (stdout in FILE when given), under `timeout` (LIMIT seconds,
@@ -62,6 +134,11 @@ stage() {
     if [[ ${1:-} == --stdout ]]; then
         stdout=$2
         shift 2
+    fi
+    if [[ -n $MK_HUNG && $name =~ $MK_PATTERN ]]; then
+        printf '%s\tskipped: %s timed out earlier\t0\n' "$name" "$MK_HUNG" >>"$WORK/stages.tsv"
+        echo "== $name: skipped ($MK_HUNG timed out earlier)"
+        return 1
     fi
     local left=$((BUDGET - SECONDS))
     if ((left < 15)); then
@@ -82,15 +159,17 @@ stage() {
         res=pass
     elif ((rc == 124 || rc == 137)); then
         res="FAIL: timed out after $limit s"
+        # A decode megakernel that never finishes would hang every later stage that runs one.
+        [[ $name =~ $MK_PATTERN ]] && MK_HUNG=$name
     else
         # The first error line says more than clap's or cargo's closing line.
         local why
-        why=$(grep -m1 -E '^error|panicked|Error:' "$log" || grep -v '^[[:space:]]*$' "$log" | tail -1 || true)
-        res="FAIL (exit $rc): $(echo "$why" | cut -c1-200)"
+        why=$(grep -m1 -E '^error|panicked|Error:|ERROR' "$log" || grep -v '^[[:space:]]*$' "$log" | tail -1 || true)
+        res="FAIL (exit $rc): $(echo "$why" | cut -c1-300)"
     fi
     printf '%s\t%s\t%s\n' "$name" "$res" "$dt" >>"$WORK/stages.tsv"
     echo "   $res ($dt s)"
-    grep -E "SKIPPED|GPU:|rel err|test result|bandwidth" "$log" 2>/dev/null | head -20 | sed 's/^/   /' || true
+    grep -E "SKIPPED|GPU:|rel err|bandwidth|identical|diverges|ERROR SUMMARY|tokens/s" "$log" 2>/dev/null | head -8 | sed 's/^/   /' || true
     [[ $res == pass ]]
 }
 
@@ -107,96 +186,147 @@ finish() {
     ! grep -qv $'\tpass\t' "$WORK/stages.tsv"
 }
 
-# NVRTC and the CUDA headers: the toolkit's, or PyPI's (CI's recipe).
-if [ -z "${KILN_NVRTC_DIR:-}" ] && ! ls /usr/local/cuda/include/cuda_bf16.h >/dev/null 2>&1; then
-    if [ ! -f .ci/nvrtc/nvidia/cu13/include/cuda_bf16.h ]; then
-        "$PY" -m pip install --quiet --no-deps --target .ci/nvrtc nvidia-cuda-nvrtc nvidia-cuda-runtime || true
+# --- NVRTC and the CUDA headers: a toolkit's, the Python environment's NVIDIA wheels, or PyPI's
+if [[ -z ${KILN_NVRTC_DIR:-} ]]; then
+    toolkit=""
+    for t in "${CUDA_HOME:-}" /usr/local/cuda /usr/local/cuda-13* /usr/local/cuda-12*; do
+        [[ -n $t && -f $t/include/cuda_bf16.h ]] && ls "$t"/lib64/libnvrtc.so* >/dev/null 2>&1 && { toolkit=$t; break; }
+    done
+    if [[ -n $toolkit ]]; then
+        export CUDA_HOME=$toolkit
+        export LD_LIBRARY_PATH="$toolkit/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    else
+        site=$("$PY" -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]))' 2>/dev/null || true)
+        if [[ -n $site && -f $site/nvidia/cu13/include/cuda_bf16.h ]]; then
+            export KILN_NVRTC_DIR=$site
+        else
+            [[ -f .ci/nvrtc/nvidia/cu13/include/cuda_bf16.h ]] ||
+                "$PY" -m pip install --quiet --no-deps --target .ci/nvrtc nvidia-cuda-nvrtc nvidia-cuda-runtime || true
+            export KILN_NVRTC_DIR="$PWD/.ci/nvrtc"
+        fi
+        export LD_LIBRARY_PATH="$KILN_NVRTC_DIR/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     fi
-    export KILN_NVRTC_DIR="$PWD/.ci/nvrtc"
-    export LD_LIBRARY_PATH="$KILN_NVRTC_DIR/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
+for d in /usr/local/cuda/bin /usr/local/cuda/compute-sanitizer; do
+    [[ -d $d ]] && PATH=$PATH:$d
+done
+export PATH
 
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader || true
-
-# The demo model: present, or reassembled from parts scripts/gpu-pack.sh --split-model made
-# (98 MB is over one call's 64 MiB of carried files), or absent (then only synthetic shapes).
-if [[ ! -f $DEMO && -f .gpu/model-1/part && -f .gpu/model-2/part && -f .gpu/model-2/sha256 ]]; then
-    mkdir -p models
-    cat .gpu/model-1/part .gpu/model-2/part >"$DEMO"
-    sha256sum -c .gpu/model-2/sha256 || rm -f "$DEMO"
-fi
-[[ -f $DEMO ]] || echo "(no $DEMO: SmolLM2 runs as the synthetic smollm2-135m shape only)"
-
-# GPU test files: those that use the CUDA backend (override: KILN_GPU_TESTS="gpu megakernel").
+# --- binaries: build with cargo, or the packed ones --------------------------------------------
 GPU_TESTS=${KILN_GPU_TESTS:-$( (grep -l -E 'feature = "cuda"|backend::cuda' tests/*.rs || true) | xargs -r -n1 basename | sed 's/\.rs$//' | tr '\n' ' ')}
-
-# 1. Build, or use carried binaries.
-if command -v cargo >/dev/null; then
-    BIN=${CARGO_TARGET_DIR:-target}/release
+if command -v cargo >/dev/null && [[ -z ${KILN_GPU_PREBUILT:-} ]]; then
+    BIN=$WORK/bin
+    mkdir -p "$BIN"
     test_args=()
     for t in $GPU_TESTS; do test_args+=(--test "$t"); done
-    stage build 420 cargo build -p kiln --release --features cuda --bins --lib "${test_args[@]}" || true
-    stage build-tests 300 cargo test -p kiln --release --features cuda --no-run --lib "${test_args[@]}" || true
-    run_test() { # name
-        if [[ $1 == lib ]]; then
-            cargo test -p kiln --release --features cuda --lib -- cuda --nocapture --test-threads=1
-        else
-            cargo test -p kiln --release --features cuda --test "$1" -- --nocapture --test-threads=1
-        fi
-    }
-elif [[ -f .gpu/bin/manifest.env ]]; then
+    stage build 420 cargo build -p kiln --release --features cuda --bins || true
+    stage build-tests 300 --stdout "$WORK/build-tests.json" cargo test -p kiln --release --features cuda --no-run --lib "${test_args[@]}" --message-format=json-render-diagnostics || true
+    for b in kiln kiln-bench; do ln -sf "$ROOT/${CARGO_TARGET_DIR:-target}/release/$b" "$BIN/$b"; done
+    "$PY" - "$BIN" "$WORK/build-tests.json" <<'PYEOF'
+import json, os, sys
+out = sys.argv[1]
+for line in open(sys.argv[2]):
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        name = "lib" if "lib" in m["target"]["kind"] else m["target"]["name"]
+        os.symlink(m["executable"], f"{out}/test-{name}")
+PYEOF
+else
+    BIN=""
+    for b in "$STASH/bin" .gpu/bin; do
+        [[ -f $b/manifest.env ]] && { BIN=$b; break; }
+    done
+    if [[ -z $BIN ]]; then
+        printf 'build\tFAIL: no cargo here and no packed binaries (run scripts/gpu-pack.sh where Rust is, carry .gpu/pack)\t0\n' >>"$WORK/stages.tsv"
+        finish
+        exit 1
+    fi
     # Built on another machine: its tests find fixtures through the build's paths, so make them
     # point here.
     # shellcheck disable=SC1091
-    source .gpu/bin/manifest.env
-    BIN=.gpu/bin
+    source "$BIN/manifest.env"
     GPU_TESTS=${KILN_GPU_TESTS:-$KILN_PACKED_TESTS}
     if [[ $KILN_BUILD_ROOT != "$ROOT" && ! -e $KILN_BUILD_ROOT ]]; then
         mkdir -p "$(dirname "$KILN_BUILD_ROOT")" && ln -s "$ROOT" "$KILN_BUILD_ROOT"
     fi
-    mkdir -p "$KILN_TARGET_DIR/release"
-    for b in kiln kiln-bench kiln-dump; do ln -sf "$ROOT/.gpu/bin/$b" "$KILN_TARGET_DIR/release/$b"; done
+    # The tests start the binaries from the build's target directory.
+    if [[ ! -e $KILN_TARGET_DIR/release/kiln || -L $KILN_TARGET_DIR/release/kiln ]]; then
+        mkdir -p "$KILN_TARGET_DIR/release"
+        for b in kiln kiln-bench kiln-dump; do [[ -f $BIN/$b ]] && ln -sf "$(realpath "$BIN/$b")" "$KILN_TARGET_DIR/release/$b"; done
+    fi
     echo "== build: prebuilt binaries from $KILN_PACKED_FROM"
     printf 'build\tpass\t0\n' >>"$WORK/stages.tsv"
-    run_test() { # name
-        if [[ $1 == lib ]]; then
-            .gpu/bin/test-lib cuda --nocapture --test-threads=1
-        else
-            ".gpu/bin/test-$1" --nocapture --test-threads=1
-        fi
-    }
-else
-    printf 'build\tFAIL: no cargo here and no .gpu/bin (run scripts/gpu-pack.sh where Rust is, carry .gpu)\t0\n' >>"$WORK/stages.tsv"
-    finish
-    exit 1
 fi
-export -f run_test
 KILN=$BIN/kiln
 BENCH=$BIN/kiln-bench
+export KILN BENCH
 
-# 2. Every GPU test, then the library's cuda unit tests.
-for t in $GPU_TESTS lib; do
-    stage "test:$t" 240 bash -c "run_test $t" || true
-done
+# --- the stages -------------------------------------------------------------------------------
+FIXTURE=(-m tests/fixtures/llama_tied --prompt-ids 1,2,3,4,5)
 
-# 3. Bandwidth.
+if want env; then
+    stage env 60 bash -c '
+        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv || true
+        nvidia-smi | head -5 || true
+        echo "nvcc: $(nvcc --version 2>/dev/null | tail -2 | tr "\n" " ")"
+        echo "CUDA_HOME=${CUDA_HOME:-} KILN_NVRTC_DIR=${KILN_NVRTC_DIR:-}"
+        ls -l ${CUDA_HOME:-/usr/local/cuda}/lib64/libnvrtc.so* 2>/dev/null | head -3
+        echo "compute-sanitizer: $(command -v compute-sanitizer || echo missing)  ncu: $(command -v ncu || echo missing)"
+        "$PY" -c "import torch, transformers; print(\"torch\", torch.__version__, \"transformers\", transformers.__version__, torch.cuda.get_device_name(0))" 2>&1 | tail -1
+        ldd --version | head -1; uname -r; nproc
+        "$KILN" --version' || true
+    for path in per-op megakernel; do
+        stage "smoke:$path" 120 "$KILN" --device cuda --decode "$path" "${FIXTURE[@]}" -n 4 --ignore-eos --json || true
+    done
+fi
+
+run_tests() { # FILTER: one process per test function
+    local filter=$1 t bin name
+    for t in $GPU_TESTS lib; do
+        bin=$BIN/test-$t
+        [[ -x $bin ]] || { echo "(no $bin)"; continue; }
+        local list
+        if [[ $t == lib ]]; then
+            list=$("$bin" --list --format terse cuda 2>/dev/null | sed -n 's/: test$//p')
+        else
+            list=$("$bin" --list --format terse 2>/dev/null | sed -n 's/: test$//p')
+        fi
+        for name in $list; do
+            [[ -n $filter ]] && ! grep -qE "$filter" <<<"$t::$name" && continue
+            [[ -n $TEST_SKIP ]] && grep -qE "$TEST_SKIP" <<<"$t::$name" && continue
+            stage "test:$t::$name" "$TEST_LIMIT" "$bin" --exact "$name" --nocapture --test-threads=1 || true
+        done
+    done
+}
+want tests && run_tests "${KILN_GPU_TEST_FILTER:-}"
+want demo && [[ -f $DEMO ]] && run_tests smollm2
+
 BW_GBS=""
-if stage bandwidth-kiln 90 --stdout "$WORK/bandwidth-kiln.json" "$BENCH" --measure-gpu-bandwidth -o json; then
-    BW_GBS=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["bytes_per_s"] / 1e9)' "$WORK/bandwidth-kiln.json") || BW_GBS=""
+if want bandwidth; then
+    if stage bandwidth-kiln 90 --stdout "$WORK/bandwidth-kiln.json" "$BENCH" --measure-gpu-bandwidth -o json; then
+        BW_GBS=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["bytes_per_s"] / 1e9)' "$WORK/bandwidth-kiln.json") || BW_GBS=""
+    fi
+    stage bandwidth-torch 90 --stdout "$WORK/bandwidth-torch.json" "$PY" scripts/torch_compare.py --measure-bandwidth --bandwidth-only || true
+    if [[ -z $BW_GBS && -s $WORK/bandwidth-torch.json ]]; then
+        BW_GBS=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["bytes_per_s"] / 1e9)' "$WORK/bandwidth-torch.json") || BW_GBS=""
+    fi
 fi
-stage bandwidth-torch 90 --stdout "$WORK/bandwidth-torch.json" "$PY" scripts/torch_compare.py --measure-bandwidth --bandwidth-only || true
-if [[ -z $BW_GBS && -s $WORK/bandwidth-torch.json ]]; then
-    BW_GBS=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["bytes_per_s"] / 1e9)' "$WORK/bandwidth-torch.json") || BW_GBS=""
-fi
+# A later run on the same machine reuses the measurement.
+[[ -n $BW_GBS ]] && echo "$BW_GBS" >"$STASH/bandwidth_gbs"
+[[ -z $BW_GBS && -s $STASH/bandwidth_gbs ]] && BW_GBS=$(cat "$STASH/bandwidth_gbs")
+[[ -n ${KILN_BANDWIDTH_GBS:-} ]] && BW_GBS=$KILN_BANDWIDTH_GBS
 bw_args=()
 [[ -n $BW_GBS ]] && bw_args=(--bandwidth-gbs "$BW_GBS")
 
-# 4. Correctness through the CLI: GPU greedy ids equal the CPU's (bf16 weights on both).
 correct() { # label, then kiln's model/prompt arguments
     local label=$1
     shift
     local ref="$WORK/correct-$label-cpu.json"
-    stage "correct:$label:cpu" 120 --stdout "$ref" "$KILN" --device cpu --weights bf16 --json --ignore-eos "$@" || return 0
+    # The GPU's numbers on the CPU: bf16 weights and a bf16 KV cache.
+    stage "correct:$label:cpu" 120 --stdout "$ref" "$KILN" --device cpu --weights bf16 --kv-type bf16 --json --ignore-eos "$@" || return 0
     for path in per-op megakernel; do
         local got="$WORK/correct-$label-$path.json" got3="$WORK/correct-$label-$path-x3.json"
         stage "correct:$label:$path" 120 bash -c '"$0" --device cuda --decode "$1" --json --ignore-eos "${@:4}" >"$2" && "$PY" scripts/gpu_report.py compare "$3" "$2"' \
@@ -205,32 +335,80 @@ correct() { # label, then kiln's model/prompt arguments
             "$KILN" "$path" "$got3" "$ref" "$@" || true
     done
 }
-export PY
-[[ -f $DEMO ]] && correct smollm2 -m "$DEMO" --chat -p "What is the capital of France?" -n 64
-correct llama_tied -m tests/fixtures/llama_tied --prompt-ids 1,2,3,4,5 -n 32
+if want correct; then
+    correct llama_tied "${FIXTURE[@]}" -n 64
+    correct nanochat -m tests/fixtures/nanochat --prompt-ids 1,2,3,4,5 -n 64
+fi
+if want demo && [[ -f $DEMO ]]; then
+    correct smollm2 -m "$DEMO" --chat -p "What is the capital of France?" -n 256
+fi
 
-# 5. kiln-bench on the GPU (the 1B shape first: it is the bandwidth target), and a CPU baseline.
-bench_models=("llama-3.2-1b:--synthetic llama-3.2-1b")
-[[ -f $DEMO ]] && bench_models+=("smollm2-gguf:-m $DEMO")
-bench_models+=("smollm2-135m:--synthetic smollm2-135m")
-for entry in "${bench_models[@]}"; do
-    name=${entry%%:*}
-    read -r -a margs <<<"${entry#*:}"
-    for path in megakernel per-op; do
-        stage "bench:$name:$path" 180 --stdout "$WORK/bench__${name}__${path}.json" \
-            "$BENCH" "${margs[@]}" --device cuda --decode "$path" -p 0 -n "$N_GEN" --batch "$BATCHES" -r 5 -o json "${bw_args[@]}" || true
+bench() { # name, then kiln-bench's model arguments
+    local name=$1 rows
+    shift
+    # The megakernel at each KILN_GPU_MK_ROWS (matvec rows per tile; "default" keeps the
+    # built-in size), then the per-op path.
+    for rows in $MK_ROWS; do
+        local label=megakernel envs=()
+        if [[ $rows != default ]]; then
+            label=megakernel-r$rows
+            envs=(KILN_MK_MATVEC_ROWS="$rows")
+        fi
+        stage "bench:$name:$label" 150 --stdout "$WORK/bench__${name}__${label}.json" \
+            env "${envs[@]}" "$BENCH" "$@" --device cuda --decode megakernel -p 0 -n "$N_GEN" --batch "$BATCHES" -r "$REPS" -o json "${bw_args[@]}" || true
     done
-done
-cpu_model=(--synthetic smollm2-135m)
-[[ -f $DEMO ]] && cpu_model=(-m "$DEMO")
-stage bench:smollm2:cpu 120 --stdout "$WORK/bench__smollm2__cpu.json" \
-    "$BENCH" "${cpu_model[@]}" --weights bf16 -p 128 -n 64 -r 3 -o json || true
+    stage "bench:$name:per-op" 150 --stdout "$WORK/bench__${name}__per-op.json" \
+        "$BENCH" "$@" --device cuda --decode per-op -p 0 -n "$N_GEN" --batch "$BATCHES" -r "$REPS" -o json "${bw_args[@]}" || true
+}
+if want bench; then
+    for m in $BENCH_MODELS; do
+        case $m in
+        smollm2-gguf) [[ -f $DEMO ]] && bench smollm2-gguf -m "$DEMO" ;;
+        cpu)
+            cpu_model=(--synthetic smollm2-135m)
+            [[ -f $DEMO ]] && cpu_model=(-m "$DEMO")
+            stage bench:smollm2:cpu 120 --stdout "$WORK/bench__smollm2__cpu.json" \
+                "$BENCH" "${cpu_model[@]}" --weights bf16 -p 128 -n 64 -r 3 -o json || true
+            ;;
+        *) bench "$m" --synthetic "$m" ;;
+        esac
+    done
+fi
 
-# 6. PyTorch on the same shapes and GPU.
-for shape in llama-3.2-1b smollm2-135m; do
-    stage "torch:$shape" 300 --stdout "$WORK/torch-$shape.jsonl" \
-        "$PY" scripts/torch_compare.py --model "$shape" --batch "$TORCH_BATCHES" -n "$N_GEN" -r 10 --warmup 3 "${bw_args[@]}" || true
-done
+# Nsight Compute on a few decode steps: the megakernel (speed of light, occupancy, warp stalls)
+# and the per-op path's kernel times for about one step (what the device does, against the
+# step's wall time in the bench rows).
+if want ncu; then
+    if command -v ncu >/dev/null; then
+        ncu_model=(-m tests/fixtures/llama_tied --prompt-ids 1,2,3,4,5)
+        [[ -f $DEMO ]] && ncu_model=(-m "$DEMO" -p "The capital of France is")
+        stage ncu:megakernel 120 ncu --clock-control none --kernel-name regex:kiln_decode_step \
+            --launch-skip 3 --launch-count 1 --section SpeedOfLight --section LaunchStats \
+            --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+            --section SchedulerStats "$KILN" --device cuda --decode megakernel "${ncu_model[@]}" -n 8 --ignore-eos || true
+        stage ncu:per-op 120 ncu --clock-control none --metrics gpu__time_duration.sum \
+            --launch-skip 600 --launch-count 600 --csv "$KILN" --device cuda --decode per-op "${ncu_model[@]}" -n 16 --ignore-eos || true
+    else
+        printf 'ncu\tskipped: no ncu\t0\n' >>"$WORK/stages.tsv"
+    fi
+fi
 
-# 7. The table.
+if want sanitize; then
+    if command -v compute-sanitizer >/dev/null; then
+        stage sanitize:memcheck:per-op 90 compute-sanitizer --tool memcheck --error-exitcode 9 "$KILN" --device cuda --decode per-op "${FIXTURE[@]}" -n 4 --ignore-eos || true
+        for tool in memcheck racecheck synccheck; do
+            stage "sanitize:$tool:megakernel" 90 compute-sanitizer --tool "$tool" --error-exitcode 9 "$KILN" --device cuda --decode megakernel "${FIXTURE[@]}" -n 3 --ignore-eos || true
+        done
+    else
+        printf 'sanitize\tskipped: no compute-sanitizer\t0\n' >>"$WORK/stages.tsv"
+    fi
+fi
+
+if want torch; then
+    for shape in llama-3.2-1b smollm2-135m; do
+        stage "torch:$shape" 240 --stdout "$WORK/torch-$shape.jsonl" \
+            "$PY" scripts/torch_compare.py --model "$shape" --batch "$TORCH_BATCHES" -n "$N_GEN" -r 10 --warmup 3 "${bw_args[@]}" || true
+    done
+fi
+
 finish

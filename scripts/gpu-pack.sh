@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# Builds what scripts/gpu-check.sh runs, here, for a GPU machine that has no Rust toolchain:
-# kiln, kiln-bench, kiln-dump and the GPU test executables with `--features cuda`, stripped, in
-# .gpu/bin (about 5 MB each; .gpu is added to .git/info/exclude). Carry `.gpu/bin` with the call;
-# gpu-check.sh uses it when `cargo` is missing there. The binaries need glibc no newer than the
-# GPU machine's (this project builds on Debian 12, glibc 2.36; the GPU image has Python 3.12 from
-# a newer distribution).
+# Builds what scripts/gpu-check.sh runs, here, for a GPU machine that has no Rust toolchain and no
+# network: kiln, kiln-bench and the GPU test executables with `--features cuda`, stripped, in
+# .gpu/bin (about 60 MB), and the same packed as one archive, .gpu/pack/kiln-gpu-bin.tar.xz
+# (about 10 MB), which is what to send. gpu-check.sh unpacks it there (xz, or python3's
+# tarfile/lzma) when `cargo` is missing. .gpu is added to .git/info/exclude. The binaries need a
+# glibc no newer than the GPU machine's (this project builds on Debian 12, glibc 2.36).
 #
-#   scripts/gpu-pack.sh                 # .gpu/bin
-#   scripts/gpu-pack.sh --split-model   # also the demo GGUF (98 MB, over one call's 64 MiB) in
-#                                       # two halves, .gpu/model-1/part and .gpu/model-2/part, to
-#                                       # carry in two calls while the machine stays warm (30 s);
-#                                       # gpu-check.sh joins them and checks .gpu/model-2/sha256
+#   scripts/gpu-pack.sh                 # .gpu/bin and .gpu/pack
+#   scripts/gpu-pack.sh --split-model   # also the demo GGUF (98 MB) cut into .gpu/model-1 …
+#                                       # .gpu/model-N, for when one transfer cannot carry it
+#                                       # with the checkout and the archive; send .gpu/pack with
+#                                       # .gpu/model-1 and one part with each later transfer
+#                                       # while the machine stays up: gpu-check.sh keeps the
+#                                       # parts outside the checkout, joins them once all N are
+#                                       # there, and checks the sha256
+#
+# KILN_GPU_CARRY_MIB (default 64) is the most one transfer may carry: the checkout's tracked
+# files, plus the archive in the first, plus one part. KILN_GPU_TESTS names the test files to
+# pack (default: those the GPU machine runs: gpu, gpu_engine, megakernel, bench).
 #
 # Test executables embed this checkout's paths (CARGO_MANIFEST_DIR, the target directory);
 # manifest.env records them so gpu-check.sh can link them to the checkout on the GPU machine.
@@ -23,20 +30,20 @@ exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
 grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >>"$exclude"
 
-tests=${KILN_GPU_TESTS:-$( (grep -l -E 'feature = "cuda"|backend::cuda' tests/*.rs || true) | xargs -r -n1 basename | sed 's/\.rs$//' | tr '\n' ' ')}
+tests=${KILN_GPU_TESTS:-gpu gpu_engine megakernel bench}
 test_args=()
 for t in $tests; do test_args+=(--test "$t"); done
 
 cargo build -p kiln --release --features cuda --bins
 cargo test -p kiln --release --features cuda --no-run --lib "${test_args[@]}" --message-format=json-render-diagnostics >/tmp/kiln-gpu-pack.json
 
-rm -rf "$OUTDIR"
-mkdir -p "$OUTDIR"
-for b in kiln kiln-bench kiln-dump; do
+rm -rf "$OUTDIR" .gpu/pack
+mkdir -p "$OUTDIR" .gpu/pack
+for b in kiln kiln-bench; do
     cp "$TARGET/release/$b" "$OUTDIR/$b"
 done
 # Test executables from cargo's JSON: test-<name>, and test-lib for the library's unit tests.
-python3 - "$OUTDIR" /tmp/kiln-gpu-pack.json <<'EOF'
+python3 - "$OUTDIR" /tmp/kiln-gpu-pack.json <<'PYEOF'
 import json, shutil, sys
 out = sys.argv[1]
 for line in open(sys.argv[2]):
@@ -50,25 +57,39 @@ for line in open(sys.argv[2]):
     name = "lib" if "lib" in kind else m["target"]["name"]
     shutil.copy(m["executable"], f"{out}/test-{name}")
     print(f"gpu-pack: test-{name} <- {m['executable']}", file=sys.stderr)
-EOF
+PYEOF
 strip "$OUTDIR"/*
-cat >"$OUTDIR/manifest.env" <<EOF
+cat >"$OUTDIR/manifest.env" <<MANIFEST
 KILN_BUILD_ROOT=$ROOT
 KILN_TARGET_DIR=$TARGET
 KILN_PACKED_TESTS="$tests"
 KILN_PACKED_FROM="$(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty) on $(hostname), $(date -u +%FT%TZ)"
-EOF
+MANIFEST
+tar -C .gpu -cf - bin | xz -T0 -6 >.gpu/pack/kiln-gpu-bin.tar.xz
 
 if [[ ${1:-} == --split-model ]]; then
     demo=models/SmolLM2-135M-Instruct.Q4_1.gguf
     [[ -f $demo ]] || scripts/fetch_demo_model.sh >/dev/null
-    rm -rf .gpu/model-1 .gpu/model-2
-    mkdir -p .gpu/model-1 .gpu/model-2
-    half=$((($(stat -c %s "$demo") + 1) / 2))
-    head -c "$half" "$demo" >.gpu/model-1/part
-    tail -c +"$((half + 1))" "$demo" >.gpu/model-2/part
-    sha256sum "$demo" >.gpu/model-2/sha256
-    echo "gpu-pack: carry [\".gpu/bin\", \".gpu/model-1\"] in one call and [\".gpu/model-2\"] in the next" >&2
+    limit=$((${KILN_GPU_CARRY_MIB:-64} * 1024 * 1024))
+    tracked=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
+    margin=$((2 * 1024 * 1024))
+    first=$((limit - tracked - $(stat -c %s .gpu/pack/kiln-gpu-bin.tar.xz) - margin))
+    rest=$((limit - tracked - margin))
+    ((first > 0 && rest > 0)) || { echo "gpu-pack: the checkout ($tracked bytes) leaves no room for a model part" >&2; exit 1; }
+    rm -rf .gpu/model-*
+    size=$(stat -c %s "$demo") off=0 i=0
+    while ((off < size)); do
+        i=$((i + 1))
+        len=$rest
+        ((i == 1)) && len=$first
+        mkdir -p ".gpu/model-$i"
+        dd if="$demo" of=".gpu/model-$i/part" bs=1M iflag=skip_bytes,count_bytes skip="$off" count="$len" status=none
+        off=$((off + len))
+    done
+    (cd "$(dirname "$demo")" && sha256sum "$(basename "$demo")") >.gpu/model-1/sha256
+    echo "$i" >.gpu/model-1/count
+    for ((j = 2; j <= i; j++)); do cp .gpu/model-1/sha256 .gpu/model-1/count ".gpu/model-$j/"; done
+    echo "gpu-pack: the demo model in $i parts: send [\".gpu/pack\", \".gpu/model-1\"] first, then .gpu/model-2 … in later transfers" >&2
 fi
 du -sh .gpu/* >&2
-echo "gpu-pack: carry [\".gpu/bin\"] with the run call; then scripts/gpu-check.sh uses it where cargo is missing" >&2
+echo "gpu-pack: send .gpu/pack with the run; scripts/gpu-check.sh unpacks it where cargo is missing" >&2

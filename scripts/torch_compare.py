@@ -210,7 +210,17 @@ def time_batch(torch, transformers, model, args, batch: int, device: str) -> lis
 
     with torch.no_grad():
         step(first)  # eager: allocates the cache's static tensors
-        fn = step if args.no_compile else torch.compile(step, mode="reduce-overhead", dynamic=False)
+        compiled = step if args.no_compile else torch.compile(step, mode="reduce-overhead", dynamic=False)
+
+        def fn(tokens):
+            # Each call is a new step of the CUDA graph tree, and its output is copied out of
+            # the graph's buffer, which the next replay overwrites (what gpt-fast does); without
+            # both, torch 2.11 refuses the second replay ("accessing tensor output of CUDAGraphs
+            # that has been overwritten", seen on an H200).
+            if not args.no_compile:
+                torch.compiler.cudagraph_mark_step_begin()
+            return compiled(tokens).clone()
+
         samples = []
         for rep in range(args.warmup + args.repetitions):
             t0 = time.perf_counter()
@@ -220,16 +230,14 @@ def time_batch(torch, transformers, model, args, batch: int, device: str) -> lis
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
                 for _ in range(args.n_gen):
-                    # A copy out of the graph's output buffer, which the next replay overwrites
-                    # (what gpt-fast does).
-                    tok = fn(tok).clone()
+                    tok = fn(tok)
                 e1.record()
                 e1.synchronize()
                 ms = e0.elapsed_time(e1)
             else:
                 t1 = time.perf_counter()
                 for _ in range(args.n_gen):
-                    tok = fn(tok).clone()
+                    tok = fn(tok)
                 ms = (time.perf_counter() - t1) * 1e3
             if not (0 <= int(tok.min()) and int(tok.max()) < vocab):
                 raise RuntimeError(f"decoded token ids outside the vocabulary: {tok.flatten().tolist()}")

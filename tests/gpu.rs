@@ -16,7 +16,9 @@
 //! * the per-op device sampler (`forward_sample`) against `kiln::sample::sample` on the same
 //!   logits.
 //!
-//! These tests have NOT been run on a GPU yet (written on a machine without one).
+//! Run on an H200 on 2026-11-26 (docs/gpu-results.md): all pass on the fixtures; on the demo
+//! model the join/leave and the graph-vs-per-op sampling tests failed (not yet shown to be
+//! near ties; the join/leave test now prints the gap).
 //!
 //! SAFETY of every `GraphDecoder::new` below: each decoder is declared after the backend it
 //! comes from, in the same scope, so it is dropped first.
@@ -30,6 +32,7 @@ use common::{demo_model, fixtures, gpu_or_skip, rel_l2};
 use kiln::backend::cpu::{CpuBackend, CpuOptions, WeightFormat, Workspace};
 use kiln::backend::cuda::{CudaBackend, CudaKvCache, CudaWorkspace, GraphDecoder};
 use kiln::backend::{GraphRow, TokenRow};
+use kiln::kv::KvDtype;
 use kiln::model::Model;
 use kiln::plan::PlanKind;
 use kiln::sample::{argmax, sample, SamplingParams};
@@ -38,6 +41,10 @@ use kiln::sample::{argmax, sample, SamplingParams};
 /// different summation order).
 const TOLERANCE: f32 = 3e-2;
 
+/// Near-tie bound for the demo model's greedy tokens (top-2 gap over the logits' RMS): trained
+/// weights have clear margins, so only a much closer call may go either way.
+const DEMO_NEAR_TIE: f32 = 1e-3;
+
 fn models(dir: &Path, out: &mut Vec<PathBuf>) {
     let Ok(rd) = std::fs::read_dir(dir) else {
         return;
@@ -45,6 +52,10 @@ fn models(dir: &Path, out: &mut Vec<PathBuf>) {
     let mut entries: Vec<PathBuf> = rd.flatten().map(|e| e.path()).collect();
     entries.sort();
     for p in entries {
+        // tests/fixtures/quant holds quantization blocks for the format tests, not a model.
+        if p.file_name().is_some_and(|n| n == "quant") {
+            continue;
+        }
         if p.is_dir() {
             if p.join("config.json").is_file() {
                 out.push(p.clone());
@@ -313,7 +324,8 @@ fn token_rows(slot: usize, from: usize, n: usize) -> Vec<TokenRow> {
 fn cpu_greedy(cpu: &CpuBackend, prompt: &[u32], steps: usize, cap: usize) -> (Vec<u32>, Vec<f32>) {
     let (mut ws, mut kv, mut l) = (
         Workspace::new(),
-        cpu.new_cache(1, cap).expect("cache"),
+        // The GPU's KV storage, so that only the summation order differs.
+        cpu.new_cache_of(KvDtype::Bf16, 1, cap).expect("cache"),
         Vec::new(),
     );
     cpu.forward(
@@ -387,7 +399,20 @@ fn gpu_per_op_greedy(
     pos: usize,
     n: usize,
 ) -> Vec<u32> {
-    let (mut out, mut l, mut t) = (Vec::new(), Vec::new(), first);
+    gpu_per_op_greedy_with_gaps(gpu, ws, kv, slot, first, pos, n).0
+}
+
+/// [`gpu_per_op_greedy`] with the top-2 gap of every step (see [`gap`]).
+fn gpu_per_op_greedy_with_gaps(
+    gpu: &CudaBackend,
+    ws: &mut CudaWorkspace,
+    kv: &mut CudaKvCache,
+    slot: usize,
+    first: u32,
+    pos: usize,
+    n: usize,
+) -> (Vec<u32>, Vec<f32>) {
+    let (mut out, mut gaps, mut l, mut t) = (Vec::new(), Vec::new(), Vec::new(), first);
     for i in 0..n {
         gpu.forward(
             PlanKind::Decode,
@@ -400,8 +425,9 @@ fn gpu_per_op_greedy(
         .expect("gpu decode");
         t = argmax(&l);
         out.push(t);
+        gaps.push(gap(&l));
     }
-    out
+    (out, gaps)
 }
 
 /// `n` graph steps of the started rows, at most `depth` in flight; confirms each consumed
@@ -436,19 +462,26 @@ fn greedy() -> SamplingParams {
     SamplingParams::default()
 }
 
-/// Equal, or the CPU's choice at the first difference was a near tie (the CPU keeps an f32
-/// KV cache, the GPU a bf16 one).
-fn assert_equal_or_near_tie(what: &str, cpu: &[u32], gaps: &[f32], other: &[u32]) {
-    if let Some(i) = cpu.iter().zip(other).position(|(a, b)| a != b) {
+/// Equal, or the reference's choice at the first difference was a near tie: the CPU keeps an
+/// f32 KV cache and the GPU a bf16 one, and the per-op and megakernel paths sum in different
+/// orders.
+fn assert_equal_or_near_tie(
+    what: &str,
+    reference: &[u32],
+    gaps: &[f32],
+    other: &[u32],
+    bound: f32,
+) {
+    if let Some(i) = reference.iter().zip(other).position(|(a, b)| a != b) {
         assert!(
-            gaps[i] < TOLERANCE,
-            "{what}: token {i} differs from the CPU ({} vs {}) with a top-2 gap of {} RMS",
+            gaps[i] < bound,
+            "{what}: token {i} differs from the reference ({} vs {}) with a top-2 gap of {} RMS",
             other[i],
-            cpu[i],
+            reference[i],
             gaps[i]
         );
         println!(
-            "{what}: first difference from the CPU at token {i}, a near tie ({:.1e} RMS)",
+            "{what}: first difference from the reference at token {i}, a near tie ({:.1e} RMS)",
             gaps[i]
         );
     }
@@ -470,16 +503,13 @@ fn megakernel_greedy_matches_per_op_and_cpu_for_256_steps() {
         let mut ws = CudaWorkspace::new();
         let mut kv = gpu.new_cache(1, cap).expect("cache");
         let first = gpu_prefill(&gpu, &mut ws, &mut kv, 0, &prompt);
+        let (rest, rest_gaps) =
+            gpu_per_op_greedy_with_gaps(&gpu, &mut ws, &mut kv, 0, first, prompt.len(), STEPS - 1);
         let mut per_op = vec![first];
-        per_op.extend(gpu_per_op_greedy(
-            &gpu,
-            &mut ws,
-            &mut kv,
-            0,
-            first,
-            prompt.len(),
-            STEPS - 1,
-        ));
+        per_op.extend(rest);
+        // The prefill's token is shared by both paths (one prefill each, the same kernels).
+        let mut per_op_gaps = vec![f32::INFINITY];
+        per_op_gaps.extend(rest_gaps);
 
         let mut kv = gpu.new_cache(1, cap).expect("cache");
         let first = gpu_prefill(&gpu, &mut ws, &mut kv, 0, &prompt);
@@ -498,12 +528,20 @@ fn megakernel_greedy_matches_per_op_and_cpu_for_256_steps() {
         let mut mk = vec![first];
         mk.extend(&toks[0]);
 
-        assert_eq!(mk, per_op, "{name}: megakernel vs per-op GPU greedy tokens");
-        if is_demo(&path) {
-            assert_eq!(per_op, ct, "{name}: GPU vs CPU greedy tokens");
+        // The megakernel's tiles and the per-op kernels sum in different orders.
+        assert_equal_or_near_tie(
+            &format!("{name}: megakernel vs per-op GPU greedy tokens"),
+            &per_op,
+            &per_op_gaps,
+            &mk,
+            TOLERANCE,
+        );
+        let bound = if is_demo(&path) {
+            DEMO_NEAR_TIE
         } else {
-            assert_equal_or_near_tie(&name, &ct, &gaps, &per_op);
-        }
+            TOLERANCE
+        };
+        assert_equal_or_near_tie(&name, &ct, &gaps, &per_op, bound);
     }
 }
 
@@ -531,7 +569,8 @@ fn megakernel_started_late_decodes_past_the_attention_splits() {
         let first = gpu_prefill(&gpu, &mut ws, &mut kv, 0, &prompt);
         kv.copy_slot(&gpu, 0, 1, PROMPT).expect("copy_slot");
         assert_eq!(kv.len(1), PROMPT);
-        let per_op = gpu_per_op_greedy(&gpu, &mut ws, &mut kv, 0, first, PROMPT, STEPS);
+        let (per_op, gaps) =
+            gpu_per_op_greedy_with_gaps(&gpu, &mut ws, &mut kv, 0, first, PROMPT, STEPS);
         let mut g = g0;
         let rows = [GraphRow {
             slot: 1,
@@ -542,11 +581,18 @@ fn megakernel_started_late_decodes_past_the_attention_splits() {
         g.start(&mut kv, &rows, &greedy(), &[]).expect("start");
         let (toks, _) = graph_steps(&mut g, &mut kv, &rows, STEPS, 32);
         g.stop().expect("stop");
-        assert_eq!(
-            toks[0],
-            per_op,
-            "{name}: graph started at {PROMPT} vs per-op, through position {}",
-            PROMPT + STEPS
+        // The two paths sum in different orders; where the per-op path's choice was a near tie
+        // the graph may break it the other way (seen once on an H200: mistral's sliding-window
+        // fixture, 117 steps in).
+        assert_equal_or_near_tie(
+            &format!(
+                "{name}: graph started at {PROMPT} vs per-op, through position {}",
+                PROMPT + STEPS
+            ),
+            &per_op,
+            &gaps,
+            &toks[0],
+            TOLERANCE,
         );
     }
 }
@@ -586,7 +632,8 @@ fn megakernel_restarts_after_stop_and_host_path_steps() {
                 for _ in 0..20 {
                     g.enqueue().expect("enqueue");
                 }
-                let (toks, _) = graph_steps(&mut g, &mut kv, &rows, 5, 20);
+                // Depth 0: read 5 of the 20 in flight without enqueueing more.
+                let (toks, _) = graph_steps(&mut g, &mut kv, &rows, 5, 0);
                 assert_eq!(g.in_flight(), 15);
                 g.stop().expect("stop discards");
                 assert_eq!(g.in_flight(), 0);
@@ -680,7 +727,8 @@ fn megakernel_rows_join_and_leave_between_replays() {
         let mut ws = CudaWorkspace::new();
         let mut kv = gpu.new_cache(2, p + STEPS + 4).expect("cache");
         let first = gpu_prefill(&gpu, &mut ws, &mut kv, 0, &prompt);
-        let reference = gpu_per_op_greedy(&gpu, &mut ws, &mut kv, 0, first, p, STEPS);
+        let (reference, gaps) =
+            gpu_per_op_greedy_with_gaps(&gpu, &mut ws, &mut kv, 0, first, p, STEPS);
         kv.truncate(0, p);
         kv.copy_slot(&gpu, 0, 1, p).expect("copy_slot");
         let row = |slot: usize| GraphRow {
@@ -722,8 +770,30 @@ fn megakernel_rows_join_and_leave_between_replays() {
             }
         }
         g.stop().expect("stop");
-        assert_eq!(a, reference[..LEAVE], "{name}: the row that left");
-        assert_eq!(b, reference[..STEPS - JOIN], "{name}: the row that joined");
+        // The megakernel and the per-op path sum in different orders: a near tie may go either
+        // way (on the demo model, the first H200 run saw the row that left differ one step in;
+        // the gap printed here tells a tie from a bug).
+        assert_eq!(a.len(), LEAVE, "{name}: the row that left");
+        assert_eq!(b.len(), STEPS - JOIN, "{name}: the row that joined");
+        let bound = if is_demo(&path) {
+            DEMO_NEAR_TIE
+        } else {
+            TOLERANCE
+        };
+        assert_equal_or_near_tie(
+            &format!("{name}: the row that left"),
+            &reference[..LEAVE],
+            &gaps,
+            &a,
+            bound,
+        );
+        assert_equal_or_near_tie(
+            &format!("{name}: the row that joined"),
+            &reference[..STEPS - JOIN],
+            &gaps,
+            &b,
+            bound,
+        );
     }
 }
 

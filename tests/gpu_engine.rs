@@ -9,22 +9,39 @@
 //! * a second turn decodes past the positions the first turn's graph ran at (the attention
 //!   length comes from the device position, not from the capture).
 //!
-//! NOT run on a GPU yet (written on machines without one).
+//! Run on an H200 on 2026-11-26, all passing (docs/gpu-results.md).
 #![cfg(feature = "cuda")]
 
 mod common;
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use common::{demo_model, fixtures, gpu_or_skip};
 use kiln::backend::cpu::{CpuOptions, WeightFormat};
-use kiln::engine::{DecodePath, Device, Engine, EngineOptions, GenerateOptions, Session};
+use kiln::engine::{
+    DecodePath, Device, Engine, EngineOptions, GenerateOptions, LogitsProcessor, Session,
+};
+use kiln::kv::KvDtype;
 use kiln::model::Model;
 use kiln::sample::SamplingParams;
 
 fn engine(path: &Path, device: Device, decode: DecodePath) -> Arc<Engine> {
-    let model = Model::load(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    engine_with_context(path, device, decode, None)
+}
+
+/// `context`: raises the model's position limit (the fixtures have 256; RoPE models extend).
+fn engine_with_context(
+    path: &Path,
+    device: Device,
+    decode: DecodePath,
+    context: Option<usize>,
+) -> Arc<Engine> {
+    let mut model = Model::load(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    if let Some(n) = context {
+        model.config.max_position_embeddings = n;
+    }
     let opts = EngineOptions {
         device,
         decode,
@@ -32,7 +49,8 @@ fn engine(path: &Path, device: Device, decode: DecodePath) -> Arc<Engine> {
             weights: WeightFormat::BF16,
             ..CpuOptions::default()
         },
-        ..EngineOptions::default()
+        // The GPU's numbers: bf16 weights and a bf16 KV cache.
+        kv_dtype: KvDtype::Bf16,
     };
     Arc::new(
         Engine::from_model(model, opts)
@@ -84,21 +102,102 @@ fn greedy(n: usize) -> GenerateOptions {
     }
 }
 
-fn check_same(path: &Path, prompt: &[u32], opts: &GenerateOptions) {
-    let runs: Vec<(String, Vec<Vec<u32>>)> = engines(path)
-        .into_iter()
-        .map(|(name, e)| {
-            let r = e.generate_batch(prompt, opts).unwrap();
-            (name, r.rows.into_iter().map(|r| r.generated).collect())
-        })
-        .collect();
-    let (base_name, base) = &runs[0];
-    for (name, got) in &runs[1..] {
-        for (row, (a, b)) in base.iter().zip(got).enumerate() {
-            let first = a.iter().zip(b).position(|(x, y)| x != y);
+/// Relative gap (top-1 minus top-2 logit, over the logits' RMS) under which the CPU's choice is a
+/// near tie that the GPU may break the other way: both hold bf16 weights and a bf16 KV cache,
+/// but they sum in different orders. The same bound as tests/gpu.rs, for the random-weight
+/// fixtures, whose logits are nearly flat.
+const NEAR_TIE: f32 = 3e-2;
+
+/// The demo model's bound: trained weights have clear margins, so only a much closer call
+/// counts as a tie (the first GPU run met one of 1.0e-4 RMS, seven tokens into "The three
+/// primary colours are", against a CPU with an f32 cache).
+const DEMO_NEAR_TIE: f32 = 1e-3;
+
+/// How exactly the GPU's greedy tokens must follow the CPU's: identical up to the first step
+/// where the CPU's choice was a near tie (top-2 gap under the bound, in RMS units of the
+/// logits); after it the rows are no longer comparable.
+#[derive(Clone, Copy, PartialEq)]
+struct Match {
+    near_tie: f32,
+}
+
+/// The top-2 gap (see [`NEAR_TIE`]) of each (row, step).
+type Gaps = HashMap<(usize, usize), f32>;
+
+/// The CPU's greedy rows, with the top-2 gap of every step of every row.
+fn cpu_rows_with_gaps(
+    e: &Arc<Engine>,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+) -> (Vec<Vec<u32>>, Gaps) {
+    let gaps = Arc::new(Mutex::new(HashMap::new()));
+    let record = gaps.clone();
+    let start = prompt.len();
+    let opts = GenerateOptions {
+        logits_processor: Some(LogitsProcessor(Arc::new(
+            move |row: usize, context: &[u32], logits: &mut [f32]| {
+                let step = context.len() - start;
+                record.lock().unwrap().insert((row, step), gap(logits));
+            },
+        ))),
+        ..opts.clone()
+    };
+    let r = e.generate_batch(prompt, &opts).unwrap();
+    let rows = r.rows.into_iter().map(|r| r.generated).collect();
+    let gaps = gaps.lock().unwrap().clone();
+    (rows, gaps)
+}
+
+/// Top-1 minus top-2 logit over the logits' RMS.
+fn gap(l: &[f32]) -> f32 {
+    let (mut first, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &v in l {
+        if v > first {
+            second = first;
+            first = v;
+        } else if v > second {
+            second = v;
+        }
+    }
+    let rms = (l.iter().map(|v| v * v).sum::<f32>() / l.len() as f32).sqrt();
+    (first - second) / rms.max(1e-12)
+}
+
+fn check_same(path: &Path, prompt: &[u32], opts: &GenerateOptions, how: Match) {
+    let mut engines = engines(path).into_iter();
+    let (base_name, cpu) = engines.next().expect("the CPU engine comes first");
+    let (base, gaps) = cpu_rows_with_gaps(&cpu, prompt, opts);
+    for (name, e) in engines {
+        let got: Vec<Vec<u32>> = e
+            .generate_batch(prompt, opts)
+            .unwrap()
+            .rows
+            .into_iter()
+            .map(|r| r.generated)
+            .collect();
+        assert_eq!(got.len(), base.len(), "{}: {name}: rows", path.display());
+        for (row, (a, b)) in base.iter().zip(&got).enumerate() {
+            let Some(step) = a.iter().zip(b).position(|(x, y)| x != y) else {
+                assert_eq!(
+                    a.len(),
+                    b.len(),
+                    "{}: row {row}: {name} length differs from {base_name}",
+                    path.display()
+                );
+                continue;
+            };
+            let g = gaps.get(&(row, step)).copied().unwrap_or(f32::INFINITY);
             assert!(
-                first.is_none() && a.len() == b.len(),
-                "{}: row {row}: {name} differs from {base_name} at step {first:?}",
+                g < how.near_tie,
+                "{}: row {row}: {name} differs from {base_name} at step {step} ({} vs {}; \
+                 the CPU's top-2 gap there is {g:.2e} RMS)",
+                path.display(),
+                b[step],
+                a[step]
+            );
+            println!(
+                "{}: row {row}: {name} first differs from {base_name} at step {step}, a near \
+                 tie ({g:.1e} RMS)",
                 path.display()
             );
         }
@@ -111,7 +210,12 @@ fn greedy_tokens_match_the_cpu_on_every_fixture() {
         return;
     }
     for dir in fixture_dirs() {
-        check_same(&dir, &[1, 17, 42, 99], &greedy(64));
+        check_same(
+            &dir,
+            &[1, 17, 42, 99],
+            &greedy(64),
+            Match { near_tie: NEAR_TIE },
+        );
     }
 }
 
@@ -129,7 +233,14 @@ fn smollm2_greedy_256_tokens_match_the_cpu() {
         .tokenizer()
         .encode("The three primary colours are")
         .unwrap();
-    check_same(&path, &prompt, &greedy(256));
+    check_same(
+        &path,
+        &prompt,
+        &greedy(256),
+        Match {
+            near_tie: DEMO_NEAR_TIE,
+        },
+    );
     // Several rows from one prefill at every graph bucket size.
     for rows in [2, 3, 8] {
         check_same(
@@ -138,6 +249,9 @@ fn smollm2_greedy_256_tokens_match_the_cpu() {
             &GenerateOptions {
                 num_samples: rows,
                 ..greedy(48)
+            },
+            Match {
+                near_tie: DEMO_NEAR_TIE,
             },
         );
     }
@@ -175,8 +289,9 @@ fn later_turns_attend_past_the_first_graph_positions() {
         return;
     }
     let path = fixtures().join("llama_tied");
-    let cpu = engine(&path, Device::Cpu, DecodePath::Auto);
-    let mk = engine(&path, Device::Cuda, DecodePath::Megakernel);
+    // 1,024 positions: the fixture's own 256 would stop before the split boundary.
+    let cpu = engine_with_context(&path, Device::Cpu, DecodePath::Auto, Some(1024));
+    let mk = engine_with_context(&path, Device::Cuda, DecodePath::Megakernel, Some(1024));
     let mut a = Session::new(cpu, 1024, 1);
     let mut b = Session::new(mk, 1024, 1);
     let mut prompt = vec![1u32, 5, 9];

@@ -115,7 +115,7 @@ pub fn build(config: ModelConfig, std: f32, seed: u64, path: &Path) -> Result<Mo
     }
     Ok(Model {
         path: path.to_path_buf(),
-        tokenizer: Tokenizer::bytes_only(path)?,
+        tokenizer: Tokenizer::bytes_only(path, config.vocab_size)?,
         config,
         weights,
         weight_type: DType::BF16.to_string(),

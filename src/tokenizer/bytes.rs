@@ -142,7 +142,7 @@ mod tests {
 
     #[test]
     fn byte_level_tokens_give_their_raw_bytes() {
-        let tok = Tokenizer::bytes_only(Path::new("bytes")).unwrap();
+        let tok = Tokenizer::bytes_only(Path::new("bytes"), 256).unwrap();
         let bytes = tok.token_bytes().unwrap();
         assert_eq!(bytes.len(), 256);
         for (id, t) in bytes.iter().enumerate() {

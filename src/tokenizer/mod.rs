@@ -117,13 +117,16 @@ impl Tokenizer {
         })
     }
 
-    /// A byte-level tokenizer with exactly 256 tokens, id = byte value, no merges and no special
-    /// tokens: any text encodes (one id per UTF-8 byte), and ids below 256 decode. For models
-    /// that have no vocabulary of their own (synthetic benchmark models).
-    pub fn bytes_only(source: &Path) -> Result<Tokenizer, LoadError> {
-        let vocab: serde_json::Map<String, serde_json::Value> = (0..=255u8)
-            .map(|b| (byte_to_char(b).to_string(), serde_json::Value::from(b)))
-            .collect();
+    /// A byte-level tokenizer with `vocab_size` tokens (at least 256), no merges and no special
+    /// tokens: ids below 256 are the byte values, so any text encodes (one id per UTF-8 byte);
+    /// every higher id decodes to `<id>`, so whatever a model of that vocabulary generates has
+    /// text. For models that have no vocabulary of their own (synthetic benchmark models).
+    pub fn bytes_only(source: &Path, vocab_size: usize) -> Result<Tokenizer, LoadError> {
+        let bytes = (0..=255u8).map(|b| (byte_to_char(b).to_string(), serde_json::Value::from(b)));
+        // Printable ASCII is its own character in the byte-level table, so `<id>` decodes as
+        // written; no such string is a single byte, so none collides with the byte tokens.
+        let rest = (256..vocab_size).map(|id| (format!("<{id}>"), serde_json::Value::from(id)));
+        let vocab: serde_json::Map<String, serde_json::Value> = bytes.chain(rest).collect();
         let byte_level = serde_json::json!({
             "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true
         });
@@ -315,7 +318,7 @@ mod tests {
     /// to 8 × 16 bytes encode, a longer rendered prompt is refused before encoding.
     #[test]
     fn a_rendered_prompt_longer_than_the_context_can_hold_is_refused() {
-        let mut tok = Tokenizer::bytes_only(Path::new("tokenizer.json")).unwrap();
+        let mut tok = Tokenizer::bytes_only(Path::new("tokenizer.json"), 256).unwrap();
         tok.specials.chat_template = Some("{{ messages[0].content }}".into());
         let fits = [ChatMessage::new("user", "a".repeat(128))];
         let too_long = [ChatMessage::new("user", "a".repeat(129))];
