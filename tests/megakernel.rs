@@ -1,8 +1,8 @@
 //! The decode megakernel: lowering every fixture's decode plan, tile counts, the llama_tied
 //! kernel snapshot, and (feature `cuda`) the NVRTC compile gate for sm_90 / sm_80 with no
-//! spills, for every fixture and the demo model at batch 1 and 8. The kernel is UNVERIFIED on a
-//! GPU: compiled only, never executed (`tests/megakernel_interp.rs` runs its program in the CPU
-//! interpreter).
+//! spills, for every fixture and the demo model at batch 1 and 8. Without a GPU the kernel is
+//! compiled only (`tests/megakernel_interp.rs` runs its program in the CPU interpreter); on a GPU
+//! tests/gpu.rs runs it (docs/gpu-results.md).
 
 mod common;
 
@@ -293,7 +293,8 @@ fn generated_megakernel_compiles_for_sm90_and_sm80_without_spills() {
 /// SmolLM2-135M's 30 layers (5,589 tiles) at batch 1 and 8, sm_90 and sm_80: no spills. The
 /// kernel used to have one switch case per instruction with literal arguments and spilled about
 /// 1.3 KB per thread; its arguments are now table rows and its switch has one case per tile kind.
-/// Compiled with NVRTC only: UNVERIFIED on a GPU. Skipped (with a note) when the model is absent.
+/// Compiled with NVRTC only (tests/gpu.rs runs it on a GPU). Skipped (with a note) when the model
+/// is absent.
 #[cfg(feature = "cuda")]
 #[test]
 fn smollm2_megakernel_compiles_without_spills() {

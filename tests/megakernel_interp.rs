@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 
 use common::{demo_model, fixtures, rel_l2};
 use kiln::backend::cpu::{CpuBackend, CpuOptions, WeightFormat, Workspace};
-use kiln::backend::cuda::megakernel::{lower_decode, weight_data};
+use kiln::backend::cuda::megakernel::{lower_decode, tile_config, weight_data};
 use kiln::backend::TokenRow;
 use kiln::graph::build::{build_graph, LogitRows};
 use kiln::kv::KvCache;
@@ -36,7 +36,7 @@ use kiln_codegen::interp::{
     adversarial_picker, unordered_producers, InterpError, Machine, SplitMix, BF16_POISON,
 };
 use kiln_codegen::{ring_stride, MkControl, MkRow, NO_TOKEN, RING};
-use kiln_codegen::{DecodeProgram, Ewise, Instr, Schedule, TileConfig};
+use kiln_codegen::{DecodeProgram, Ewise, Instr, Schedule};
 
 /// Relative L2 error allowed between interpreter and CPU logits: `tests/gpu.rs`'s bf16 GPU
 /// tolerance (bf16 weights on both sides, bf16 KV cache in the interpreter only).
@@ -101,7 +101,8 @@ fn setup_with(
     .unwrap();
     let program = lower_decode(&plan(&model, &cpu), batch)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let schedule = Schedule::build(&program, TileConfig::default());
+    // The tile sizes the GPU runs.
+    let schedule = Schedule::build(&program, tile_config());
     Setup {
         model,
         cpu,

@@ -632,7 +632,7 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
             mk_rms_norm(A(g[1]), g[2], g[3], MK_BATCH, WF(g[4]), fa[0], A(g[5]), g[6]);\n\
             break;\n\
         case MK_K_MATVEC:\n\
-            mk_matvec(W(g[1]), W(g[2]), lo, hi, g[3], A(g[4]), g[5], MK_BATCH, WF(g[6]), g[7],\n\
+            mk_matvec<MK_BATCH>(W(g[1]), W(g[2]), lo, hi, g[3], A(g[4]), g[5], MK_BATCH, WF(g[6]), g[7],\n\
                       fa[0], A(g[8]), g[9], A(g[10]), g[11], g[12], g[13], fa[1], WF(g[14]));\n\
             break;\n\
         case MK_K_EWISE:\n\

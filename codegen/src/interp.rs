@@ -657,7 +657,7 @@ impl Machine {
         Ok(())
     }
 
-    /// `mk_matvec(W(g[1]), W(g[2]), lo, hi, g[3], A(g[4]), g[5], MK_BATCH, WF(g[6]), g[7],
+    /// `mk_matvec<MK_BATCH>(W(g[1]), W(g[2]), lo, hi, g[3], A(g[4]), g[5], MK_BATCH, WF(g[6]), g[7],
     /// fa[0], A(g[8]), g[9], A(g[10]), g[11], g[12], g[13], fa[1], WF(g[14]))`.
     #[allow(clippy::needless_range_loop)] // the kernel's loops, index for index
     fn matvec(&mut self, g: &[i64; NARGS], r0: i64, r1: i64, eps: f32, cap: f32) -> R<()> {
