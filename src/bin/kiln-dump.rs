@@ -28,7 +28,7 @@ enum StageArg {
     Plan,
     /// The decode megakernel's program and tile schedule (megakernel-program).
     Megakernel,
-    /// The megakernel's generated CUDA C (megakernel.cu; never run on a GPU yet).
+    /// The megakernel's generated CUDA C (megakernel.cu).
     Cuda,
 }
 
@@ -60,7 +60,7 @@ one token attending over --context cached positions; prefill is one sequence of 
 Output is deterministic, for diffing two compiler versions.\n\n\
 The megakernel stages show the decode plan lowered to kiln-codegen's program, its tile \
 schedule (each tile's waits on dependency counters) and the generated CUDA C; that kernel \
-compiles under NVRTC but has not run on a GPU yet."
+compiles under NVRTC and runs on a GPU (docs/gpu-results.md)."
 )]
 struct Args {
     /// Model: a Hugging Face directory or a .gguf file.
