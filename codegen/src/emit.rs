@@ -604,6 +604,15 @@ pub fn emit_kernel(p: &DecodeProgram, s: &Schedule) -> String {
         "#define W(i) ((i) < 0 ? nullptr : wt[i])\n\
 #define WF(i) ((i) < 0 ? nullptr : wt_f32[i])\n\
 #define A(i) ((i) < 0 ? nullptr : act + (i))\n\
+#if MK_PREFETCH\n\
+// A matvec tile's weights depend on nothing in the step: ask L2 for them before waiting.\n\
+// Out of line, so that the kernel's loop keeps its registers.\n\
+__device__ __noinline__ void mk_prefetch_tile(int t, const __nv_bfloat16* const* __restrict__ wt) {\n\
+    const int* g = mk_args + MK_NARGS * (mk_arg_row[mk_tiles[4 * t]] + mk_tiles[4 * t + 1]);\n\
+    if (g[0] == MK_K_MATVEC)\n\
+        mk_prefetch_rows(W(g[1]), W(g[2]), mk_tiles[4 * t + 2], mk_tiles[4 * t + 3], g[3]);\n\
+}\n\
+#endif\n\
 extern \"C\" __global__ void __launch_bounds__(MK_THREADS)\n\
 kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
                  const float* const* __restrict__ wt_f32, float* act,\n\
@@ -618,6 +627,9 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
     // Only `t` lives across the tile calls: the epoch stays in shared memory, the instruction is\n\
     // reloaded for the signal (fewer callee-saved registers).\n\
     for (int t = blockIdx.x; t < MK_TILES; t += gridDim.x) {\n\
+#if MK_PREFETCH\n\
+        mk_prefetch_tile(t, wt);\n\
+#endif\n\
         mk_wait(counters, mk_waits + 2 * mk_wait_start[t], mk_wait_start[t + 1] - mk_wait_start[t], epoch_sh);\n\
         const int op = mk_tiles[4 * t], seg = mk_tiles[4 * t + 1];\n\
         const int lo = mk_tiles[4 * t + 2], hi = mk_tiles[4 * t + 3];\n\

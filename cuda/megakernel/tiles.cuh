@@ -52,6 +52,29 @@ __device__ __forceinline__ void mk_wait(const unsigned* counters, const int* wai
     __syncthreads();
 }
 
+// Whether a tile asks L2 for its weights before waiting on its inputs (mk_prefetch_rows). The
+// host compiles with MK_PREFETCH 0 for a measurement without it (KILN_MK_PREFETCH=0).
+#ifndef MK_PREFETCH
+#define MK_PREFETCH 1
+#endif
+
+// Asks L2 for rows [r0, r1) of W [*, k] (and of `up`, if any), one 128-byte line per thread
+// per pass. A matvec tile's weights depend on nothing computed in the step, so issuing this
+// before mk_wait overlaps their DRAM latency with the wait for the tile's activations: the first
+// H200 runs measured the step as a chain of dependent phases whose tiles each paid several DRAM
+// round trips after their inputs landed (docs/gpu-results.md). A hint only: it changes no value.
+// UNVERIFIED on a GPU (compiled with NVRTC 13.0 and 13.5 only).
+__device__ __forceinline__ void mk_prefetch_rows(const __nv_bfloat16* w, const __nv_bfloat16* up,
+                                                 int r0, int r1, int k) {
+    const size_t bytes = (size_t)(r1 - r0) * (size_t)k * 2;
+    const char* a = reinterpret_cast<const char*>(w + (size_t)r0 * k);
+    const char* b = up ? reinterpret_cast<const char*>(up + (size_t)r0 * k) : nullptr;
+    for (size_t o = (size_t)threadIdx.x * 128; o < bytes; o += (size_t)blockDim.x * 128) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(a + o));
+        if (b) asm volatile("prefetch.global.L2 [%0];" ::"l"(b + o));
+    }
+}
+
 // Publishes a finished tile on its instruction counter and its own tile counter.
 __device__ __forceinline__ void mk_signal(unsigned* counters, int instr_ctr, int tile_ctr) {
     __syncthreads();

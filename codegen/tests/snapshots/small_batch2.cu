@@ -135,6 +135,15 @@ __device__ const float mk_fargs[46] = {
 #define W(i) ((i) < 0 ? nullptr : wt[i])
 #define WF(i) ((i) < 0 ? nullptr : wt_f32[i])
 #define A(i) ((i) < 0 ? nullptr : act + (i))
+#if MK_PREFETCH
+// A matvec tile's weights depend on nothing in the step: ask L2 for them before waiting.
+// Out of line, so that the kernel's loop keeps its registers.
+__device__ __noinline__ void mk_prefetch_tile(int t, const __nv_bfloat16* const* __restrict__ wt) {
+const int* g = mk_args + MK_NARGS * (mk_arg_row[mk_tiles[4 * t]] + mk_tiles[4 * t + 1]);
+if (g[0] == MK_K_MATVEC)
+mk_prefetch_rows(W(g[1]), W(g[2]), mk_tiles[4 * t + 2], mk_tiles[4 * t + 3], g[3]);
+}
+#endif
 extern "C" __global__ void __launch_bounds__(MK_THREADS)
 kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,
 const float* const* __restrict__ wt_f32, float* act,
@@ -149,6 +158,9 @@ __syncthreads();
 // Only `t` lives across the tile calls: the epoch stays in shared memory, the instruction is
 // reloaded for the signal (fewer callee-saved registers).
 for (int t = blockIdx.x; t < MK_TILES; t += gridDim.x) {
+#if MK_PREFETCH
+mk_prefetch_tile(t, wt);
+#endif
 mk_wait(counters, mk_waits + 2 * mk_wait_start[t], mk_wait_start[t + 1] - mk_wait_start[t], epoch_sh);
 const int op = mk_tiles[4 * t], seg = mk_tiles[4 * t + 1];
 const int lo = mk_tiles[4 * t + 2], hi = mk_tiles[4 * t + 3];

@@ -395,11 +395,21 @@ pub fn tile_config() -> TileConfig {
     c
 }
 
+/// Whether matvec tiles ask L2 for their weights before waiting on their inputs (`MK_PREFETCH`
+/// in `cuda/megakernel/tiles.cuh`): on unless `KILN_MK_PREFETCH=0`, the switch for measuring it.
+/// UNVERIFIED on a GPU.
+pub fn prefetch_weights() -> bool {
+    std::env::var("KILN_MK_PREFETCH").map_or(true, |v| v.trim() != "0")
+}
+
 /// Lowers, schedules ([`tile_config`]) and emits.
 pub fn generate(plan: &ExecutionPlan, batch: usize) -> Result<Megakernel, LowerError> {
     let program = lower_decode(plan, batch)?;
     let schedule = Schedule::build(&program, tile_config());
-    let source = kiln_codegen::emit_source(&program, &schedule);
+    let mut source = kiln_codegen::emit_source(&program, &schedule);
+    if !prefetch_weights() {
+        source.insert_str(0, "#define MK_PREFETCH 0\n");
+    }
     Ok(Megakernel {
         program,
         schedule,
