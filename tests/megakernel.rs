@@ -293,7 +293,41 @@ fn generated_megakernel_compiles_for_sm90_and_sm80_without_spills() {
     nvrtc_gate(false);
 }
 
-/// SmolLM2-135M's 30 layers (5,589 tiles) at batch 1 and 8, sm_90 and sm_80: no spills. The
+/// The weight prefetch can be compiled out for measuring it (`KILN_MK_PREFETCH=0` puts
+/// `#define MK_PREFETCH 0` ahead of the source): that variant compiles without spills too, and
+/// the default source prefetches.
+#[cfg(feature = "cuda")]
+#[test]
+fn megakernel_without_the_weight_prefetch_compiles() {
+    use kiln::backend::cuda::kernels::CudaSource;
+    use kiln::backend::cuda::nvrtc;
+    let k = generate(&plan("tests/fixtures/llama_tied"), 1).unwrap();
+    assert!(k.source.contains("mk_prefetch_tile(t, wt);"));
+    if kiln::backend::cuda::megakernel::prefetch_weights() {
+        assert!(!k.source.starts_with("#define MK_PREFETCH 0"));
+    }
+    if let Err(e) = nvrtc::ensure_loaded() {
+        println!("SKIPPED: {e}");
+        return;
+    }
+    let Some(include) = nvrtc::find_include_dir() else {
+        println!("SKIPPED: cuda_bf16.h not found");
+        return;
+    };
+    let src = CudaSource {
+        file: "megakernel_llama_tied_no_prefetch.cu",
+        text: Box::leak(format!("#define MK_PREFETCH 0\n{}", k.source).into_boxed_str()),
+        kernels: &["kiln_decode_step"],
+    };
+    let c = nvrtc::compile(&src, 90, &include).unwrap_or_else(|e| panic!("{e}"));
+    assert!(!c.log.contains("mk_prefetch_tile"), "{}", c.log);
+    for f in &c.kernels {
+        assert_eq!((f.spill_stores, f.spill_loads), (0, 0), "{}", f.name);
+    }
+}
+
+/// SmolLM2-135M's 30 layers (20,457 tiles at 8 rows per matvec tile) at batch 1 and 8, sm_90
+/// and sm_80: no spills. The
 /// kernel used to have one switch case per instruction with literal arguments and spilled about
 /// 1.3 KB per thread; its arguments are now table rows and its switch has one case per tile kind.
 /// Compiled with NVRTC only (tests/gpu.rs runs it on a GPU). Skipped (with a note) when the model
