@@ -222,18 +222,9 @@ if command -v cargo >/dev/null && [[ -z ${KILN_GPU_PREBUILT:-} ]]; then
     stage build 420 cargo build -p kiln --release --features cuda --bins || true
     stage build-tests 300 --stdout "$WORK/build-tests.json" cargo test -p kiln --release --features cuda --no-run --lib "${test_args[@]}" --message-format=json-render-diagnostics || true
     for b in kiln kiln-bench; do ln -sf "$ROOT/${CARGO_TARGET_DIR:-target}/release/$b" "$BIN/$b"; done
-    "$PY" - "$BIN" "$WORK/build-tests.json" <<'PYEOF'
-import json, os, sys
-out = sys.argv[1]
-for line in open(sys.argv[2]):
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        name = "lib" if "lib" in m["target"]["kind"] else m["target"]["name"]
-        os.symlink(m["executable"], f"{out}/test-{name}")
-PYEOF
+    "$PY" scripts/test_executables.py "$WORK/build-tests.json" | while read -r name exe; do
+        ln -sf "$exe" "$BIN/$name"
+    done
 else
     BIN=""
     for b in "$STASH/bin" .gpu/bin; do

@@ -43,21 +43,10 @@ for b in kiln kiln-bench; do
     cp "$TARGET/release/$b" "$OUTDIR/$b"
 done
 # Test executables from cargo's JSON: test-<name>, and test-lib for the library's unit tests.
-python3 - "$OUTDIR" /tmp/kiln-gpu-pack.json <<'PYEOF'
-import json, shutil, sys
-out = sys.argv[1]
-for line in open(sys.argv[2]):
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    if m.get("reason") != "compiler-artifact" or not m.get("executable") or not m["profile"]["test"]:
-        continue
-    kind = m["target"]["kind"]
-    name = "lib" if "lib" in kind else m["target"]["name"]
-    shutil.copy(m["executable"], f"{out}/test-{name}")
-    print(f"gpu-pack: test-{name} <- {m['executable']}", file=sys.stderr)
-PYEOF
+python3 scripts/test_executables.py /tmp/kiln-gpu-pack.json | while read -r name exe; do
+    cp "$exe" "$OUTDIR/$name"
+    echo "gpu-pack: $name <- $exe" >&2
+done
 strip "$OUTDIR"/*
 cat >"$OUTDIR/manifest.env" <<MANIFEST
 KILN_BUILD_ROOT=$ROOT

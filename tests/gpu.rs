@@ -28,7 +28,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{demo_model, fixtures, gpu_or_skip, rel_l2};
+use common::{demo_model, fixtures, gap, gpu_or_skip, rel_l2};
 use kiln::backend::cpu::{CpuBackend, CpuOptions, WeightFormat, Workspace};
 use kiln::backend::cuda::{CudaBackend, CudaKvCache, CudaWorkspace, GraphDecoder};
 use kiln::backend::{GraphRow, TokenRow};
@@ -354,18 +354,6 @@ fn cpu_greedy(cpu: &CpuBackend, prompt: &[u32], steps: usize, cap: usize) -> (Ve
         gaps.push(gap(&l));
     }
     (toks, gaps)
-}
-
-fn gap(l: &[f32]) -> f32 {
-    let b = argmax(l) as usize;
-    let second = l
-        .iter()
-        .enumerate()
-        .filter(|&(i, _)| i != b)
-        .map(|(_, &v)| v)
-        .fold(f32::NEG_INFINITY, f32::max);
-    let rms = (l.iter().map(|v| v * v).sum::<f32>() / l.len() as f32).sqrt();
-    (l[b] - second) / rms.max(1e-12)
 }
 
 /// Per-op GPU prefill of `prompt` into `slot` of `kv`; the first greedy token.

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use common::{demo_model, fixtures, gpu_or_skip};
+use common::{demo_model, fixtures, gap, gpu_or_skip};
 use kiln::backend::cpu::{CpuOptions, WeightFormat};
 use kiln::engine::{
     DecodePath, Device, Engine, EngineOptions, GenerateOptions, LogitsProcessor, Session,
@@ -146,21 +146,6 @@ fn cpu_rows_with_gaps(
     let rows = r.rows.into_iter().map(|r| r.generated).collect();
     let gaps = gaps.lock().unwrap().clone();
     (rows, gaps)
-}
-
-/// Top-1 minus top-2 logit over the logits' RMS.
-fn gap(l: &[f32]) -> f32 {
-    let (mut first, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
-    for &v in l {
-        if v > first {
-            second = first;
-            first = v;
-        } else if v > second {
-            second = v;
-        }
-    }
-    let rms = (l.iter().map(|v| v * v).sum::<f32>() / l.len() as f32).sqrt();
-    (first - second) / rms.max(1e-12)
 }
 
 fn check_same(path: &Path, prompt: &[u32], opts: &GenerateOptions, how: Match) {

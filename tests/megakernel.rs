@@ -8,7 +8,9 @@ mod common;
 
 use std::path::PathBuf;
 
-use kiln::backend::cuda::megakernel::{generate, lower_decode, Megakernel};
+use kiln::backend::cuda::megakernel::{
+    generate, lower_decode, prefetch_weights, Megakernel, MATVEC_ROWS,
+};
 use kiln::graph::build::LogitRows;
 use kiln::graph::{Epilogue, Norm, Op};
 use kiln::model::Model;
@@ -33,7 +35,7 @@ fn llama_tied_lowers_with_fused_rope_kv_append() {
     let k = generate(&plan("tests/fixtures/llama_tied"), 1).unwrap();
     // Matvec tiles of the GPU's size: q 64 rows, k 32, v 32 (each its own tiles), o 64, gate/up
     // 160, down 64, the head 400.
-    let tiles = |rows: usize| rows.div_ceil(kiln::backend::cuda::megakernel::MATVEC_ROWS);
+    let tiles = |rows: usize| rows.div_ceil(MATVEC_ROWS);
     let layer = [
         ("norm_matvec", tiles(64) + 2 * tiles(32)),
         ("rope", 4),
@@ -303,7 +305,7 @@ fn megakernel_without_the_weight_prefetch_compiles() {
     use kiln::backend::cuda::nvrtc;
     let k = generate(&plan("tests/fixtures/llama_tied"), 1).unwrap();
     assert!(k.source.contains("mk_prefetch_tile(t, wt);"));
-    if kiln::backend::cuda::megakernel::prefetch_weights() {
+    if prefetch_weights() {
         assert!(!k.source.starts_with("#define MK_PREFETCH 0"));
     }
     if let Err(e) = nvrtc::ensure_loaded() {

@@ -251,3 +251,17 @@ pub fn rel_l2(got: &[f32], want: &[f32]) -> f32 {
     let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
     (num / den.max(1e-30)).sqrt() as f32
 }
+
+/// A greedy choice's margin: the top logit minus the runner-up, over the logits' RMS. The GPU
+/// tests call a first difference between two paths a near tie when this is small.
+pub fn gap(l: &[f32]) -> f32 {
+    let b = kiln::sample::argmax(l) as usize;
+    let second = l
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != b)
+        .map(|(_, &v)| v)
+        .fold(f32::NEG_INFINITY, f32::max);
+    let rms = (l.iter().map(|v| v * v).sum::<f32>() / l.len() as f32).sqrt();
+    (l[b] - second) / rms.max(1e-12)
+}
