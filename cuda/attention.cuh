@@ -38,17 +38,42 @@ __device__ __forceinline__ size_t att_row(const AttKv& kv, int j, int head_dim) 
 }
 
 // Processes tiles starting at lo + first * 32, stepping step * 32 keys, up to hi.
+// Latency, not arithmetic, is what a decode step waits on here (the first H200 runs: a
+// megakernel step grew by ~15 µs per layer from 6 to 34 keys of context), so each lane reads
+// its key's row 16 bytes at a time where head_dim % 8 == 0, and the value loop keeps 8 keys'
+// loads in flight (each key's row offset computed once, by the lane that scored it, and
+// shuffled). Every score and every accumulator still sums in the same order as one key and
+// one column at a time: the results are the same bits.
 __device__ __forceinline__ void attend_tiles(const float* qs, const AttKv& kv, int head_dim,
                                              float scale, int lo, int hi, int first, int step,
                                              float& m, float& l, float acc[ATT_PER_LANE]) {
     const int lane = threadIdx.x & 31;
+    const bool wide = (head_dim & 7) == 0;
     for (int j0 = lo + first * 32; j0 < hi; j0 += step * 32) {
         const int j = j0 + lane;
         float s = KILN_NEG_INF;
+        unsigned long long row = 0;
         if (j < hi) {
-            const unsigned short* kr = kv.k + att_row(kv, j, head_dim);
+            row = att_row(kv, j, head_dim);
+            const unsigned short* kr = kv.k + row;
             float d = 0.0f;
-            for (int c = 0; c < head_dim; ++c) d = fmaf(qs[c], kv_bf16_to_f32(kr[c]), d);
+            if (wide) {
+                // Rows are 16-byte aligned: head_dim % 8 == 0 and every run starts at a
+                // multiple of head_dim elements of an aligned allocation.
+                const uint4* k8 = reinterpret_cast<const uint4*>(kr);
+#pragma unroll 4
+                for (int c8 = 0; c8 < (head_dim >> 3); ++c8) {
+                    const uint4 u = k8[c8];
+                    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+                    for (int h = 0; h < 4; ++h) {
+                        d = fmaf(qs[8 * c8 + 2 * h], kv_bits_f32(w[h] << 16), d);
+                        d = fmaf(qs[8 * c8 + 2 * h + 1], kv_bits_f32(w[h] & 0xffff0000u), d);
+                    }
+                }
+            } else {
+                for (int c = 0; c < head_dim; ++c) d = fmaf(qs[c], kv_bf16_to_f32(kr[c]), d);
+            }
             s = d * scale;
         }
         const float tile_max = warp_max(s);
@@ -56,16 +81,20 @@ __device__ __forceinline__ void attend_tiles(const float* qs, const AttKv& kv, i
         const float corr = (m == KILN_NEG_INF) ? 0.0f : expf(m - new_m);
         const float p = (j < hi) ? expf(s - new_m) : 0.0f;
         l = l * corr + warp_sum(p);
-#pragma unroll
-        for (int i = 0; i < ATT_PER_LANE; ++i) acc[i] *= corr;
         const int n = min(32, hi - j0);
-        for (int jj = 0; jj < n; ++jj) {
-            const float pj = __shfl_sync(KILN_FULL_MASK, p, jj);
-            const unsigned short* vr = kv.v + att_row(kv, j0 + jj, head_dim);
 #pragma unroll
-            for (int i = 0; i < ATT_PER_LANE; ++i) {
-                const int c = lane + 32 * i;
-                if (c < head_dim) acc[i] = fmaf(pj, kv_bf16_to_f32(vr[c]), acc[i]);
+        for (int i = 0; i < ATT_PER_LANE; ++i) {
+            acc[i] *= corr;
+            const int c = lane + 32 * i;
+            if (32 * i < head_dim) {  // uniform: the lane's columns are lane + 32 i
+                float a = acc[i];
+#pragma unroll 8
+                for (int jj = 0; jj < n; ++jj) {
+                    const float pj = __shfl_sync(KILN_FULL_MASK, p, jj);
+                    const unsigned long long rj = __shfl_sync(KILN_FULL_MASK, row, jj);
+                    if (c < head_dim) a = fmaf(pj, kv_bf16_to_f32(kv.v[rj + c]), a);
+                }
+                acc[i] = a;
             }
         }
         m = new_m;

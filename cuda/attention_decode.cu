@@ -40,7 +40,9 @@ extern "C" __global__ void kv_append(const float* __restrict__ k, int k_stride,
 }
 
 // Partials: part_ml[(task * splits + z) * 2 + {0: max, 1: sum}], part_acc[(task * splits + z) * D].
-extern "C" __global__ void __launch_bounds__(32 * DEC_WARPS)
+// Min 1 block per SM: without it ptxas (NVRTC 13.5, sm_90) held the kernel to 64 registers
+// and spilled attend_tiles' in-flight loads; it needs about 90.
+extern "C" __global__ void __launch_bounds__(32 * DEC_WARPS, 1)
 attention_decode(const float* __restrict__ q, int q_stride, const unsigned short* __restrict__ kc,
                  const unsigned short* __restrict__ vc, const int* __restrict__ row_slot,
                  const int* __restrict__ row_pos, int heads, int kv_heads, int head_dim,

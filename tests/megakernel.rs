@@ -9,7 +9,7 @@ mod common;
 use std::path::PathBuf;
 
 use kiln::backend::cuda::megakernel::{
-    generate, lower_decode, prefetch_weights, Megakernel, MATVEC_ROWS,
+    generate, lower_decode, stage_weights, Megakernel, MATVEC_ROWS, STAGE_BYTES,
 };
 use kiln::graph::build::LogitRows;
 use kiln::graph::{Epilogue, Norm, Op};
@@ -295,19 +295,32 @@ fn generated_megakernel_compiles_for_sm90_and_sm80_without_spills() {
     nvrtc_gate(false);
 }
 
-/// The weight prefetch can be compiled out for measuring it (`KILN_MK_PREFETCH=0` puts
-/// `#define MK_PREFETCH 0` ahead of the source): that variant compiles without spills too, and
-/// the default source prefetches.
+/// The matvec weight staging can be compiled out for measuring it (`KILN_MK_STAGE=0` puts
+/// `#define MK_STAGE 0` ahead of the source): that variant compiles without spills too and is
+/// launched with no dynamic shared memory; the default source stages, defines the buffer's size
+/// from the schedule and is launched with it.
 #[cfg(feature = "cuda")]
 #[test]
-fn megakernel_without_the_weight_prefetch_compiles() {
+fn megakernel_without_weight_staging_compiles() {
     use kiln::backend::cuda::kernels::CudaSource;
     use kiln::backend::cuda::nvrtc;
     let k = generate(&plan("tests/fixtures/llama_tied"), 1).unwrap();
-    assert!(k.source.contains("mk_prefetch_tile(t, wt);"));
-    if prefetch_weights() {
-        assert!(!k.source.starts_with("#define MK_PREFETCH 0"));
+    assert!(k
+        .source
+        .contains("mk_stage_tile(t + gridDim.x, wt, buf ^ 1);"));
+    assert!(k
+        .source
+        .contains(&format!("#define MK_STAGE_BYTES {STAGE_BYTES}\n")));
+    if stage_weights() {
+        assert!(!k.source.starts_with("#define MK_STAGE 0"));
+        assert_eq!(k.shared_bytes(), 2 * STAGE_BYTES);
     }
+    let off = Megakernel {
+        program: k.program.clone(),
+        schedule: k.schedule.clone(),
+        source: format!("#define MK_STAGE 0\n{}", k.source),
+    };
+    assert_eq!(off.shared_bytes(), 0);
     if let Err(e) = nvrtc::ensure_loaded() {
         println!("SKIPPED: {e}");
         return;
@@ -317,15 +330,34 @@ fn megakernel_without_the_weight_prefetch_compiles() {
         return;
     };
     let src = CudaSource {
-        file: "megakernel_llama_tied_no_prefetch.cu",
-        text: Box::leak(format!("#define MK_PREFETCH 0\n{}", k.source).into_boxed_str()),
+        file: "megakernel_llama_tied_no_stage.cu",
+        text: Box::leak(off.source.into_boxed_str()),
         kernels: &["kiln_decode_step"],
     };
     let c = nvrtc::compile(&src, 90, &include).unwrap_or_else(|e| panic!("{e}"));
-    assert!(!c.log.contains("mk_prefetch_tile"), "{}", c.log);
+    assert!(!c.log.contains("mk_stage_tile"), "{}", c.log);
     for f in &c.kernels {
         assert_eq!((f.spill_stores, f.spill_loads), (0, 0), "{}", f.name);
     }
+}
+
+/// Matvec tiles hold no more rows than the staging buffer takes: the Llama-3.2-1B shapes'
+/// 2,048-column matrices 8 rows, its gated 2,048-column MLP 4, its 8,192-column down projection
+/// 2; SmolLM2's 576 columns the full [`MATVEC_ROWS`].
+#[test]
+fn matvec_tiles_fit_the_staging_buffer() {
+    let c = kiln::backend::cuda::megakernel::tile_config();
+    if std::env::var_os("KILN_MK_MATVEC_ROWS").is_some() {
+        println!("SKIPPED: KILN_MK_MATVEC_ROWS is set");
+        return;
+    }
+    assert_eq!(c.stage_bytes, STAGE_BYTES);
+    assert_eq!(c.rows_for(576, 1), MATVEC_ROWS);
+    assert_eq!(c.rows_for(576, 2), MATVEC_ROWS);
+    assert_eq!(c.rows_for(2048, 1), 8);
+    assert_eq!(c.rows_for(2048, 2), 4);
+    assert_eq!(c.rows_for(8192, 1), 2);
+    assert_eq!(c.rows_for(1 << 20, 1), 1);
 }
 
 /// SmolLM2-135M's 30 layers (20,457 tiles at 8 rows per matvec tile) at batch 1 and 8, sm_90

@@ -604,13 +604,18 @@ pub fn emit_kernel(p: &DecodeProgram, s: &Schedule) -> String {
         "#define W(i) ((i) < 0 ? nullptr : wt[i])\n\
 #define WF(i) ((i) < 0 ? nullptr : wt_f32[i])\n\
 #define A(i) ((i) < 0 ? nullptr : act + (i))\n\
-#if MK_PREFETCH\n\
-// A matvec tile's weights depend on nothing in the step: ask L2 for them before waiting.\n\
-// Out of line, so that the kernel's loop keeps its registers.\n\
-__device__ __noinline__ void mk_prefetch_tile(int t, const __nv_bfloat16* const* __restrict__ wt) {\n\
-    const int* g = mk_args + MK_NARGS * (mk_arg_row[mk_tiles[4 * t]] + mk_tiles[4 * t + 1]);\n\
-    if (g[0] == MK_K_MATVEC)\n\
-        mk_prefetch_rows(W(g[1]), W(g[2]), mk_tiles[4 * t + 2], mk_tiles[4 * t + 3], g[3]);\n\
+#if MK_STAGE\n\
+// A matvec tile's weights depend on nothing in the step: tile t's are copied into staging\n\
+// buffer `buf` while the block's previous tile waits and computes (mk_stage_rows). Commits one\n\
+// copy group, empty for a tile past the end or of another kind. Out of line, so that the\n\
+// kernel's loop keeps its registers.\n\
+__device__ __noinline__ void mk_stage_tile(int t, const __nv_bfloat16* const* __restrict__ wt, int buf) {\n\
+    if (t < MK_TILES) {\n\
+        const int* g = mk_args + MK_NARGS * (mk_arg_row[mk_tiles[4 * t]] + mk_tiles[4 * t + 1]);\n\
+        if (g[0] == MK_K_MATVEC)\n\
+            mk_stage_rows(W(g[1]), W(g[2]), mk_tiles[4 * t + 2], mk_tiles[4 * t + 3], g[3], buf);\n\
+    }\n\
+    mk_stage_commit();\n\
 }\n\
 #endif\n\
 extern \"C\" __global__ void __launch_bounds__(MK_THREADS)\n\
@@ -624,11 +629,17 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
     __shared__ unsigned epoch_sh;\n\
     if (threadIdx.x == 0) epoch_sh = mk_ld_acquire(epoch_ctr) + 1u;\n\
     __syncthreads();\n\
-    // Only `t` lives across the tile calls: the epoch stays in shared memory, the instruction is\n\
+    // Only `t` and `buf` live across the tile calls: the epoch stays in shared memory, the instruction is\n\
     // reloaded for the signal (fewer callee-saved registers).\n\
-    for (int t = blockIdx.x; t < MK_TILES; t += gridDim.x) {\n\
-#if MK_PREFETCH\n\
-        mk_prefetch_tile(t, wt);\n\
+    // Staging buffer parity: tile t's weights are in buffer `buf`, the next tile's go to the\n\
+    // other.\n\
+    int buf = 0;\n\
+#if MK_STAGE\n\
+    mk_stage_tile(blockIdx.x, wt, 0);\n\
+#endif\n\
+    for (int t = blockIdx.x; t < MK_TILES; t += gridDim.x, buf ^= 1) {\n\
+#if MK_STAGE\n\
+        mk_stage_tile(t + gridDim.x, wt, buf ^ 1);\n\
 #endif\n\
         mk_wait(counters, mk_waits + 2 * mk_wait_start[t], mk_wait_start[t + 1] - mk_wait_start[t], epoch_sh);\n\
         const int op = mk_tiles[4 * t], seg = mk_tiles[4 * t + 1];\n\
@@ -645,7 +656,7 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
             break;\n\
         case MK_K_MATVEC:\n\
             mk_matvec<MK_BATCH>(W(g[1]), W(g[2]), lo, hi, g[3], A(g[4]), g[5], MK_BATCH, WF(g[6]), g[7],\n\
-                      fa[0], A(g[8]), g[9], A(g[10]), g[11], g[12], g[13], fa[1], WF(g[14]));\n\
+                      fa[0], A(g[8]), g[9], A(g[10]), g[11], g[12], g[13], fa[1], WF(g[14]), buf);\n\
             break;\n\
         case MK_K_EWISE:\n\
             mk_ewise(g[1], g[2], A(g[3]), g[4], A(g[5]), g[6], A(g[7]), g[8], lo, hi, fa[0], fa[1],\n\
@@ -699,7 +710,10 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
 /// The whole NVRTC-ready source: `common.cuh`, `kv.cuh`, `attention.cuh`, `sample.cuh`,
 /// `megakernel/tiles.cuh`, then the generated kernel.
 pub fn emit_source(p: &DecodeProgram, s: &Schedule) -> String {
-    let mut out = String::new();
+    let mut out = format!(
+        "// One matvec staging buffer's size (two make the dynamic shared memory), from the schedule.\n#define MK_STAGE_BYTES {}\n",
+        s.config.stage_bytes
+    );
     for h in [COMMON_CUH, KV_CUH, ATTENTION_CUH, SAMPLE_CUH, TILES_CUH] {
         for line in h.lines() {
             if !line.trim_start().starts_with("#pragma once") {

@@ -37,6 +37,23 @@ pub struct TileConfig {
     pub matvec_rows: usize,
     /// Columns of one elementwise (embedding, elementwise op) tile.
     pub elem_cols: usize,
+    /// Bytes of one of the kernel's two matvec staging buffers (`MK_STAGE_BYTES`; its dynamic
+    /// shared memory is both), 0 for none: a matvec tile holds at most as many rows as fit one
+    /// (one at least), so that its weights can be copied into shared memory ahead of it.
+    pub stage_bytes: usize,
+}
+
+impl TileConfig {
+    /// Output rows per tile of a matvec over `k` columns of `mats` bf16 matrices (2 for a
+    /// gated one): [`TileConfig::matvec_rows`], fewer where those rows would not fit the staging
+    /// buffer.
+    pub fn rows_for(&self, k: usize, mats: usize) -> usize {
+        let per_row = k.saturating_mul(2).saturating_mul(mats.max(1));
+        if self.stage_bytes == 0 || per_row == 0 {
+            return self.matvec_rows.max(1);
+        }
+        self.matvec_rows.min(self.stage_bytes / per_row).max(1)
+    }
 }
 
 impl Default for TileConfig {
@@ -44,6 +61,7 @@ impl Default for TileConfig {
         TileConfig {
             matvec_rows: 32,
             elem_cols: 1024,
+            stage_bytes: 0,
         }
     }
 }
@@ -216,7 +234,8 @@ fn tiles_of(p: &DecodeProgram, cfg: &TileConfig, i: usize) -> Vec<Tile> {
             let mut base = 0;
             for (s, w) in weights.iter().enumerate() {
                 let rows = p.weights[*w].rows;
-                for (lo, hi) in split(rows, cfg.matvec_rows) {
+                let per_tile = cfg.rows_for(p.weights[*w].cols, 1);
+                for (lo, hi) in split(rows, per_tile) {
                     out.push(mk(
                         lo,
                         hi,
@@ -235,7 +254,8 @@ fn tiles_of(p: &DecodeProgram, cfg: &TileConfig, i: usize) -> Vec<Tile> {
             out: o,
             ..
         } => {
-            for (lo, hi) in split(p.weights[*weight].rows, cfg.matvec_rows) {
+            let per_tile = cfg.rows_for(p.weights[*weight].cols, 1);
+            for (lo, hi) in split(p.weights[*weight].rows, per_tile) {
                 out.push(mk(
                     lo,
                     hi,
@@ -251,7 +271,8 @@ fn tiles_of(p: &DecodeProgram, cfg: &TileConfig, i: usize) -> Vec<Tile> {
             out: o,
             ..
         } => {
-            for (lo, hi) in split(p.weights[*gate].rows, cfg.matvec_rows) {
+            let per_tile = cfg.rows_for(p.weights[*gate].cols, 2);
+            for (lo, hi) in split(p.weights[*gate].rows, per_tile) {
                 out.push(mk(
                     lo,
                     hi,
@@ -315,7 +336,8 @@ fn tiles_of(p: &DecodeProgram, cfg: &TileConfig, i: usize) -> Vec<Tile> {
             out: o,
             ..
         } => {
-            for (lo, hi) in split(p.weights[*weight].rows, cfg.matvec_rows) {
+            let per_tile = cfg.rows_for(p.weights[*weight].cols, 1);
+            for (lo, hi) in split(p.weights[*weight].rows, per_tile) {
                 out.push(mk(
                     lo,
                     hi,
@@ -593,11 +615,12 @@ impl fmt::Display for Schedule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "schedule: {} tiles, {} counters, matvec_rows={}, elem_cols={}",
+            "schedule: {} tiles, {} counters, matvec_rows={}, elem_cols={}, stage_bytes={}",
             self.tiles.len(),
             self.counters(),
             self.config.matvec_rows,
-            self.config.elem_cols
+            self.config.elem_cols,
+            self.config.stage_bytes
         )?;
         let n_instr = self.instr_first.len() - 1;
         for (t, tile) in self.tiles.iter().enumerate() {

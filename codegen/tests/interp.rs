@@ -194,6 +194,7 @@ fn elementwise_ops_compute_what_they_name() {
         TileConfig {
             matvec_rows: 32,
             elem_cols: 24,
+            stage_bytes: 0,
         },
     );
     let table: Vec<u16> = (0..8 * d)

@@ -52,27 +52,63 @@ __device__ __forceinline__ void mk_wait(const unsigned* counters, const int* wai
     __syncthreads();
 }
 
-// Whether a tile asks L2 for its weights before waiting on its inputs (mk_prefetch_rows). The
-// host compiles with MK_PREFETCH 0 for a measurement without it (KILN_MK_PREFETCH=0).
-#ifndef MK_PREFETCH
-#define MK_PREFETCH 1
+// Whether a matvec tile's weight rows are copied into shared memory ahead of it (mk_stage_rows).
+// The host compiles with MK_STAGE 0 for a measurement without it (KILN_MK_STAGE=0): then every
+// weight is read from global memory after the tile's wait.
+#ifndef MK_STAGE
+#define MK_STAGE 1
 #endif
+// Bytes of one staging buffer. There are two (the kernel's dynamic shared memory is twice this,
+// which the host launches with; the emitter defines it from the schedule, which sizes matvec
+// tiles to fit one).
+#ifndef MK_STAGE_BYTES
+#define MK_STAGE_BYTES 32768
+#endif
+#define MK_STAGE_U4 (MK_STAGE_BYTES / 16)
 
-// Asks L2 for rows [r0, r1) of W [*, k] (and of `up`, if any), one 128-byte line per thread
-// per pass. A matvec tile's weights depend on nothing computed in the step, so issuing this
-// before mk_wait overlaps their DRAM latency with the wait for the tile's activations: the first
-// H200 runs measured the step as a chain of dependent phases whose tiles each paid several DRAM
-// round trips after their inputs landed (docs/gpu-results.md). A hint only: it changes no value.
-// UNVERIFIED on a GPU (compiled with NVRTC 13.0 and 13.5 only).
-__device__ __forceinline__ void mk_prefetch_rows(const __nv_bfloat16* w, const __nv_bfloat16* up,
-                                                 int r0, int r1, int k) {
-    const size_t bytes = (size_t)(r1 - r0) * (size_t)k * 2;
-    const char* a = reinterpret_cast<const char*>(w + (size_t)r0 * k);
-    const char* b = up ? reinterpret_cast<const char*>(up + (size_t)r0 * k) : nullptr;
-    for (size_t o = (size_t)threadIdx.x * 128; o < bytes; o += (size_t)blockDim.x * 128) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(a + o));
-        if (b) asm volatile("prefetch.global.L2 [%0];" ::"l"(b + o));
+// The two staging buffers, MK_STAGE_U4 16-byte words each (dynamic shared memory).
+extern __shared__ __align__(16) uint4 mk_stage[];
+
+// Whether rows [r0, r1) of W [*, k] (and of `up`, if any) are staged: 16-byte aligned whole
+// rows that fit one buffer. mk_stage_rows and mk_matvec decide alike.
+__device__ __forceinline__ bool mk_stageable(const __nv_bfloat16* w, const __nv_bfloat16* up,
+                                             int r0, int r1, int k) {
+    const size_t bytes = (size_t)(r1 - r0) * (size_t)k * 2 * (up ? 2 : 1);
+    return MK_STAGE && (k & 7) == 0 &&
+           ((reinterpret_cast<size_t>(w) | reinterpret_cast<size_t>(up)) & 15) == 0 &&
+           bytes <= (size_t)MK_STAGE_BYTES;
+}
+
+// Copies rows [r0, r1) of W [*, k] (then those of `up`, if any) into staging buffer `buf` with
+// cp.async, every thread issuing 16-byte copies. The caller commits the group.
+// Why: a matvec tile's weights depend on nothing computed in the step, so the kernel issues the
+// copy for a block's next tile as the current one starts (double buffering): the next tile's
+// whole weight read is in flight while this one waits and computes, and after its own wait a
+// tile reads only activations from global memory. The first H200 runs measured the step as a
+// chain of dependent phases whose tiles each paid several dependent DRAM round trips after
+// their inputs landed, with at most one 16-byte load in flight per lane (docs/gpu-results.md).
+__device__ __forceinline__ void mk_stage_rows(const __nv_bfloat16* w, const __nv_bfloat16* up,
+                                              int r0, int r1, int k, int buf) {
+    if (!mk_stageable(w, up, r0, r1, k)) return;
+    uint4* dst = mk_stage + (size_t)buf * MK_STAGE_U4;
+    const size_t n16 = (size_t)(r1 - r0) * (size_t)(k >> 3);
+    const uint4* a = reinterpret_cast<const uint4*>(w + (size_t)r0 * k);
+    const uint4* b = up ? reinterpret_cast<const uint4*>(up + (size_t)r0 * k) : nullptr;
+    for (size_t i = threadIdx.x; i < n16; i += blockDim.x) {
+        const unsigned s = (unsigned)__cvta_generic_to_shared(dst + i);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(a + i) : "memory");
+        if (b) {
+            const unsigned su = (unsigned)__cvta_generic_to_shared(dst + n16 + i);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(su), "l"(b + i)
+                         : "memory");
+        }
     }
+}
+
+// Ends the copy group of one tile (possibly empty: every tile commits exactly one, so that
+// "all but the newest group" is always the current tile's).
+__device__ __forceinline__ void mk_stage_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
 // Publishes a finished tile on its instruction counter and its own tile counter.
@@ -125,11 +161,11 @@ __device__ __forceinline__ void mk_unpack8(uint4 v, float* f) {
 // f32 bias of W (null for none; a gated matvec has none). out[b * os + r] = epilogue(...). One
 // warp per row. The norm weight `nw` (f32, may be null) scales W's columns.
 // With k % 8 == 0 and 16-byte aligned rows (every matrix is its own allocation), each lane
-// streams 8 columns per 16-byte load, 256 columns per warp step: a row of SmolLM2 (k = 576) is
-// three round trips to memory per lane instead of 18 dependent 2-byte loads (the first GPU run
-// measured 4.3 ms per SmolLM2 step with those). Unrolling the column loop spills under NVRTC
-// 13.0 and 13.5 at batch 1. Other shapes take the scalar loop. Both loops ran on an H200; the
-// 16-byte one did not speed up 32-row tiles (the step is bound by its dependency chain).
+// takes 8 columns per 16-byte load, 256 columns per warp step; the rows come from staging
+// buffer `buf` when mk_stage_rows copied them there (the kernel did, a tile ahead), else from
+// global memory.
+// Each warp sums x² over the whole row as it goes (it reads every column of x for its row), so
+// the norm costs no pass and no block barrier of its own. Other shapes take the scalar loop.
 // B is the kernel's batch (MK_BATCH, a template argument so that the accumulators are the
 // batch's, not MK_MAX_BATCH's: fewer registers, no spills at batch 1 under NVRTC 13.0).
 template <int B>
@@ -139,47 +175,75 @@ __device__ __noinline__ void mk_matvec(const __nv_bfloat16* __restrict__ w,
                                        const float* __restrict__ nw, int use_norm,
                                        float eps, float* out, int os, const float* res, int rs,
                                        int epi, int act, float cap,
-                                       const float* __restrict__ bias) {
-    __shared__ float inv[MK_MAX_BATCH];
-    mk_inv_rms(x, xs, k, batch, use_norm, eps, inv);
+                                       const float* __restrict__ bias, int buf) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const bool wide = (k & 7) == 0 && ((reinterpret_cast<size_t>(w) | reinterpret_cast<size_t>(up)) & 15) == 0;
+    // The 16-byte loop reads W (and up) and x (and nw) 16 bytes at a time: every pointer
+    // 16-byte aligned (matrices are their own allocations, activation buffers 16-byte aligned
+    // in the arena) and x's row stride a multiple of 4 floats.
+    const bool wide = (k & 7) == 0 && (xs & 3) == 0 &&
+                      ((reinterpret_cast<size_t>(w) | reinterpret_cast<size_t>(up) |
+                        reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(nw)) & 15) == 0;
+    // mk_stage_rows staged exactly when mk_stageable holds (it does not look at x or nw), into
+    // buffer `buf`; the newest copy group is the block's next tile's, so waiting for all but
+    // one is waiting for this tile's.
+    const bool staged = mk_stageable(w, up, r0, r1, k);
+    if (staged) {
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
+        __syncthreads();
+    }
+    const uint4* stage = mk_stage + (size_t)buf * MK_STAGE_U4;
+    const int k8 = k >> 3;
+    const size_t n16 = (size_t)(r1 - r0) * (size_t)k8;
+    float inv[B];
+#pragma unroll
+    for (int b = 0; b < B; ++b) inv[b] = 1.0f;
+    bool first = true;
     for (int r = r0 + warp; r < r1; r += MK_WARPS) {
         const __nv_bfloat16* wr = w + (size_t)r * k;
         const __nv_bfloat16* ur = up ? up + (size_t)r * k : nullptr;
-        float a[B], u[B];
+        float a[B], u[B], sq[B];
 #pragma unroll
-        for (int b = 0; b < B; ++b) a[b] = u[b] = 0.0f;
+        for (int b = 0; b < B; ++b) a[b] = u[b] = sq[b] = 0.0f;
+        const bool norm_here = use_norm && first;
         if (wide) {
-            const uint4* w8 = reinterpret_cast<const uint4*>(wr);
-            const uint4* u8 = reinterpret_cast<const uint4*>(ur);
-            const int k8 = k >> 3;
-#pragma unroll 1
+            const uint4* w8 = staged ? stage + (size_t)(r - r0) * k8 : reinterpret_cast<const uint4*>(wr);
+            const uint4* u8 = !ur ? nullptr
+                              : staged ? stage + n16 + (size_t)(r - r0) * k8
+                                       : reinterpret_cast<const uint4*>(ur);
+            // With the weights in shared memory the loop waits on x's loads (L2): at small
+            // batches unroll it so that several are in flight; at larger ones each step already
+            // issues 2·B of them, and unrolling would spill.
+            constexpr int U = B == 1 ? 4 : (B == 2 ? 2 : 1);
+#pragma unroll U
             for (int c8 = lane; c8 < k8; c8 += 32) {
                 float wv[8], uv[8];
-                mk_unpack8(__ldg(w8 + c8), wv);
-                if (ur) {
-                    mk_unpack8(__ldg(u8 + c8), uv);
+                mk_unpack8(staged ? w8[c8] : __ldg(w8 + c8), wv);
+                if (u8) {
+                    mk_unpack8(staged ? u8[c8] : __ldg(u8 + c8), uv);
                 } else {
 #pragma unroll
                     for (int j = 0; j < 8; ++j) uv[j] = 0.0f;
                 }
                 if (nw) {
+                    const float4 s0 = __ldg(reinterpret_cast<const float4*>(nw) + 2 * c8);
+                    const float4 s1 = __ldg(reinterpret_cast<const float4*>(nw) + 2 * c8 + 1);
+                    const float sc[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
 #pragma unroll
                     for (int j = 0; j < 8; ++j) {
-                        const float sc = __ldg(nw + 8 * c8 + j);
-                        wv[j] *= sc;
-                        uv[j] *= sc;
+                        wv[j] *= sc[j];
+                        uv[j] *= sc[j];
                     }
                 }
 #pragma unroll
                 for (int b = 0; b < B; ++b) {
-                    const float* xb = x + (size_t)b * xs + 8 * c8;
+                    const float4* xb = reinterpret_cast<const float4*>(x + (size_t)b * xs) + 2 * c8;
+                    const float4 x0 = xb[0], x1 = xb[1];
+                    const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
                     for (int j = 0; j < 8; ++j) {
-                        const float xv = xb[j];
-                        a[b] = fmaf(wv[j], xv, a[b]);
-                        u[b] = fmaf(uv[j], xv, u[b]);
+                        a[b] = fmaf(wv[j], xv[j], a[b]);
+                        u[b] = fmaf(uv[j], xv[j], u[b]);
+                        if (norm_here) sq[b] = fmaf(xv[j], xv[j], sq[b]);
                     }
                 }
             }
@@ -193,9 +257,15 @@ __device__ __noinline__ void mk_matvec(const __nv_bfloat16* __restrict__ w,
                     const float xv = x[(size_t)b * xs + c];
                     a[b] = fmaf(wv, xv, a[b]);
                     u[b] = fmaf(uv, xv, u[b]);
+                    if (norm_here) sq[b] = fmaf(xv, xv, sq[b]);
                 }
             }
         }
+        if (norm_here) {
+#pragma unroll
+            for (int b = 0; b < B; ++b) inv[b] = rsqrtf(warp_sum(sq[b]) / (float)k + eps);
+        }
+        first = false;
 #pragma unroll
         for (int b = 0; b < B; ++b) {
             const float g = warp_sum(a[b]) * inv[b] + (bias ? bias[r] : 0.0f);

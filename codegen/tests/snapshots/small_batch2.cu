@@ -135,13 +135,18 @@ __device__ const float mk_fargs[46] = {
 #define W(i) ((i) < 0 ? nullptr : wt[i])
 #define WF(i) ((i) < 0 ? nullptr : wt_f32[i])
 #define A(i) ((i) < 0 ? nullptr : act + (i))
-#if MK_PREFETCH
-// A matvec tile's weights depend on nothing in the step: ask L2 for them before waiting.
-// Out of line, so that the kernel's loop keeps its registers.
-__device__ __noinline__ void mk_prefetch_tile(int t, const __nv_bfloat16* const* __restrict__ wt) {
+#if MK_STAGE
+// A matvec tile's weights depend on nothing in the step: tile t's are copied into staging
+// buffer `buf` while the block's previous tile waits and computes (mk_stage_rows). Commits one
+// copy group, empty for a tile past the end or of another kind. Out of line, so that the
+// kernel's loop keeps its registers.
+__device__ __noinline__ void mk_stage_tile(int t, const __nv_bfloat16* const* __restrict__ wt, int buf) {
+if (t < MK_TILES) {
 const int* g = mk_args + MK_NARGS * (mk_arg_row[mk_tiles[4 * t]] + mk_tiles[4 * t + 1]);
 if (g[0] == MK_K_MATVEC)
-mk_prefetch_rows(W(g[1]), W(g[2]), mk_tiles[4 * t + 2], mk_tiles[4 * t + 3], g[3]);
+mk_stage_rows(W(g[1]), W(g[2]), mk_tiles[4 * t + 2], mk_tiles[4 * t + 3], g[3], buf);
+}
+mk_stage_commit();
 }
 #endif
 extern "C" __global__ void __launch_bounds__(MK_THREADS)
@@ -155,11 +160,17 @@ const MkControl* __restrict__ ctl, unsigned* ring) {
 __shared__ unsigned epoch_sh;
 if (threadIdx.x == 0) epoch_sh = mk_ld_acquire(epoch_ctr) + 1u;
 __syncthreads();
-// Only `t` lives across the tile calls: the epoch stays in shared memory, the instruction is
+// Only `t` and `buf` live across the tile calls: the epoch stays in shared memory, the instruction is
 // reloaded for the signal (fewer callee-saved registers).
-for (int t = blockIdx.x; t < MK_TILES; t += gridDim.x) {
-#if MK_PREFETCH
-mk_prefetch_tile(t, wt);
+// Staging buffer parity: tile t's weights are in buffer `buf`, the next tile's go to the
+// other.
+int buf = 0;
+#if MK_STAGE
+mk_stage_tile(blockIdx.x, wt, 0);
+#endif
+for (int t = blockIdx.x; t < MK_TILES; t += gridDim.x, buf ^= 1) {
+#if MK_STAGE
+mk_stage_tile(t + gridDim.x, wt, buf ^ 1);
 #endif
 mk_wait(counters, mk_waits + 2 * mk_wait_start[t], mk_wait_start[t + 1] - mk_wait_start[t], epoch_sh);
 const int op = mk_tiles[4 * t], seg = mk_tiles[4 * t + 1];
@@ -176,7 +187,7 @@ mk_rms_norm(A(g[1]), g[2], g[3], MK_BATCH, WF(g[4]), fa[0], A(g[5]), g[6]);
 break;
 case MK_K_MATVEC:
 mk_matvec<MK_BATCH>(W(g[1]), W(g[2]), lo, hi, g[3], A(g[4]), g[5], MK_BATCH, WF(g[6]), g[7],
-fa[0], A(g[8]), g[9], A(g[10]), g[11], g[12], g[13], fa[1], WF(g[14]));
+fa[0], A(g[8]), g[9], A(g[10]), g[11], g[12], g[13], fa[1], WF(g[14]), buf);
 break;
 case MK_K_EWISE:
 mk_ewise(g[1], g[2], A(g[3]), g[4], A(g[5]), g[6], A(g[7]), g[8], lo, hi, fa[0], fa[1],

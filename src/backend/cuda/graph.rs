@@ -88,6 +88,8 @@ pub(super) struct MkModule {
     /// Floats of the activation arena.
     arena: usize,
     grid: u32,
+    /// Dynamic shared memory per block (the matvec staging buffer).
+    shared: u32,
 }
 
 /// The backend's megakernel state: weight tables (or why the model does not lower), compiled
@@ -294,8 +296,22 @@ impl CudaBackend {
         let func = module
             .load_function(kiln_codegen::KERNEL)
             .map_err(|e| CudaError::Driver(format!("{file}: {e:?}")))?;
+        // The staging buffer is dynamic shared memory: past the default 48 KB per block
+        // (static + dynamic) the kernel must opt in.
+        let shared = u32::try_from(mk.shared_bytes()).map_err(|_| {
+            CudaError::Unsupported(format!("{} bytes of shared memory", mk.shared_bytes()))
+        })?;
+        func.set_attribute(
+            sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shared as i32,
+        )
+        .map_err(|e| {
+            CudaError::Driver(format!(
+                "{file}: {shared} bytes of dynamic shared memory: {e:?}"
+            ))
+        })?;
         let per_sm = func
-            .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
+            .occupancy_max_active_blocks_per_multiprocessor(THREADS, shared as usize, None)
             .map_err(drv)?;
         let tiles = mk.schedule.tiles.len();
         let grid = grid_blocks(
@@ -310,6 +326,7 @@ impl CudaBackend {
             counters: mk.schedule.counters(),
             arena: mk.program.buffer_offsets().1,
             grid: grid as u32,
+            shared,
         });
         modules.insert(bucket, m.clone());
         Ok(m)
@@ -910,7 +927,7 @@ fn capture(
     let cfg = LaunchConfig {
         grid_dim: (module.grid, 1, 1),
         block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: module.shared,
     };
     let args = a.ordered();
     let mut b = cap.launch_builder(&module.func);

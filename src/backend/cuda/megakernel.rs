@@ -369,6 +369,18 @@ pub struct Megakernel {
     pub source: String,
 }
 
+impl Megakernel {
+    /// Dynamic shared memory the kernel is launched with: the two matvec staging buffers
+    /// (`MK_STAGE_BYTES` each), none when staging is compiled out ([`stage_weights`]).
+    pub fn shared_bytes(&self) -> usize {
+        if self.source.starts_with(NO_STAGE) {
+            0
+        } else {
+            2 * self.schedule.config.stage_bytes
+        }
+    }
+}
+
 /// Output rows per matvec tile on the GPU. Measured on an H200 (2026-11-26, `kiln-bench
 /// --synthetic … --device cuda --decode megakernel -p 0 -n 64 --batch 1,8 -r 3`): 8 rows (one
 /// per warp) decode 1.9× faster than 32 at batch 1 on both the SmolLM2-135M and the
@@ -376,13 +388,23 @@ pub struct Megakernel {
 /// the blocks and each warp makes a quarter of the dependent memory round trips.
 pub const MATVEC_ROWS: usize = 8;
 
-/// The tile sizes: [`MATVEC_ROWS`], or `KILN_MK_MATVEC_ROWS` output rows per matvec tile (1 to
-/// 1024; anything else keeps the default). A tuning knob for measuring the schedule on a GPU:
-/// fewer rows per tile spread a small matvec over more blocks, more rows cost fewer dependency
-/// waits.
+/// Bytes of one of the megakernel's two matvec staging buffers (its dynamic shared memory is
+/// twice this): a block copies its next matvec tile's weight rows into one while its current
+/// tile waits and computes from the other, and a tile holds no more rows than fit (8 rows of
+/// SmolLM2's 576 columns, 8 of the Llama-3.2-1B's 2,048, 4 of its gated 2,048, 2 of its
+/// 8,192-column down projection). 64 KiB beside the kernel's ~29 KB of static shared memory
+/// leaves room for two 256-thread blocks per SM on sm_90, which its registers (about 106 at
+/// batch 1, 128 at batch 8 under NVRTC 13.5) allow anyway; one on sm_80's 164 KB.
+pub const STAGE_BYTES: usize = 32 * 1024;
+
+/// The tile sizes: [`MATVEC_ROWS`] (or `KILN_MK_MATVEC_ROWS` output rows per matvec tile, 1 to
+/// 1024; anything else keeps the default), capped by [`STAGE_BYTES`]. A tuning knob for
+/// measuring the schedule on a GPU: fewer rows per tile spread a small matvec over more blocks,
+/// more rows cost fewer dependency waits.
 pub fn tile_config() -> TileConfig {
     let mut c = TileConfig {
         matvec_rows: MATVEC_ROWS,
+        stage_bytes: STAGE_BYTES,
         ..TileConfig::default()
     };
     if let Some(rows) = std::env::var("KILN_MK_MATVEC_ROWS")
@@ -395,11 +417,14 @@ pub fn tile_config() -> TileConfig {
     c
 }
 
-/// Whether matvec tiles ask L2 for their weights before waiting on their inputs (`MK_PREFETCH`
-/// in `cuda/megakernel/tiles.cuh`): on unless `KILN_MK_PREFETCH=0`, the switch for measuring it.
-/// UNVERIFIED on a GPU.
-pub fn prefetch_weights() -> bool {
-    std::env::var("KILN_MK_PREFETCH").map_or(true, |v| v.trim() != "0")
+/// What the source starts with when staging is compiled out.
+const NO_STAGE: &str = "#define MK_STAGE 0\n";
+
+/// Whether matvec tiles copy their weights into shared memory before waiting on their inputs
+/// (`MK_STAGE` in `cuda/megakernel/tiles.cuh`): on unless `KILN_MK_STAGE=0`, the switch for
+/// measuring it (the tiles keep the same sizes either way).
+pub fn stage_weights() -> bool {
+    std::env::var("KILN_MK_STAGE").map_or(true, |v| v.trim() != "0")
 }
 
 /// Lowers, schedules ([`tile_config`]) and emits.
@@ -407,8 +432,8 @@ pub fn generate(plan: &ExecutionPlan, batch: usize) -> Result<Megakernel, LowerE
     let program = lower_decode(plan, batch)?;
     let schedule = Schedule::build(&program, tile_config());
     let mut source = kiln_codegen::emit_source(&program, &schedule);
-    if !prefetch_weights() {
-        source.insert_str(0, "#define MK_PREFETCH 0\n");
+    if !stage_weights() {
+        source.insert_str(0, NO_STAGE);
     }
     Ok(Megakernel {
         program,
