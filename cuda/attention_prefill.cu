@@ -4,7 +4,8 @@
 // rows of one step may belong to different sequences (their own slot and position), GQA and
 // sliding windows as in decode. Written for correctness, not speed (K rows are read by one lane
 // each, no shared-memory K/V tiles). The cache is kv.cuh's paged pool, as in attention_decode.cu.
-// UNVERIFIED on a GPU.
+// Ran on an H200 (docs/gpu-results.md): prefill logits matched the CPU's at every prompt position
+// on every fixture (GQA and sliding windows included).
 #include "common.cuh"
 #include "kv.cuh"
 #include "attention.cuh"

@@ -5,7 +5,8 @@
 //  gated_value_add (nanochat value embeddings), smear (nanochat bigram smear, with the
 //  per-position state kept on the device), gather_rows (Op::LastRow).
 // All matrix kernels: grid (ceil(n / 256), rows), block 256; inputs and output may alias.
-// UNVERIFIED on a GPU.
+// Ran on an H200 (docs/gpu-results.md): the per-op path matched the CPU's logits on every
+// fixture (nanochat's included) within bf16 tolerance.
 #include "common.cuh"
 #include "kv.cuh"
 

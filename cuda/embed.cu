@@ -1,5 +1,6 @@
 // embed.cu: Op::Embed. out[t, :] = table[tokens[t], :] (bf16 table widened to f32).
-// Grid: (n_tok), block: 256 threads. UNVERIFIED on a GPU.
+// Grid: (n_tok), block: 256 threads. Ran on an H200 (docs/gpu-results.md): the per-op path
+// matched the CPU's logits on every fixture.
 #include "common.cuh"
 
 extern "C" __global__ void embed_bf16(const u32* __restrict__ tokens,

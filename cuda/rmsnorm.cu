@@ -1,7 +1,8 @@
 // rmsnorm.cu: Op::RmsNorm (with or without an f32 weight), the MatMul norm prologue, and
 // Op::HeadNorm (per-head RMSNorm without weight, times `scale`). Statistics in f32, exactly the
 // formula of src/backend/cpu/norm.rs: x * (1 / sqrt(mean(x^2) + eps)) [* w].
-// UNVERIFIED on a GPU.
+// Ran on an H200 (docs/gpu-results.md): the per-op path matched the CPU's logits on every
+// fixture within bf16 tolerance (tests/gpu.rs).
 #include "common.cuh"
 
 // Grid: (rows), block: 256 threads. `w` may be null (no weight). `x` and `out` may alias.
@@ -22,7 +23,7 @@ extern "C" __global__ void rms_norm(const float* x, int x_stride, const float* _
 
 // One warp per (row, head). Grid: (ceil(rows * heads / 4)), block: 128 threads.
 // `w` (nullable) is a [head_dim] weight shared by the heads (Qwen3/Gemma 3 q/k norm); the
-// weighted form is UNVERIFIED on a GPU (compiled with NVRTC only).
+// weighted form ran on an H200 in the qwen3 and gemma3 fixtures, whose logits matched the CPU's.
 extern "C" __global__ void head_norm(const float* x, int x_stride, float* out, int out_stride,
                                      int rows, int heads, int head_dim, float eps, float scale,
                                      const float* w) {

@@ -5,7 +5,8 @@
 // uniform(ctl[r].seed, ctl[r].row_id, positions[r]). Each row has its own MkRow, so rows with
 // different sampling parameters share a launch. See sample.cuh for where it can differ from the
 // CPU (only by rounding at a boundary).
-// UNVERIFIED on a GPU: compiled with NVRTC for sm_80 / sm_90 only.
+// Ran on an H200 (sm_90; sm_80 is compiled only; docs/gpu-results.md): on the same logits it
+// picks the host sampler's tokens (tests/gpu.rs), and seeded sampling reproduces across runs.
 #include "common.cuh"
 #include "sample.cuh"
 

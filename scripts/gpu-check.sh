@@ -6,8 +6,9 @@
 # recorded as such, so the table always prints.
 #
 #   scripts/gpu-check.sh                      # every stage; logs in $KILN_GPU_WORK (default
-#                                             # /tmp/kiln-gpu-check); with $OUT set, also
-#                                             # $OUT/summary.md and $OUT/gpu-check-logs.tgz
+#                                             # /tmp/kiln-gpu-check); with KILN_GPU_OUT set
+#                                             # (a directory to collect results in), also
+#                                             # summary.md and gpu-check-logs.tgz there
 #   KILN_GPU_STAGES=env,tests scripts/gpu-check.sh   # only some stages (names below)
 #   scripts/gpu-check.sh --stash-only         # only keep what this transfer carried (below)
 #
@@ -40,8 +41,9 @@
 #  bench      kiln-bench --device cuda --decode megakernel|per-op, tg$KILN_BENCH_N (128) at batch
 #             $KILN_BATCHES (1,2,4,8), -r $KILN_BENCH_REPS (5), for KILN_GPU_BENCH_MODELS (default:
 #             the synthetic Llama-3.2-1B and SmolLM2-135M shapes, the demo GGUF when present, a
-#             CPU row); the megakernel once per KILN_GPU_MK_ROWS value ("default", or matvec rows
-#             per tile, e.g. "default 8 16").
+#             CPU row); the megakernel once per KILN_GPU_MK_ROWS value ("default", matvec rows
+#             per tile, "nostage": no shared-memory weight staging, or "split": small tiles'
+#             rows split across warps; e.g. "default 16 nostage split").
 #  ncu        Nsight Compute: one megakernel step (speed of light, occupancy, warp stalls) and
 #             the per-op path's kernel times over about one step.
 #  sanitize   compute-sanitizer memcheck on a few per-op and megakernel steps, racecheck and
@@ -65,7 +67,9 @@ TEST_LIMIT=${KILN_GPU_TEST_LIMIT:-120}
 TEST_SKIP=${KILN_GPU_TEST_SKIP-generated_megakernel_compiles_for_sm90_and_sm80}
 N_GEN=${KILN_BENCH_N:-128}
 REPS=${KILN_BENCH_REPS:-5}
-# Matvec rows per megakernel tile to bench (KILN_MK_MATVEC_ROWS); "default" is the built-in size.
+# Matvec rows per megakernel tile to bench (KILN_MK_MATVEC_ROWS); "default" is the built-in size,
+# "nostage" the built-in size without the weight staging (KILN_MK_STAGE=0), "split" with small
+# tiles' rows split across warps (KILN_MK_SPLIT=1).
 MK_ROWS=${KILN_GPU_MK_ROWS:-default}
 # Synthetic shape names, smollm2-gguf (the demo model, when present) and cpu (a CPU row).
 BENCH_MODELS=${KILN_GPU_BENCH_MODELS:-llama-3.2-1b smollm2-135m smollm2-gguf cpu}
@@ -176,10 +180,11 @@ stage() {
 finish() {
     echo
     "$PY" scripts/gpu_report.py table "$WORK" | tee "$WORK/summary.md" || cat "$WORK/stages.tsv"
-    if [[ -n ${OUT:-} ]]; then
-        cp "$WORK/summary.md" "$OUT/summary.md" 2>/dev/null || true
-        tar czf "$OUT/gpu-check-logs.tgz" -C "$WORK" . || true
-        echo "(logs: \$OUT/gpu-check-logs.tgz, table: \$OUT/summary.md)"
+    if [[ -n ${KILN_GPU_OUT:-} ]]; then
+        mkdir -p "$KILN_GPU_OUT"
+        cp "$WORK/summary.md" "$KILN_GPU_OUT/summary.md" 2>/dev/null || true
+        tar czf "$KILN_GPU_OUT/gpu-check-logs.tgz" -C "$WORK" . || true
+        echo "(logs: $KILN_GPU_OUT/gpu-check-logs.tgz, table: $KILN_GPU_OUT/summary.md)"
     else
         echo "(logs: $WORK)"
     fi
@@ -337,11 +342,19 @@ fi
 bench() { # name, then kiln-bench's model arguments
     local name=$1 rows
     shift
-    # The megakernel at each KILN_GPU_MK_ROWS (matvec rows per tile; "default" keeps the
-    # built-in size), then the per-op path.
+    # The megakernel at each KILN_GPU_MK_ROWS value (matvec rows per tile; "default" keeps
+    # the built-in size; "nostage" is the default size without the shared-memory weight
+    # staging, KILN_MK_STAGE=0; "split" splits small tiles' rows across warps, KILN_MK_SPLIT=1),
+    # then the per-op path.
     for rows in $MK_ROWS; do
         local label=megakernel envs=()
-        if [[ $rows != default ]]; then
+        if [[ $rows == nostage ]]; then
+            label=megakernel-nostage
+            envs=(KILN_MK_STAGE=0)
+        elif [[ $rows == split ]]; then
+            label=megakernel-split
+            envs=(KILN_MK_SPLIT=1)
+        elif [[ $rows != default ]]; then
             label=megakernel-r$rows
             envs=(KILN_MK_MATVEC_ROWS="$rows")
         fi

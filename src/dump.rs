@@ -28,7 +28,8 @@ pub enum Stage {
     Plan,
     /// The decode plan lowered to a `DecodeProgram` and its tile schedule (batch 1).
     Megakernel,
-    /// The CUDA C source generated for that program (unverified on a GPU).
+    /// The CUDA C source generated for that program: what the GPU compiles and runs (run on an
+    /// H200, docs/gpu-results.md).
     Cuda,
 }
 

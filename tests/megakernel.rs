@@ -319,6 +319,7 @@ fn megakernel_without_weight_staging_compiles() {
         program: k.program.clone(),
         schedule: k.schedule.clone(),
         source: format!("#define MK_STAGE 0\n{}", k.source),
+        staged: false,
     };
     assert_eq!(off.shared_bytes(), 0);
     if let Err(e) = nvrtc::ensure_loaded() {
@@ -338,6 +339,40 @@ fn megakernel_without_weight_staging_compiles() {
     assert!(!c.log.contains("mk_stage_tile"), "{}", c.log);
     for f in &c.kernels {
         assert_eq!((f.spill_stores, f.spill_loads), (0, 0), "{}", f.name);
+    }
+}
+
+/// The split-row matvec (`KILN_MK_SPLIT=1` puts `#define MK_SPLIT 1` ahead of the source; off
+/// by default until a GPU has run it) compiles without spills at batch 1 and 8.
+#[cfg(feature = "cuda")]
+#[test]
+fn megakernel_with_split_rows_compiles() {
+    use kiln::backend::cuda::kernels::CudaSource;
+    use kiln::backend::cuda::nvrtc;
+    if kiln::backend::cuda::megakernel::split_rows() {
+        println!("SKIPPED: KILN_MK_SPLIT is set");
+        return;
+    }
+    if let Err(e) = nvrtc::ensure_loaded() {
+        println!("SKIPPED: {e}");
+        return;
+    }
+    let Some(include) = nvrtc::find_include_dir() else {
+        println!("SKIPPED: cuda_bf16.h not found");
+        return;
+    };
+    for batch in [1usize, 8] {
+        let k = generate(&plan("tests/fixtures/llama_tied"), batch).unwrap();
+        assert!(!k.source.contains("#define MK_SPLIT 1"));
+        let src = CudaSource {
+            file: Box::leak(format!("megakernel_llama_tied_split_b{batch}.cu").into_boxed_str()),
+            text: Box::leak(format!("#define MK_SPLIT 1\n{}", k.source).into_boxed_str()),
+            kernels: &["kiln_decode_step"],
+        };
+        let c = nvrtc::compile(&src, 90, &include).unwrap_or_else(|e| panic!("{e}"));
+        for f in &c.kernels {
+            assert_eq!((f.spill_stores, f.spill_loads), (0, 0), "{}", f.name);
+        }
     }
 }
 

@@ -16,7 +16,8 @@
 //!   tile kind.
 //!
 //! This verifies the lowering, the dependencies and the kernel arguments as the interpreter
-//! reads them; the CUDA code itself is UNVERIFIED on a GPU.
+//! reads them; the CUDA code itself is checked only on a GPU (`tests/gpu.rs`, run on an H200:
+//! docs/gpu-results.md).
 
 mod common;
 

@@ -32,8 +32,10 @@
 //! ([`crate::interp`]) read: the interpreter's `run_tile` mirrors the kernel's `switch` below,
 //! case for case, and must change with it.
 //!
-//! UNVERIFIED on a GPU: the generated source compiles with NVRTC for sm_80 and sm_90 (kiln's
-//! `tests/megakernel.rs`), nothing of it has been executed.
+//! The generated source compiles with NVRTC for sm_80 and sm_90 without spills (kiln's
+//! `tests/megakernel.rs`) and has run on an H200 (sm_90; docs/gpu-results.md): 256 greedy steps
+//! equal to kiln's per-op CUDA path and CPU up to near ties on every fixture that lowers and the
+//! demo model, compute-sanitizer clean. sm_80 has not run.
 
 use std::fmt::Write;
 
@@ -513,7 +515,7 @@ pub fn tables(p: &DecodeProgram, s: &Schedule) -> Tables {
 /// calling its `__noinline__` tile function with arguments loaded from the row. The kernel's
 /// size and register pressure therefore do not grow with the number of layers (one case per
 /// instruction, with literal arguments, spilled about 1.3 KB per thread at SmolLM2-135M's 30
-/// layers). Register / spill counts are from ptxas via NVRTC only: UNVERIFIED on a GPU.
+/// layers). Register / spill counts are ptxas's, through NVRTC.
 pub fn emit_kernel(p: &DecodeProgram, s: &Schedule) -> String {
     let (_, arena) = p.buffer_offsets();
     let n_instr = p.instrs.len();

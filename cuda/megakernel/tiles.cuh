@@ -20,7 +20,9 @@
 // Dependency counters: a waiting block polls with ld.acquire.gpu, a finished tile publishes
 // with __threadfence + red.release.gpu.
 // Ran on an H200 (2026-11-26, docs/gpu-results.md): 256 greedy steps equal to the per-op path
-// up to near ties on every fixture that lowers and the demo model; compute-sanitizer clean.
+// up to near ties on every fixture that lowers and the demo model; compute-sanitizer clean. The
+// staged matvec (two cp.async buffers) ran there too: fixtures equal for 256 steps, padding
+// rows and late starts pass, racecheck (shared memory) and memcheck clean.
 #pragma once
 
 #define MK_THREADS 256
@@ -65,6 +67,15 @@ __device__ __forceinline__ void mk_wait(const unsigned* counters, const int* wai
 #define MK_STAGE_BYTES 32768
 #endif
 #define MK_STAGE_U4 (MK_STAGE_BYTES / 16)
+// Whether a matvec tile of fewer rows than warps splits each row's columns across several warps
+// (MK_WARPS / rows of them, partial sums added in shared memory) instead of leaving the other
+// warps idle. Off unless the host compiles with MK_SPLIT 1 (KILN_MK_SPLIT=1): UNVERIFIED on a
+// GPU. Why: on the H200 a Llama-3.2-1B step spent 24% of its stall samples at the barrier
+// ending a tile, where the warps of a 2- or 4-row tile with no row wait for the others
+// (docs/gpu-results.md, run 8).
+#ifndef MK_SPLIT
+#define MK_SPLIT 0
+#endif
 
 // The two staging buffers, MK_STAGE_U4 16-byte words each (dynamic shared memory).
 extern __shared__ __align__(16) uint4 mk_stage[];
@@ -87,6 +98,9 @@ __device__ __forceinline__ bool mk_stageable(const __nv_bfloat16* w, const __nv_
 // tile reads only activations from global memory. The first H200 runs measured the step as a
 // chain of dependent phases whose tiles each paid several dependent DRAM round trips after
 // their inputs landed, with at most one 16-byte load in flight per lane (docs/gpu-results.md).
+// Measured on an H200 against KILN_MK_STAGE=0 (same tiles): +7% at batch 1 on SmolLM2-135M
+// (875 vs 816 tokens/s), -8% at batch 8, -8% on the Llama-3.2-1B shape at batch 1, whose tiles
+// of 2 and 4 rows leave most warps idle (docs/gpu-results.md): a mixed result, kept switchable.
 __device__ __forceinline__ void mk_stage_rows(const __nv_bfloat16* w, const __nv_bfloat16* up,
                                               int r0, int r1, int k, int buf) {
     if (!mk_stageable(w, up, r0, r1, k)) return;
@@ -198,7 +212,12 @@ __device__ __noinline__ void mk_matvec(const __nv_bfloat16* __restrict__ w,
 #pragma unroll
     for (int b = 0; b < B; ++b) inv[b] = 1.0f;
     bool first = true;
-    for (int r = r0 + warp; r < r1; r += MK_WARPS) {
+    // `gw` warps per row (1 unless MK_SPLIT and the tile has fewer rows than warps); warp w
+    // takes row r0 + w / gw and the column slice w % gw. With gw > 1 a warp has one row at most.
+    const int gw = (MK_SPLIT && r1 - r0 < MK_WARPS) ? MK_WARPS / (r1 - r0) : 1;
+    const int slice = warp % gw;
+    __shared__ float part[MK_WARPS][3][MK_MAX_BATCH];
+    for (int r = r0 + warp / gw; r < r1; r += MK_WARPS / gw) {
         const __nv_bfloat16* wr = w + (size_t)r * k;
         const __nv_bfloat16* ur = up ? up + (size_t)r * k : nullptr;
         float a[B], u[B], sq[B];
@@ -215,7 +234,7 @@ __device__ __noinline__ void mk_matvec(const __nv_bfloat16* __restrict__ w,
             // issues 2·B of them, and unrolling would spill.
             constexpr int U = B == 1 ? 4 : (B == 2 ? 2 : 1);
 #pragma unroll U
-            for (int c8 = lane; c8 < k8; c8 += 32) {
+            for (int c8 = lane + 32 * slice; c8 < k8; c8 += 32 * gw) {
                 float wv[8], uv[8];
                 mk_unpack8(staged ? w8[c8] : __ldg(w8 + c8), wv);
                 if (u8) {
@@ -248,7 +267,7 @@ __device__ __noinline__ void mk_matvec(const __nv_bfloat16* __restrict__ w,
                 }
             }
         } else {
-            for (int c = lane; c < k; c += 32) {
+            for (int c = lane + 32 * slice; c < k; c += 32 * gw) {
                 const float sc = nw ? nw[c] : 1.0f;
                 const float wv = __bfloat162float(wr[c]) * sc;
                 const float uv = ur ? __bfloat162float(ur[c]) * sc : 0.0f;
@@ -260,6 +279,20 @@ __device__ __noinline__ void mk_matvec(const __nv_bfloat16* __restrict__ w,
                     if (norm_here) sq[b] = fmaf(xv, xv, sq[b]);
                 }
             }
+        }
+        if (gw > 1) {
+            // This warp's slice: its sums go to shared memory, the row's first warp adds them up
+            // after the loop.
+#pragma unroll
+            for (int b = 0; b < B; ++b) {
+                const float sa = warp_sum(a[b]), su = warp_sum(u[b]), ss = warp_sum(sq[b]);
+                if (lane == 0) {
+                    part[warp][0][b] = sa;
+                    part[warp][1][b] = su;
+                    part[warp][2][b] = ss;
+                }
+            }
+            continue;
         }
         if (norm_here) {
 #pragma unroll
@@ -283,6 +316,34 @@ __device__ __noinline__ void mk_matvec(const __nv_bfloat16* __restrict__ w,
                 }
                 out[(size_t)b * os + r] = v;
             }
+        }
+    }
+    if (gw > 1) {  // block-uniform
+        __syncthreads();
+        const int r = r0 + warp / gw;
+        if (slice == 0 && r < r1 && lane < B) {
+            // Lane b adds up batch row b's slices, in slice order.
+            const int b = lane;
+            float sa = 0.0f, su = 0.0f, ss = 0.0f;
+            for (int j = 0; j < gw; ++j) {
+                sa += part[warp + j][0][b];
+                su += part[warp + j][1][b];
+                ss += part[warp + j][2][b];
+            }
+            const float iv = use_norm ? rsqrtf(ss / (float)k + eps) : 1.0f;
+            const float g = sa * iv + (bias ? bias[r] : 0.0f);
+            const float uu = su * iv;
+            float v = g;
+            if (up) {
+                v = kiln_act(act, g) * uu;
+            } else if (epi == MK_EPI_ACT) {
+                v = kiln_act(act, g);
+            } else if (epi == MK_EPI_RESIDUAL) {
+                v = res[(size_t)b * rs + r] + g;
+            } else if (epi == MK_EPI_SOFTCAP) {
+                v = cap * tanhf(g / cap);
+            }
+            out[(size_t)b * os + r] = v;
         }
     }
 }

@@ -181,7 +181,8 @@ impl DeviceCopy {
 
 /// Copies a `mib` MiB buffer of non-zero bytes to another on GPU 0: 3 warm-up copies, then
 /// `reps` copies each timed by CUDA events on the stream; checks every byte of the destination
-/// afterwards. **UNVERIFIED on a GPU**: compiled against cudarc 0.19, never run.
+/// afterwards. On an H200 (docs/gpu-results.md): 4,195 to 4,211 GB/s over several runs, against
+/// 4,148 to 4,199 GB/s for torch's `copy_` in the same runs.
 #[cfg(feature = "cuda")]
 pub fn device_copy(mib: usize, reps: usize) -> Result<DeviceCopy, BandwidthError> {
     use cudarc::driver::sys::CUevent_flags;

@@ -861,7 +861,8 @@ fn measure_gpu_bandwidth(args: &Args) -> Result<()> {
 /// through the graph-replayed megakernel or per-op kernels, sampling on the device, exactly as
 /// `kiln --device cuda` generates. Timing is wall time around calls that return only once the
 /// device work they started has finished (logits or tokens are on the host).
-/// UNVERIFIED on a GPU (written on machines without one).
+/// Ran on an H200 for decode (`-p 0`, both paths, batch 1 to 8; docs/gpu-results.md); the
+/// prefill timing (`ppN`) has not run on a GPU.
 struct CudaTarget {
     engine: Arc<Engine>,
 }

@@ -1,9 +1,11 @@
 //! The CUDA backend as an engine's device: decode kernel by kernel or through the
 //! graph-replayed megakernel, sampling on the device.
 //!
-//! UNVERIFIED on a GPU: this compiles, and the machines it was written on have none.
-//! `tests/gpu.rs`, `tests/gpu_engine.rs` and `scripts/gpu-check.sh` are the checks for a GPU
-//! machine.
+//! Ran on an H200 (docs/gpu-results.md): `tests/gpu_engine.rs` passes, the CPU, per-op and
+//! megakernel engines generating the same tokens (up to near ties, which the tests print) on
+//! every fixture directory (64 tokens) and on 256 SmolLM2 tokens with 2, 3 and 8 rows at once,
+//! and seeded sampling reproducing across runs. `tests/gpu.rs`, `tests/gpu_engine.rs` and
+//! `scripts/gpu-check.sh` are the checks for a GPU machine.
 
 use std::sync::Arc;
 

@@ -2,14 +2,15 @@
 //! (used by `sample_rows` and the decode megakernel's Sample tiles), driven by the same
 //! [`MkRow`] (one row's controls) the device reads.
 //!
-//! Why it exists: the CUDA is UNVERIFIED on a GPU (NVRTC compiles it, nothing has run it), so the
-//! algorithm's design is checked here instead, on the CPU: the radix descent over 64-bit
-//! composites, the exact integer weights, the bucket gather and sort, and the three questions
-//! (top-k, top-p, the draw). The tests compare it bit for bit with a full-sort reference of the
+//! Why it exists: CI has no GPU, and a GPU run checks only the rows it is given, so the
+//! algorithm's design is checked here, on the CPU: the radix descent over 64-bit composites, the
+//! exact integer weights, the bucket gather and sort, and the three questions (top-k, top-p, the
+//! draw). The tests compare it bit for bit with a full-sort reference of the
 //! same arithmetic, and with [`super::sample`] on thousands of random rows, where the only
 //! differences allowed are the rounding ones `cuda/sample.cuh` documents (exact integer sums
 //! here, f32 sums in the CPU sampler). On a GPU it predicts the device's token exactly, except
-//! where CUDA's `expf` and the host's `exp` round a weight differently.
+//! where CUDA's `expf` and the host's `exp` round a weight differently. The CUDA itself ran on an
+//! H200 (docs/gpu-results.md): on the same logits it picked the host sampler's tokens.
 //!
 //! Each function names the device function it models.
 
