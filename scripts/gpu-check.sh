@@ -43,7 +43,8 @@
 #             the synthetic Llama-3.2-1B and SmolLM2-135M shapes, the demo GGUF when present, a
 #             CPU row); the megakernel once per KILN_GPU_MK_ROWS value ("default", matvec rows
 #             per tile, "nostage": no shared-memory weight staging, or "split": small tiles'
-#             rows split across warps; e.g. "default 16 nostage split").
+#             rows split across warps, or "preload": arguments loaded before the wait; e.g.
+#             "default 16 nostage split preload").
 #  ncu        Nsight Compute: one megakernel step (speed of light, occupancy, warp stalls) and
 #             the per-op path's kernel times over about one step.
 #  sanitize   compute-sanitizer memcheck on a few per-op and megakernel steps, racecheck and
@@ -69,7 +70,8 @@ N_GEN=${KILN_BENCH_N:-128}
 REPS=${KILN_BENCH_REPS:-5}
 # Matvec rows per megakernel tile to bench (KILN_MK_MATVEC_ROWS); "default" is the built-in size,
 # "nostage" the built-in size without the weight staging (KILN_MK_STAGE=0), "split" with small
-# tiles' rows split across warps (KILN_MK_SPLIT=1).
+# tiles' rows split across warps (KILN_MK_SPLIT=1), "preload" with tile arguments loaded before
+# the wait (KILN_MK_PRELOAD=1).
 MK_ROWS=${KILN_GPU_MK_ROWS:-default}
 # Synthetic shape names, smollm2-gguf (the demo model, when present) and cpu (a CPU row).
 BENCH_MODELS=${KILN_GPU_BENCH_MODELS:-llama-3.2-1b smollm2-135m smollm2-gguf cpu}
@@ -344,8 +346,8 @@ bench() { # name, then kiln-bench's model arguments
     shift
     # The megakernel at each KILN_GPU_MK_ROWS value (matvec rows per tile; "default" keeps
     # the built-in size; "nostage" is the default size without the shared-memory weight
-    # staging, KILN_MK_STAGE=0; "split" splits small tiles' rows across warps, KILN_MK_SPLIT=1),
-    # then the per-op path.
+    # staging, KILN_MK_STAGE=0; "split" splits small tiles' rows across warps, KILN_MK_SPLIT=1;
+    # "preload" loads tile arguments before the wait, KILN_MK_PRELOAD=1), then the per-op path.
     for rows in $MK_ROWS; do
         local label=megakernel envs=()
         if [[ $rows == nostage ]]; then
@@ -354,6 +356,9 @@ bench() { # name, then kiln-bench's model arguments
         elif [[ $rows == split ]]; then
             label=megakernel-split
             envs=(KILN_MK_SPLIT=1)
+        elif [[ $rows == preload ]]; then
+            label=megakernel-preload
+            envs=(KILN_MK_PRELOAD=1)
         elif [[ $rows != default ]]; then
             label=megakernel-r$rows
             envs=(KILN_MK_MATVEC_ROWS="$rows")

@@ -629,6 +629,11 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
                  unsigned* counters, unsigned* epoch_ctr,\n\
                  const MkControl* __restrict__ ctl, unsigned* ring) {\n\
     __shared__ unsigned epoch_sh;\n\
+#if MK_PRELOAD\n\
+    __shared__ int pre_tile[4];\n\
+    __shared__ int pre_g[MK_NARGS];\n\
+    __shared__ float pre_fa[MK_NFARGS];\n\
+#endif\n\
     if (threadIdx.x == 0) epoch_sh = mk_ld_acquire(epoch_ctr) + 1u;\n\
     __syncthreads();\n\
     // Only `t` and `buf` live across the tile calls: the epoch stays in shared memory, the instruction is\n\
@@ -643,12 +648,30 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
 #if MK_STAGE\n\
         mk_stage_tile(t + gridDim.x, wt, buf ^ 1);\n\
 #endif\n\
+#if MK_PRELOAD\n\
+        // The tile's header and argument row depend on nothing in the step: into shared memory\n\
+        // before the wait (whose closing barrier publishes them), so that no chain of table\n\
+        // loads follows it. The previous tile read its arguments before mk_signal's barrier.\n\
+        if (threadIdx.x < 4) {\n\
+            pre_tile[threadIdx.x] = mk_tiles[4 * t + threadIdx.x];\n\
+        } else if (threadIdx.x < 4 + MK_NARGS + MK_NFARGS) {\n\
+            const int j = threadIdx.x - 4, row = mk_arg_row[mk_tiles[4 * t]] + mk_tiles[4 * t + 1];\n\
+            if (j < MK_NARGS) pre_g[j] = mk_args[MK_NARGS * row + j];\n\
+            else pre_fa[j - MK_NARGS] = mk_fargs[MK_NFARGS * row + j - MK_NARGS];\n\
+        }\n\
+#endif\n\
         mk_wait(counters, mk_waits + 2 * mk_wait_start[t], mk_wait_start[t + 1] - mk_wait_start[t], epoch_sh);\n\
+#if MK_PRELOAD\n\
+        const int lo = pre_tile[2], hi = pre_tile[3];\n\
+        const int* g = pre_g;\n\
+        const float* fa = pre_fa;\n\
+#else\n\
         const int op = mk_tiles[4 * t], seg = mk_tiles[4 * t + 1];\n\
         const int lo = mk_tiles[4 * t + 2], hi = mk_tiles[4 * t + 3];\n\
         const int row = mk_arg_row[op] + seg;\n\
         const int* g = mk_args + MK_NARGS * row;\n\
         const float* fa = mk_fargs + MK_NFARGS * row;\n\
+#endif\n\
         switch (g[0]) {\n\
         case MK_K_EMBED:\n\
             mk_embed(W(g[1]), g[2], tokens, pos, MK_BATCH, lo, hi, A(g[3]));\n\

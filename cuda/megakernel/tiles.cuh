@@ -76,6 +76,14 @@ __device__ __forceinline__ void mk_wait(const unsigned* counters, const int* wai
 #ifndef MK_SPLIT
 #define MK_SPLIT 0
 #endif
+// Whether the kernel loads each tile's header and argument row into shared memory before its
+// dependency wait instead of after (the generated loop's MK_PRELOAD blocks). Off unless the host
+// compiles with MK_PRELOAD 1 (KILN_MK_PRELOAD=1): UNVERIFIED on a GPU. Why: on the H200 each
+// wait was followed by three dependent table loads (tile, argument row, arguments) before the
+// tile could start (docs/gpu-results.md, run 8).
+#ifndef MK_PRELOAD
+#define MK_PRELOAD 0
+#endif
 
 // The two staging buffers, MK_STAGE_U4 16-byte words each (dynamic shared memory).
 extern __shared__ __align__(16) uint4 mk_stage[];

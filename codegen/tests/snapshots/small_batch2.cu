@@ -158,6 +158,11 @@ int* pos, int* tokens, const float* __restrict__ inv_freq,
 unsigned* counters, unsigned* epoch_ctr,
 const MkControl* __restrict__ ctl, unsigned* ring) {
 __shared__ unsigned epoch_sh;
+#if MK_PRELOAD
+__shared__ int pre_tile[4];
+__shared__ int pre_g[MK_NARGS];
+__shared__ float pre_fa[MK_NFARGS];
+#endif
 if (threadIdx.x == 0) epoch_sh = mk_ld_acquire(epoch_ctr) + 1u;
 __syncthreads();
 // Only `t` and `buf` live across the tile calls: the epoch stays in shared memory, the instruction is
@@ -172,12 +177,30 @@ for (int t = blockIdx.x; t < MK_TILES; t += gridDim.x, buf ^= 1) {
 #if MK_STAGE
 mk_stage_tile(t + gridDim.x, wt, buf ^ 1);
 #endif
+#if MK_PRELOAD
+// The tile's header and argument row depend on nothing in the step: into shared memory
+// before the wait (whose closing barrier publishes them), so that no chain of table
+// loads follows it. The previous tile read its arguments before mk_signal's barrier.
+if (threadIdx.x < 4) {
+pre_tile[threadIdx.x] = mk_tiles[4 * t + threadIdx.x];
+} else if (threadIdx.x < 4 + MK_NARGS + MK_NFARGS) {
+const int j = threadIdx.x - 4, row = mk_arg_row[mk_tiles[4 * t]] + mk_tiles[4 * t + 1];
+if (j < MK_NARGS) pre_g[j] = mk_args[MK_NARGS * row + j];
+else pre_fa[j - MK_NARGS] = mk_fargs[MK_NFARGS * row + j - MK_NARGS];
+}
+#endif
 mk_wait(counters, mk_waits + 2 * mk_wait_start[t], mk_wait_start[t + 1] - mk_wait_start[t], epoch_sh);
+#if MK_PRELOAD
+const int lo = pre_tile[2], hi = pre_tile[3];
+const int* g = pre_g;
+const float* fa = pre_fa;
+#else
 const int op = mk_tiles[4 * t], seg = mk_tiles[4 * t + 1];
 const int lo = mk_tiles[4 * t + 2], hi = mk_tiles[4 * t + 3];
 const int row = mk_arg_row[op] + seg;
 const int* g = mk_args + MK_NARGS * row;
 const float* fa = mk_fargs + MK_NFARGS * row;
+#endif
 switch (g[0]) {
 case MK_K_EMBED:
 mk_embed(W(g[1]), g[2], tokens, pos, MK_BATCH, lo, hi, A(g[3]));

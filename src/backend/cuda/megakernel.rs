@@ -435,6 +435,13 @@ pub fn split_rows() -> bool {
     std::env::var("KILN_MK_SPLIT").is_ok_and(|v| v.trim() == "1")
 }
 
+/// Whether the kernel loads each tile's arguments into shared memory before its dependency wait
+/// (`MK_PRELOAD` in `cuda/megakernel/tiles.cuh`): off unless `KILN_MK_PRELOAD=1`. UNVERIFIED on
+/// a GPU (compiled with NVRTC only), hence opt-in until a GPU run measures it.
+pub fn preload_args() -> bool {
+    std::env::var("KILN_MK_PRELOAD").is_ok_and(|v| v.trim() == "1")
+}
+
 /// Lowers, schedules ([`tile_config`]) and emits.
 pub fn generate(plan: &ExecutionPlan, batch: usize) -> Result<Megakernel, LowerError> {
     let program = lower_decode(plan, batch)?;
@@ -446,6 +453,9 @@ pub fn generate(plan: &ExecutionPlan, batch: usize) -> Result<Megakernel, LowerE
     }
     if split_rows() {
         source.insert_str(0, "#define MK_SPLIT 1\n");
+    }
+    if preload_args() {
+        source.insert_str(0, "#define MK_PRELOAD 1\n");
     }
     Ok(Megakernel {
         program,
