@@ -619,9 +619,19 @@ fn serve_memory_stays_within_the_kv_budget() {
         .unwrap()
         .parse()
         .unwrap();
+    // The server's stderr, kept for the failure message (a crash would otherwise not show).
+    let stderr = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = std::sync::Arc::clone(&stderr);
     std::thread::spawn(move || {
-        let mut sink = Vec::new();
-        let _ = err.read_to_end(&mut sink);
+        let mut b = [0u8; 4096];
+        while let Ok(n) = err.read(&mut b) {
+            if n == 0 {
+                break;
+            }
+            sink.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend_from_slice(&b[..n]);
+        }
     });
     let body = |c: usize| {
         json!({"prompt": "Once upon a time ".repeat(1 + c % 12), "max_tokens": 8 + c % 24,
@@ -636,29 +646,65 @@ fn serve_memory_stays_within_the_kv_budget() {
         );
     }
     let (idle, _) = memory(pid);
-    std::thread::scope(|scope| {
-        for c in 0..64 {
-            scope.spawn(move || {
-                let b = body(c).to_string();
-                let mut s = TcpStream::connect(addr).unwrap();
-                s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-                write!(
-                    s,
-                    "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}",
-                    b.len()
-                )
-                .unwrap();
-                let mut raw = Vec::new();
-                if c % 4 == 3 {
-                    let mut first = [0u8; 256];
-                    let _ = s.read(&mut first).unwrap();
-                    return;
-                }
-                s.read_to_end(&mut raw).unwrap();
-                assert!(String::from_utf8_lossy(&raw).contains("[DONE]"), "client {c}");
-            });
-        }
+    // Each client's failure, if any: all of them are reported together, with whether the
+    // server is still running and its stderr.
+    let failures: Vec<String> = std::thread::scope(|scope| {
+        let clients: Vec<_> = (0..64)
+            .map(|c| {
+                scope.spawn(move || -> Result<(), String> {
+                    let b = body(c).to_string();
+                    let mut s = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
+                    s.set_read_timeout(Some(Duration::from_secs(60)))
+                        .map_err(|e| e.to_string())?;
+                    write!(
+                        s,
+                        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}",
+                        b.len()
+                    )
+                    .map_err(|e| format!("write: {e}"))?;
+                    if c % 4 == 3 {
+                        let mut first = [0u8; 256];
+                        s.read(&mut first).map_err(|e| format!("read (hanging up): {e}"))?;
+                        return Ok(());
+                    }
+                    let mut raw = Vec::new();
+                    s.read_to_end(&mut raw).map_err(|e| {
+                        format!("read after {} bytes: {e}", raw.len())
+                    })?;
+                    let text = String::from_utf8_lossy(&raw);
+                    if text.contains("[DONE]") {
+                        Ok(())
+                    } else {
+                        Err(format!("no [DONE] in: {}", text.chars().take(300).collect::<String>()))
+                    }
+                })
+            })
+            .collect();
+        clients
+            .into_iter()
+            .enumerate()
+            .filter_map(|(c, h)| match h.join() {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(format!("client {c}: {e}")),
+                Err(_) => Some(format!("client {c}: panicked")),
+            })
+            .collect()
     });
+    if !failures.is_empty() {
+        let alive = child.try_wait().map(|s| s.is_none()).unwrap_or(false);
+        let _ = child.kill();
+        let log =
+            String::from_utf8_lossy(&stderr.lock().unwrap_or_else(|p| p.into_inner())).into_owned();
+        panic!(
+            "{} of 64 clients failed (server {}):\n{}\nserver stderr (last 3000 bytes):\n{}",
+            failures.len(),
+            if alive { "still running" } else { "exited" },
+            failures.join("\n"),
+            &log[(log.len().saturating_sub(3000)..log.len())
+                .find(|&i| log.is_char_boundary(i))
+                .unwrap_or(log.len())..]
+        );
+    }
     let (_, peak) = memory(pid);
     let grown = peak.saturating_sub(idle);
     let wait = Instant::now() + Duration::from_secs(10);
