@@ -219,16 +219,49 @@ fn an_unsupported_matmul_form_is_a_clear_error() {
     }
 }
 
+/// NVRTC's include directory, or `None` (with a SKIPPED line naming `what`) where NVRTC or the
+/// CUDA headers are missing.
+#[cfg(feature = "cuda")]
+fn nvrtc_or_skip(what: &str) -> Option<std::path::PathBuf> {
+    use kiln::backend::cuda::nvrtc;
+    if let Err(e) = nvrtc::ensure_loaded() {
+        println!("SKIPPED {what}: {e}");
+        return None;
+    }
+    let include = nvrtc::find_include_dir();
+    if include.is_none() {
+        println!("SKIPPED {what}: cuda_bf16.h not found");
+    }
+    include
+}
+
+/// Compiles `text` as `file` for sm_90 and asserts that no function spills; returns NVRTC's log.
+#[cfg(feature = "cuda")]
+fn compile_without_spills(file: String, text: String, include: &std::path::Path) -> String {
+    use kiln::backend::cuda::kernels::CudaSource;
+    use kiln::backend::cuda::nvrtc;
+    let src = CudaSource {
+        file: Box::leak(file.clone().into_boxed_str()),
+        text: Box::leak(text.into_boxed_str()),
+        kernels: &["kiln_decode_step"],
+    };
+    let c = nvrtc::compile(&src, 90, include).unwrap_or_else(|e| panic!("{file}: {e}"));
+    for f in &c.kernels {
+        assert_eq!(
+            (f.spill_stores, f.spill_loads),
+            (0, 0),
+            "{file}: {}",
+            f.name
+        );
+    }
+    c.log
+}
+
 #[cfg(feature = "cuda")]
 fn nvrtc_gate(with_smol: bool) {
     use kiln::backend::cuda::kernels::CudaSource;
     use kiln::backend::cuda::nvrtc;
-    if let Err(e) = nvrtc::ensure_loaded() {
-        println!("SKIPPED megakernel nvrtc gate: {e}");
-        return;
-    }
-    let Some(include) = nvrtc::find_include_dir() else {
-        println!("SKIPPED megakernel nvrtc gate: cuda_bf16.h not found");
+    let Some(include) = nvrtc_or_skip("megakernel nvrtc gate") else {
         return;
     };
     let mut models: Vec<(String, String)> = vec![];
@@ -302,8 +335,6 @@ fn generated_megakernel_compiles_for_sm90_and_sm80_without_spills() {
 #[cfg(feature = "cuda")]
 #[test]
 fn megakernel_without_weight_staging_compiles() {
-    use kiln::backend::cuda::kernels::CudaSource;
-    use kiln::backend::cuda::nvrtc;
     let k = generate(&plan("tests/fixtures/llama_tied"), 1).unwrap();
     assert!(k
         .source
@@ -322,24 +353,15 @@ fn megakernel_without_weight_staging_compiles() {
         staged: false,
     };
     assert_eq!(off.shared_bytes(), 0);
-    if let Err(e) = nvrtc::ensure_loaded() {
-        println!("SKIPPED: {e}");
-        return;
-    }
-    let Some(include) = nvrtc::find_include_dir() else {
-        println!("SKIPPED: cuda_bf16.h not found");
+    let Some(include) = nvrtc_or_skip("no-staging compile") else {
         return;
     };
-    let src = CudaSource {
-        file: "megakernel_llama_tied_no_stage.cu",
-        text: Box::leak(off.source.into_boxed_str()),
-        kernels: &["kiln_decode_step"],
-    };
-    let c = nvrtc::compile(&src, 90, &include).unwrap_or_else(|e| panic!("{e}"));
-    assert!(!c.log.contains("mk_stage_tile"), "{}", c.log);
-    for f in &c.kernels {
-        assert_eq!((f.spill_stores, f.spill_loads), (0, 0), "{}", f.name);
-    }
+    let log = compile_without_spills(
+        "megakernel_llama_tied_no_stage.cu".into(),
+        off.source,
+        &include,
+    );
+    assert!(!log.contains("mk_stage_tile"), "{log}");
 }
 
 /// The opt-in variants not yet run on a GPU compile without spills at batch 1 and 8: the
@@ -349,19 +371,12 @@ fn megakernel_without_weight_staging_compiles() {
 #[cfg(feature = "cuda")]
 #[test]
 fn megakernel_experimental_variants_compile() {
-    use kiln::backend::cuda::kernels::CudaSource;
     use kiln::backend::cuda::megakernel::{preload_args, split_rows};
-    use kiln::backend::cuda::nvrtc;
     if split_rows() || preload_args() {
         println!("SKIPPED: KILN_MK_SPLIT or KILN_MK_PRELOAD is set");
         return;
     }
-    if let Err(e) = nvrtc::ensure_loaded() {
-        println!("SKIPPED: {e}");
-        return;
-    }
-    let Some(include) = nvrtc::find_include_dir() else {
-        println!("SKIPPED: cuda_bf16.h not found");
+    let Some(include) = nvrtc_or_skip("experimental variants compile") else {
         return;
     };
     for batch in [1usize, 8] {
@@ -372,22 +387,11 @@ fn megakernel_experimental_variants_compile() {
             ("split", "#define MK_SPLIT 1\n"),
             ("preload", "#define MK_PRELOAD 1\n"),
         ] {
-            let src = CudaSource {
-                file: Box::leak(
-                    format!("megakernel_llama_tied_{name}_b{batch}.cu").into_boxed_str(),
-                ),
-                text: Box::leak(format!("{defines}{}", k.source).into_boxed_str()),
-                kernels: &["kiln_decode_step"],
-            };
-            let c = nvrtc::compile(&src, 90, &include).unwrap_or_else(|e| panic!("{name}: {e}"));
-            for f in &c.kernels {
-                assert_eq!(
-                    (f.spill_stores, f.spill_loads),
-                    (0, 0),
-                    "{name}: {}",
-                    f.name
-                );
-            }
+            compile_without_spills(
+                format!("megakernel_llama_tied_{name}_b{batch}.cu"),
+                format!("{defines}{}", k.source),
+                &include,
+            );
         }
     }
 }

@@ -179,6 +179,25 @@ __device__ __forceinline__ void mk_unpack8(uint4 v, float* f) {
     f[7] = __uint_as_float(v.w & 0xffff0000u);
 }
 
+// Output r of batch row b from its normed dot product g (bias added) and, for a gated matvec,
+// the up matrix's uu: act(g)·uu when gated, else the epilogue's act(g), residual + g,
+// cap·tanh(g / cap) or g.
+__device__ __forceinline__ void mk_matvec_store(float g, float uu, bool gated, int epi, int act,
+                                                float cap, const float* res, int rs, float* out,
+                                                int os, int b, int r) {
+    float v = g;
+    if (gated) {
+        v = kiln_act(act, g) * uu;
+    } else if (epi == MK_EPI_ACT) {
+        v = kiln_act(act, g);
+    } else if (epi == MK_EPI_RESIDUAL) {
+        v = res[(size_t)b * rs + r] + g;
+    } else if (epi == MK_EPI_SOFTCAP) {
+        v = cap * tanhf(g / cap);
+    }
+    out[(size_t)b * os + r] = v;
+}
+
 // Rows [r0, r1) of W [*, k] (and, if `up`, of the up matrix: gated) times norm?(x), plus the
 // f32 bias of W (null for none; a gated matvec has none). out[b * os + r] = epilogue(...). One
 // warp per row. The norm weight `nw` (f32, may be null) scales W's columns.
@@ -311,19 +330,7 @@ __device__ __noinline__ void mk_matvec(const __nv_bfloat16* __restrict__ w,
         for (int b = 0; b < B; ++b) {
             const float g = warp_sum(a[b]) * inv[b] + (bias ? bias[r] : 0.0f);
             const float uu = warp_sum(u[b]) * inv[b];
-            if (lane == 0) {
-                float v = g;
-                if (up) {
-                    v = kiln_act(act, g) * uu;
-                } else if (epi == MK_EPI_ACT) {
-                    v = kiln_act(act, g);
-                } else if (epi == MK_EPI_RESIDUAL) {
-                    v = res[(size_t)b * rs + r] + g;
-                } else if (epi == MK_EPI_SOFTCAP) {
-                    v = cap * tanhf(g / cap);
-                }
-                out[(size_t)b * os + r] = v;
-            }
+            if (lane == 0) mk_matvec_store(g, uu, up != nullptr, epi, act, cap, res, rs, out, os, b, r);
         }
     }
     if (gw > 1) {  // block-uniform
@@ -340,18 +347,7 @@ __device__ __noinline__ void mk_matvec(const __nv_bfloat16* __restrict__ w,
             }
             const float iv = use_norm ? rsqrtf(ss / (float)k + eps) : 1.0f;
             const float g = sa * iv + (bias ? bias[r] : 0.0f);
-            const float uu = su * iv;
-            float v = g;
-            if (up) {
-                v = kiln_act(act, g) * uu;
-            } else if (epi == MK_EPI_ACT) {
-                v = kiln_act(act, g);
-            } else if (epi == MK_EPI_RESIDUAL) {
-                v = res[(size_t)b * rs + r] + g;
-            } else if (epi == MK_EPI_SOFTCAP) {
-                v = cap * tanhf(g / cap);
-            }
-            out[(size_t)b * os + r] = v;
+            mk_matvec_store(g, su * iv, up != nullptr, epi, act, cap, res, rs, out, os, b, r);
         }
     }
 }
