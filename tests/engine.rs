@@ -504,6 +504,7 @@ fn logprobs_from_a_session_equal_the_schedulers() {
         .submit(Request {
             prompt: prompt.clone(),
             options: opts.clone(),
+            spec: None,
         })
         .unwrap()
     {

@@ -1,7 +1,7 @@
 //! The server's generation options end to end on loopback: log-probabilities checked against a
 //! log-softmax of the library's own logits, `response_format` outputs parsed and validated,
 //! nanochat's calculator through the chat API, penalties and the sampling extensions checked
-//! against the library, and the usage options.
+//! against the library, the usage options, and speculative decoding (`kiln serve --spec`).
 
 mod common;
 mod server_support;
@@ -678,4 +678,49 @@ fn usage_cached_tokens_and_include_usage() {
     assert!(rest.iter().all(|c| c["usage"].is_null()));
     assert_eq!(last["choices"], json!([]));
     assert_eq!(last["usage"]["completion_tokens"], 3);
+}
+
+/// With speculation on (`kiln serve --spec ngram`), greedy answers equal the library's plain
+/// decoding, streamed one token per chunk with log-probabilities for every token, two choices
+/// speculate side by side, and `/metrics` counts the proposals.
+#[test]
+fn speculative_serving_equals_plain_decoding() {
+    let srv = start(|c| c.spec = Some(kiln::engine::SpecOptions::ngram(4).unwrap()));
+    let e = &srv.engine;
+    let text = "the cat sat on the mat. the cat sat on the mat. the cat sat on the";
+    let prompt = e.tokenizer().encode(text).unwrap();
+    let (want, n) = library(e, &prompt, 24, &[]);
+    let body = json!({"prompt": prompt, "max_tokens": 24, "temperature": 0, "logprobs": 1});
+    let whole = post(&srv, "/v1/completions", &body).json();
+    assert_eq!(whole["choices"][0]["text"], want.as_str(), "{whole}");
+    let lp = whole["choices"][0]["logprobs"]["token_logprobs"]
+        .as_array()
+        .unwrap();
+    assert!(lp.iter().all(Value::is_number), "{lp:?}");
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["n"] = json!(2);
+    let r = post(&srv, "/v1/completions", &streamed);
+    let mut texts = [String::new(), String::new()];
+    let mut pieces = [0, 0];
+    for c in chunks(&r) {
+        for ch in c["choices"].as_array().unwrap() {
+            let i = ch["index"].as_u64().unwrap() as usize;
+            texts[i].push_str(ch["text"].as_str().unwrap());
+            pieces[i] += ch["logprobs"]["tokens"].as_array().map_or(0, Vec::len);
+        }
+    }
+    for (t, p) in texts.iter().zip(pieces) {
+        assert_eq!(t, &want);
+        assert!(p + 1 >= n, "{p} tokens streamed of {n}");
+    }
+    wait_until_idle(&srv);
+    let proposed = metric(&srv, "kiln_spec_proposed_tokens_total");
+    let accepted = metric(&srv, "kiln_spec_accepted_tokens_total");
+    assert!(
+        accepted > 0 && accepted <= proposed,
+        "{accepted} of {proposed}"
+    );
+    assert!(metric(&srv, "kiln_spec_verify_passes_total") > 0);
 }

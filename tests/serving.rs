@@ -285,6 +285,7 @@ fn batched_scheduler_equals_each_request_alone() {
         reqs.push(Request {
             prompt,
             options: opts,
+            spec: None,
         });
     }
     let opts = ServeOptions {
@@ -387,6 +388,7 @@ fn prefix_cache_computes_only_the_new_suffix() {
                 Request {
                     prompt: p.to_vec(),
                     options: greedy(8),
+                    spec: None,
                 },
                 sink(&store),
             )
@@ -460,6 +462,7 @@ fn decode_rows_always_run_and_prefill_keeps_a_quarter_of_the_budget() {
         let req = Request {
             prompt: vec![5 + i as u32, 9, 11],
             options: o,
+            spec: None,
         };
         s.submit(i as u64, req, sink(store)).unwrap();
     }
@@ -476,6 +479,7 @@ fn decode_rows_always_run_and_prefill_keeps_a_quarter_of_the_budget() {
         Request {
             prompt: long.clone(),
             options: greedy(4),
+            spec: None,
         },
         sink(&stores[streams]),
     )
@@ -523,6 +527,7 @@ fn engine_handle_serves_threads_and_cancellation() {
                     .submit(Request {
                         prompt: prompt.clone(),
                         options: opts.clone(),
+                        spec: None,
                     })
                     .unwrap()
                     .wait()
@@ -543,6 +548,7 @@ fn engine_handle_serves_threads_and_cancellation() {
         .submit(Request {
             prompt: vec![3, 4, 5],
             options: greedy(200),
+            spec: None,
         })
         .unwrap();
     assert!(matches!(req.next(), Some(Event::Step(_))));
@@ -562,6 +568,7 @@ fn engine_handle_serves_threads_and_cancellation() {
         .submit(Request {
             prompt: vec![3, 4, 5],
             options: greedy(200),
+            spec: None,
         })
         .unwrap();
     drop(req);
@@ -570,6 +577,7 @@ fn engine_handle_serves_threads_and_cancellation() {
         .submit(Request {
             prompt: vec![u32::MAX],
             options: greedy(4),
+            spec: None,
         })
         .err()
         .expect("refused");
@@ -626,6 +634,7 @@ fn kv_storage_types_greedy_agreement_on_the_demo_model() {
             .submit(Request {
                 prompt: prompt.clone(),
                 options: opts.clone(),
+                spec: None,
             })
             .unwrap()
             .wait()

@@ -1,7 +1,7 @@
 //! Speculative decoding (n-gram prompt lookup and a draft model): greedy output identical to
 //! plain decoding with stop strings, the context limit and forced tool tokens in play; sampled
 //! output distributed as the target's (chi-square over many seeds); drafts with another
-//! vocabulary refused.
+//! vocabulary refused; and the same through the scheduler, beside other requests.
 
 mod common;
 
@@ -9,9 +9,10 @@ use std::sync::Arc;
 
 use kiln::backend::cpu::CpuOptions;
 use kiln::engine::{
-    BatchResult, Engine, EngineError, FinishReason, GenerateOptions, LogitsProcessor, SpecError,
-    SpecOptions,
+    BatchResult, Engine, EngineError, EngineHandle, FinishReason, GenerateOptions, LogitsProcessor,
+    Request, ServeOptions, SpecError, SpecOptions,
 };
+use kiln::kv::{KvBudget, KvDtype, KvOptions};
 use kiln::sample::SamplingParams;
 
 fn load(name: &str) -> Arc<Engine> {
@@ -551,4 +552,249 @@ fn constrained_greedy_speculation_equals_plain_decoding() {
             "{rx}"
         );
     }
+}
+
+/// Runs `reqs` through one engine handle (submitted together, so they join the scheduler's
+/// steps at different points) and returns each request's rows and speculation statistics.
+fn scheduled(
+    e: &Arc<Engine>,
+    reqs: &[Request],
+    opts: ServeOptions,
+) -> (Vec<BatchResult>, kiln::engine::SchedulerStats) {
+    let handle = EngineHandle::start(Arc::clone(e), opts).unwrap();
+    let pending: Vec<_> = reqs
+        .iter()
+        .map(|r| handle.submit(r.clone()).unwrap())
+        .collect();
+    let results = pending.into_iter().map(|h| h.wait().unwrap()).collect();
+    // The scheduler publishes its counters after the step that sent the last event.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let stats = handle.stats();
+        if stats.running == 0 && stats.waiting == 0 {
+            return (results, stats);
+        }
+        assert!(std::time::Instant::now() < deadline, "{stats:?}");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// Row by row: tokens, masks, text and finish reason, and the completion count.
+fn same_scheduled(alone: &BatchResult, got: &BatchResult, what: &str) {
+    assert_eq!(alone.rows.len(), got.rows.len(), "{what}: rows");
+    for (a, g) in alone.rows.iter().zip(&got.rows) {
+        assert_eq!(a.generated, g.generated, "{what}: tokens");
+        assert_eq!(a.masks, g.masks, "{what}: masks");
+        assert_eq!(a.text, g.text, "{what}: text");
+        assert_eq!(a.finish_reason, g.finish_reason, "{what}: finish reason");
+    }
+    assert_eq!(
+        alone.usage.completion_tokens, got.usage.completion_tokens,
+        "{what}: completion tokens"
+    );
+}
+
+/// Requests with speculation (n-gram, a draft model that mostly agrees, the target drafting
+/// for itself) beside plain ones, greedy and sampled, with stop strings and tokens, a regex
+/// constraint, two samples, the context limit and a joining long prompt, through one
+/// scheduler. With a pool too small for all of them (preemption) and a tight step budget
+/// (trimmed proposals), every greedy row equals plain decoding alone; with room for all and
+/// a wide budget, every row equals its session run (`generate_speculative` for sampled ones).
+#[test]
+fn scheduled_speculation_equals_decoding_alone() {
+    let e = load("llama_tied");
+    let near = load("llama_tied.q4_0.gguf");
+    let tok = e.tokenizer();
+    let text = "the cat sat on the mat. the cat sat on the mat. the dog sat on the cat. the";
+    let base = tok.encode(text).unwrap();
+    let methods = [
+        None,
+        Some(SpecOptions::ngram(4).unwrap()),
+        Some(SpecOptions::draft(&e, Arc::clone(&near), 3).unwrap()),
+        Some(SpecOptions {
+            adaptive: false,
+            ..SpecOptions::draft(&e, Arc::clone(&e), 5).unwrap()
+        }),
+    ];
+    let mut reqs = Vec::new();
+    for i in 0..24usize {
+        let prompt = base[i % 7..].to_vec();
+        let mut options = match i % 6 {
+            0 | 1 => greedy(Some(12 + i)),
+            2 => GenerateOptions {
+                stop_strings: vec![" mat".into()],
+                ..greedy(Some(40))
+            },
+            3 => GenerateOptions {
+                constraint: Some(kiln::engine::ConstraintSpec::Regex(
+                    "( (the|cat|sat|on|mat))+\\.".into(),
+                )),
+                ..greedy(Some(30))
+            },
+            4 => GenerateOptions {
+                max_tokens: Some(30),
+                stop_tokens: Some(Vec::new()),
+                sampling: SamplingParams {
+                    temperature: 0.9,
+                    top_k: Some(40),
+                    seed: i as u64,
+                    ..SamplingParams::default()
+                },
+                ..GenerateOptions::default()
+            },
+            _ => GenerateOptions {
+                num_samples: 2,
+                ..greedy(Some(20))
+            },
+        };
+        if i == 7 {
+            // A stop token from the middle of what plain decoding writes.
+            let plain = e.generate_batch(&prompt, &greedy(Some(20))).unwrap();
+            options.stop_tokens = Some(vec![plain.rows[0].generated[8]]);
+        }
+        reqs.push(Request {
+            prompt,
+            options,
+            spec: methods[i % 4].clone(),
+        });
+    }
+    // To the context limit, through proposals.
+    let ctx = e.max_context();
+    let long: Vec<u32> = base.iter().cycle().take(ctx - 11).copied().collect();
+    reqs.push(Request {
+        prompt: long,
+        options: greedy(None),
+        spec: Some(SpecOptions::ngram(6).unwrap()),
+    });
+
+    let alone: Vec<BatchResult> = reqs
+        .iter()
+        .map(|r| match (&r.spec, r.options.sampling.temperature > 0.0) {
+            (Some(spec), true) => {
+                e.session(ctx)
+                    .generate_speculative(&r.prompt, &r.options, spec, |_| true)
+                    .unwrap()
+                    .batch
+            }
+            _ => e.generate_batch(&r.prompt, &r.options).unwrap(),
+        })
+        .collect();
+    assert_eq!(
+        alone.last().unwrap().rows[0].finish_reason,
+        FinishReason::ContextFull
+    );
+    assert_eq!(alone[7].rows[0].finish_reason, FinishReason::StopToken);
+
+    // Tight: 4-position blocks, a pool for a fraction of the requests, 24 tokens a step.
+    let tight = ServeOptions {
+        kv_budget: KvBudget::Blocks(ctx / 4 + 40),
+        kv: KvOptions {
+            block_size: 4,
+            dtype: KvDtype::F32,
+        },
+        max_running: 64,
+        max_step_tokens: 24,
+        prefix_cache: true,
+    };
+    let (got, stats) = scheduled(&e, &reqs, tight);
+    assert!(stats.preemptions > 0, "the pool never ran short: {stats:?}");
+    assert!(
+        stats.spec_accepted_tokens > 0 && stats.spec_proposed_tokens > stats.spec_accepted_tokens,
+        "{stats:?}"
+    );
+    assert_eq!(stats.blocks_free + stats.prefix_blocks, stats.blocks_total);
+    for (i, (a, g)) in alone.iter().zip(&got).enumerate() {
+        if reqs[i].options.sampling.temperature == 0.0 {
+            same_scheduled(a, g, &format!("tight, request {i}"));
+        } else {
+            // Preemption recomputes a row and trimmed budgets propose less: the draws differ
+            // from the session's, the distribution does not.
+            assert_eq!(g.usage.completion_tokens, 30, "tight, request {i}");
+        }
+    }
+
+    let roomy = ServeOptions {
+        kv_budget: KvBudget::Bytes(256 << 20),
+        max_step_tokens: 4096,
+        ..tight
+    };
+    let (got, stats) = scheduled(&e, &reqs, roomy);
+    assert_eq!(stats.preemptions, 0);
+    for (i, (a, g)) in alone.iter().zip(&got).enumerate() {
+        same_scheduled(a, g, &format!("roomy, request {i}"));
+    }
+    println!("{stats:?}");
+}
+
+/// Forced tool tokens are proposed as they are (not counted as guesses) and the rows still
+/// equal their session runs, greedy and sampled.
+#[test]
+fn scheduled_speculation_with_forced_tool_tokens() {
+    let tok = common::nanochat_tokenizer();
+    let e = common::uniform_model_with(tok, 2);
+    let tok = e.tokenizer();
+    let id = |s: &str| tok.token_to_id(s).unwrap();
+    let (ps, pe, ae) = (
+        id("<|python_start|>"),
+        id("<|python_end|>"),
+        id("<|assistant_end|>"),
+    );
+    let script = tok.encode_ordinary("12*3").unwrap();
+    let mut prompt = vec![id("<|bos|>"), id("<|user_start|>")];
+    prompt.extend(
+        tok.encode("<|python_start|>12*3<|python_end|><|output_start|>36<|output_end|>")
+            .unwrap(),
+    );
+    prompt.extend([id("<|user_end|>"), id("<|assistant_start|>")]);
+    let plen = prompt.len();
+    let processor = LogitsProcessor(Arc::new(move |_, ctx: &[u32], logits: &mut [f32]| {
+        let out = &ctx[plen..];
+        let calls = out.iter().filter(|&&t| t == ps).count();
+        let want = match out.iter().rposition(|&t| t == ps) {
+            None => ps,
+            Some(at) => {
+                let written = out.len() - at - 1;
+                if written < script.len() {
+                    script[written]
+                } else if written == script.len() {
+                    pe
+                } else if calls < 2 {
+                    ps
+                } else {
+                    ae
+                }
+            }
+        };
+        logits.iter_mut().for_each(|l| *l = f32::NEG_INFINITY);
+        logits[want as usize] = 0.0;
+    }));
+    let spec = SpecOptions::ngram(6).unwrap();
+    let reqs: Vec<Request> = [0.0, 1.0]
+        .into_iter()
+        .map(|temperature| Request {
+            prompt: prompt.clone(),
+            options: GenerateOptions {
+                max_tokens: Some(40),
+                logits_processor: Some(processor.clone()),
+                sampling: SamplingParams {
+                    temperature,
+                    seed: 5,
+                    ..SamplingParams::default()
+                },
+                ..GenerateOptions::default()
+            },
+            spec: Some(spec.clone()),
+        })
+        .collect();
+    let (got, stats) = scheduled(&e, &reqs, ServeOptions::default());
+    for (r, g) in reqs.iter().zip(&got) {
+        let alone = e
+            .session(256)
+            .generate_speculative(&r.prompt, &r.options, &spec, |_| true)
+            .unwrap();
+        same_scheduled(&alone.batch, g, "forced tool tokens");
+        assert_eq!(g.rows[0].finish_reason, FinishReason::StopToken);
+        assert!(g.rows[0].masks.contains(&0));
+    }
+    assert!(stats.spec_accepted_tokens >= 8, "{stats:?}");
 }

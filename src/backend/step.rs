@@ -43,6 +43,22 @@ pub enum ExecError {
         "slot {slot}'s tokens must be consecutive rows of a step (another slot's row came between)"
     )]
     Interleaved { slot: usize },
+    #[error(
+        "logit rows must be increasing row indices below the step's {tokens} tokens (row {row})"
+    )]
+    BadLogitRow { row: usize, tokens: usize },
+}
+
+/// Checks rows chosen for logits: increasing, each one of the step's `tokens` rows.
+pub fn check_logit_rows(logit_rows: &[usize], tokens: usize) -> Result<(), ExecError> {
+    let mut next = 0;
+    for &row in logit_rows {
+        if row < next || row >= tokens {
+            return Err(ExecError::BadLogitRow { row, tokens });
+        }
+        next = row + 1;
+    }
+    Ok(())
 }
 
 /// Checks one step before any backend runs it: every token id is in the vocabulary, every row's
@@ -124,6 +140,16 @@ mod tests {
             check(&[(0, 0), (1, 0), (0, 1)]),
             Err(ExecError::Interleaved { slot: 0 })
         );
+        assert_eq!(check_logit_rows(&[0, 2, 3], 4), Ok(()));
+        for bad in [&[1, 1][..], &[2, 1], &[4]] {
+            assert_eq!(
+                check_logit_rows(bad, 4),
+                Err(ExecError::BadLogitRow {
+                    row: bad[bad.len() - 1],
+                    tokens: 4
+                })
+            );
+        }
         assert_eq!(
             check(&[(0, 1)]),
             Err(ExecError::BadPosition {

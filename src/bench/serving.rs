@@ -1,9 +1,10 @@
 //! Aggregate decode throughput of the scheduler: `c` sequences generating together over one
 //! shared KV pool, each step reading the weights once for all of them.
 //!
-//! Every sequence gets its own random prompt (no prefix sharing), decodes greedily for exactly
-//! `n_gen` tokens (stop tokens off), and the clock for decode starts once every sequence has its
-//! first token (all prompts prefilled).
+//! Every sequence gets its own random prompt (no prefix sharing), or the [`Load`]'s prompt,
+//! decodes greedily for exactly `n_gen` tokens (stop tokens off), speculatively when the load
+//! says so, and the clock for decode starts once every sequence has its first token (all
+//! prompts prefilled).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -13,7 +14,7 @@ use serde::Serialize;
 
 use super::token_ids;
 use crate::engine::{
-    Engine, EngineError, Event, GenerateOptions, Request, Scheduler, ServeOptions,
+    Engine, EngineError, Event, GenerateOptions, Request, Scheduler, ServeOptions, SpecOptions,
 };
 use crate::kv::KvBudget;
 
@@ -30,6 +31,17 @@ pub struct ServingRow {
     pub decode_steps: u64,
     /// KV bytes one sequence holds at its longest (whole blocks).
     pub kv_bytes_per_seq: usize,
+    /// Accepted over proposed tokens, with speculation.
+    pub acceptance_rate: Option<f64>,
+}
+
+/// What every sequence of a run does beyond the defaults.
+#[derive(Clone, Debug, Default)]
+pub struct Load {
+    /// The prompt every sequence gets (instead of a random one of the run's length each).
+    pub prompt: Option<Vec<u32>>,
+    /// Speculative decoding for every sequence.
+    pub spec: Option<SpecOptions>,
 }
 
 /// Runs `concurrency` sequences of `prompt` + `n_gen` tokens through one scheduler.
@@ -40,8 +52,12 @@ pub fn run(
     prompt: usize,
     n_gen: usize,
     seed: u64,
+    load: &Load,
 ) -> Result<ServingRow, EngineError> {
-    let per_seq = prompt.saturating_add(n_gen);
+    let prompt = load.prompt.as_ref().map_or(prompt, Vec::len);
+    // Proposals of the last pass may run a few positions past the last token.
+    let slack = load.spec.as_ref().map_or(0, |s| s.max_draft);
+    let per_seq = prompt.saturating_add(n_gen).saturating_add(slack);
     let mut opts = opts;
     let mut sched = Scheduler::new(Arc::clone(engine), opts)?;
     let layout = *sched.cache().layout();
@@ -57,13 +73,17 @@ pub fn run(
         sched.submit(
             c as u64,
             Request {
-                prompt: token_ids(prompt.max(1), vocab, seed.wrapping_add(c as u64)),
+                prompt: match &load.prompt {
+                    Some(p) => p.clone(),
+                    None => token_ids(prompt.max(1), vocab, seed.wrapping_add(c as u64)),
+                },
                 options: GenerateOptions {
                     max_tokens: Some(n_gen.max(1)),
                     stop_tokens: Some(Vec::new()),
                     tools: false,
                     ..GenerateOptions::default()
                 },
+                spec: load.spec.clone(),
             },
             Box::new(move |e| {
                 if let Event::Step(_) = e {
@@ -105,5 +125,9 @@ pub fn run(
         },
         decode_steps: sched.stats().steps - steps_at_start,
         kv_bytes_per_seq: layout.blocks_for(per_seq) * layout.bytes_per_block(),
+        acceptance_rate: load.spec.as_ref().map(|_| {
+            let s = sched.stats();
+            s.spec_accepted_tokens as f64 / s.spec_proposed_tokens.max(1) as f64
+        }),
     })
 }

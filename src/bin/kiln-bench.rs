@@ -27,6 +27,7 @@ use kiln::backend::TokenRow;
 use kiln::bench::bandwidth::{self, BandwidthSource};
 use kiln::bench::bytes::{self, Layout};
 use kiln::bench::report::{self, Row};
+use kiln::bench::serving::Load;
 use kiln::bench::{mean_sd, median, params_text, token_ids};
 use kiln::bench::{numerics, speculative};
 use kiln::cli::args::{check_model_path, check_threads, NumericsArg, Text};
@@ -180,6 +181,8 @@ struct Args {
     /// Serving throughput instead of pp/tg tests: for each count (comma list), that many
     /// sequences (random prompts of the first -p length, -n tokens each, greedy) decode together
     /// through the scheduler; prints aggregate decode tokens/s and KV memory per sequence.
+    /// With --spec, every sequence gets the method's prompt and runs plainly, then
+    /// speculatively, in the same run.
     #[arg(long, value_delimiter = ',', value_name = "N")]
     concurrency: Vec<usize>,
     /// With --spec: speculative against plain decoding instead of pp/tg tests, greedy, -n
@@ -959,29 +962,88 @@ fn run_serving(
     }
     let prompt = args.n_prompt.first().copied().unwrap_or(16).max(1);
     let n_gen = args.n_gen.first().copied().unwrap_or(64).max(2);
-    print_out("| model | threads | sequences | prompt | tokens each | decode t/s (all) | t/s per sequence | steps | KV per sequence |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")?;
+    args.spec.check()?;
+    let speculating = args.spec.spec.is_some();
+    print_out(if speculating {
+        "| model | threads | sequences | method | prompt | tokens each | plain t/s (all) | spec t/s (all) | speedup | acceptance | KV per sequence |\n|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|\n"
+    } else {
+        "| model | threads | sequences | prompt | tokens each | decode t/s (all) | t/s per sequence | steps | KV per sequence |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    })?;
     for src in sources {
         for &t in threads {
-            let engine = Arc::new(Engine::from_model(src.load(args.seed)?, cpu_opts(t)?)?);
-            // One short run first so the pool and caches are warm.
-            kiln::bench::serving::run(&engine, ServeOptions::default(), 1, prompt, 4, args.seed)?;
-            for &c in &args.concurrency {
-                kiln::note!("kiln-bench: {c} sequences, {t} threads");
-                let r = kiln::bench::serving::run(
+            let cpu = cpu_opts(t)?;
+            let engine = Arc::new(Engine::from_model(src.load(args.seed)?, cpu)?);
+            let draft = match args.spec.draft_path() {
+                Some(path) => Some(Arc::new(
+                    Engine::load(path, cpu)
+                        .with_context(|| format!("--draft {}", path.display()))?,
+                )),
+                None => None,
+            };
+            let spec = args.spec.options(&engine, draft)?;
+            let plain = match &spec {
+                Some(s) => {
+                    let mut ids =
+                        speculative::encode_prompt(&engine, speculative::prompt_for(&s.method))?;
+                    let fits = engine
+                        .max_context()
+                        .saturating_sub(n_gen + s.max_draft)
+                        .max(1);
+                    if ids.len() > fits {
+                        ids.drain(..ids.len() - fits);
+                    }
+                    Load {
+                        prompt: Some(ids),
+                        spec: None,
+                    }
+                }
+                None => Load::default(),
+            };
+            let with_spec = Load {
+                spec: spec.clone(),
+                ..plain.clone()
+            };
+            let run = |c: usize, n: usize, load: &Load| {
+                kiln::bench::serving::run(
                     &engine,
                     ServeOptions::default(),
                     c,
                     prompt,
-                    n_gen,
+                    n,
                     args.seed,
-                )?;
+                    load,
+                )
+            };
+            // One short run first so the pool and caches are warm.
+            run(1, 4, &with_spec)?;
+            for &c in &args.concurrency {
+                kiln::note!("kiln-bench: {c} sequences, {t} threads");
+                let r = run(c, n_gen, &plain)?;
+                let p = plain.prompt.as_ref().map_or(prompt, Vec::len);
+                let kv = r.kv_bytes_per_seq as f64 / 1024.0;
+                let Some(s) = &spec else {
+                    print_out(&format!(
+                        "| {} | {t} | {c} | {p} | {n_gen} | {:.1} | {:.1} | {} | {kv:.1} KiB |\n",
+                        src.name(),
+                        r.decode_tokens_per_s,
+                        r.decode_tokens_per_s / c as f64,
+                        r.decode_steps,
+                    ))?;
+                    continue;
+                };
+                let q = run(c, n_gen, &with_spec)?;
+                let method = match &s.method {
+                    SpecMethod::Ngram => "ngram".to_string(),
+                    SpecMethod::Draft(d) => format!("draft {}", d.model_path().display()),
+                };
                 print_out(&format!(
-                    "| {} | {t} | {c} | {prompt} | {n_gen} | {:.1} | {:.1} | {} | {:.1} KiB |\n",
+                    "| {} | {t} | {c} | {method} (k ≤ {}) | {p} | {n_gen} | {:.1} | {:.1} | {:.2}× | {:.0}% | {kv:.1} KiB |\n",
                     src.name(),
+                    s.max_draft,
                     r.decode_tokens_per_s,
-                    r.decode_tokens_per_s / c as f64,
-                    r.decode_steps,
-                    r.kv_bytes_per_seq as f64 / 1024.0
+                    q.decode_tokens_per_s,
+                    q.decode_tokens_per_s / r.decode_tokens_per_s,
+                    100.0 * q.acceptance_rate.unwrap_or(0.0),
                 ))?;
             }
         }

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use clap::Parser;
 
 use super::args::{check_model_path, check_threads, ArgError, NumericsArg, Text};
+use super::spec::{SpecArgError, SpecArgs};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -69,6 +70,9 @@ pub struct ServeArgs {
     /// steps of several rows run exact either way.
     #[arg(long, value_enum, default_value_t = NumericsArg::Exact)]
     pub numerics: NumericsArg,
+    /// Speculative decoding for every request (each of n choices speculates on its own).
+    #[command(flatten)]
+    pub spec: SpecArgs,
 }
 
 /// `kiln serve`'s flags, parsed and checked.
@@ -92,6 +96,8 @@ pub enum ServeArgsError {
     Zero { flag: &'static str },
     #[error("--host {host:?} is not an IP address or localhost")]
     Host { host: String },
+    #[error(transparent)]
+    Spec(#[from] SpecArgError),
 }
 
 /// Why a size flag's value was refused (clap names the flag beside this message).
@@ -177,6 +183,7 @@ pub fn parse_serve_args(
             return Err(ServeArgsError::Zero { flag });
         }
     }
+    args.spec.check()?;
     let addr = listen_addr(&args.host, args.port)?;
     Ok(ServeCommand { args, addr })
 }
@@ -311,6 +318,20 @@ mod tests {
         }
         let e = parse(&["--api-key", ""]).unwrap_err();
         assert!(e.to_string().contains("--api-key"), "{e}");
+        for (args, want) in [
+            (&["--spec", "draft"][..], "--spec draft needs --draft MODEL"),
+            (
+                &["--spec", "ngram", "--draft-max", "0"],
+                "--draft-max must be at least 1",
+            ),
+            (&["--draft", "."], "--draft is only used with --spec draft"),
+        ] {
+            let e = parse(args).unwrap_err();
+            assert_eq!(e.to_string(), want, "{args:?}");
+        }
+        let c = parse(&["--spec", "ngram", "--draft-max", "6"]).unwrap();
+        assert_eq!(c.args.spec.spec, Some(super::super::spec::SpecKind::Ngram));
+        assert_eq!(c.args.spec.draft_max, 6);
         let bad = OsString::from_vec(vec![b'k', 0xff]);
         let m = model();
         let argv = ["kiln serve", "-m", &m, "--api-key"]

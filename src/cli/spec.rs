@@ -20,7 +20,7 @@ pub enum SpecKind {
 #[derive(Args, Clone, Debug, Default)]
 pub struct SpecArgs {
     /// Speculative decoding: `ngram` (prompt lookup, no second model) or `draft` (`--draft`).
-    /// One sample row; greedy output is unchanged, sampled output keeps its distribution.
+    /// Greedy output is unchanged, sampled output keeps its distribution.
     #[arg(long, value_enum)]
     pub spec: Option<SpecKind>,
     /// The draft model for `--spec draft` (a directory or .gguf with the model's tokenizer).

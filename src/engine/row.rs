@@ -57,7 +57,7 @@ impl RowState {
         pos: usize,
         logits: &mut [f32],
     ) -> Option<(u32, u8)> {
-        self.raw = rules.opts.logprobs.map(|k| RawLogits::new(logits, k));
+        self.keep_raw(rules, logits);
         if let Some(forced) = self.tool.forced.pop_front() {
             return Some((forced, 0));
         }
@@ -68,6 +68,12 @@ impl RowState {
             sample::sample(logits, &rules.opts.sampling, row_id as u32, pos as u64),
             1,
         ))
+    }
+
+    /// Keeps the model's raw `logits` for the token about to be taken, when the request asks
+    /// for log-probabilities (`accept` reports them).
+    pub fn keep_raw(&mut self, rules: &RowRules<'_>, logits: &[f32]) {
+        self.raw = rules.opts.logprobs.map(|k| RawLogits::new(logits, k));
     }
 
     /// Turns the model's logits into the ones the row samples from: the logits processor, the

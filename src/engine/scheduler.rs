@@ -13,13 +13,22 @@
 //! Every row keeps its own sampling parameters and seed, and its draws are keyed by its row
 //! within its request and its position, exactly as in a [`super::Session`]: a request's tokens
 //! do not depend on what else runs beside it (up to the summation order of batched kernels).
+//!
+//! A request with [`Request::spec`] speculates: before each step its rows propose tokens (prompt
+//! lookup, or a draft model with a cache per row), the step feeds each row's pending token and
+//! proposals together with a logit row for each, and the row keeps the longest prefix its own
+//! rules agree with plus one token of its own (the walk of [`super::spec`]); rejected positions
+//! are cut from that row's blocks only. Proposals share the step's token budget: decode rows
+//! come first, and while a prompt waits its quarter of the budget is kept for it. Greedy rows
+//! give exactly the tokens of plain decoding; sampled rows keep the target's distribution.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::constraint::Constraint;
 use super::row::{RowRules, RowState};
-use super::sequence::{RequestId, Sequence};
+use super::sequence::{RequestId, SeqSpec, Sequence};
+use super::spec::{choose_verified, Proposal, SpecError, SpecOptions, SpecStats};
 use super::tools::ToolTokens;
 use super::{Engine, EngineError, FinishReason, GenerateOptions, RowStep, Step, Usage};
 use crate::backend::cpu::Workspace;
@@ -61,11 +70,14 @@ impl Default for ServeOptions {
 }
 
 /// One request: a prompt and how to continue it (`num_samples` rows, each with the request's
-/// sampling parameters and seed).
-#[derive(Clone, Debug)]
+/// sampling parameters and seed), speculatively when `spec` says so.
+#[derive(Clone, Debug, Default)]
 pub struct Request {
     pub prompt: Vec<u32>,
     pub options: GenerateOptions,
+    /// Speculative decoding for every row of the request (each row proposes and verifies on
+    /// its own; a draft model keeps a cache per row, outside the pool's budget).
+    pub spec: Option<SpecOptions>,
 }
 
 /// What a request's consumer receives, in order: steps, then one `Done` (or one `Error`).
@@ -83,6 +95,8 @@ pub enum Event {
 pub struct Finished {
     pub usage: Usage,
     pub finish_reasons: Vec<FinishReason>,
+    /// How speculation went, summed over the rows (requests that speculate).
+    pub spec: Option<SpecStats>,
 }
 
 /// Delivers a request's events; returns `false` once nobody listens (the request is then
@@ -93,8 +107,10 @@ struct RequestState {
     sink: Sink,
     usage: Usage,
     reasons: Vec<Option<FinishReason>>,
-    /// The step being assembled for this request.
-    step: Option<Vec<Option<RowStep>>>,
+    /// The steps being assembled for this request: one per token a row took in this scheduler
+    /// step (rows that verified proposals take several), each with one entry per row.
+    steps: Vec<Vec<Option<RowStep>>>,
+    spec: Option<SpecStats>,
 }
 
 /// Counters a service reads (queue depth, memory, cache hits).
@@ -110,8 +126,23 @@ pub struct SchedulerStats {
     pub generated_tokens: u64,
     pub steps: u64,
     pub preemptions: u64,
-    /// Tokens forward passes ran (prefill chunks, recomputation and decode rows).
+    /// Tokens forward passes ran (prefill chunks, recomputation, decode rows and proposals).
     pub computed_tokens: u64,
+    /// Tokens proposed by speculating rows (queued tool output not counted).
+    pub spec_proposed_tokens: u64,
+    /// Proposed tokens the model agreed with.
+    pub spec_accepted_tokens: u64,
+    /// Decode passes of speculating rows (each verifies its proposals, or none).
+    pub spec_verify_passes: u64,
+}
+
+/// One sequence's part of a step: `n` rows fed from its tokens (a prefill chunk or a decode
+/// row), or when `verify`, its pending token and `n - 1` proposals, each row with logits.
+#[derive(Clone, Copy, Debug)]
+struct Planned {
+    seq: usize,
+    n: usize,
+    verify: bool,
 }
 
 pub struct Scheduler {
@@ -203,8 +234,17 @@ impl Scheduler {
         if self.requests.contains_key(&id) {
             return Err(ServeError::DuplicateId(id).into());
         }
-        let Request { prompt, options } = req;
+        let Request {
+            prompt,
+            options,
+            spec,
+        } = req;
         options.sampling.validate()?;
+        if let Some(sp) = &spec {
+            if sp.max_draft == 0 {
+                return Err(SpecError::MaxDraft.into());
+            }
+        }
         if prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -253,6 +293,7 @@ impl Scheduler {
                 state: RowState::new(&opts, constraint.as_ref().map(Constraint::fork)),
                 waits_for_prompt: row > 0,
                 order,
+                spec: spec.as_ref().map(|sp| SeqSpec::new(sp, self.kv.capacity())),
             });
         }
         self.stats.prompt_tokens += prompt.len() as u64;
@@ -265,7 +306,8 @@ impl Scheduler {
                     ..Usage::default()
                 },
                 reasons: vec![None; n],
-                step: None,
+                steps: Vec::new(),
+                spec: spec.as_ref().map(|_| SpecStats::default()),
             },
         );
         if opts.max_tokens == Some(0) {
@@ -322,17 +364,20 @@ impl Scheduler {
     fn flush(&mut self) {
         let mut gone = Vec::new();
         for (&id, r) in self.requests.iter_mut() {
-            if let Some(rows) = r.step.take() {
-                if !(r.sink)(Event::Step(Step { rows })) {
-                    gone.push(id);
-                    continue;
-                }
+            let steps = std::mem::take(&mut r.steps);
+            if !steps
+                .into_iter()
+                .all(|rows| (r.sink)(Event::Step(Step { rows })))
+            {
+                gone.push(id);
+                continue;
             }
             if r.reasons.iter().all(Option::is_some) {
                 let reasons = r.reasons.iter().flatten().copied().collect();
                 (r.sink)(Event::Done(Finished {
                     usage: r.usage,
                     finish_reasons: reasons,
+                    spec: r.spec,
                 }));
                 gone.push(id);
             }
@@ -388,29 +433,51 @@ impl Scheduler {
         }
         let mut tokens = Vec::new();
         let mut rows = Vec::new();
-        for &(i, n) in &plan {
-            let s = &self.seqs[i];
+        // Rows that get logits: the last of each entry, every row of a verifying one.
+        let mut logit_rows = Vec::new();
+        for p in &plan {
+            let s = &self.seqs[p.seq];
             let slot = s.slot.expect("planned sequences hold a slot");
-            tokens.extend_from_slice(&s.tokens[s.computed..s.computed + n]);
-            rows.extend((s.computed..s.computed + n).map(|pos| TokenRow { slot, pos }));
+            if p.verify {
+                logit_rows.extend(tokens.len()..tokens.len() + p.n);
+                tokens.push(s.tokens[s.computed]);
+                let proposals = s.spec.as_ref().map_or(&[][..], |sp| &sp.proposals[..]);
+                tokens.extend(proposals.iter().map(|q| q.token));
+            } else {
+                tokens.extend_from_slice(&s.tokens[s.computed..s.computed + p.n]);
+                logit_rows.push(tokens.len() - 1);
+            }
+            rows.extend((s.computed..s.computed + p.n).map(|pos| TokenRow { slot, pos }));
         }
-        let kind = if plan.iter().all(|&(_, n)| n == 1) {
-            PlanKind::Decode
-        } else {
-            PlanKind::Prefill
-        };
+        debug_assert_eq!(tokens.len(), rows.len());
         let engine = Arc::clone(&self.engine);
         let backend = engine
             .cpu_backend()
             .expect("checked to be a CPU engine in Scheduler::new");
-        backend.forward(
-            kind,
-            &mut self.ws,
-            &mut self.kv,
-            &tokens,
-            &rows,
-            &mut self.logits,
-        )?;
+        if logit_rows.len() > plan.len() {
+            backend.forward_selected(
+                &mut self.ws,
+                &mut self.kv,
+                &tokens,
+                &rows,
+                &logit_rows,
+                &mut self.logits,
+            )?;
+        } else {
+            let kind = if plan.iter().all(|p| p.n == 1) {
+                PlanKind::Decode
+            } else {
+                PlanKind::Prefill
+            };
+            backend.forward(
+                kind,
+                &mut self.ws,
+                &mut self.kv,
+                &tokens,
+                &rows,
+                &mut self.logits,
+            )?;
+        }
         self.stats.steps += 1;
         self.stats.computed_tokens += tokens.len() as u64;
         // Rows choose from their logits in place (no vocabulary-sized copy per row and step);
@@ -424,19 +491,23 @@ impl Scheduler {
     }
 
     /// Advances each planned sequence by its rows and lets those that have caught up choose a
-    /// token from their row of `logits` (row `li` for plan entry `li`).
-    fn take_tokens(
-        &mut self,
-        plan: &[(usize, usize)],
-        logits: &mut [f32],
-    ) -> Result<(), EngineError> {
+    /// token from their row of `logits` (rows in plan order: one per entry, `n` for a
+    /// verifying one).
+    fn take_tokens(&mut self, plan: &[Planned], logits: &mut [f32]) -> Result<(), EngineError> {
         let vocab = self.engine.config().vocab_size;
-        for (li, &(i, n)) in plan.iter().enumerate() {
+        let mut at = 0;
+        for &Planned { seq: i, n, verify } in plan {
+            if verify {
+                self.verify(i, &mut logits[at * vocab..(at + n) * vocab], n)?;
+                at += n;
+                continue;
+            }
+            let row = &mut logits[at * vocab..(at + 1) * vocab];
+            at += 1;
             self.seqs[i].computed += n;
             if self.seqs[i].pending() > 0 {
                 continue;
             }
-            let row = &mut logits[li * vocab..(li + 1) * vocab];
             if self.seqs[i].row == 0 && self.seqs[i].state.generated == 0 {
                 self.on_prompt_done(i, row)?;
             }
@@ -499,16 +570,146 @@ impl Scheduler {
             s.tokens.push(token);
         }
         let (request, row) = (s.request, s.row);
-        self.stats.generated_tokens += 1;
-        if let Some(r) = self.requests.get_mut(&request) {
-            r.usage.completion_tokens += 1;
-            let n = r.reasons.len();
-            r.step.get_or_insert_with(|| vec![None; n])[row] = Some(step);
-        }
+        self.record(request, row, 0, step);
         if let Some(reason) = finished {
             self.finish(i, reason);
         }
         Ok(())
+    }
+
+    /// Queues a row's `j`-th token of this scheduler step for its request's consumer.
+    fn record(&mut self, request: RequestId, row: usize, j: usize, step: RowStep) {
+        self.stats.generated_tokens += 1;
+        if let Some(r) = self.requests.get_mut(&request) {
+            r.usage.completion_tokens += 1;
+            let n = r.reasons.len();
+            while r.steps.len() <= j {
+                r.steps.push(vec![None; n]);
+            }
+            r.steps[j][row] = Some(step);
+        }
+    }
+
+    /// Sequence `i` fed its pending token and its proposals (`n` rows of `logits`): walks the
+    /// rows in order through the row's own rules, keeping each proposal the row agrees with;
+    /// the first row that chooses otherwise, finishes the row, or has no proposal left ends the
+    /// walk. The cache is cut back to the positions whose tokens were kept.
+    fn verify(&mut self, i: usize, logits: &mut [f32], n: usize) -> Result<(), EngineError> {
+        let engine = Arc::clone(&self.engine);
+        let vocab = engine.config().vocab_size;
+        let s = &mut self.seqs[i];
+        let opts = Arc::clone(&s.opts);
+        let stop_tokens = Arc::clone(&s.stop_tokens);
+        let rules = RowRules {
+            tokenizer: engine.tokenizer(),
+            opts: &opts,
+            stop_tokens: &stop_tokens,
+            tools: if opts.tools {
+                self.tools.as_ref()
+            } else {
+                None
+            },
+            capacity: self.kv.capacity(),
+        };
+        let spec = s.spec.as_mut().expect("verifying sequences speculate");
+        let proposals = std::mem::take(&mut spec.proposals);
+        debug_assert_eq!(proposals.len() + 1, n);
+        let cached = s.computed;
+        let mut accepted = 0;
+        let mut end = None;
+        let mut taken = Vec::with_capacity(n);
+        for (j, row_logits) in logits.chunks_exact_mut(vocab).take(n).enumerate() {
+            let pos = s.tokens.len();
+            let proposal = proposals.get(j);
+            let chosen = choose_verified(
+                &mut s.state,
+                &rules,
+                s.row,
+                &s.tokens,
+                pos,
+                row_logits,
+                proposal,
+            );
+            let Some((token, mask)) = chosen else {
+                // No token continues the row's constraint: it ends without one.
+                end = Some(FinishReason::ConstraintBroken);
+                break;
+            };
+            let step = s.state.accept(&rules, token, mask, pos)?;
+            let finished = step.finished;
+            taken.push(step);
+            if let Some(reason) = finished {
+                end = Some(reason);
+                break;
+            }
+            s.tokens.push(token);
+            if proposal.is_some_and(|p| p.token == token) {
+                accepted += 1;
+                continue;
+            }
+            break;
+        }
+        // Kept: the pending token and the proposals up to the row that ended the walk.
+        let kept = cached + 1 + accepted;
+        s.computed = kept;
+        let slot = s.slot.expect("a verifying sequence holds a slot");
+        self.kv.truncate(slot, kept);
+        if spec.guessed {
+            spec.k = spec.opts.next_k(spec.k, proposals.len(), accepted);
+        }
+        let proposed = if spec.guessed { proposals.len() } else { 0 };
+        let accepted = if spec.guessed { accepted } else { 0 };
+        let (request, row) = (s.request, s.row);
+        self.stats.spec_verify_passes += 1;
+        self.stats.spec_proposed_tokens += proposed as u64;
+        self.stats.spec_accepted_tokens += accepted as u64;
+        if let Some(st) = self
+            .requests
+            .get_mut(&request)
+            .and_then(|r| r.spec.as_mut())
+        {
+            st.verify_passes += 1;
+            st.proposed += proposed;
+            st.accepted += accepted;
+        }
+        for (j, step) in taken.into_iter().enumerate() {
+            self.record(request, row, j, step);
+        }
+        if let Some(reason) = end {
+            self.finish(i, reason);
+        }
+        Ok(())
+    }
+
+    /// Fills sequence `i`'s proposals for its next step, at most `limit` of them (its share
+    /// of the step's budget), never past its cache or its `max_tokens`. Returns how many.
+    fn propose(&mut self, i: usize, limit: usize) -> Result<usize, EngineError> {
+        let capacity = self.kv.capacity();
+        let s = &mut self.seqs[i];
+        let Some(spec) = s.spec.as_mut() else {
+            return Ok(0);
+        };
+        // The pending token goes at `computed`; proposals fill the cache at most, and none is
+        // wasted past `max_tokens`.
+        let room = capacity.saturating_sub(s.computed + 1);
+        let left = s
+            .opts
+            .max_tokens
+            .map_or(usize::MAX, |m| m.saturating_sub(s.state.generated));
+        let want = spec.k.min(room).min(left.saturating_sub(1)).min(limit);
+        // Queued tool output needs no guessing: it is proposed as is.
+        spec.guessed = s.state.tool.forced.is_empty();
+        spec.proposals = if !spec.guessed {
+            let forced = s.state.tool.forced.iter().take(want);
+            forced.map(|&token| Proposal { token, q: None }).collect()
+        } else if want == 0 {
+            Vec::new()
+        } else {
+            let row = s.row as u32;
+            spec.proposer
+                .propose(&s.tokens, want, &s.opts.sampling, row)?
+        };
+        Ok(spec.proposals.len())
     }
 
     /// Admits waiting sequences in arrival order while there is room.
@@ -534,24 +735,44 @@ impl Scheduler {
     /// The rows of the next step: `(sequence, tokens to feed)`, decode rows first, then prefill
     /// chunks under the token budget, with blocks prepared for each (preempting the latest
     /// admitted sequences when the pool runs out).
-    fn plan(&mut self) -> Result<Vec<(usize, usize)>, EngineError> {
+    fn plan(&mut self) -> Result<Vec<Planned>, EngineError> {
         let mut running: Vec<usize> = (0..self.seqs.len())
             .filter(|&i| self.seqs[i].slot.is_some() && self.seqs[i].pending() > 0)
             .collect();
         running.sort_by_key(|&i| (self.seqs[i].order, self.seqs[i].row));
-        // Every decode row runs (at most max_running of them); prefill gets what is left of
-        // the budget, and at least a quarter of it.
+        // Every decode row runs (at most max_running of them); proposals take what is left of
+        // the budget but a quarter kept for waiting prompts; prefill gets the rest, and at
+        // least that quarter.
+        let quarter = self.opts.max_step_tokens.div_ceil(4);
+        let decode_rows = running
+            .iter()
+            .filter(|&&i| self.seqs[i].pending() == 1)
+            .count();
+        let prompt_waits = running.iter().any(|&i| self.seqs[i].pending() > 1);
+        let mut spare = self
+            .opts
+            .max_step_tokens
+            .saturating_sub(decode_rows)
+            .saturating_sub(if prompt_waits { quarter } else { 0 });
         let mut want: Vec<(usize, usize)> = Vec::new();
+        let mut planned_tokens = 0;
         for &i in &running {
             if self.seqs[i].pending() == 1 {
-                want.push((i, 1));
+                let extra = if self.seqs[i].verifies() {
+                    self.propose(i, spare)?
+                } else {
+                    0
+                };
+                spare -= extra;
+                want.push((i, 1 + extra));
+                planned_tokens += 1 + extra;
             }
         }
         let mut budget = self
             .opts
             .max_step_tokens
-            .saturating_sub(want.len())
-            .max(self.opts.max_step_tokens.div_ceil(4));
+            .saturating_sub(planned_tokens)
+            .max(quarter);
         for &i in &running {
             let p = self.seqs[i].pending();
             if p > 1 && budget > 0 {
@@ -604,7 +825,14 @@ impl Scheduler {
             }
         }
         plan.retain(|&(i, _)| self.seqs[i].slot.is_some());
-        Ok(plan)
+        Ok(plan
+            .into_iter()
+            .map(|(seq, n)| Planned {
+                seq,
+                n,
+                verify: self.seqs[seq].verifies(),
+            })
+            .collect())
     }
 
     fn others_running(&self, i: usize) -> bool {

@@ -9,6 +9,7 @@
 use std::sync::Arc;
 
 use super::row::RowState;
+use super::spec::{Proposal, Proposer, SpecOptions};
 use super::GenerateOptions;
 
 /// Identifies a request for as long as the engine serves it.
@@ -33,6 +34,34 @@ pub(super) struct Sequence {
     pub waits_for_prompt: bool,
     /// Admission order (lower runs first and is preempted last).
     pub order: u64,
+    /// Speculative decoding state, when the request asked for it.
+    pub spec: Option<SeqSpec>,
+}
+
+/// A speculating sequence's proposer, its adapted proposal length, and the proposals the
+/// planned step verifies.
+pub(super) struct SeqSpec {
+    pub opts: SpecOptions,
+    pub proposer: Proposer,
+    /// Tokens to propose next (adapted to the acceptance rate, within 1..=max_draft).
+    pub k: usize,
+    /// What the planned step feeds after the sequence's pending token.
+    pub proposals: Vec<Proposal>,
+    /// Whether `proposals` were guessed (queued tool output needs no guessing and is not
+    /// counted as proposed).
+    pub guessed: bool,
+}
+
+impl SeqSpec {
+    pub fn new(opts: &SpecOptions, capacity: usize) -> SeqSpec {
+        SeqSpec {
+            proposer: Proposer::new(&opts.method, capacity),
+            k: opts.max_draft,
+            opts: opts.clone(),
+            proposals: Vec::new(),
+            guessed: true,
+        }
+    }
 }
 
 impl Sequence {
@@ -43,5 +72,13 @@ impl Sequence {
 
     pub fn finished(&self) -> bool {
         self.state.finished
+    }
+
+    /// Whether the sequence's next step verifies proposals: it speculates, has taken a token
+    /// and feeds only that one. The first token comes from the prompt's logits (however much
+    /// of the prompt the prefix cache held), and after a preemption the recomputation chooses
+    /// plainly, as a pass without proposals would.
+    pub fn verifies(&self) -> bool {
+        self.spec.is_some() && self.pending() == 1 && self.state.generated > 0
     }
 }

@@ -7,7 +7,7 @@
 //! let engine = Arc::new(Engine::load("model.gguf", kiln::backend::cpu::CpuOptions::default())?);
 //! let handle = EngineHandle::start(Arc::clone(&engine), ServeOptions::default())?;
 //! let prompt = engine.tokenizer().encode("The capital of France is")?;
-//! let req = handle.submit(Request { prompt, options: GenerateOptions::default() })?;
+//! let req = handle.submit(Request { prompt, options: GenerateOptions::default(), spec: None })?;
 //! for event in req {
 //!     match event {
 //!         Event::Step(step) => print!("{}", step.rows[0].as_ref().map_or("", |r| &r.text)),

@@ -168,6 +168,7 @@ fn submit(st: &Arc<AppState>, endpoint: Endpoint, body: &[u8]) -> Result<Submitt
         let req = Request {
             prompt: prompt.clone(),
             options,
+            spec: st.config.spec.clone(),
         };
         let id = st
             .handle

@@ -118,7 +118,7 @@ impl Metrics {
         for (name, help, v) in gauges {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
         }
-        let counters: [(&str, &str, u64); 4] = [
+        let counters: [(&str, &str, u64); 7] = [
             (
                 "kiln_prefix_cache_hit_tokens_total",
                 "Prompt tokens served from the prefix cache.",
@@ -138,6 +138,21 @@ impl Metrics {
                 "kiln_preemptions_total",
                 "Sequences preempted for memory.",
                 s.preemptions,
+            ),
+            (
+                "kiln_spec_proposed_tokens_total",
+                "Tokens proposed by speculative decoding.",
+                s.spec_proposed_tokens,
+            ),
+            (
+                "kiln_spec_accepted_tokens_total",
+                "Proposed tokens the model agreed with.",
+                s.spec_accepted_tokens,
+            ),
+            (
+                "kiln_spec_verify_passes_total",
+                "Decode passes of speculating sequences (each verifies its proposals, or none).",
+                s.spec_verify_passes,
             ),
         ];
         for (name, help, v) in counters {

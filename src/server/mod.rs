@@ -46,7 +46,7 @@ pub use error::ApiError;
 pub use listen::serve;
 pub use metrics::Metrics;
 
-use crate::engine::EngineHandle;
+use crate::engine::{EngineHandle, SpecOptions};
 
 /// How the server presents the model and protects itself.
 #[derive(Clone, Debug)]
@@ -66,6 +66,8 @@ pub struct ServerConfig {
     /// How long a client may take to send a request's head, and then its body; slower
     /// clients are disconnected (the head) or answered 408 (the body).
     pub read_timeout: Duration,
+    /// Speculative decoding for every request (`kiln serve --spec`).
+    pub spec: Option<SpecOptions>,
 }
 
 impl ServerConfig {
@@ -78,6 +80,7 @@ impl ServerConfig {
             api_key: None,
             max_body_bytes: 4 << 20,
             read_timeout: Duration::from_secs(30),
+            spec: None,
         }
     }
 }

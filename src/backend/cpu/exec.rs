@@ -62,7 +62,8 @@ fn row_mut(data: &mut [f32], stride: usize, s: Slot, t: usize) -> &mut [f32] {
     &mut data[at..at + s.cols]
 }
 
-/// `mats[i]` is the index into `be.matrices` of the matrix instruction `i` reads.
+/// `mats[i]` is the index into `be.matrices` of the matrix instruction `i` reads; `logit_rows`,
+/// when given, replaces the last row of each sequence as the rows the `LastRow` op keeps.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run(
     be: &CpuBackend,
@@ -72,13 +73,18 @@ pub(super) fn run(
     kv: &mut KvCache,
     tokens: &[u32],
     rows: &[TokenRow],
+    logit_rows: Option<&[usize]>,
     logits: &mut Vec<f32>,
 ) -> usize {
     let n_tok = tokens.len();
-    // The last token of each run of same-slot tokens ends a sequence.
-    let seq_last: Vec<usize> = (0..n_tok)
-        .filter(|&t| t + 1 == n_tok || rows[t + 1].slot != rows[t].slot)
-        .collect();
+    // The rows that get logits: those the caller chose (checked increasing and in range), or
+    // the last token of each run of same-slot tokens, which ends a sequence.
+    let seq_last: Vec<usize> = match logit_rows {
+        Some(chosen) => chosen.to_vec(),
+        None => (0..n_tok)
+            .filter(|&t| t + 1 == n_tok || rows[t + 1].slot != rows[t].slot)
+            .collect(),
+    };
     let n_rows = |r: Rows| match r {
         Rows::Tokens => n_tok,
         Rows::Sequences => seq_last.len(),

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 
 pub use exec::Workspace;
 
-use crate::backend::{check_step, ExecError, TokenRow};
+use crate::backend::{check_logit_rows, check_step, ExecError, TokenRow};
 use crate::graph::build::LogitRows;
 use crate::graph::{Linear, Norm, Op};
 use crate::kv::{KvBudget, KvCache, KvDtype, KvError, KvOptions};
@@ -255,6 +255,45 @@ impl CpuBackend {
         rows: &[TokenRow],
         logits: &mut Vec<f32>,
     ) -> Result<usize, ExecError> {
+        self.forward_rows(kind, ws, kv, tokens, rows, None, logits)
+    }
+
+    /// [`CpuBackend::forward`] with logits for the rows `logit_rows` names (increasing indices
+    /// into `rows`) instead of the last row of each sequence: what a step needs when one
+    /// sequence verifies several proposed tokens (a logit row each) beside others that want
+    /// one. Runs the prefill plan; each row's logits are computed as in any other step.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_selected(
+        &self,
+        ws: &mut Workspace,
+        kv: &mut KvCache,
+        tokens: &[u32],
+        rows: &[TokenRow],
+        logit_rows: &[usize],
+        logits: &mut Vec<f32>,
+    ) -> Result<usize, ExecError> {
+        check_logit_rows(logit_rows, tokens.len())?;
+        if logit_rows.is_empty() {
+            return Err(ExecError::BadLogitRow {
+                row: 0,
+                tokens: tokens.len(),
+            });
+        }
+        let kind = PlanKind::Prefill;
+        self.forward_rows(kind, ws, kv, tokens, rows, Some(logit_rows), logits)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn forward_rows(
+        &self,
+        kind: PlanKind,
+        ws: &mut Workspace,
+        kv: &mut KvCache,
+        tokens: &[u32],
+        rows: &[TokenRow],
+        logit_rows: Option<&[usize]>,
+        logits: &mut Vec<f32>,
+    ) -> Result<usize, ExecError> {
         let next = check_step(
             self.config.vocab_size,
             tokens,
@@ -270,7 +309,7 @@ impl CpuBackend {
         let mats = &self.plan_matrices[kind as usize];
         let n = self
             .pool
-            .install(|| exec::run(self, plan, mats, ws, kv, tokens, rows, logits));
+            .install(|| exec::run(self, plan, mats, ws, kv, tokens, rows, logit_rows, logits));
         for (&slot, &end) in &next {
             let len = kv.len(slot);
             kv.advance(slot, end - len);

@@ -49,6 +49,19 @@ pub fn run(cmd: ServeCommand) -> Result<()> {
         t0.elapsed().as_secs_f64(),
         engine.device()
     );
+    let draft = match args.spec.draft_path() {
+        Some(path) => Some(Arc::new(
+            Engine::load(path, opts).with_context(|| format!("--draft {}", path.display()))?,
+        )),
+        None => None,
+    };
+    let spec = args.spec.options(&engine, draft)?;
+    if let Some(s) = &spec {
+        eprintln!(
+            "kiln: speculative decoding: {:?}, up to {} proposed tokens per pass",
+            s.method, s.max_draft
+        );
+    }
     let engine = Arc::new(engine);
     let serve_opts = ServeOptions {
         kv_budget: KvBudget::Bytes(args.kv_budget),
@@ -66,6 +79,7 @@ pub fn run(cmd: ServeCommand) -> Result<()> {
         api_key: args.api_key,
         max_body_bytes: args.max_body,
         read_timeout: std::time::Duration::from_secs_f64(args.read_timeout),
+        spec,
     };
     let model_id = config.model_id.clone();
     let read_timeout = config.read_timeout;

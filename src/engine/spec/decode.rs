@@ -12,9 +12,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::dist::{judge, uniform_for, Dist, Draw, Verdict};
-use super::draft::{DraftRunner, Proposal};
-use super::{ngram, SpecError, SpecMethod, SpecOptions, SpecResult, SpecStats};
+use super::{choose_verified, Proposal, Proposer, SpecError, SpecOptions, SpecResult, SpecStats};
 use crate::backend::TokenRow;
 use crate::engine::collect::RowsCollector;
 use crate::engine::constraint::{prepare_during, Constraint};
@@ -27,31 +25,6 @@ use crate::plan::PlanKind;
 
 /// The sequence's row id, which keys its Philox draws: its cache slot, as in plain decoding.
 const ROW: usize = 0;
-
-/// One sequence's source of proposals.
-enum Proposer {
-    Ngram,
-    Draft(Box<DraftRunner>),
-}
-
-impl Proposer {
-    /// Up to `k` tokens continuing `context`, each with the draft distribution it was drawn
-    /// from (`None`: a point mass).
-    fn propose(
-        &mut self,
-        context: &[u32],
-        k: usize,
-        opts: &GenerateOptions,
-    ) -> Result<Vec<Proposal>, EngineError> {
-        match self {
-            Proposer::Ngram => Ok(ngram::propose(context, k)
-                .into_iter()
-                .map(|token| Proposal { token, q: None })
-                .collect()),
-            Proposer::Draft(d) => d.propose(context, k, &opts.sampling, ROW as u32),
-        }
-    }
-}
 
 /// Records a step and shows it to the caller; `false` when the sequence is over (finished, or
 /// the caller stopped it).
@@ -123,10 +96,7 @@ impl Session {
             capacity,
         };
         let mut row = RowState::new(opts, constraint);
-        let mut proposer = match &spec.method {
-            SpecMethod::Ngram => Proposer::Ngram,
-            SpecMethod::Draft(d) => Proposer::Draft(Box::new(DraftRunner::new(d, capacity))),
-        };
+        let mut proposer = Proposer::new(&spec.method, capacity);
         let mut usage = Usage {
             prompt_tokens: prompt.len(),
             ..Usage::default()
@@ -134,8 +104,6 @@ impl Session {
         let mut stats = SpecStats::default();
         let mut rows = RowsCollector::new(1);
         let vocab = engine.config().vocab_size;
-        let seed = opts.sampling.seed;
-        let sampled = opts.sampling.temperature > 0.0;
 
         // The first token comes from the prefill's logits, as in plain decoding.
         let mut pending = None;
@@ -175,7 +143,7 @@ impl Session {
             } else {
                 let mut context = self.tokens[0].clone();
                 context.push(last);
-                proposer.propose(&context, want, opts)?
+                proposer.propose(&context, want, &opts.sampling, ROW as u32)?
             };
             let mut feed = Vec::with_capacity(1 + proposals.len());
             feed.push(last);
@@ -210,24 +178,7 @@ impl Session {
                 let context = &self.tokens[0][..pos];
                 let logits = &mut self.logits[i * vocab..(i + 1) * vocab];
                 let proposal = proposals.get(i);
-                let chosen = match proposal {
-                    Some(p) if sampled && row.tool.forced.is_empty() => {
-                        if row.shape(&rules, ROW, context, logits) {
-                            let target = Dist::of(logits, &opts.sampling);
-                            let (u, v) = (
-                                uniform_for(Draw::Accept, seed, ROW as u32, pos as u64),
-                                uniform_for(Draw::Resample, seed, ROW as u32, pos as u64),
-                            );
-                            match judge(&target, p.token, p.q.as_ref(), u, v) {
-                                Verdict::Accept => Some((p.token, 1)),
-                                Verdict::Replace(t) => Some((t, 1)),
-                            }
-                        } else {
-                            None
-                        }
-                    }
-                    _ => row.choose(&rules, ROW, context, pos, logits),
-                };
+                let chosen = choose_verified(&mut row, &rules, ROW, context, pos, logits, proposal);
                 let Some((token, mask)) = chosen else {
                     // No token continues the row's constraint: it ends without one.
                     rows.set_reason(ROW, FinishReason::ConstraintBroken);
@@ -254,13 +205,7 @@ impl Session {
             self.tokens[0].truncate(keep);
             if guessed && !proposals.is_empty() {
                 stats.accepted += accepted;
-                if spec.adaptive {
-                    k = if accepted == proposals.len() {
-                        (k + 1).min(spec.max_draft)
-                    } else {
-                        k.saturating_sub(1).max(1)
-                    };
-                }
+                k = spec.next_k(k, proposals.len(), accepted);
             }
         }
         timings.decode = t0.elapsed();

@@ -18,7 +18,11 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-use super::{BatchResult, Engine};
+use super::row::{RowRules, RowState};
+use super::{BatchResult, Engine, EngineError};
+use dist::{judge, uniform_for, Dist, Draw, Verdict};
+use draft::DraftRunner;
+pub(crate) use draft::Proposal;
 
 /// Where proposals come from.
 #[derive(Clone)]
@@ -62,6 +66,19 @@ impl SpecOptions {
     ) -> Result<SpecOptions, SpecError> {
         draft::check_same_vocabulary(target, &draft)?;
         Self::with(SpecMethod::Draft(draft), max_draft)
+    }
+
+    /// The proposal length after a pass that proposed `proposed` tokens and had `accepted` of
+    /// them taken: one longer after a clean sweep, one shorter otherwise (within 1 and
+    /// `max_draft`); unchanged when not adaptive or nothing was proposed.
+    pub(crate) fn next_k(&self, k: usize, proposed: usize, accepted: usize) -> usize {
+        if !self.adaptive || proposed == 0 {
+            k
+        } else if accepted == proposed {
+            (k + 1).min(self.max_draft)
+        } else {
+            k.saturating_sub(1).max(1)
+        }
     }
 
     fn with(method: SpecMethod, max_draft: usize) -> Result<SpecOptions, SpecError> {
@@ -123,4 +140,74 @@ pub struct SpecResult {
     #[serde(flatten)]
     pub batch: BatchResult,
     pub spec: SpecStats,
+}
+
+/// One sequence's source of proposals: prompt lookup, or its own draft-model cache.
+pub(crate) enum Proposer {
+    Ngram,
+    Draft(Box<DraftRunner>),
+}
+
+impl Proposer {
+    /// A proposer for `method`; a draft's cache holds up to `capacity` positions.
+    pub fn new(method: &SpecMethod, capacity: usize) -> Proposer {
+        match method {
+            SpecMethod::Ngram => Proposer::Ngram,
+            SpecMethod::Draft(d) => Proposer::Draft(Box::new(DraftRunner::new(d, capacity))),
+        }
+    }
+
+    /// Up to `k` tokens continuing `context`, each with the draft distribution it was drawn
+    /// from (`None`: a point mass); a draft samples as `sampling` says, keyed by `row`.
+    pub fn propose(
+        &mut self,
+        context: &[u32],
+        k: usize,
+        sampling: &crate::sample::SamplingParams,
+        row: u32,
+    ) -> Result<Vec<Proposal>, EngineError> {
+        match self {
+            Proposer::Ngram => Ok(ngram::propose(context, k)
+                .into_iter()
+                .map(|token| Proposal { token, q: None })
+                .collect()),
+            Proposer::Draft(d) => d.propose(context, k, sampling, row),
+        }
+    }
+}
+
+/// The token a verifying row takes at `pos` from its `logits`, given the proposal made for
+/// that position (if any): a forced tool token or a greedy/sampled choice exactly as plain
+/// decoding makes it, except that a sampled row judges a guessed proposal by the
+/// speculative-sampling rule (accept it, or resample from the residual), with Philox draws
+/// keyed by `(seed, row_id, pos)`. `None` when no token continues the row's constraint.
+pub(in crate::engine) fn choose_verified(
+    row: &mut RowState,
+    rules: &RowRules<'_>,
+    row_id: usize,
+    context: &[u32],
+    pos: usize,
+    logits: &mut [f32],
+    proposal: Option<&Proposal>,
+) -> Option<(u32, u8)> {
+    let sampling = &rules.opts.sampling;
+    match proposal {
+        Some(p) if sampling.temperature > 0.0 && row.tool.forced.is_empty() => {
+            row.keep_raw(rules, logits);
+            if !row.shape(rules, row_id, context, logits) {
+                return None;
+            }
+            let target = Dist::of(logits, sampling);
+            let (seed, r, at) = (sampling.seed, row_id as u32, pos as u64);
+            let (u, v) = (
+                uniform_for(Draw::Accept, seed, r, at),
+                uniform_for(Draw::Resample, seed, r, at),
+            );
+            match judge(&target, p.token, p.q.as_ref(), u, v) {
+                Verdict::Accept => Some((p.token, 1)),
+                Verdict::Replace(t) => Some((t, 1)),
+            }
+        }
+        _ => row.choose(rules, row_id, context, pos, logits),
+    }
 }
