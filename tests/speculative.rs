@@ -400,6 +400,33 @@ fn mismatched_drafts_and_bad_options_are_refused() {
         matches!(err, EngineError::Spec(SpecError::Samples(2))),
         "{err}"
     );
+    // Options built field by field reach the scheduler unchecked: it checks them itself.
+    let handle = EngineHandle::start(Arc::clone(&target), ServeOptions::default()).unwrap();
+    for (spec, what) in [
+        (
+            SpecOptions {
+                max_draft: 0,
+                ..SpecOptions::ngram(3).unwrap()
+            },
+            "max_draft",
+        ),
+        (
+            SpecOptions {
+                method: kiln::engine::SpecMethod::Draft(Arc::clone(&other)),
+                ..SpecOptions::ngram(3).unwrap()
+            },
+            "nanochat_H",
+        ),
+    ] {
+        let Err(err) = handle.submit(Request {
+            prompt: vec![1, 2, 3],
+            options: GenerateOptions::default(),
+            spec: Some(spec),
+        }) else {
+            panic!("{what}: accepted");
+        };
+        assert!(err.to_string().contains(what), "{err}");
+    }
 }
 
 fn kiln(args: &[&str]) -> std::process::Output {

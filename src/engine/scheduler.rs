@@ -28,7 +28,7 @@ use std::sync::Arc;
 use super::constraint::Constraint;
 use super::row::{RowRules, RowState};
 use super::sequence::{RequestId, SeqSpec, Sequence};
-use super::spec::{choose_verified, Proposal, SpecError, SpecOptions, SpecStats};
+use super::spec::{choose_verified, Proposal, SpecOptions, SpecStats};
 use super::tools::ToolTokens;
 use super::{Engine, EngineError, FinishReason, GenerateOptions, RowStep, Step, Usage};
 use crate::backend::cpu::Workspace;
@@ -241,9 +241,7 @@ impl Scheduler {
         } = req;
         options.sampling.validate()?;
         if let Some(sp) = &spec {
-            if sp.max_draft == 0 {
-                return Err(SpecError::MaxDraft.into());
-            }
+            sp.check_for(&self.engine)?;
         }
         if prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);

@@ -68,6 +68,26 @@ impl SpecOptions {
         Self::with(SpecMethod::Draft(draft), max_draft)
     }
 
+    /// The checks a scheduler makes on options it is handed (they may have been built field
+    /// by field): a proposal length of at least 1, and a draft with the target's vocabulary
+    /// size (the full token-by-token check is [`SpecOptions::draft`]'s).
+    pub(crate) fn check_for(&self, target: &Engine) -> Result<(), SpecError> {
+        if self.max_draft == 0 {
+            return Err(SpecError::MaxDraft);
+        }
+        if let SpecMethod::Draft(d) = &self.method {
+            let (tv, dv) = (target.config().vocab_size, d.config().vocab_size);
+            if tv != dv {
+                return Err(SpecError::DraftVocabulary {
+                    target: target.model_path().to_path_buf(),
+                    draft: d.model_path().to_path_buf(),
+                    reason: format!("vocabulary of {dv} tokens, the target's has {tv}"),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// The proposal length after a pass that proposed `proposed` tokens and had `accepted` of
     /// them taken: one longer after a clean sweep, one shorter otherwise (within 1 and
     /// `max_draft`); unchanged when not adaptive or nothing was proposed.
