@@ -29,13 +29,7 @@ fn load(name: &str) -> Arc<Engine> {
 }
 
 fn same_rows(plain: &BatchResult, spec: &BatchResult, what: &str) {
-    assert_eq!(plain.rows.len(), spec.rows.len());
-    for (p, s) in plain.rows.iter().zip(&spec.rows) {
-        assert_eq!(p.generated, s.generated, "{what}: tokens");
-        assert_eq!(p.masks, s.masks, "{what}: masks");
-        assert_eq!(p.text, s.text, "{what}: text");
-        assert_eq!(p.finish_reason, s.finish_reason, "{what}: finish reason");
-    }
+    same_scheduled(plain, spec, what);
     assert_eq!(plain.usage, spec.usage, "{what}: usage");
 }
 
@@ -176,8 +170,10 @@ fn greedy_speculation_equals_plain_decoding_on_the_demo_model() {
 /// decoding forces it, whether the proposals guessed it or not. The model's choices are
 /// scripted by a logits processor; the prompt already holds the call, so n-gram lookup
 /// proposes the expression, the call's end and the forced output.
-#[test]
-fn forced_tool_tokens_under_speculation() {
+/// A nanochat-tokenizer model whose logits processor writes `<|python_start|>12*3<|python_end|>`
+/// twice (the calculator forces its output after each), then `<|assistant_end|>`; and the
+/// prompt (a chat turn that shows the same call once) it runs on.
+fn calculator_script() -> (Arc<Engine>, Vec<u32>, LogitsProcessor) {
     let tok = common::nanochat_tokenizer();
     let e = common::uniform_model_with(tok, 2);
     let tok = e.tokenizer();
@@ -187,15 +183,14 @@ fn forced_tool_tokens_under_speculation() {
         id("<|python_end|>"),
         id("<|assistant_end|>"),
     );
-    let expr = tok.encode_ordinary("12*3").unwrap();
-    let earlier = tok
-        .encode("<|python_start|>12*3<|python_end|><|output_start|>36<|output_end|>")
-        .unwrap();
+    let script = tok.encode_ordinary("12*3").unwrap();
     let mut prompt = vec![id("<|bos|>"), id("<|user_start|>")];
-    prompt.extend(&earlier);
+    prompt.extend(
+        tok.encode("<|python_start|>12*3<|python_end|><|output_start|>36<|output_end|>")
+            .unwrap(),
+    );
     prompt.extend([id("<|user_end|>"), id("<|assistant_start|>")]);
     let plen = prompt.len();
-    let script = expr.clone();
     // Twice: python_start, the expression, python_end; then (after the forced output) end.
     let processor = LogitsProcessor(Arc::new(move |_, ctx: &[u32], logits: &mut [f32]| {
         let out = &ctx[plen..];
@@ -218,6 +213,15 @@ fn forced_tool_tokens_under_speculation() {
         logits.iter_mut().for_each(|l| *l = f32::NEG_INFINITY);
         logits[want as usize] = 0.0;
     }));
+    (e, prompt, processor)
+}
+
+#[test]
+fn forced_tool_tokens_under_speculation() {
+    let (e, prompt, processor) = calculator_script();
+    let tok = e.tokenizer();
+    let ae = tok.token_to_id("<|assistant_end|>").unwrap();
+    let plen = prompt.len();
     for temperature in [0.0, 1.0] {
         let opts = GenerateOptions {
             max_tokens: Some(40),
@@ -757,44 +761,7 @@ fn scheduled_speculation_equals_decoding_alone() {
 /// equal their session runs, greedy and sampled.
 #[test]
 fn scheduled_speculation_with_forced_tool_tokens() {
-    let tok = common::nanochat_tokenizer();
-    let e = common::uniform_model_with(tok, 2);
-    let tok = e.tokenizer();
-    let id = |s: &str| tok.token_to_id(s).unwrap();
-    let (ps, pe, ae) = (
-        id("<|python_start|>"),
-        id("<|python_end|>"),
-        id("<|assistant_end|>"),
-    );
-    let script = tok.encode_ordinary("12*3").unwrap();
-    let mut prompt = vec![id("<|bos|>"), id("<|user_start|>")];
-    prompt.extend(
-        tok.encode("<|python_start|>12*3<|python_end|><|output_start|>36<|output_end|>")
-            .unwrap(),
-    );
-    prompt.extend([id("<|user_end|>"), id("<|assistant_start|>")]);
-    let plen = prompt.len();
-    let processor = LogitsProcessor(Arc::new(move |_, ctx: &[u32], logits: &mut [f32]| {
-        let out = &ctx[plen..];
-        let calls = out.iter().filter(|&&t| t == ps).count();
-        let want = match out.iter().rposition(|&t| t == ps) {
-            None => ps,
-            Some(at) => {
-                let written = out.len() - at - 1;
-                if written < script.len() {
-                    script[written]
-                } else if written == script.len() {
-                    pe
-                } else if calls < 2 {
-                    ps
-                } else {
-                    ae
-                }
-            }
-        };
-        logits.iter_mut().for_each(|l| *l = f32::NEG_INFINITY);
-        logits[want as usize] = 0.0;
-    }));
+    let (e, prompt, processor) = calculator_script();
     let spec = SpecOptions::ngram(6).unwrap();
     let reqs: Vec<Request> = [0.0, 1.0]
         .into_iter()

@@ -49,8 +49,12 @@ pub enum ExecError {
     BadLogitRow { row: usize, tokens: usize },
 }
 
-/// Checks rows chosen for logits: increasing, each one of the step's `tokens` rows.
+/// Checks rows chosen for logits: at least one, increasing, each one of the step's `tokens`
+/// rows.
 pub fn check_logit_rows(logit_rows: &[usize], tokens: usize) -> Result<(), ExecError> {
+    if logit_rows.is_empty() {
+        return Err(ExecError::BadLogitRow { row: 0, tokens });
+    }
     let mut next = 0;
     for &row in logit_rows {
         if row < next || row >= tokens {
@@ -141,6 +145,10 @@ mod tests {
             Err(ExecError::Interleaved { slot: 0 })
         );
         assert_eq!(check_logit_rows(&[0, 2, 3], 4), Ok(()));
+        assert_eq!(
+            check_logit_rows(&[], 4),
+            Err(ExecError::BadLogitRow { row: 0, tokens: 4 })
+        );
         for bad in [&[1, 1][..], &[2, 1], &[4]] {
             assert_eq!(
                 check_logit_rows(bad, 4),

@@ -37,7 +37,7 @@ use kiln::cli::output::{die_on_closed_pipe, Stdout};
 use kiln::cli::spec::SpecArgs;
 use kiln::engine::{
     DecodePath, Device as EngineDevice, Engine, EngineOptions, GenerateOptions, ServeOptions,
-    Session, SpecMethod,
+    Session, SpecMethod, SpecOptions,
 };
 use kiln::graph::{human_bytes as human, Dims, Rows};
 use kiln::model::{synthetic, Model};
@@ -973,30 +973,12 @@ fn run_serving(
         for &t in threads {
             let cpu = cpu_opts(t)?;
             let engine = Arc::new(Engine::from_model(src.load(args.seed)?, cpu)?);
-            let draft = match args.spec.draft_path() {
-                Some(path) => Some(Arc::new(
-                    Engine::load(path, cpu)
-                        .with_context(|| format!("--draft {}", path.display()))?,
-                )),
-                None => None,
-            };
-            let spec = args.spec.options(&engine, draft)?;
+            let spec = spec_options(args, &engine, cpu)?;
             let plain = match &spec {
-                Some(s) => {
-                    let mut ids =
-                        speculative::encode_prompt(&engine, speculative::prompt_for(&s.method))?;
-                    let fits = engine
-                        .max_context()
-                        .saturating_sub(n_gen + s.max_draft)
-                        .max(1);
-                    if ids.len() > fits {
-                        ids.drain(..ids.len() - fits);
-                    }
-                    Load {
-                        prompt: Some(ids),
-                        spec: None,
-                    }
-                }
+                Some(s) => Load {
+                    prompt: Some(spec_prompt(&engine, s, n_gen + s.max_draft)?),
+                    spec: None,
+                },
                 None => Load::default(),
             };
             let with_spec = Load {
@@ -1032,10 +1014,7 @@ fn run_serving(
                     continue;
                 };
                 let q = run(c, n_gen, &with_spec)?;
-                let method = match &s.method {
-                    SpecMethod::Ngram => "ngram".to_string(),
-                    SpecMethod::Draft(d) => format!("draft {}", d.model_path().display()),
-                };
+                let method = spec_method_name(s);
                 print_out(&format!(
                     "| {} | {t} | {c} | {method} (k ≤ {}) | {p} | {n_gen} | {:.1} | {:.1} | {:.2}× | {:.0}% | {kv:.1} KiB |\n",
                     src.name(),
@@ -1125,6 +1104,37 @@ fn run_agreement(
     Ok(())
 }
 
+/// The `--spec` flags' options for `engine`, loading the `--draft` model (`None` without
+/// `--spec`).
+fn spec_options(args: &Args, engine: &Engine, cpu: CpuOptions) -> Result<Option<SpecOptions>> {
+    let draft = match args.spec.draft_path() {
+        Some(path) => Some(Arc::new(
+            Engine::load(path, cpu).with_context(|| format!("--draft {}", path.display()))?,
+        )),
+        None => None,
+    };
+    Ok(args.spec.options(engine, draft)?)
+}
+
+/// The prompt `spec`'s method should help, cut so that `reserve` positions remain in the
+/// model's context (a small model's context keeps the prompt's end: the code, the request).
+fn spec_prompt(engine: &Engine, spec: &SpecOptions, reserve: usize) -> Result<Vec<u32>> {
+    let mut prompt = speculative::encode_prompt(engine, speculative::prompt_for(&spec.method))?;
+    let fits = engine.max_context().saturating_sub(reserve).max(1);
+    if prompt.len() > fits {
+        prompt.drain(..prompt.len() - fits);
+    }
+    Ok(prompt)
+}
+
+/// How the tables name a method.
+fn spec_method_name(spec: &SpecOptions) -> String {
+    match &spec.method {
+        SpecMethod::Ngram => "ngram".to_string(),
+        SpecMethod::Draft(d) => format!("draft {}", d.model_path().display()),
+    }
+}
+
 /// `--spec`: speculative against plain decoding, per model and thread count.
 fn run_speculative(
     args: &Args,
@@ -1139,27 +1149,11 @@ fn run_speculative(
         for &t in threads {
             let cpu = cpu_opts(t)?;
             let engine = Arc::new(Engine::from_model(src.load(args.seed)?, cpu)?);
-            let draft = match args.spec.draft_path() {
-                Some(path) => Some(Arc::new(
-                    Engine::load(path, cpu)
-                        .with_context(|| format!("--draft {}", path.display()))?,
-                )),
-                None => None,
-            };
-            let Some(spec) = args.spec.options(&engine, draft)? else {
+            let Some(spec) = spec_options(args, &engine, cpu)? else {
                 return Ok(());
             };
-            let mut prompt =
-                speculative::encode_prompt(&engine, speculative::prompt_for(&spec.method))?;
-            // A small model's context keeps the prompt's end (the code, the request).
-            let fits = engine.max_context().saturating_sub(n_gen).max(1);
-            if prompt.len() > fits {
-                prompt.drain(..prompt.len() - fits);
-            }
-            let method = match &spec.method {
-                SpecMethod::Ngram => "ngram".to_string(),
-                SpecMethod::Draft(d) => format!("draft {}", d.model_path().display()),
-            };
+            let prompt = spec_prompt(&engine, &spec, n_gen)?;
+            let method = spec_method_name(&spec);
             kiln::note!("kiln-bench: {method}, {t} threads");
             let r = speculative::run(&engine, &spec, &prompt, n_gen, args.repetitions)?;
             print_out(&format!(

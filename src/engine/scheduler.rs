@@ -545,17 +545,13 @@ impl Scheduler {
         let s = &mut self.seqs[i];
         let opts = Arc::clone(&s.opts);
         let stop_tokens = Arc::clone(&s.stop_tokens);
-        let rules = RowRules {
-            tokenizer: engine.tokenizer(),
-            opts: &opts,
-            stop_tokens: &stop_tokens,
-            tools: if opts.tools {
-                self.tools.as_ref()
-            } else {
-                None
-            },
-            capacity: self.kv.capacity(),
-        };
+        let rules = row_rules(
+            &engine,
+            self.tools.as_ref(),
+            self.kv.capacity(),
+            &opts,
+            &stop_tokens,
+        );
         let pos = s.tokens.len();
         let Some((token, mask)) = s.state.choose(&rules, s.row, &s.tokens, pos, logits) else {
             // No token continues the row's constraint: it ends without one.
@@ -598,17 +594,13 @@ impl Scheduler {
         let s = &mut self.seqs[i];
         let opts = Arc::clone(&s.opts);
         let stop_tokens = Arc::clone(&s.stop_tokens);
-        let rules = RowRules {
-            tokenizer: engine.tokenizer(),
-            opts: &opts,
-            stop_tokens: &stop_tokens,
-            tools: if opts.tools {
-                self.tools.as_ref()
-            } else {
-                None
-            },
-            capacity: self.kv.capacity(),
-        };
+        let rules = row_rules(
+            &engine,
+            self.tools.as_ref(),
+            self.kv.capacity(),
+            &opts,
+            &stop_tokens,
+        );
         let spec = s.spec.as_mut().expect("verifying sequences speculate");
         let proposals = std::mem::take(&mut spec.proposals);
         debug_assert_eq!(proposals.len() + 1, n);
@@ -861,5 +853,23 @@ impl Scheduler {
         if let Some(mut r) = self.requests.remove(&id) {
             (r.sink)(Event::Error(message.to_string()));
         }
+    }
+}
+
+/// A sequence's rules: its request's options and stop tokens, the engine's tool tokens when
+/// the request runs tools, and the serving cache's capacity.
+fn row_rules<'a>(
+    engine: &'a Engine,
+    tools: Option<&'a ToolTokens>,
+    capacity: usize,
+    opts: &'a GenerateOptions,
+    stop_tokens: &'a [u32],
+) -> RowRules<'a> {
+    RowRules {
+        tokenizer: engine.tokenizer(),
+        opts,
+        stop_tokens,
+        tools: tools.filter(|_| opts.tools),
+        capacity,
     }
 }

@@ -273,12 +273,6 @@ impl CpuBackend {
         logits: &mut Vec<f32>,
     ) -> Result<usize, ExecError> {
         check_logit_rows(logit_rows, tokens.len())?;
-        if logit_rows.is_empty() {
-            return Err(ExecError::BadLogitRow {
-                row: 0,
-                tokens: tokens.len(),
-            });
-        }
         let kind = PlanKind::Prefill;
         self.forward_rows(kind, ws, kv, tokens, rows, Some(logit_rows), logits)
     }
