@@ -14,15 +14,21 @@ pub(crate) const BLOCK: usize = 32;
 /// The largest integer an activation is rounded to.
 const QMAX: f32 = 32767.0;
 
+/// Entries of [`XI16::d`] and [`XI16::sums`] are padded with zeros to a multiple of this, so the
+/// kernels load them a vector (of one lane per block) at a time.
+pub(crate) const PAD: usize = 8;
+
 /// One activation row in 16-bit integers.
 pub(crate) struct XI16 {
     /// `x / d`, rounded to the nearest integer (ties to even), per element.
     pub q: Vec<i16>,
     /// The scale `d` of each 32-element block; NaN where the block holds a NaN or infinity (its
-    /// `q` are then 0), so non-finite activations stay non-finite in the products.
+    /// `q` are then 0), so non-finite activations stay non-finite in the products. Padded
+    /// ([`PAD`]).
     pub d: Vec<f32>,
     /// `Σ x` of each 32-element block in f32, summed in order from the unrounded activations
     /// (the formats with a min, Q4_K's min term): only the products with the quants are rounded.
+    /// Padded ([`PAD`]).
     pub sums: Vec<f32>,
 }
 
@@ -46,7 +52,7 @@ pub(crate) fn quantize_ref(x: &[f32]) -> XI16 {
     let nb = x.len() / BLOCK;
     let mut out = XI16 {
         q: vec![0; x.len()],
-        d: vec![0.0; nb],
+        d: vec![0.0; nb.next_multiple_of(PAD)],
         sums: block_sums(x),
     };
     for (b, c) in x.chunks_exact(BLOCK).enumerate() {
@@ -64,9 +70,11 @@ pub(crate) fn quantize_ref(x: &[f32]) -> XI16 {
     out
 }
 
-/// `Σ x` of each 32-element block, summed in order.
+/// `Σ x` of each 32-element block, summed in order, padded with zeros ([`PAD`]).
 pub(crate) fn block_sums(x: &[f32]) -> Vec<f32> {
-    x.chunks_exact(BLOCK).map(|c| c.iter().sum()).collect()
+    let mut s: Vec<f32> = x.chunks_exact(BLOCK).map(|c| c.iter().sum()).collect();
+    s.resize(s.len().next_multiple_of(PAD), 0.0);
+    s
 }
 
 /// Rounds `x` with the fastest kernel the CPU has (bit-identical to [`quantize_ref`]).

@@ -288,7 +288,7 @@ pub fn matmul_with(
 }
 
 /// The token rows rounded to 16-bit integers when `numerics` asks for it and a kernel will use
-/// them: 1 to 8 tokens (more run the exact kernels, whose packed tiles serve many tokens),
+/// them: 1 to 16 tokens (more run the exact kernels, whose packed panels serve many tokens faster),
 /// quantized weights of a format with an integer kernel, an AVX2 CPU.
 fn rounded_activations(
     level: Level,
@@ -539,7 +539,8 @@ macro_rules! avx2_legacy_kernels {
         const INT16: bool = true;
         #[cfg(target_arch = "x86_64")]
         unsafe fn gemv_i16_avx2(w: *const u8, job: &Job, x: &[int16::XI16]) -> bool {
-            avx2_i16::legacy_rows::<Self>(w, job, x)
+            avx2_i16::legacy_rows::<Self>(w, job, x);
+            true
         }
         #[cfg(target_arch = "x86_64")]
         unsafe fn gemv_avx2(w: *const u8, job: &Job) {
@@ -604,7 +605,8 @@ impl QuantMethod for quant::Q4_K {
     const INT16: bool = true;
     #[cfg(target_arch = "x86_64")]
     unsafe fn gemv_i16_avx2(w: *const u8, job: &Job, x: &[int16::XI16]) -> bool {
-        avx2_i16::k4_rows(w, job, x)
+        avx2_i16::k4_rows(w, job, x);
+        true
     }
     #[cfg(target_arch = "x86_64")]
     unsafe fn gemv_avx512(w: *const u8, job: &Job) {
@@ -624,7 +626,8 @@ impl QuantMethod for quant::Q6_K {
     const INT16: bool = true;
     #[cfg(target_arch = "x86_64")]
     unsafe fn gemv_i16_avx2(w: *const u8, job: &Job, x: &[int16::XI16]) -> bool {
-        avx2_i16::k6_rows(w, job, x)
+        avx2_i16::k6_rows(w, job, x);
+        true
     }
     #[cfg(target_arch = "x86_64")]
     unsafe fn gemv_avx512(w: *const u8, job: &Job) {
@@ -741,7 +744,7 @@ struct Job<'a> {
     out: *mut f32,
     ldo: usize,
     accumulate: bool,
-    /// The token rows rounded for [`Numerics::Int16`] (one to eight tokens), if rounded.
+    /// The token rows rounded for [`Numerics::Int16`] (one to sixteen tokens), if rounded.
     xq: Option<&'a [int16::XI16]>,
 }
 
