@@ -297,6 +297,7 @@ fn batched_scheduler_equals_each_request_alone() {
         max_running: 64,
         max_step_tokens: 48,
         prefix_cache: true,
+        spec_step_rows: usize::MAX,
     };
     let mut s = Scheduler::new(Arc::clone(&e), opts).unwrap();
     let stores: Vec<Arc<Mutex<Collected>>> = (0..reqs.len())

@@ -610,6 +610,79 @@ fn scheduled(
     }
 }
 
+/// Rows drafted by the same model share its passes: per scheduler step the draft runs at most
+/// `max_draft` forward passes (every row's catch-up, then one per proposal position) whatever
+/// the number of rows, where drafting row by row would run that many per row. The tokens stay
+/// plain decoding's, also when `spec_step_rows` trims or stops the proposals.
+#[test]
+fn scheduled_drafts_run_one_pass_per_position_for_every_row() {
+    let e = load("llama_tied");
+    let near = load("llama_tied.q4_0.gguf");
+    let tok = e.tokenizer();
+    let base = tok
+        .encode("the cat sat on the mat. the dog sat on the cat. the cat sat on the")
+        .unwrap();
+    let spec = SpecOptions {
+        adaptive: false,
+        ..SpecOptions::draft(&e, Arc::clone(&near), 3).unwrap()
+    };
+    let reqs: Vec<Request> = (0..6)
+        .map(|i| Request {
+            prompt: base[i..].to_vec(),
+            options: greedy(Some(24)),
+            spec: Some(spec.clone()),
+        })
+        .collect();
+    let unlimited = ServeOptions {
+        spec_step_rows: usize::MAX,
+        ..ServeOptions::default()
+    };
+    let (got, stats) = scheduled(&e, &reqs, unlimited);
+    let alone: Vec<BatchResult> = reqs
+        .iter()
+        .map(|r| e.generate_batch(&r.prompt, &r.options).unwrap())
+        .collect();
+    for (i, (a, g)) in alone.iter().zip(&got).enumerate() {
+        same_scheduled(a, g, &format!("request {i}"));
+    }
+    assert!(stats.spec_accepted_tokens > 0, "{stats:?}");
+    assert!(
+        stats.spec_draft_passes > 0 && stats.spec_draft_passes <= 3 * stats.steps,
+        "more than max_draft draft passes per step: {stats:?}"
+    );
+    assert!(
+        stats.spec_verify_passes >= 2 * stats.steps,
+        "the rows did not run together: {stats:?}"
+    );
+
+    // `spec_step_rows` caps a step's rows with proposals: 0 turns speculation off, and one
+    // row under a cap of 3 proposes at most 2 tokens a pass.
+    let off = ServeOptions {
+        spec_step_rows: 0,
+        ..ServeOptions::default()
+    };
+    let (got, stats) = scheduled(&e, &reqs, off);
+    for (i, (a, g)) in alone.iter().zip(&got).enumerate() {
+        same_scheduled(a, g, &format!("off, request {i}"));
+    }
+    assert_eq!(
+        (stats.spec_proposed_tokens, stats.spec_draft_passes),
+        (0, 0),
+        "{stats:?}"
+    );
+    let three = ServeOptions {
+        spec_step_rows: 3,
+        ..ServeOptions::default()
+    };
+    let (got, stats) = scheduled(&e, &reqs[..1], three);
+    same_scheduled(&alone[0], &got[0], "capped at 3 rows");
+    assert!(
+        stats.spec_proposed_tokens > 0
+            && stats.spec_proposed_tokens <= 2 * stats.spec_verify_passes,
+        "{stats:?}"
+    );
+}
+
 /// Row by row: tokens, masks, text and finish reason, and the completion count.
 fn same_scheduled(alone: &BatchResult, got: &BatchResult, what: &str) {
     assert_eq!(alone.rows.len(), got.rows.len(), "{what}: rows");
@@ -726,6 +799,7 @@ fn scheduled_speculation_equals_decoding_alone() {
         max_running: 64,
         max_step_tokens: 24,
         prefix_cache: true,
+        spec_step_rows: usize::MAX,
     };
     let (got, stats) = scheduled(&e, &reqs, tight);
     assert!(stats.preemptions > 0, "the pool never ran short: {stats:?}");

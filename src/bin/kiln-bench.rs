@@ -130,7 +130,7 @@ struct Args {
     /// CPU thread counts (comma list); default: every core.
     #[arg(short = 't', long, value_delimiter = ',')]
     threads: Option<Vec<usize>>,
-    /// Backend. Only the CPU exists today; the CUDA backend is the next milestone.
+    /// Backend: the CPU, or CUDA (needs an NVIDIA GPU and its driver, loaded at run time).
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
     /// Timed repetitions per test (after one warm-up run).
@@ -185,6 +185,10 @@ struct Args {
     /// speculatively, in the same run.
     #[arg(long, value_delimiter = ',', value_name = "N")]
     concurrency: Vec<usize>,
+    /// With --concurrency and --spec: the most rows a scheduler step grows to with proposals
+    /// (`ServeOptions::spec_step_rows`; default: no limit but the step's token budget).
+    #[arg(long, value_name = "N")]
+    spec_step_rows: Option<usize>,
     /// With --spec: speculative against plain decoding instead of pp/tg tests, greedy, -n
     /// tokens (the first value) on the prompt each method should help (a code edit for ngram,
     /// free text for draft): acceptance rate and end-to-end tokens/s of both.
@@ -988,7 +992,12 @@ fn run_serving(
             let run = |c: usize, n: usize, load: &Load| {
                 kiln::bench::serving::run(
                     &engine,
-                    ServeOptions::default(),
+                    ServeOptions {
+                        spec_step_rows: args
+                            .spec_step_rows
+                            .unwrap_or(ServeOptions::default().spec_step_rows),
+                        ..ServeOptions::default()
+                    },
                     c,
                     prompt,
                     n,

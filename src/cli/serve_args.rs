@@ -46,6 +46,10 @@ pub struct ServeArgs {
     /// inter-token latency low while a long prompt joins.
     #[arg(long, default_value_t = 64)]
     pub max_step_tokens: usize,
+    /// With --spec: the most rows a step grows to with proposals (decode rows first; none
+    /// once as many streams decode; 0: no proposals). Default: no limit but --max-step-tokens.
+    #[arg(long, value_name = "N")]
+    pub spec_step_rows: Option<usize>,
     /// Require `Authorization: Bearer KEY` on every route but /health.
     #[arg(long, value_parser = Text::NON_EMPTY)]
     pub api_key: Option<String>,
@@ -65,9 +69,9 @@ pub struct ServeArgs {
     /// CPU threads (0 = all cores).
     #[arg(short = 't', long, default_value_t = 0)]
     pub threads: usize,
-    /// How one-row decode steps multiply activations by quantized weights: exact (f32
-    /// activations) or int16 (rounded to 16-bit integers; faster, not bit-equal). Batched
-    /// steps of several rows run exact either way.
+    /// How steps of up to 16 rows multiply activations by quantized weights: exact (f32
+    /// activations) or int16 (rounded to 16-bit integers; faster, not bit-equal). Larger
+    /// steps (prompt chunks) run exact either way.
     #[arg(long, value_enum, default_value_t = NumericsArg::Exact)]
     pub numerics: NumericsArg,
     /// Speculative decoding for every request (each of n choices speculates on its own).
@@ -332,6 +336,10 @@ mod tests {
         let c = parse(&["--spec", "ngram", "--draft-max", "6"]).unwrap();
         assert_eq!(c.args.spec.spec, Some(super::super::spec::SpecKind::Ngram));
         assert_eq!(c.args.spec.draft_max, 6);
+        assert_eq!(c.args.spec_step_rows, None);
+        let c = parse(&["--spec", "ngram", "--spec-step-rows", "8"]).unwrap();
+        assert_eq!(c.args.spec_step_rows, Some(8));
+        assert!(parse(&["--spec-step-rows", "-1"]).is_err());
         let bad = OsString::from_vec(vec![b'k', 0xff]);
         let m = model();
         let argv = ["kiln serve", "-m", &m, "--api-key"]

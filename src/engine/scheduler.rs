@@ -15,11 +15,13 @@
 //! do not depend on what else runs beside it (up to the summation order of batched kernels).
 //!
 //! A request with [`Request::spec`] speculates: before each step its rows propose tokens (prompt
-//! lookup, or a draft model with a cache per row), the step feeds each row's pending token and
+//! lookup, or a draft model: one pass of the draft per proposal position over every row it
+//! drafts for), the step feeds each row's pending token and
 //! proposals together with a logit row for each, and the row keeps the longest prefix its own
 //! rules agree with plus one token of its own (the walk of [`super::spec`]); rejected positions
 //! are cut from that row's blocks only. Proposals share the step's token budget: decode rows
-//! come first, and while a prompt waits its quarter of the budget is kept for it. Greedy rows
+//! come first, while a prompt waits its quarter of the budget is kept for it, and a step grows
+//! with proposals to at most [`ServeOptions::spec_step_rows`] rows. Greedy rows
 //! give exactly the tokens of plain decoding; sampled rows keep the target's distribution.
 
 use std::collections::HashMap;
@@ -28,7 +30,8 @@ use std::sync::Arc;
 use super::constraint::Constraint;
 use super::row::{RowRules, RowState};
 use super::sequence::{RequestId, SeqSpec, Sequence};
-use super::spec::{choose_verified, Proposal, SpecOptions, SpecStats};
+use super::spec::{self, choose_verified, DraftAsk, DraftBatch, Proposal, SpecMethod};
+use super::spec::{SpecOptions, SpecStats};
 use super::tools::ToolTokens;
 use super::{Engine, EngineError, FinishReason, GenerateOptions, RowStep, Step, Usage};
 use crate::backend::cpu::Workspace;
@@ -53,6 +56,13 @@ pub struct ServeOptions {
     pub max_step_tokens: usize,
     /// Reuse cached prompt prefixes across requests.
     pub prefix_cache: bool,
+    /// The most rows a step grows to with speculative proposals: decode rows come first, and
+    /// proposals, shared evenly among the speculating rows, fill what is left up to this (none
+    /// once as many sequences run); 0 turns speculation off. No limit by default (only
+    /// `max_step_tokens`): n-gram proposals paid for their rows even at 16 sequences on a
+    /// 2-core CPU, while a draft model's passes did not — a limit of 8 took a 1.5B/0.5B pair
+    /// at 4 sequences from 0.37× to 0.64× of plain decoding (README).
+    pub spec_step_rows: usize,
 }
 
 impl Default for ServeOptions {
@@ -65,6 +75,7 @@ impl Default for ServeOptions {
             // inter-token latency of 64 for the same throughput (kiln-bench serve-load).
             max_step_tokens: 64,
             prefix_cache: true,
+            spec_step_rows: usize::MAX,
         }
     }
 }
@@ -76,7 +87,8 @@ pub struct Request {
     pub prompt: Vec<u32>,
     pub options: GenerateOptions,
     /// Speculative decoding for every row of the request (each row proposes and verifies on
-    /// its own; a draft model keeps a cache per row, outside the pool's budget).
+    /// its own). A draft model keeps the rows' caches in a pool of its own, of as many blocks
+    /// as the serving pool, and runs every row's proposal position in one pass.
     pub spec: Option<SpecOptions>,
 }
 
@@ -134,6 +146,8 @@ pub struct SchedulerStats {
     pub spec_accepted_tokens: u64,
     /// Decode passes of speculating rows (each verifies its proposals, or none).
     pub spec_verify_passes: u64,
+    /// Forward passes of draft models (each over every row a draft proposes for).
+    pub spec_draft_passes: u64,
 }
 
 /// One sequence's part of a step: `n` rows fed from its tokens (a prefill chunk or a decode
@@ -156,6 +170,8 @@ pub struct Scheduler {
     next_order: u64,
     tools: Option<ToolTokens>,
     stats: SchedulerStats,
+    /// The draft caches of speculating rows, one pool per draft model.
+    drafts: Vec<DraftBatch>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -199,6 +215,7 @@ impl Scheduler {
             requests: HashMap::new(),
             next_order: 0,
             stats: SchedulerStats::default(),
+            drafts: Vec::new(),
         })
     }
 
@@ -218,6 +235,7 @@ impl Scheduler {
         s.blocks_total = self.kv.pool().num_blocks();
         s.blocks_free = self.kv.pool().free_blocks();
         s.prefix_blocks = self.kv.prefix_blocks();
+        s.spec_draft_passes = self.drafts.iter().map(DraftBatch::passes).sum();
         s
     }
 
@@ -242,6 +260,15 @@ impl Scheduler {
         options.sampling.validate()?;
         if let Some(sp) = &spec {
             sp.check_for(&self.engine)?;
+            if let SpecMethod::Draft(d) = &sp.method {
+                if !self.drafts.iter().any(|b| b.runs(d)) {
+                    // As many blocks as the serving pool: a row's draft cache holds no more
+                    // positions than its own.
+                    let blocks = self.kv.pool().num_blocks();
+                    let batch = DraftBatch::new(Arc::clone(d), self.opts.kv, blocks)?;
+                    self.drafts.push(batch);
+                }
+            }
         }
         if prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
@@ -291,7 +318,7 @@ impl Scheduler {
                 state: RowState::new(&opts, constraint.as_ref().map(Constraint::fork)),
                 waits_for_prompt: row > 0,
                 order,
-                spec: spec.as_ref().map(|sp| SeqSpec::new(sp, self.kv.capacity())),
+                spec: spec.as_ref().map(SeqSpec::new),
             });
         }
         self.stats.prompt_tokens += prompt.len() as u64;
@@ -672,12 +699,14 @@ impl Scheduler {
     }
 
     /// Fills sequence `i`'s proposals for its next step, at most `limit` of them (its share
-    /// of the step's budget), never past its cache or its `max_tokens`. Returns how many.
-    fn propose(&mut self, i: usize, limit: usize) -> Result<usize, EngineError> {
+    /// of the step's budget), never past its cache or its `max_tokens`. Returns how many; a
+    /// row with a draft model is instead added to `drafted` with the number it may propose
+    /// (returned, as its share of the budget), for [`Scheduler::propose_drafted`].
+    fn propose(&mut self, i: usize, limit: usize, drafted: &mut Vec<(usize, usize)>) -> usize {
         let capacity = self.kv.capacity();
         let s = &mut self.seqs[i];
         let Some(spec) = s.spec.as_mut() else {
-            return Ok(0);
+            return 0;
         };
         // The pending token goes at `computed`; proposals fill the cache at most, and none is
         // wasted past `max_tokens`.
@@ -695,11 +724,60 @@ impl Scheduler {
         } else if want == 0 {
             Vec::new()
         } else {
-            let row = s.row as u32;
-            spec.proposer
-                .propose(&s.tokens, want, &s.opts.sampling, row)?
+            match &spec.opts.method {
+                SpecMethod::Ngram => spec::lookup(&s.tokens, want),
+                SpecMethod::Draft(_) => {
+                    drafted.push((i, want));
+                    return want;
+                }
+            }
         };
-        Ok(spec.proposals.len())
+        spec.proposals.len()
+    }
+
+    /// Runs the draft models for the rows [`Scheduler::propose`] set aside: per draft, every
+    /// row's catch-up in one pass and then one pass per proposal position. Draft caches of
+    /// rows that are gone are freed first.
+    fn propose_drafted(&mut self, drafted: &[(usize, usize)]) -> Result<(), EngineError> {
+        let live: std::collections::HashSet<(RequestId, usize)> =
+            self.seqs.iter().map(|s| (s.request, s.row)).collect();
+        for batch in &mut self.drafts {
+            batch.retain(|key| live.contains(key));
+        }
+        for batch in &mut self.drafts {
+            let mine: Vec<(usize, usize)> = drafted
+                .iter()
+                .copied()
+                .filter(|&(i, _)| {
+                    matches!(&self.seqs[i].spec, Some(sp)
+                        if matches!(&sp.opts.method, SpecMethod::Draft(d) if batch.runs(d)))
+                })
+                .collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let asks: Vec<DraftAsk<'_>> = mine
+                .iter()
+                .map(|&(i, k)| {
+                    let s = &self.seqs[i];
+                    DraftAsk {
+                        key: (s.request, s.row),
+                        context: &s.tokens,
+                        k,
+                        sampling: &s.opts.sampling,
+                        row: s.row as u32,
+                    }
+                })
+                .collect();
+            let proposals = batch.propose(&asks)?;
+            drop(asks);
+            for (&(i, _), p) in mine.iter().zip(proposals) {
+                if let Some(sp) = self.seqs[i].spec.as_mut() {
+                    sp.proposals = p;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Admits waiting sequences in arrival order while there is room.
@@ -731,8 +809,8 @@ impl Scheduler {
             .collect();
         running.sort_by_key(|&i| (self.seqs[i].order, self.seqs[i].row));
         // Every decode row runs (at most max_running of them); proposals take what is left of
-        // the budget but a quarter kept for waiting prompts; prefill gets the rest, and at
-        // least that quarter.
+        // the budget but a quarter kept for waiting prompts, up to `spec_step_rows` rows in
+        // all; prefill gets the rest, and at least that quarter.
         let quarter = self.opts.max_step_tokens.div_ceil(4);
         let decode_rows = running
             .iter()
@@ -743,17 +821,27 @@ impl Scheduler {
             .opts
             .max_step_tokens
             .saturating_sub(decode_rows)
-            .saturating_sub(if prompt_waits { quarter } else { 0 });
+            .saturating_sub(if prompt_waits { quarter } else { 0 })
+            .min(self.opts.spec_step_rows.saturating_sub(decode_rows));
+        let verifying: Vec<usize> = running
+            .iter()
+            .copied()
+            .filter(|&i| self.seqs[i].pending() == 1 && self.seqs[i].verifies())
+            .collect();
+        let share = spare.div_ceil(verifying.len().max(1));
+        let mut drafted = Vec::new();
+        for &i in &verifying {
+            spare -= self.propose(i, spare.min(share), &mut drafted);
+        }
+        self.propose_drafted(&drafted)?;
         let mut want: Vec<(usize, usize)> = Vec::new();
         let mut planned_tokens = 0;
         for &i in &running {
             if self.seqs[i].pending() == 1 {
-                let extra = if self.seqs[i].verifies() {
-                    self.propose(i, spare)?
-                } else {
-                    0
+                let extra = match &self.seqs[i].spec {
+                    Some(sp) if self.seqs[i].verifies() => sp.proposals.len(),
+                    _ => 0,
                 };
-                spare -= extra;
                 want.push((i, 1 + extra));
                 planned_tokens += 1 + extra;
             }

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use super::row::RowState;
-use super::spec::{Proposal, Proposer, SpecOptions};
+use super::spec::{Proposal, SpecOptions};
 use super::GenerateOptions;
 
 /// Identifies a request for as long as the engine serves it.
@@ -38,11 +38,11 @@ pub(super) struct Sequence {
     pub spec: Option<SeqSpec>,
 }
 
-/// A speculating sequence's proposer, its adapted proposal length, and the proposals the
-/// planned step verifies.
+/// A speculating sequence's options, its adapted proposal length, and the proposals the
+/// planned step verifies. (Prompt lookup needs no state; a draft model's cache for the row is
+/// kept by the scheduler's [`super::spec::DraftBatch`] for that draft.)
 pub(super) struct SeqSpec {
     pub opts: SpecOptions,
-    pub proposer: Proposer,
     /// Tokens to propose next (adapted to the acceptance rate, within 1..=max_draft).
     pub k: usize,
     /// What the planned step feeds after the sequence's pending token.
@@ -53,9 +53,8 @@ pub(super) struct SeqSpec {
 }
 
 impl SeqSpec {
-    pub fn new(opts: &SpecOptions, capacity: usize) -> SeqSpec {
+    pub fn new(opts: &SpecOptions) -> SeqSpec {
         SeqSpec {
-            proposer: Proposer::new(&opts.method, capacity),
             k: opts.max_draft,
             opts: opts.clone(),
             proposals: Vec::new(),

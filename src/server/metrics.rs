@@ -118,7 +118,7 @@ impl Metrics {
         for (name, help, v) in gauges {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
         }
-        let counters: [(&str, &str, u64); 7] = [
+        let counters: [(&str, &str, u64); 8] = [
             (
                 "kiln_prefix_cache_hit_tokens_total",
                 "Prompt tokens served from the prefix cache.",
@@ -153,6 +153,11 @@ impl Metrics {
                 "kiln_spec_verify_passes_total",
                 "Decode passes of speculating sequences (each verifies its proposals, or none).",
                 s.spec_verify_passes,
+            ),
+            (
+                "kiln_spec_draft_passes_total",
+                "Forward passes of draft models (each over every sequence a draft proposes for).",
+                s.spec_draft_passes,
             ),
         ];
         for (name, help, v) in counters {

@@ -68,6 +68,7 @@ pub fn run(cmd: ServeCommand) -> Result<()> {
         max_running: args.max_running,
         max_step_tokens: args.max_step_tokens,
         prefix_cache: !args.no_prefix_cache,
+        spec_step_rows: args.spec_step_rows.unwrap_or(usize::MAX),
         ..ServeOptions::default()
     };
     let handle = EngineHandle::start(engine, serve_opts).context("starting the scheduler")?;

@@ -54,6 +54,24 @@ pub(crate) struct Proposal {
     pub q: Option<Dist>,
 }
 
+/// The draft's proposal for position `pos` of row `row` from its `logits`: the argmax when
+/// `sampling` is greedy, else a draw from the draft's distribution under the same parameters,
+/// keyed by `(seed, row, pos)` on a stream of its own.
+pub(crate) fn pick(logits: &[f32], sampling: &SamplingParams, row: u32, pos: usize) -> Proposal {
+    if sampling.temperature == 0.0 {
+        return Proposal {
+            token: argmax(logits),
+            q: None,
+        };
+    }
+    let q = Dist::of(logits, sampling);
+    let u = uniform_for(Draw::Draft, sampling.seed, row, pos as u64);
+    Proposal {
+        token: q.pick(u),
+        q: Some(q),
+    }
+}
+
 impl DraftRunner {
     pub fn new(draft: &Arc<Engine>, capacity: usize) -> DraftRunner {
         DraftRunner {
@@ -80,21 +98,7 @@ impl DraftRunner {
         self.session.prefill(context)?;
         let mut out = Vec::with_capacity(k);
         for i in 0..k {
-            let logits = self.session.logits();
-            let pos = (context.len() + i) as u64;
-            let proposal = if sampling.temperature == 0.0 {
-                Proposal {
-                    token: argmax(logits),
-                    q: None,
-                }
-            } else {
-                let q = Dist::of(logits, sampling);
-                let u = uniform_for(Draw::Draft, sampling.seed, row, pos);
-                Proposal {
-                    token: q.pick(u),
-                    q: Some(q),
-                }
-            };
+            let proposal = pick(self.session.logits(), sampling, row, context.len() + i);
             let token = proposal.token;
             out.push(proposal);
             if i + 1 < k {

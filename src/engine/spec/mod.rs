@@ -11,6 +11,7 @@
 mod decode;
 mod dist;
 mod draft;
+mod draft_batch;
 mod ngram;
 
 use std::path::PathBuf;
@@ -23,6 +24,7 @@ use super::{BatchResult, Engine, EngineError};
 use dist::{judge, uniform_for, Dist, Draw, Verdict};
 use draft::DraftRunner;
 pub(crate) use draft::Proposal;
+pub(crate) use draft_batch::{DraftAsk, DraftBatch};
 
 /// Where proposals come from.
 #[derive(Clone)]
@@ -128,6 +130,11 @@ pub enum SpecError {
     MaxDraft,
     #[error("speculative decoding runs one sample row per request; num_samples = {0}")]
     Samples(usize),
+    #[error(
+        "the draft model runs on {0}; a serving engine's drafts run on the CPU backend, like \
+         its scheduler"
+    )]
+    DraftDevice(String),
 }
 
 /// How speculation went for one request.
@@ -187,13 +194,18 @@ impl Proposer {
         row: u32,
     ) -> Result<Vec<Proposal>, EngineError> {
         match self {
-            Proposer::Ngram => Ok(ngram::propose(context, k)
-                .into_iter()
-                .map(|token| Proposal { token, q: None })
-                .collect()),
+            Proposer::Ngram => Ok(lookup(context, k)),
             Proposer::Draft(d) => d.propose(context, k, sampling, row),
         }
     }
+}
+
+/// Up to `k` proposals by prompt lookup ([`SpecMethod::Ngram`]) continuing `context`.
+pub(crate) fn lookup(context: &[u32], k: usize) -> Vec<Proposal> {
+    ngram::propose(context, k)
+        .into_iter()
+        .map(|token| Proposal { token, q: None })
+        .collect()
 }
 
 /// The token a verifying row takes at `pos` from its `logits`, given the proposal made for
