@@ -130,13 +130,15 @@ impl DraftBatch {
                     self.held.entry(a.key).or_insert(h)
                 }
             };
+            // Within what the cache holds (a failed pass may have left `tokens` ahead of it).
             let common = h
                 .tokens
                 .iter()
                 .zip(a.context)
                 .take_while(|(x, y)| x == y)
                 .count()
-                .min(a.context.len() - 1);
+                .min(a.context.len() - 1)
+                .min(self.kv.len(h.slot));
             self.kv.truncate(h.slot, common);
             h.tokens.truncate(common);
             let end = a.context.len() + *k - 1;
