@@ -166,6 +166,20 @@ fn greedy_speculation_equals_plain_decoding_on_the_demo_model() {
     }
 }
 
+/// The calculator script's generation options: 40 tokens through its processor, seed 5.
+fn calculator_options(processor: &LogitsProcessor, temperature: f32) -> GenerateOptions {
+    GenerateOptions {
+        max_tokens: Some(40),
+        logits_processor: Some(processor.clone()),
+        sampling: SamplingParams {
+            temperature,
+            seed: 5,
+            ..SamplingParams::default()
+        },
+        ..GenerateOptions::default()
+    }
+}
+
 /// Tool use under speculation: the calculator's output is forced (mask 0) exactly where plain
 /// decoding forces it, whether the proposals guessed it or not. The model's choices are
 /// scripted by a logits processor; the prompt already holds the call, so n-gram lookup
@@ -223,16 +237,7 @@ fn forced_tool_tokens_under_speculation() {
     let ae = tok.token_to_id("<|assistant_end|>").unwrap();
     let plen = prompt.len();
     for temperature in [0.0, 1.0] {
-        let opts = GenerateOptions {
-            max_tokens: Some(40),
-            logits_processor: Some(processor.clone()),
-            sampling: SamplingParams {
-                temperature,
-                seed: 5,
-                ..SamplingParams::default()
-            },
-            ..GenerateOptions::default()
-        };
+        let opts = calculator_options(&processor, temperature);
         let plain = check_methods(&e, &e, &prompt, 256, &opts, &format!("T={temperature}"));
         let row = &plain.rows[0];
         assert_eq!(row.finish_reason, FinishReason::StopToken);
@@ -841,16 +846,7 @@ fn scheduled_speculation_with_forced_tool_tokens() {
         .into_iter()
         .map(|temperature| Request {
             prompt: prompt.clone(),
-            options: GenerateOptions {
-                max_tokens: Some(40),
-                logits_processor: Some(processor.clone()),
-                sampling: SamplingParams {
-                    temperature,
-                    seed: 5,
-                    ..SamplingParams::default()
-                },
-                ..GenerateOptions::default()
-            },
+            options: calculator_options(&processor, temperature),
             spec: Some(spec.clone()),
         })
         .collect();

@@ -739,6 +739,9 @@ impl Scheduler {
     /// row's catch-up in one pass and then one pass per proposal position. Draft caches of
     /// rows that are gone are freed first.
     fn propose_drafted(&mut self, drafted: &[(usize, usize)]) -> Result<(), EngineError> {
+        if self.drafts.is_empty() {
+            return Ok(());
+        }
         let live: std::collections::HashSet<(RequestId, usize)> =
             self.seqs.iter().map(|s| (s.request, s.row)).collect();
         for batch in &mut self.drafts {
@@ -749,8 +752,8 @@ impl Scheduler {
                 .iter()
                 .copied()
                 .filter(|&(i, _)| {
-                    matches!(&self.seqs[i].spec, Some(sp)
-                        if matches!(&sp.opts.method, SpecMethod::Draft(d) if batch.runs(d)))
+                    let method = self.seqs[i].spec.as_ref().map(|sp| &sp.opts.method);
+                    matches!(method, Some(SpecMethod::Draft(d)) if batch.runs(d))
                 })
                 .collect();
             if mine.is_empty() {

@@ -103,17 +103,21 @@ impl Session {
                 capacity: self.dev.capacity(),
             });
         }
-        let cached = &self.tokens[0];
-        let mut common = cached
-            .iter()
-            .zip(prompt)
-            .take_while(|(a, b)| a == b)
-            .count();
-        // The last prompt token must run to produce the logits that follow it.
-        common = common.min(prompt.len() - 1);
+        let common = reusable_prefix(&self.tokens[0], prompt);
         self.dev.truncate(0, common);
         self.tokens[0].truncate(common);
         self.feed(&prompt[common..])?;
         Ok(prompt.len() - common)
     }
+}
+
+/// How much of a cache holding `cached` serves a non-empty `prompt`: their common prefix, short
+/// of the prompt's last token, which must run to produce the logits that follow it.
+pub(crate) fn reusable_prefix(cached: &[u32], prompt: &[u32]) -> usize {
+    let common = cached
+        .iter()
+        .zip(prompt)
+        .take_while(|(a, b)| a == b)
+        .count();
+    common.min(prompt.len().saturating_sub(1))
 }

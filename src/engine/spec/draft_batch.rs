@@ -14,6 +14,7 @@ use std::sync::Arc;
 use super::draft::{pick, Proposal};
 use crate::backend::cpu::Workspace;
 use crate::backend::TokenRow;
+use crate::engine::session::reusable_prefix;
 use crate::engine::{Engine, EngineError, RequestId};
 use crate::kv::{KvBudget, KvCache, KvError, KvOptions, PoolError};
 use crate::plan::PlanKind;
@@ -131,14 +132,7 @@ impl DraftBatch {
                 }
             };
             // Within what the cache holds (a failed pass may have left `tokens` ahead of it).
-            let common = h
-                .tokens
-                .iter()
-                .zip(a.context)
-                .take_while(|(x, y)| x == y)
-                .count()
-                .min(a.context.len() - 1)
-                .min(self.kv.len(h.slot));
+            let common = reusable_prefix(&h.tokens, a.context).min(self.kv.len(h.slot));
             self.kv.truncate(h.slot, common);
             h.tokens.truncate(common);
             let end = a.context.len() + *k - 1;
