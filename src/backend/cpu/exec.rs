@@ -2,12 +2,11 @@
 //! workspace's buffers.
 
 use super::attention::{self, AttentionShape};
-use super::matmul::{self, PackedMatrix, WeightData};
+use super::matmul::{self, PackedMatrix};
 use super::{elementwise, norm, rope, CpuBackend};
 use crate::backend::TokenRow;
 use crate::graph::{Epilogue, Op, Rows};
 use crate::kv::KvCache;
-use crate::model::quant;
 use crate::plan::{ExecutionPlan, Operand, Slot};
 
 /// Per-session scratch memory: the plan's buffers plus kernel temporaries. Grows to the largest
@@ -132,21 +131,7 @@ pub(super) fn run(
                     let m = &be.matrices[mats[idx].expect("embed has a packed table")];
                     for (t, &id) in tokens.iter().enumerate() {
                         let dst = row_mut(&mut out, stride, out_slot, t);
-                        let at = id as usize * dim;
-                        match &m.data {
-                            WeightData::F32(w) => dst.copy_from_slice(&w[at..at + dim]),
-                            WeightData::BF16(w) => {
-                                for (d, s) in dst.iter_mut().zip(&w[at..at + dim]) {
-                                    *d = s.to_f32();
-                                }
-                            }
-                            WeightData::Quant { kind, blocks } => {
-                                // Only the looked-up row is dequantized.
-                                let rb = dim / kind.block_elems() * kind.block_bytes();
-                                let row = id as usize * rb;
-                                quant::dequantize_row(*kind, &blocks[row..row + rb], dst);
-                            }
-                        }
+                        m.data.row_f32(id as usize, *dim, dst);
                     }
                 }
                 Op::RmsNorm(n) => {

@@ -22,17 +22,18 @@ use crate::backend::{check_logit_rows, check_step, ExecError, TokenRow};
 use crate::graph::build::LogitRows;
 use crate::graph::{Linear, Norm, Op};
 use crate::kv::{KvBudget, KvCache, KvDtype, KvError, KvOptions};
-use crate::model::{DType, LoadError, ModelConfig, Weights};
+use crate::model::{DType, LoadError, ModelConfig, Tensor, Weights};
 use crate::plan::{compile_graph, ExecutionPlan, Phase, PlanKind};
 pub use matmul::Numerics;
-use matmul::{PackedMatrix, WeightData};
+use matmul::{MatrixPart, PackedMatrix, WeightData};
 
 /// How linear weights are held in memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WeightFormat {
-    /// bf16 stays bf16, f32 stays f32, f16 widens to f32 (exact); a linear whose parts are all
-    /// the same ggml block format (any of [`crate::model::quant::QuantKind`]) stays in those
-    /// blocks, mixed parts (e.g. a Q4_K q beside a Q6_K v in one merged qkv) dequantize to f32.
+    /// bf16 stays bf16, f32 stays f32, f16 widens to f32 (exact); ggml blocks (any of
+    /// [`crate::model::quant::QuantKind`]) stay in their blocks. A merged linear whose parts
+    /// are stored differently (e.g. a Q5_0 q and k beside a Q8_0 v in one qkv) keeps each part
+    /// in its own format ([`matmul::WeightData::Parts`]).
     #[default]
     AsStored,
     F32,
@@ -347,47 +348,26 @@ fn pack(
         }
     }
     let rows: usize = parts.iter().map(|p| p.2).sum();
-    let use_bf16 = match format {
-        WeightFormat::BF16 => true,
-        WeightFormat::F32 => false,
-        WeightFormat::AsStored => tensors.iter().all(|t| t.dtype == DType::BF16),
-    };
-    // Quantized parts stay quantized when they all share one block format: blocks never cross
-    // rows, so concatenating the parts' rows concatenates their bytes.
-    let quant = match format {
-        WeightFormat::AsStored => tensors[0]
-            .dtype
-            .quant()
-            .filter(|_| tensors.iter().all(|t| t.dtype == tensors[0].dtype)),
-        WeightFormat::F32 | WeightFormat::BF16 => None,
-    };
-    let data = if let Some(kind) = quant {
-        let row_bytes = tensors[0].dtype.row_bytes(cols);
-        let mut blocks = Vec::with_capacity(rows * row_bytes);
-        for (t, p) in tensors.iter().zip(parts) {
-            blocks.extend_from_slice(&t.raw()[..p.2 * row_bytes]);
-        }
-        let data = WeightData::Quant { kind, blocks };
-        data.check_shape(rows, cols)
-            .map_err(|e| LoadError::tensor(&weights.source, &tensors[0].name, e))?;
-        data
-    } else if use_bf16 {
-        WeightData::BF16(
-            tensors
-                .iter()
-                .zip(parts)
-                .flat_map(|(t, p)| t.to_bf16_vec().into_iter().take(p.2 * cols))
-                .collect(),
-        )
+    let same_dtype = tensors.iter().all(|t| t.dtype == tensors[0].dtype);
+    let data = if format == WeightFormat::AsStored && !same_dtype {
+        // Each part as it would be stored alone: quantized parts keep their own formats.
+        let parts = tensors
+            .iter()
+            .zip(parts)
+            .map(|(t, p)| {
+                Ok(MatrixPart {
+                    rows: p.2,
+                    data: pack_data(weights, &[(*t, p.2)], cols, format)?,
+                })
+            })
+            .collect::<Result<Vec<_>, LoadError>>()?;
+        WeightData::Parts(parts)
     } else {
-        WeightData::F32(
-            tensors
-                .iter()
-                .zip(parts)
-                .flat_map(|(t, p)| t.to_f32_vec().into_iter().take(p.2 * cols))
-                .collect(),
-        )
+        let rows_of: Vec<_> = tensors.iter().zip(parts).map(|(&t, p)| (t, p.2)).collect();
+        pack_data(weights, &rows_of, cols, format)?
     };
+    data.check_shape(rows, cols)
+        .map_err(|e| LoadError::tensor(&weights.source, &tensors[0].name, e))?;
     let bias = if parts.iter().any(|(_, b, _)| b.is_some()) {
         let mut v = Vec::with_capacity(rows);
         for (_, b, r) in parts {
@@ -405,5 +385,58 @@ fn pack(
         cols,
         data,
         bias,
+    })
+}
+
+/// The first `rows` rows of each tensor, concatenated, in one format: `format`'s, where stored
+/// as is a block format the tensors share stays in its blocks (they never cross rows, so
+/// concatenating rows concatenates bytes), bf16 stays bf16 and anything else widens to f32.
+fn pack_data(
+    weights: &Weights,
+    tensors: &[(&Tensor, usize)],
+    cols: usize,
+    format: WeightFormat,
+) -> Result<WeightData, LoadError> {
+    let first = tensors[0].0;
+    let shared = tensors.iter().all(|(t, _)| t.dtype == first.dtype);
+    let quant = match format {
+        WeightFormat::AsStored => first.dtype.quant().filter(|_| shared),
+        WeightFormat::F32 | WeightFormat::BF16 => None,
+    };
+    let use_bf16 = match format {
+        WeightFormat::BF16 => true,
+        WeightFormat::F32 => false,
+        WeightFormat::AsStored => tensors.iter().all(|(t, _)| t.dtype == DType::BF16),
+    };
+    Ok(if let Some(kind) = quant {
+        let row_bytes = first.dtype.row_bytes(cols);
+        let mut blocks = Vec::with_capacity(tensors.iter().map(|(_, r)| r * row_bytes).sum());
+        for (t, r) in tensors {
+            let want = r * row_bytes;
+            let raw = t.raw();
+            if raw.len() < want {
+                return Err(LoadError::tensor(
+                    &weights.source,
+                    &t.name,
+                    format!("{} bytes stored, {want} needed for {r} rows", raw.len()),
+                ));
+            }
+            blocks.extend_from_slice(&raw[..want]);
+        }
+        WeightData::Quant { kind, blocks }
+    } else if use_bf16 {
+        WeightData::BF16(
+            tensors
+                .iter()
+                .flat_map(|(t, r)| t.to_bf16_vec().into_iter().take(r * cols))
+                .collect(),
+        )
+    } else {
+        WeightData::F32(
+            tensors
+                .iter()
+                .flat_map(|(t, r)| t.to_f32_vec().into_iter().take(r * cols))
+                .collect(),
+        )
     })
 }

@@ -13,7 +13,7 @@
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
-use super::avx2::{k4_scales, prefetch_block};
+use super::avx2::{five_bit_bytes, k4_scales, prefetch_block};
 use super::int16::{self, XI16};
 use super::x86::Legacy;
 use super::x86::{self, row_ptrs};
@@ -121,41 +121,12 @@ unsafe fn nibbles(qs: *const u8) -> [__m256i; 2] {
     ]
 }
 
-/// Bit 4 of each element from the block's 32-bit `qh` word at `qh` (bit `e` for element `e`),
-/// as 16 or 0 in the two 16-lane vectors.
+/// The 32 signed bytes `q` as two vectors of 16-bit lanes: elements 0..16, 16..32.
 #[inline(always)]
-unsafe fn fifth_bits(qh: *const u8) -> [__m256i; 2] {
-    let h = std::ptr::read_unaligned(qh as *const u32);
-    let bits = _mm256_setr_epi16(
-        1,
-        2,
-        4,
-        8,
-        16,
-        32,
-        64,
-        128,
-        256,
-        512,
-        1024,
-        2048,
-        4096,
-        8192,
-        16384,
-        i16::MIN,
-    );
-    let sixteen = _mm256_set1_epi16(16);
-    let lo = _mm256_set1_epi16(h as u16 as i16);
-    let hi = _mm256_set1_epi16((h >> 16) as u16 as i16);
+unsafe fn bytes_to_i16(q: __m256i) -> [__m256i; 2] {
     [
-        _mm256_and_si256(
-            _mm256_cmpeq_epi16(_mm256_and_si256(lo, bits), bits),
-            sixteen,
-        ),
-        _mm256_and_si256(
-            _mm256_cmpeq_epi16(_mm256_and_si256(hi, bits), bits),
-            sixteen,
-        ),
+        _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)),
+        _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(q)),
     ]
 }
 
@@ -192,21 +163,14 @@ impl QuantsI16 for Q4_1 {
 impl QuantsI16 for Q5_0 {
     #[inline(always)]
     unsafe fn q16(p: *const u8) -> [__m256i; 2] {
-        let n = nibbles(p.add(6));
-        let h = fifth_bits(p.add(2));
-        minus(
-            [_mm256_or_si256(n[0], h[0]), _mm256_or_si256(n[1], h[1])],
-            16,
-        )
+        bytes_to_i16(five_bit_bytes::<16>(p.add(2), p.add(6)))
     }
 }
 
 impl QuantsI16 for Q5_1 {
     #[inline(always)]
     unsafe fn q16(p: *const u8) -> [__m256i; 2] {
-        let n = nibbles(p.add(8));
-        let h = fifth_bits(p.add(4));
-        [_mm256_or_si256(n[0], h[0]), _mm256_or_si256(n[1], h[1])]
+        bytes_to_i16(five_bit_bytes::<0>(p.add(4), p.add(8)))
     }
 }
 

@@ -121,6 +121,17 @@ pub enum WeightData {
         kind: QuantKind,
         blocks: Vec<u8>,
     },
+    /// Consecutive row ranges held in different formats: a merged linear whose parts were stored
+    /// differently (Qwen2.5-Coder's Q4_K_M file has q and k in Q5_0 beside a Q8_0 v in half its
+    /// layers). Each part keeps its own format and the kernels run part by part within one
+    /// call; widening every part to f32 instead moved 5× the bytes of those layers' qkv.
+    Parts(Vec<MatrixPart>),
+}
+
+/// Rows `rows` of a [`WeightData::Parts`] matrix, following the previous part's rows.
+pub struct MatrixPart {
+    pub rows: usize,
+    pub data: WeightData,
 }
 
 impl WeightData {
@@ -143,7 +154,68 @@ impl WeightData {
                 ));
             }
         }
+        if let WeightData::Parts(parts) = self {
+            let total: usize = parts.iter().map(|p| p.rows).sum();
+            if total != rows {
+                return Err(format!(
+                    "parts of {total} rows in all for a {rows}x{cols} matrix"
+                ));
+            }
+            for p in parts {
+                p.data.check_shape(p.rows, cols)?;
+            }
+        }
         Ok(())
+    }
+
+    /// Bytes held (every part's).
+    fn bytes(&self) -> usize {
+        match self {
+            WeightData::F32(v) => v.len() * 4,
+            WeightData::BF16(v) => v.len() * 2,
+            WeightData::Quant { blocks, .. } => blocks.len(),
+            WeightData::Parts(parts) => parts.iter().map(|p| p.data.bytes()).sum(),
+        }
+    }
+
+    /// Row `n` of a matrix of `cols` columns, widened to f32 into `dst` (`cols` long): an
+    /// embedding lookup dequantizes only the row it reads.
+    ///
+    /// # Panics
+    /// If `n` is not a row of the matrix.
+    pub fn row_f32(&self, n: usize, cols: usize, dst: &mut [f32]) {
+        match self {
+            WeightData::F32(w) => dst.copy_from_slice(&w[n * cols..(n + 1) * cols]),
+            WeightData::BF16(w) => {
+                for (d, s) in dst.iter_mut().zip(&w[n * cols..(n + 1) * cols]) {
+                    *d = s.to_f32();
+                }
+            }
+            WeightData::Quant { kind, blocks } => {
+                let rb = cols / kind.block_elems() * kind.block_bytes();
+                quant::dequantize_row(*kind, &blocks[n * rb..(n + 1) * rb], dst);
+            }
+            WeightData::Parts(parts) => {
+                let mut start = 0;
+                for p in parts {
+                    if n < start + p.rows {
+                        return p.data.row_f32(n - start, cols, dst);
+                    }
+                    start += p.rows;
+                }
+                panic!("row {n} of a matrix of {start} rows");
+            }
+        }
+    }
+
+    /// Whether a kernel reads [`Numerics::Int16`]'s rounded activations (a part in a format
+    /// that has integer kernels).
+    fn takes_int16(&self) -> bool {
+        match self {
+            WeightData::Quant { kind, .. } => with_format!(*kind, F => F::INT16),
+            WeightData::Parts(parts) => parts.iter().any(|p| p.data.takes_int16()),
+            WeightData::F32(_) | WeightData::BF16(_) => false,
+        }
     }
 }
 
@@ -157,12 +229,7 @@ pub struct PackedMatrix {
 
 impl PackedMatrix {
     pub fn bytes(&self) -> usize {
-        let w = match &self.data {
-            WeightData::F32(v) => v.len() * 4,
-            WeightData::BF16(v) => v.len() * 2,
-            WeightData::Quant { blocks, .. } => blocks.len(),
-        };
-        w + self.bias.as_ref().map_or(0, |b| b.len() * 4)
+        self.data.bytes() + self.bias.as_ref().map_or(0, |b| b.len() * 4)
     }
 }
 
@@ -310,10 +377,7 @@ fn rounded_activations(
     {
         return None;
     }
-    let WeightData::Quant { kind, .. } = &w.data else {
-        return None;
-    };
-    if !with_format!(*kind, F => F::INT16) {
+    if !w.data.takes_int16() {
         return None;
     }
     Some(
@@ -435,16 +499,38 @@ unsafe fn rows_job(
         accumulate,
         xq,
     };
-    if let WeightData::Quant { kind, blocks } = &w.data {
-        quant_rows(level, *kind, blocks, &job);
-        return;
+    data_rows(level, &w.data, &job);
+}
+
+/// The kernels for `data`'s format over `job` (rows counted from `data`'s first).
+///
+/// # Safety
+/// As [`dense_rows`].
+unsafe fn data_rows(level: Level, data: &WeightData, job: &Job) {
+    match data {
+        WeightData::F32(v) => dense_rows(level, Dense::F32(v), job),
+        WeightData::BF16(v) => dense_rows(level, Dense::BF16(v), job),
+        WeightData::Quant { kind, blocks } => quant_rows(level, *kind, blocks, job),
+        WeightData::Parts(parts) => {
+            // Each part's share of the rows, with the output and bias views shifted to its
+            // first row.
+            let mut start = 0;
+            for p in parts {
+                let end = start + p.rows;
+                let (lo, hi) = (job.rows.start.max(start), job.rows.end.min(end));
+                if lo < hi {
+                    let sub = Job {
+                        bias: job.bias.map(|b| &b[start..]),
+                        rows: lo - start..hi - start,
+                        out: job.out.add(start),
+                        ..*job
+                    };
+                    data_rows(level, &p.data, &sub);
+                }
+                start = end;
+            }
+        }
     }
-    let dense = match &w.data {
-        WeightData::F32(v) => Dense::F32(v),
-        WeightData::BF16(v) => Dense::BF16(v),
-        WeightData::Quant { .. } => unreachable!(),
-    };
-    dense_rows(level, dense, &job);
 }
 
 /// Unquantized weights as the f32/bf16 kernels read them.

@@ -17,14 +17,22 @@ fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
 
 /// The matrix's weights as f64 (quantized blocks through the scalar reference dequantization).
 fn weights_f64(w: &PackedMatrix) -> Vec<f64> {
-    match &w.data {
+    data_f64(&w.data, w.rows, w.cols)
+}
+
+fn data_f64(data: &WeightData, rows: usize, cols: usize) -> Vec<f64> {
+    match data {
         WeightData::F32(v) => v.iter().map(|&x| x as f64).collect(),
         WeightData::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
         WeightData::Quant { kind, blocks } => {
-            let mut f = vec![0f32; w.rows * w.cols];
+            let mut f = vec![0f32; rows * cols];
             quant::dequantize_row(*kind, blocks, &mut f);
             f.into_iter().map(|x| x as f64).collect()
         }
+        WeightData::Parts(parts) => parts
+            .iter()
+            .flat_map(|p| data_f64(&p.data, p.rows, cols))
+            .collect(),
     }
 }
 
@@ -657,5 +665,100 @@ fn int16_tokens_round_like_one_token_calls() {
                 }
             }
         }
+    }
+}
+
+/// A matrix of parts in different formats (`WeightData::Parts`, a merged qkv whose v is stored
+/// differently) gives, bit for bit, what each part gives alone into its share of the output,
+/// for every token count, both numerics, bias and accumulation; it matches the f64 reference;
+/// its rows read back as each part's; a wrong total of rows is refused.
+#[test]
+fn parts_multiply_as_each_part_alone() {
+    let cols = 512;
+    let specs: [(Option<QuantKind>, usize); 4] = [
+        (Some(QuantKind::Q5_0), 40),
+        (Some(QuantKind::Q8_0), 24),
+        (None, 9),
+        (Some(QuantKind::Q4_K), 19),
+    ];
+    let alone: Vec<PackedMatrix> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, &(kind, rows))| match kind {
+            Some(k) => quant_matrix(k, rows, cols, true, 50 + i as u64),
+            None => PackedMatrix {
+                rows,
+                cols,
+                data: WeightData::F32(rand_vec(rows * cols, 60)),
+                bias: Some(rand_vec(rows, 61)),
+            },
+        })
+        .collect();
+    let rows: usize = alone.iter().map(|m| m.rows).sum();
+    let take = |m: &PackedMatrix| match &m.data {
+        WeightData::F32(v) => WeightData::F32(v.clone()),
+        WeightData::Quant { kind, blocks } => WeightData::Quant {
+            kind: *kind,
+            blocks: blocks.clone(),
+        },
+        _ => unreachable!("the parts built above"),
+    };
+    let w = PackedMatrix {
+        rows,
+        cols,
+        data: WeightData::Parts(
+            alone
+                .iter()
+                .map(|m| MatrixPart {
+                    rows: m.rows,
+                    data: take(m),
+                })
+                .collect(),
+        ),
+        bias: Some(alone.iter().flat_map(|m| m.bias.clone().unwrap()).collect()),
+    };
+    assert!(w.data.check_shape(rows, cols).is_ok());
+    assert!(w.data.check_shape(rows + 1, cols).is_err());
+    assert_eq!(w.bytes(), alone.iter().map(|m| m.bytes()).sum::<usize>());
+    let level = simd::detected();
+    for numerics in Numerics::ALL {
+        for tokens in [1, 2, 5, 16, 17, 40] {
+            let ldx = cols + 3;
+            let x = rand_vec((tokens - 1) * ldx + cols, 70 + tokens as u64);
+            let out0 = rand_vec(tokens * rows, 71);
+            let mut got = out0.clone();
+            matmul_with(level, numerics, &w, &x, ldx, tokens, &mut got, rows, true);
+            let mut start = 0;
+            for m in &alone {
+                let mut want = vec![0f32; tokens * m.rows];
+                for t in 0..tokens {
+                    want[t * m.rows..(t + 1) * m.rows]
+                        .copy_from_slice(&out0[t * rows + start..t * rows + start + m.rows]);
+                }
+                matmul_with(level, numerics, m, &x, ldx, tokens, &mut want, m.rows, true);
+                for t in 0..tokens {
+                    assert_eq!(
+                        &got[t * rows + start..t * rows + start + m.rows],
+                        &want[t * m.rows..(t + 1) * m.rows],
+                        "{numerics:?} {tokens} tokens, part at row {start}"
+                    );
+                }
+                start += m.rows;
+            }
+        }
+    }
+    for tokens in [1, 3, 17] {
+        run_and_compare(level, &w, tokens, true, true, 80).unwrap();
+    }
+    let mut row = vec![0f32; cols];
+    let mut one = vec![0f32; cols];
+    let mut start = 0;
+    for m in &alone {
+        for n in [0, m.rows - 1] {
+            w.data.row_f32(start + n, cols, &mut row);
+            m.data.row_f32(n, cols, &mut one);
+            assert_eq!(row, one);
+        }
+        start += m.rows;
     }
 }
