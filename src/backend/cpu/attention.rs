@@ -3,7 +3,7 @@
 //! one KV head, so each cached key and value (read in place, or decoded once from a narrower
 //! storage type) serves every head of its group while it is in L1. Per (token, head) the
 //! arithmetic is fixed whatever the grouping: scores `q·k · scale` by the SIMD level's dot
-//! product, a softmax in f32 (max, `exp`, sum in position order), and the values summed in
+//! product, a softmax in f32 (`simd::softmax_at`: vectorised `exp` on AVX2), and the values summed in
 //! position order with per-lane fused multiply-adds, as `simd::axpy` sums them. On AVX2 the dot
 //! products and the weighted sum are inlined into one kernel that keeps 64 lanes of the output in
 //! registers across positions; other levels call the `simd` entry points.
@@ -137,6 +137,18 @@ trait Ops {
     unsafe fn dot(&self, q: &[f32], k: &[f32]) -> f32;
     /// `acc += Σ_j w[j] · values[j·d ..][..d]` in order of `j`, each term as `simd::axpy`.
     unsafe fn weighted_sum(&self, acc: &mut [f32], w: &[f32], values: &[f32], d: usize);
+    /// The scores of one head to probabilities, as `simd::softmax_at` computes them.
+    unsafe fn softmax(&self, scores: &mut [f32]);
+    /// Whether [`Ops::dot8`] takes keys of `d` elements.
+    fn has_dot8(&self, _d: usize) -> bool {
+        false
+    }
+    /// `out[j] = dot(q, keys[j·d..][..d]) · scale` for eight consecutive keys, each rounded
+    /// exactly as [`Ops::dot`] then the scale multiply round it (only where
+    /// [`Ops::has_dot8`]).
+    unsafe fn dot8(&self, _q: &[f32], _keys: *const f32, _scale: f32, _out: *mut f32) {
+        unreachable!("dot8 is only called where has_dot8 says it exists")
+    }
 }
 
 /// Through the `simd` entry points at a level.
@@ -152,6 +164,10 @@ impl Ops for AtLevel {
         for (j, &wj) in w.iter().enumerate() {
             simd::axpy_at(self.0, wj, &values[j * d..(j + 1) * d], acc);
         }
+    }
+    #[inline(always)]
+    unsafe fn softmax(&self, scores: &mut [f32]) {
+        simd::softmax_at(self.0, scores)
     }
 }
 
@@ -170,15 +186,89 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::Ops;
-    use crate::backend::cpu::simd::x86::dot_256_body;
+    use crate::backend::cpu::simd::x86::{dot_256_body, softmax_256_body};
 
     pub(super) struct Avx2;
+
+    /// `[lo(a) + hi(a) | lo(b) + hi(b)]`.
+    #[inline(always)]
+    unsafe fn halves(a: __m256, b: __m256) -> __m256 {
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(a, b),
+            _mm256_permute2f128_ps::<0x31>(a, b),
+        )
+    }
+
+    /// Per 128-bit lane, `[p0 + p2, p1 + p3, q0 + q2, q1 + q3]`.
+    #[inline(always)]
+    unsafe fn pairs(p: __m256, q: __m256) -> __m256 {
+        let (p, q) = (_mm256_castps_pd(p), _mm256_castps_pd(q));
+        _mm256_add_ps(
+            _mm256_castpd_ps(_mm256_unpacklo_pd(p, q)),
+            _mm256_castpd_ps(_mm256_unpackhi_pd(p, q)),
+        )
+    }
 
     impl Ops for Avx2 {
         #[inline(always)]
         unsafe fn dot(&self, q: &[f32], k: &[f32]) -> f32 {
             debug_assert_eq!(q.len(), k.len());
             dot_256_body(q.as_ptr(), k.as_ptr(), q.len())
+        }
+
+        #[inline(always)]
+        unsafe fn softmax(&self, scores: &mut [f32]) {
+            softmax_256_body(scores.as_mut_ptr(), scores.len())
+        }
+
+        #[inline(always)]
+        fn has_dot8(&self, d: usize) -> bool {
+            d.is_multiple_of(32)
+        }
+
+        /// Each key's four accumulators and their sum are `dot_256_body`'s; its horizontal
+        /// sum (`(s0+s4) + (s2+s6)` and `(s1+s5) + (s3+s7)`, then those two) is done for the
+        /// eight keys together by a transposition, which saves the eight separate reductions
+        /// and scalar stores.
+        #[inline(always)]
+        unsafe fn dot8(&self, q: &[f32], keys: *const f32, scale: f32, out: *mut f32) {
+            let d = q.len();
+            debug_assert!(d.is_multiple_of(32));
+            let qp = q.as_ptr();
+            let mut s = [_mm256_setzero_ps(); 8];
+            for (j, sj) in s.iter_mut().enumerate() {
+                let kp = keys.add(j * d);
+                let mut acc = [_mm256_setzero_ps(); 4];
+                let mut i = 0;
+                while i < d {
+                    for (u, a) in acc.iter_mut().enumerate() {
+                        let o = i + 8 * u;
+                        *a = _mm256_fmadd_ps(
+                            _mm256_loadu_ps(qp.add(o)),
+                            _mm256_loadu_ps(kp.add(o)),
+                            *a,
+                        );
+                    }
+                    i += 32;
+                }
+                *sj = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            }
+            // [a_j | a_j+1] with a_j = lo(s_j) + hi(s_j) = [s0+s4, s1+s5, s2+s6, s3+s7].
+            let p01 = halves(s[0], s[1]);
+            let p23 = halves(s[2], s[3]);
+            let p45 = halves(s[4], s[5]);
+            let p67 = halves(s[6], s[7]);
+            // [e0 f0 e2 f2 | e1 f1 e3 f3] with e = a0 + a2, f = a1 + a3.
+            let r = pairs(p01, p23);
+            let t = pairs(p45, p67);
+            let e = _mm256_shuffle_ps::<0b10_00_10_00>(r, t);
+            let f = _mm256_shuffle_ps::<0b11_01_11_01>(r, t);
+            // [r0 r2 r4 r6 | r1 r3 r5 r7] back to key order.
+            let v = _mm256_permutevar8x32_ps(
+                _mm256_add_ps(e, f),
+                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
+            );
+            _mm256_storeu_ps(out, _mm256_mul_ps(v, _mm256_set1_ps(scale)));
         }
 
         /// 64 output lanes at a time stay in eight registers across every position; per lane
@@ -268,25 +358,31 @@ unsafe fn attend<O: Ops>(o: &O, kv: &KvCache, job: &Task, scratch: &mut Scratch)
     while start < n {
         let rows_here = bs.min(n - start);
         let (keys, _) = block_rows(table[start / bs], rows_here, kbuf, vbuf);
-        for j in start.max(lo)..start + rows_here {
-            let key = std::slice::from_raw_parts(keys.add((j - start) * d), d);
+        let end = start + rows_here;
+        let mut j = start.max(lo);
+        while j < end {
+            let key = keys.add((j - start) * d);
+            // Eight keys at once where the level has a kernel for it (same roundings).
+            if j + 8 <= end && o.has_dot8(d) {
+                for (i, h) in job.heads.clone().enumerate() {
+                    let qh = &job.q[h * d..(h + 1) * d];
+                    let at = scores.as_mut_ptr().add(i * positions + j - lo);
+                    o.dot8(qh, key, s.scale, at);
+                }
+                j += 8;
+                continue;
+            }
+            let key = std::slice::from_raw_parts(key, d);
             for (i, h) in job.heads.clone().enumerate() {
                 let qh = &job.q[h * d..(h + 1) * d];
                 scores[i * positions + j - lo] = o.dot(qh, key) * s.scale;
             }
+            j += 1;
         }
         start += bs;
     }
     for head in scores.chunks_exact_mut(positions) {
-        let max = head.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0f32;
-        for sc in head.iter_mut() {
-            *sc = (*sc - max).exp();
-            sum += *sc;
-        }
-        for sc in head.iter_mut() {
-            *sc /= sum;
-        }
+        o.softmax(head);
     }
     acc.clear();
     acc.resize(hc * d, 0.0);

@@ -182,6 +182,15 @@ pub fn max_at(l: Level, x: &[f32]) -> f32 {
     by_level!(l, avx512: x86::max_512(x), avx2: x86::max_256(x), scalar: scalar::max(x))
 }
 
+/// `x ← softmax(x)` in place: `exp(x[i] − max)` over the sum of those. AVX2 (and AVX-512 CPUs,
+/// through the same code) evaluate `exp` eight lanes at a time with [`x86::exp_256`] (within
+/// 2 ulp of the correctly rounded value) and sum in eight lanes by position modulo 8; the
+/// portable path calls `f32::exp` and sums in position order. Either way a row's result depends
+/// on that row alone.
+pub fn softmax_at(l: Level, x: &mut [f32]) {
+    by_level!(l, avx512: x86::softmax_256(x), avx2: x86::softmax_256(x), scalar: scalar::softmax(x))
+}
+
 // ---------------------------------------------------------------------------------------------
 
 /// The portable reference paths.
@@ -237,6 +246,18 @@ pub mod scalar {
 
     pub fn max(x: &[f32]) -> f32 {
         x.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+    }
+
+    pub fn softmax(x: &mut [f32]) {
+        let m = max(x);
+        let mut sum = 0.0f32;
+        for v in x.iter_mut() {
+            *v = (*v - m).exp();
+            sum += *v;
+        }
+        for v in x.iter_mut() {
+            *v /= sum;
+        }
     }
 }
 
@@ -518,6 +539,83 @@ pub(crate) mod x86 {
         }
         r
     }
+
+    /// `e^x` in eight lanes (Cephes' `expf`: `x = n·ln 2 + r` with `|r| ≤ ln 2 / 2`, a degree-6
+    /// polynomial in `r`, `2^n` built in the exponent bits), within 2 ulp of the correctly
+    /// rounded value for results in the normal range. Below `−87.33` (where `e^x` leaves the
+    /// normal range) the result is 0; NaN stays NaN. Softmax inputs are `x − max ≤ 0`; above 88
+    /// the result is `e^88` (the clamp keeps `2^n` a finite f32).
+    #[inline(always)]
+    pub(crate) unsafe fn exp_256(x: __m256) -> __m256 {
+        let lo = _mm256_set1_ps(-87.336_55);
+        let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, lo);
+        // `max(lo, x)` and `min(hi, ·)` return their second operand when it is NaN.
+        let x = _mm256_min_ps(_mm256_set1_ps(88.0), _mm256_max_ps(lo, x));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm256_set1_ps(1.987_569_1e-4);
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.398_199_9e-3));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.333_452e-3));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166_579_6e-2));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.166_666_65));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
+        let y = _mm256_fmadd_ps(
+            p,
+            _mm256_mul_ps(r, r),
+            _mm256_add_ps(r, _mm256_set1_ps(1.0)),
+        );
+        // 2^n for n in [-126, 127]: the biased exponent in bits 23..31.
+        let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        ));
+        _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn softmax_256(x: &mut [f32]) {
+        softmax_256_body(x.as_mut_ptr(), x.len())
+    }
+
+    /// [`softmax_256`]'s arithmetic, for callers compiled with AVX2 and FMA: the max, then
+    /// `exp(x − max)` by [`exp_256`] eight lanes at a time (the tail through a padded vector),
+    /// summed in eight lanes (lane `i mod 8` takes position `i`) and reduced once, then each
+    /// value divided by the sum.
+    #[inline(always)]
+    pub(crate) unsafe fn softmax_256_body(p: *mut f32, n: usize) {
+        let m = max_256(std::slice::from_raw_parts(p, n));
+        let vm = _mm256_set1_ps(m);
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 8 <= n {
+            let e = exp_256(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), vm));
+            _mm256_storeu_ps(p.add(i), e);
+            acc = _mm256_add_ps(acc, e);
+            i += 8;
+        }
+        if i < n {
+            let mut t = [f32::NEG_INFINITY; 8];
+            std::ptr::copy_nonoverlapping(p.add(i), t.as_mut_ptr(), n - i);
+            let e = exp_256(_mm256_sub_ps(_mm256_loadu_ps(t.as_ptr()), vm));
+            _mm256_storeu_ps(t.as_mut_ptr(), e);
+            std::ptr::copy_nonoverlapping(t.as_ptr(), p.add(i), n - i);
+            acc = _mm256_add_ps(acc, e);
+        }
+        let sum = _mm256_set1_ps(hsum256(acc));
+        let mut i = 0;
+        while i + 8 <= n {
+            _mm256_storeu_ps(p.add(i), _mm256_div_ps(_mm256_loadu_ps(p.add(i)), sum));
+            i += 8;
+        }
+        let s = _mm256_cvtss_f32(sum);
+        while i < n {
+            *p.add(i) /= s;
+            i += 1;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -535,6 +633,91 @@ mod tests {
                 ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
             })
             .collect()
+    }
+
+    /// Every level's softmax is within a few ulp of an f64 softmax (rows of 0 to 300 scores,
+    /// spreads from tiny to far past `exp`'s range, `-inf` entries), and its `exp` stays within
+    /// 2 ulp of f64's from −87.3 to 88.
+    #[test]
+    fn softmax_matches_f64_every_level() {
+        for l in available_levels() {
+            for n in 0..=300usize {
+                for spread in [1e-3f32, 1.0, 30.0, 300.0] {
+                    let mut x: Vec<f32> = rand_vec(n, n as u64 + 3)
+                        .into_iter()
+                        .map(|v| v * spread)
+                        .collect();
+                    if n > 5 {
+                        x[n / 3] = f32::NEG_INFINITY;
+                    }
+                    let m = x.iter().fold(f64::NEG_INFINITY, |a, &v| a.max(v as f64));
+                    let e: Vec<f64> = x.iter().map(|&v| (v as f64 - m).exp()).collect();
+                    let total: f64 = e.iter().sum();
+                    let mut got = x.clone();
+                    softmax_at(l, &mut got);
+                    for (i, (&g, &w)) in got.iter().zip(&e).enumerate() {
+                        let want = w / total;
+                        // A few ulp, what rounding `x − max` to f32 moves `exp` by, and
+                        // the f32 sum's rounding (at most an ulp per term).
+                        let shift = (x[i] as f64 - m).abs().min(1e3) * f32::EPSILON as f64;
+                        let sum = n as f64 * f32::EPSILON as f64;
+                        assert!(
+                            ((g as f64) - want).abs() <= (4e-7 + shift + sum) * want + 1e-37,
+                            "{l:?} n={n} spread={spread} [{i}]: {g} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if available_levels().contains(&Level::Avx2) {
+            let mut worst = 0f64;
+            let mut x = -87.3f32;
+            while x < 87.8 {
+                let v = [
+                    x,
+                    x * 0.5,
+                    -x * 0.25,
+                    x + 0.1,
+                    x * 0.999,
+                    -x * 0.7,
+                    x * 0.01,
+                    0.0,
+                ];
+                let mut out = [0f32; 8];
+                // SAFETY: AVX2 and FMA are present.
+                unsafe { exp_lanes(&v, &mut out) };
+                for (&xi, &o) in v.iter().zip(&out) {
+                    let want = (xi as f64).exp();
+                    let ulp = (want as f32).abs() * f32::EPSILON;
+                    worst = worst.max(((o as f64) - want).abs() / ulp as f64);
+                }
+                x += 0.0137;
+            }
+            assert!(worst <= 2.0, "exp_256 off by {worst} ulp");
+            let mut out = [0f32; 8];
+            let v = [
+                f32::NAN,
+                f32::NEG_INFINITY,
+                -88.0,
+                -1e30,
+                0.0,
+                -0.0,
+                1.0,
+                -1.0,
+            ];
+            unsafe { exp_lanes(&v, &mut out) };
+            assert!(out[0].is_nan());
+            assert_eq!(&out[1..4], &[0.0, 0.0, 0.0]);
+            assert_eq!(&out[4..6], &[1.0, 1.0]);
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp_lanes(x: &[f32; 8], out: &mut [f32; 8]) {
+        use std::arch::x86_64::*;
+        _mm256_storeu_ps(out.as_mut_ptr(), x86::exp_256(_mm256_loadu_ps(x.as_ptr())));
     }
 
     fn close(got: f32, want: f64, scale: f64) -> bool {
