@@ -410,17 +410,17 @@ fn pack_data(
     };
     Ok(if let Some(kind) = quant {
         let row_bytes = first.dtype.row_bytes(cols);
-        let mut blocks = Vec::with_capacity(tensors.iter().map(|(_, r)| r * row_bytes).sum());
+        let mut blocks = Vec::new();
         for (t, r) in tensors {
-            let want = r * row_bytes;
             let raw = t.raw();
-            if raw.len() < want {
+            let want = r.checked_mul(row_bytes).filter(|&w| w <= raw.len());
+            let Some(want) = want else {
                 return Err(LoadError::tensor(
                     &weights.source,
                     &t.name,
-                    format!("{} bytes stored, {want} needed for {r} rows", raw.len()),
+                    format!("{} bytes stored, {r} rows of {row_bytes} needed", raw.len()),
                 ));
-            }
+            };
             blocks.extend_from_slice(&raw[..want]);
         }
         WeightData::Quant { kind, blocks }
