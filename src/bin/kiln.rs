@@ -37,15 +37,28 @@ use kiln::tokenizer::nanochat::NanochatTokens;
 use kiln::tokenizer::{ChatMessage, TokenizerError};
 
 fn main() {
-    die_on_closed_pipe();
     // Arguments as the OS gave them: a non-UTF-8 path is still a path, and non-UTF-8 text is
-    // an error naming its flag (`Text`), not a panic in `std::env::args`.
+    // an error naming its flag (`Text`), not a panic in `std::env::args`. Parsing starts no
+    // thread, so SIGPIPE's disposition can still be chosen per command after it.
     let res = match parse_args(std::env::args_os()) {
-        Ok(KilnCommand::Generate(args)) => generate(args),
-        Ok(KilnCommand::Chat(args)) => chat(args),
+        Ok(KilnCommand::Generate(args)) => {
+            die_on_closed_pipe();
+            generate(args)
+        }
+        Ok(KilnCommand::Chat(args)) => {
+            die_on_closed_pipe();
+            chat(args)
+        }
+        // The server keeps SIGPIPE ignored (the Rust runtime's setting): a client that hangs
+        // up mid-stream must fail that one socket write, not end the process. (With the
+        // default action restored, hyper's vectored writes to a closed socket killed the
+        // server silently: `serve_memory_stays_within_the_kv_budget` failed ~1 run in 10.)
         Ok(KilnCommand::Serve(cmd)) => serve::run(cmd),
         // Usage errors, --help and --version: clap's message and exit status.
-        Err(KilnArgsError::Usage(e)) => e.exit(),
+        Err(KilnArgsError::Usage(e)) => {
+            die_on_closed_pipe();
+            e.exit()
+        }
         Err(e) => Err(e.into()),
     };
     if let Err(e) = res {

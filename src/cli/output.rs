@@ -18,7 +18,8 @@ use std::io::{self, Write};
 /// The status a shell reports for a process killed by SIGPIPE (128 + 13).
 pub const CLOSED_PIPE_STATUS: i32 = 128 + 13;
 
-/// Restores SIGPIPE's default action (terminate). Call first thing in `main`.
+/// Restores SIGPIPE's default action (terminate). Call from `main` before any thread exists; a
+/// server keeps the Rust runtime's "ignore" (a client hanging up must fail one write only).
 pub fn die_on_closed_pipe() {
     #[cfg(unix)]
     // SAFETY: `signal` with `SIG_DFL` installs no handler; it only resets the disposition the
