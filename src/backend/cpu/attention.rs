@@ -139,15 +139,26 @@ trait Ops {
     unsafe fn weighted_sum(&self, acc: &mut [f32], w: &[f32], values: &[f32], d: usize);
     /// The scores of one head to probabilities, as `simd::softmax_at` computes them.
     unsafe fn softmax(&self, scores: &mut [f32]);
-    /// Whether [`Ops::dot8`] takes keys of `d` elements.
-    fn has_dot8(&self, _d: usize) -> bool {
-        false
+    /// `out[j] = dot(q, keys[j·d..][..d]) · scale` for eight consecutive keys of `q.len()`
+    /// elements, each rounded exactly as [`Ops::dot`] then the scale multiply round it; by
+    /// default one [`Ops::dot`] at a time.
+    unsafe fn dot8(&self, q: &[f32], keys: *const f32, scale: f32, out: *mut f32) {
+        dot8_one_by_one(self, q, keys, scale, out)
     }
-    /// `out[j] = dot(q, keys[j·d..][..d]) · scale` for eight consecutive keys, each rounded
-    /// exactly as [`Ops::dot`] then the scale multiply round it (only where
-    /// [`Ops::has_dot8`]).
-    unsafe fn dot8(&self, _q: &[f32], _keys: *const f32, _scale: f32, _out: *mut f32) {
-        unreachable!("dot8 is only called where has_dot8 says it exists")
+}
+
+/// [`Ops::dot8`] as eight [`Ops::dot`] calls.
+#[inline(always)]
+unsafe fn dot8_one_by_one<O: Ops + ?Sized>(
+    o: &O,
+    q: &[f32],
+    keys: *const f32,
+    scale: f32,
+    out: *mut f32,
+) {
+    let d = q.len();
+    for j in 0..8 {
+        *out.add(j) = o.dot(q, std::slice::from_raw_parts(keys.add(j * d), d)) * scale;
     }
 }
 
@@ -221,19 +232,16 @@ mod avx2 {
             softmax_256_body(scores.as_mut_ptr(), scores.len())
         }
 
-        #[inline(always)]
-        fn has_dot8(&self, d: usize) -> bool {
-            d.is_multiple_of(32)
-        }
-
-        /// Each key's four accumulators and their sum are `dot_256_body`'s; its horizontal
-        /// sum (`(s0+s4) + (s2+s6)` and `(s1+s5) + (s3+s7)`, then those two) is done for the
-        /// eight keys together by a transposition, which saves the eight separate reductions
-        /// and scalar stores.
+        /// Keys of a multiple of 32 elements: each key's four accumulators and their sum are
+        /// `dot_256_body`'s; its horizontal sum (`(s0+s4) + (s2+s6)` and `(s1+s5) + (s3+s7)`,
+        /// then those two) is done for the eight keys together by a transposition, which saves
+        /// the eight separate reductions and scalar stores. Other lengths: one dot at a time.
         #[inline(always)]
         unsafe fn dot8(&self, q: &[f32], keys: *const f32, scale: f32, out: *mut f32) {
             let d = q.len();
-            debug_assert!(d.is_multiple_of(32));
+            if !d.is_multiple_of(32) {
+                return super::dot8_one_by_one(self, q, keys, scale, out);
+            }
             let qp = q.as_ptr();
             let mut s = [_mm256_setzero_ps(); 8];
             for (j, sj) in s.iter_mut().enumerate() {
@@ -360,19 +368,18 @@ unsafe fn attend<O: Ops>(o: &O, kv: &KvCache, job: &Task, scratch: &mut Scratch)
         let (keys, _) = block_rows(table[start / bs], rows_here, kbuf, vbuf);
         let end = start + rows_here;
         let mut j = start.max(lo);
-        while j < end {
+        // Eight keys at a time (same roundings as one at a time), then the rest.
+        while j + 8 <= end {
             let key = keys.add((j - start) * d);
-            // Eight keys at once where the level has a kernel for it (same roundings).
-            if j + 8 <= end && o.has_dot8(d) {
-                for (i, h) in job.heads.clone().enumerate() {
-                    let qh = &job.q[h * d..(h + 1) * d];
-                    let at = scores.as_mut_ptr().add(i * positions + j - lo);
-                    o.dot8(qh, key, s.scale, at);
-                }
-                j += 8;
-                continue;
+            for (i, h) in job.heads.clone().enumerate() {
+                let qh = &job.q[h * d..(h + 1) * d];
+                let at = scores.as_mut_ptr().add(i * positions + j - lo);
+                o.dot8(qh, key, s.scale, at);
             }
-            let key = std::slice::from_raw_parts(key, d);
+            j += 8;
+        }
+        while j < end {
+            let key = std::slice::from_raw_parts(keys.add((j - start) * d), d);
             for (i, h) in job.heads.clone().enumerate() {
                 let qh = &job.q[h * d..(h + 1) * d];
                 scores[i * positions + j - lo] = o.dot(qh, key) * s.scale;
