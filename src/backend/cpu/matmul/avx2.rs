@@ -6,7 +6,10 @@
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
-use super::x86::{self, block_sums, chunk_sums, BlockGemv, Blocks, DenseGemv, Lanes, Legacy};
+use super::x86::{
+    self, block_sums, chunk_sums, few_tokens_rows, BlockGemv, Blocks, DenseGemv, Lanes, Legacy,
+    RowTokens,
+};
 use super::Job;
 use crate::backend::cpu::simd::x86::{hsum256, Load};
 use crate::model::quant::{self, BlockFormat, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0};
@@ -307,60 +310,6 @@ unsafe fn qgemv_256<Q: Quants256, const R: usize>(
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn legacy_rows<Q: Quants256>(w: *const u8, job: &Job) {
     x86::gemv_rows::<Legacy256<Q>>(w, job)
-}
-
-/// A format's kernel for a few tokens against one row: each block is read and decoded once for
-/// all `T` tokens, and per token the arithmetic is the format's one-token GEMV's, so every
-/// token's result is bit-identical to its one-token call.
-/// Its block geometry and per-token preparation are the GEMV's ([`BlockGemv`]).
-trait RowTokens: BlockGemv {
-    /// One row of `nb` blocks at `row` against `T` tokens; `pf` is the distance to prefetch.
-    unsafe fn row<const T: usize>(
-        row: *const u8,
-        x: [*const f32; T],
-        prep: [*const f32; T],
-        nb: usize,
-        pf: usize,
-    ) -> [f32; T];
-}
-
-/// The few-token driver (2 to 8 tokens: small batched-decode steps, speculative verification;
-/// for more, dequantizing a tile once for the packed-panel kernel costs about as much): row by row,
-/// prefetching the next row. Returns `false` (nothing done) for other token counts.
-#[inline(always)]
-unsafe fn few_tokens_rows<K: RowTokens>(w: *const u8, job: &Job) -> bool {
-    match job.tokens {
-        2 => few_tokens::<K, 2>(w, job),
-        3 => few_tokens::<K, 3>(w, job),
-        4 => few_tokens::<K, 4>(w, job),
-        5 => few_tokens::<K, 5>(w, job),
-        6 => few_tokens::<K, 6>(w, job),
-        7 => few_tokens::<K, 7>(w, job),
-        8 => few_tokens::<K, 8>(w, job),
-        _ => return false,
-    }
-    true
-}
-
-#[inline(always)]
-unsafe fn few_tokens<K: RowTokens, const T: usize>(w: *const u8, job: &Job) {
-    let nb = job.k / K::ELEMS;
-    let rb = nb * K::BYTES;
-    let x: [*const f32; T] = x86::tok_ptrs(job, 0);
-    let mut preps = Vec::with_capacity(T);
-    for &xt in &x {
-        preps.push(K::prepare(xt, nb));
-    }
-    let mut prep = [std::ptr::null::<f32>(); T];
-    for (p, v) in prep.iter_mut().zip(&preps) {
-        *p = v.as_ptr();
-    }
-    for n in job.rows.clone() {
-        let s = K::row::<T>(w.add(n * rb), x, prep, nb, rb);
-        for (t, &v) in s.iter().enumerate() {
-            job.put(t, n, v);
-        }
-    }
 }
 
 impl<Q: Quants256> RowTokens for Legacy256<Q> {

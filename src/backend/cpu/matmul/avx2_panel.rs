@@ -58,7 +58,7 @@ unsafe fn panels<W: Load>(w: *const W, job: &Job, panel: *mut Line) {
     let mut n = job.rows.start;
     while n < end {
         let nr = (end - n).min(NR);
-        pack(w, job.k, n, nr, panel);
+        pack::<W, NR>(w, job.k, job.k, n, nr, panel as *mut f32);
         let mut t = 0;
         while t + MR <= job.tokens {
             tile::<MR>(panel, job, n, nr, t);
@@ -76,31 +76,45 @@ unsafe fn panels<W: Load>(w: *const W, job: &Job, panel: *mut Line) {
     }
 }
 
-/// Rows `n..n + nr` (`nr ≤ 16`) of the `k`-column matrix at `w` into the panel, transposed
-/// eight rows by eight columns at a time; rows past `nr` are zero.
+/// Rows `n..n + nr` (`nr ≤ P`, `P` a multiple of 8) of the `k`-column matrix at `w` (rows
+/// `stride` elements apart) into a panel of `k` lines of `P` floats (`out`, 32-byte aligned),
+/// transposed eight rows by eight columns at a time; rows past `nr` are zero. Shared with the
+/// AVX-512 kernels ([`super::avx512_panel`]), which call it from their own AVX-512 functions
+/// (for weights, and to put a few tokens' activations in lanes).
 #[inline(always)]
-unsafe fn pack<W: Load>(w: *const W, k: usize, n: usize, nr: usize, panel: *mut Line) {
-    let out = panel as *mut f32;
-    for half in 0..NR / 8 {
-        let r0 = half * 8;
+pub(super) unsafe fn pack<W: Load, const P: usize>(
+    w: *const W,
+    stride: usize,
+    k: usize,
+    n: usize,
+    nr: usize,
+    out: *mut f32,
+) {
+    for r0 in (0..P).step_by(8) {
         let mut kk = 0;
         while kk + 8 <= k {
-            let mut v = [_mm256_setzero_ps(); 8];
-            for (i, v) in v.iter_mut().enumerate() {
-                if r0 + i < nr {
-                    *v = W::ld8(w.add((n + r0 + i) * k + kk));
-                }
-            }
+            // A whole group of eight rows loads without a test per row (the common case).
+            let v: [__m256; 8] = if r0 + 8 <= nr {
+                std::array::from_fn(|i| W::ld8(w.add((n + r0 + i) * stride + kk)))
+            } else {
+                std::array::from_fn(|i| {
+                    if r0 + i < nr {
+                        W::ld8(w.add((n + r0 + i) * stride + kk))
+                    } else {
+                        _mm256_setzero_ps()
+                    }
+                })
+            };
             let c = transpose8(v);
             for (i, c) in c.iter().enumerate() {
-                _mm256_store_ps(out.add((kk + i) * NR + r0), *c);
+                _mm256_store_ps(out.add((kk + i) * P + r0), *c);
             }
             kk += 8;
         }
         for kk in kk..k {
             for i in 0..8 {
-                *out.add(kk * NR + r0 + i) = if r0 + i < nr {
-                    (*w.add((n + r0 + i) * k + kk)).get()
+                *out.add(kk * P + r0 + i) = if r0 + i < nr {
+                    (*w.add((n + r0 + i) * stride + kk)).get()
                 } else {
                     0.0
                 };

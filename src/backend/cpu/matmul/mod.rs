@@ -5,17 +5,19 @@
 //! Kernels (x86-64, picked at run time by [`simd::level`] from `is_x86_feature_detected!`), one
 //! file per ISA: [`avx512`], [`avx2`], [`scalar`], with the row/token drivers they share written
 //! once in [`x86`]. Decode (`tokens == 1`) runs 4 weight rows against the activation row with two
-//! k-unrolled accumulators per row and software prefetch; prefill (and batched decode, whose
-//! rows are tokens too) runs, on AVX-512, a 4 rows × 6 tokens register tile of dot products (24
-//! zmm accumulators, then 4- and 2-token tiles for the rest) so each weight vector is loaded once
-//! per 6 tokens, with 1-row / 1-token tails and masked k tails; on AVX2, 6 tokens × 16 outputs
-//! over weights packed k-major ([`avx2_panel`]: broadcasts and FMAs, no reductions). On AVX-512 a
-//! whole tile's sums are reduced 16 at a time by one shuffle tree and stored as one 4-row vector
-//! per token: with k = 576 (SmolLM2's hidden size) 16 separate lane reductions cost about a
-//! fifth of the tile's FMAs. An
-//! AVX512-BF16 prefill path (activations split into bf16 hi + lo, two `vdpbf16ps` per weight
-//! vector) was measured at about half the speed of the FMA tile on this Zen 5 machine and
-//! removed; `Level::Avx512Bf16` therefore runs the AVX-512 FMA kernels.
+//! k-unrolled accumulators per row and software prefetch of the next group of rows. Calls of more
+//! tokens (prefill, and batched decode, whose rows are tokens too): on AVX2, weights packed
+//! k-major after BLIS, 6 tokens × 16 outputs ([`avx2_panel`]: broadcasts and FMAs, no
+//! reductions, one FMA chain per output in k order); on AVX-512, up to 16 tokens a 4 rows × 6
+//! tokens register tile of dot products (24 zmm accumulators, then 4- and 2-token tiles, 1-row /
+//! 1-token tails, masked k tails) whose sums are reduced 16 at a time by one shuffle tree, and
+//! above 16 tokens the packed panels at twice the AVX2 width ([`avx512_panel`], 12 tokens × 32
+//! outputs, the same bits as AVX2's). Packing costs about as much as 16 tokens' FMAs, hence the
+//! split: on a Zen 5 (SmolLM2, 2 threads) the panels took pp512 from 800 to 940–990 tok/s, while
+//! at 16 rows the tiles stayed faster. An AVX512-BF16 prefill path (activations split into bf16
+//! hi + lo, two `vdpbf16ps` per weight vector) was measured at about half the speed of the FMA
+//! tile on a Zen 5 machine and removed; `Level::Avx512Bf16` therefore runs the AVX-512 FMA
+//! kernels.
 //!
 //! Quantized weights (every ggml block format of [`crate::model::quant`]) are computed on
 //! directly, with f32 activations (never quantized), so results equal the f32 product with the
@@ -41,9 +43,10 @@
 //!   each block is decoded exactly (ggml's operations, vectorised by the compiler under the
 //!   ISA's features) into an L1 buffer and multiplied with x by FMA, four rows at a time.
 //! - 2 to 8 tokens (small batched-decode steps, speculative verification), legacy formats,
-//!   Q4_K and Q6_K, AVX2: each row's blocks are decoded once for all the tokens, and each token is summed as
-//!   its one-token GEMV sums it (bit-identical), instead of dequantizing whole tiles for a few
-//!   tokens.
+//!   Q4_K and Q6_K, AVX2 and AVX-512: each row's blocks are decoded once for all the tokens, and
+//!   each token is summed as its one-token GEMV sums it (bit-identical), instead of dequantizing
+//!   whole tiles for a few tokens (SmolLM2 Q4_1 decode of 4 sequences on a Zen 5: 308–345 →
+//!   445–465 tok/s).
 //! - prefill (`tokens > 1`, and every token count at the scalar level): a tile of rows is
 //!   dequantized to f32 (bit-identical to ggml's reference dequantization) into thread-local
 //!   scratch and handed to the f32 kernels, so the per-element dequantization cost is shared by
@@ -68,6 +71,8 @@ mod avx2_panel;
 #[cfg(target_arch = "x86_64")]
 // The AVX-512 intrinsics are stable since Rust 1.89, the workspace's `rust-version`.
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avx512_panel;
 mod int16;
 mod scalar;
 #[cfg(test)]
@@ -242,14 +247,16 @@ unsafe impl Sync for OutPtr {}
 /// Output rows handled by one task: small enough to balance across threads, large enough that
 /// the per-task overhead vanishes next to the bytes streamed. A multiple of 4, the GEMVs' row
 /// block, or of 16 with more than one token.
-fn rows_per_task(w: &PackedMatrix, tokens: usize) -> usize {
+fn rows_per_task(level: Level, w: &PackedMatrix, tokens: usize) -> usize {
     let threads = rayon::current_num_threads().max(1);
-    // Multi-token calls go 16 outputs at a time (AVX2's packed panels, quantized prefill tiles).
+    // Multi-token calls go one packed panel's outputs at a time (the quantized prefill tiles
+    // too): 32 on AVX-512, 16 on AVX2.
+    let panel = tile_rows(simd::clamp(level), tokens);
     let by_threads = w
         .rows
         .div_ceil(threads * 4)
-        .next_multiple_of(if tokens > 1 { 16 } else { 4 });
-    let min_rows = if tokens > 1 { 16 } else { 64 };
+        .next_multiple_of(if tokens > 1 { panel } else { 4 });
+    let min_rows = if tokens > 1 { panel } else { 64 };
     by_threads.max(min_rows).min(w.rows.max(1))
 }
 
@@ -328,7 +335,7 @@ pub fn matmul_with(
         "matmul output too short"
     );
     let ptr = OutPtr(out.as_mut_ptr());
-    let chunk = rows_per_task(w, tokens);
+    let chunk = rows_per_task(level, w, tokens);
     let starts: Vec<usize> = (0..w.rows).step_by(chunk).collect();
     // Rounded once per call, shared by every task.
     let xq = rounded_activations(level, numerics, w, x, ldx, tokens);
@@ -602,6 +609,14 @@ trait QuantMethod: BlockFormat + Sized {
         false
     }
 
+    /// As [`QuantMethod::gemv_tokens_avx2`], for AVX-512 CPUs: each token rounded as this
+    /// format's AVX-512 GEMV (which is the AVX2 one where the format has no 16-lane kernel).
+    /// Safety as [`QuantMethod::gemv_avx512`].
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_tokens_avx512(_w: *const u8, _job: &Job) -> bool {
+        false
+    }
+
     /// Whole blocks to f32 (`out.len() / ELEMS` of them), bit-identical to
     /// [`quant::dequantize_row`], AVX2 (safety: the CPU supports AVX2, FMA and F16C).
     #[cfg(target_arch = "x86_64")]
@@ -655,6 +670,10 @@ macro_rules! legacy_quant_method {
                 avx512::legacy_rows::<Self>(w, job)
             }
             #[cfg(target_arch = "x86_64")]
+            unsafe fn gemv_tokens_avx512(w: *const u8, job: &Job) -> bool {
+                avx512::legacy_tokens_rows::<Self>(w, job)
+            }
+            #[cfg(target_arch = "x86_64")]
             unsafe fn dequantize_avx512(blocks: &[u8], out: &mut [f32]) {
                 let nb = out.len() / Self::ELEMS;
                 assert!(blocks.len() >= nb * Self::BYTES);
@@ -676,6 +695,10 @@ macro_rules! avx2_legacy_quant_method {
             #[cfg(target_arch = "x86_64")]
             unsafe fn gemv_avx512(w: *const u8, job: &Job) {
                 Self::gemv_avx2(w, job)
+            }
+            #[cfg(target_arch = "x86_64")]
+            unsafe fn gemv_tokens_avx512(w: *const u8, job: &Job) -> bool {
+                Self::gemv_tokens_avx2(w, job)
             }
         }
     )*};
@@ -706,6 +729,10 @@ impl QuantMethod for quant::Q4_K {
     unsafe fn gemv_tokens_avx2(w: *const u8, job: &Job) -> bool {
         avx2::k4_tokens_rows(w, job)
     }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_tokens_avx512(w: *const u8, job: &Job) -> bool {
+        Self::gemv_tokens_avx2(w, job)
+    }
 }
 impl QuantMethod for quant::Q5_K {}
 impl QuantMethod for quant::Q6_K {
@@ -726,6 +753,10 @@ impl QuantMethod for quant::Q6_K {
     #[cfg(target_arch = "x86_64")]
     unsafe fn gemv_tokens_avx2(w: *const u8, job: &Job) -> bool {
         avx2::k6_tokens_rows(w, job)
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn gemv_tokens_avx512(w: *const u8, job: &Job) -> bool {
+        Self::gemv_tokens_avx2(w, job)
     }
 }
 impl QuantMethod for quant::Q8_K {}
@@ -758,9 +789,16 @@ fn dequantize_at<F: QuantMethod>(level: Level, blocks: &[u8], out: &mut [f32]) {
     }
 }
 
-/// Rows dequantized per prefill tile: a multiple of the kernels' 4-row block, and small enough
-/// (16 × cols f32) to stay in L1/L2 while every token passes over it.
-const TILE_ROWS: usize = 16;
+/// Rows dequantized per prefill tile for `tokens` at `level`: one packed panel's outputs (32 on
+/// AVX-512 above 16 tokens, 16 on AVX2), 16 for AVX-512's dot-product tiles and the scalar
+/// kernels; small enough (× cols f32) to stay in L1/L2 while every token passes over it.
+fn tile_rows(level: Level, tokens: usize) -> usize {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 | Level::Avx512Bf16 if tokens > avx512::TILE_TOKENS => avx512_panel::NR,
+        _ => 16,
+    }
+}
 
 thread_local! {
     /// Per-thread f32 scratch for prefill tiles of quantized weights.
@@ -789,14 +827,16 @@ unsafe fn quant_rows_of<F: QuantMethod>(level: Level, blocks: &[u8], job: &Job) 
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if level == Level::Avx2 && F::gemv_tokens_avx2(blocks.as_ptr(), job) {
-        return;
+    match level {
+        Level::Avx2 if F::gemv_tokens_avx2(blocks.as_ptr(), job) => return,
+        Level::Avx512 | Level::Avx512Bf16 if F::gemv_tokens_avx512(blocks.as_ptr(), job) => return,
+        _ => {}
     }
     let rb = job.k / F::ELEMS * F::BYTES;
     TILE.with_borrow_mut(|tile| {
         let mut n0 = job.rows.start;
         while n0 < job.rows.end {
-            let n1 = (n0 + TILE_ROWS).min(job.rows.end);
+            let n1 = (n0 + tile_rows(level, job.tokens)).min(job.rows.end);
             tile.resize((n1 - n0) * job.k, 0.0);
             dequantize_at::<F>(level, &blocks[n0 * rb..n1 * rb], tile);
             // The tile's row r is output n0 + r: shift the output and bias views to match.

@@ -361,12 +361,13 @@ fn short_input_is_rejected() {
     matmul(Numerics::Exact, &w, &[1.0; 16], 16, 1, &mut out, 1, false);
 }
 
-/// A token's result does not depend on how many tokens share the call. AVX-512: the first
+/// A token's result does not depend on how many tokens share the call, within each kernel's
+/// range. AVX2, and AVX-512 above 16 tokens: every token takes the packed-panel tile, one FMA
+/// chain per output whatever the tile width, so each equals itself in another call of that range
+/// (two tokens on AVX2, 17 on AVX-512). AVX-512 up to 16 tokens: the first
 /// `tokens − tokens mod 4` go through register tiles of any width, which all sum in one order,
 /// and the rest through the GEMV, as a one-token call does (with 6-token tiles covering tokens 4
-/// and 5 of a 6-token call, those differed from the same tokens alone). AVX2: every token of a
-/// multi-token call takes the packed-panel tile, one FMA chain per output whatever the tile
-/// width, so each equals itself in a call of two.
+/// and 5 of a 6-token call, those differed from the same tokens alone).
 #[test]
 fn tile_widths_round_like_the_narrowest_tile() {
     let (rows, cols) = (8, 576);
@@ -379,23 +380,26 @@ fn tile_widths_round_like_the_narrowest_tile() {
         bias: None,
     };
     for level in simd::available_levels() {
-        for tokens in [5, 6, 7, 10, 17] {
+        for tokens in [5, 6, 7, 10, 17, 30] {
             let x = rand_vec(tokens * cols, tokens as u64);
             let mut all = vec![0f32; tokens * rows];
             matmul_at(level, &w, &x, cols, tokens, &mut all, rows, false);
             // The narrowest tile's width (one token at a time at the scalar level).
-            let base = match simd::clamp(level) {
-                Level::Avx512 | Level::Avx512Bf16 => 4,
-                _ => 1,
-            };
+            let avx512 = matches!(simd::clamp(level), Level::Avx512 | Level::Avx512Bf16);
+            let base = if avx512 { 4 } else { 1 };
             let tiled = tokens - tokens % base;
             for t in 0..tokens {
-                // Alone for the GEMV tokens; in a call of one narrowest tile for the others.
-                let (first, n) = if simd::clamp(level) == Level::Avx2 {
+                let (first, n) = if avx512 && tokens > 16 {
+                    // Panels: in a call of 17 tokens.
+                    (t.min(tokens - 17), 17)
+                } else if simd::clamp(level) == Level::Avx2 {
+                    // Panels: in a call of two tokens.
                     (t.min(tokens - 2), 2)
                 } else if t >= tiled {
+                    // Alone for the GEMV tokens.
                     (t, 1)
                 } else {
+                    // In a call of one narrowest tile.
                     (t - t % base, base)
                 };
                 let mut part = vec![0f32; n * rows];
@@ -421,13 +425,72 @@ fn tile_widths_round_like_the_narrowest_tile() {
     }
 }
 
-/// Two to eight tokens on legacy, Q4_K and Q6_K blocks at the AVX2 level decode each block once
-/// for all of them and round each token as its one-token GEMV: a batched decode step of a few
-/// sequences gives each sequence bit for bit what it gets alone (with bias, accumulating into
-/// the output, and over a split across threads).
+/// The AVX-512 panels (32 outputs × 12 tokens, calls of more than 16 tokens) sum every output as
+/// the AVX2 panels (16 × 6) do, so such a call gives the same bits on either ISA: f32, bf16 and
+/// quantized weights (dequantized tiles), row counts that leave partial panels, token counts
+/// that leave several tail widths, with bias and accumulating into the output.
+#[test]
+fn avx512_panels_round_like_avx2_panels() {
+    let levels = simd::available_levels();
+    if !levels.contains(&Level::Avx512) {
+        println!("skipped: this CPU has no AVX-512");
+        return;
+    }
+    let (rows, cols) = (70, 320);
+    let f32_rows = rand_vec(rows * cols, 21);
+    let matrices = [
+        PackedMatrix {
+            rows,
+            cols,
+            data: WeightData::F32(f32_rows.clone()),
+            bias: Some(rand_vec(rows, 22)),
+        },
+        PackedMatrix {
+            rows,
+            cols,
+            data: WeightData::BF16(f32_rows.iter().map(|&v| bf16::from_f32(v)).collect()),
+            bias: None,
+        },
+        quant_matrix(QuantKind::Q4_1, rows, cols, true, 23),
+        quant_matrix(QuantKind::Q8_0, rows, cols, false, 24),
+    ];
+    for (i, w) in matrices.iter().enumerate() {
+        for tokens in [17, 23, 24, 35, 40] {
+            let x = rand_vec(tokens * cols, 30 + tokens as u64);
+            let start = rand_vec(tokens * rows, 31);
+            let mut on_avx2 = start.clone();
+            let mut on_avx512 = start.clone();
+            matmul_at(Level::Avx2, w, &x, cols, tokens, &mut on_avx2, rows, true);
+            matmul_at(
+                Level::Avx512,
+                w,
+                &x,
+                cols,
+                tokens,
+                &mut on_avx512,
+                rows,
+                true,
+            );
+            let same = on_avx2
+                .iter()
+                .zip(&on_avx512)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "matrix {i} with {tokens} tokens");
+        }
+    }
+}
+
+/// Two to eight tokens on legacy, Q4_K and Q6_K blocks at the AVX2 and AVX-512 levels decode
+/// each block once for all of them and round each token as its one-token GEMV: a batched decode
+/// step of a few sequences gives each sequence bit for bit what it gets alone (with bias,
+/// accumulating into the output, and over a split across threads).
 #[test]
 fn few_block_tokens_round_like_one_token_calls() {
-    if !simd::available_levels().contains(&Level::Avx2) {
+    let levels: Vec<Level> = simd::available_levels()
+        .into_iter()
+        .filter(|&l| l >= Level::Avx2)
+        .collect();
+    if levels.is_empty() {
         println!("skipped: this CPU has no AVX2");
         return;
     }
@@ -442,26 +505,17 @@ fn few_block_tokens_round_like_one_token_calls() {
         (QuantKind::Q6_K, 512),
     ] {
         let w = quant_matrix(kind, rows, cols, true, 5);
-        for tokens in 2..=8 {
+        for (level, tokens) in levels.iter().flat_map(|&l| (2..=8).map(move |t| (l, t))) {
             let x = rand_vec(tokens * cols, 40 + tokens as u64);
             let start = rand_vec(tokens * rows, 7);
             let mut all = start.clone();
-            matmul_at(Level::Avx2, &w, &x, cols, tokens, &mut all, rows, true);
+            matmul_at(level, &w, &x, cols, tokens, &mut all, rows, true);
             for t in 0..tokens {
                 let mut one = start[t * rows..(t + 1) * rows].to_vec();
-                matmul_at(
-                    Level::Avx2,
-                    &w,
-                    &x[t * cols..],
-                    cols,
-                    1,
-                    &mut one,
-                    rows,
-                    true,
-                );
+                matmul_at(level, &w, &x[t * cols..], cols, 1, &mut one, rows, true);
                 let got = &all[t * rows..(t + 1) * rows];
                 let same = one.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{} token {t} of {tokens}", kind.name());
+                assert!(same, "{level:?} {} token {t} of {tokens}", kind.name());
             }
         }
     }
