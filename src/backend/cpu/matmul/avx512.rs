@@ -14,7 +14,7 @@ use super::x86::{
 };
 use super::Job;
 use crate::backend::cpu::simd::x86::{tail_mask16, Load};
-use crate::model::quant::{BlockFormat, Q4_0, Q4_1, Q8_0};
+use crate::model::quant::{BlockFormat, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 
 const PREFETCH: bool = true;
 
@@ -279,6 +279,54 @@ unsafe fn nibbles_512(qs: *const u8, table: __m512) -> (__m512, __m512) {
     )
 }
 
+/// A Q5 block's quants as 32 f32 values `lo[q]` (`q < 16`) or `hi[q − 16]`: the 16 bytes at
+/// `qs` give the low four bits (low nibbles elements 0..16, high nibbles 16..32) and bit `e` of
+/// the 32-bit `qh` at `qh` the fifth bit of element `e`, set by a masked OR from a mask register;
+/// `vpermt2ps` reads the five low bits of each index, so one two-table lookup converts the
+/// 5-bit quant (exactly) to f32, the offset applied by the tables.
+#[inline(always)]
+unsafe fn five_bits_512(qh: *const u8, qs: *const u8, lo: __m512, hi: __m512) -> (__m512, __m512) {
+    let h = std::ptr::read_unaligned(qh as *const u32);
+    let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs as *const __m128i));
+    let bit = _mm512_set1_epi32(16);
+    let low = _mm512_and_si512(v, _mm512_set1_epi32(0x0f));
+    let low = _mm512_mask_or_epi32(low, h as __mmask16, low, bit);
+    let high = _mm512_srli_epi32::<4>(v);
+    let high = _mm512_mask_or_epi32(high, (h >> 16) as __mmask16, high, bit);
+    (
+        _mm512_permutex2var_ps(lo, low, hi),
+        _mm512_permutex2var_ps(lo, high, hi),
+    )
+}
+
+impl Quants512 for Q5_0 {
+    #[inline(always)]
+    unsafe fn q512(p: *const u8) -> (__m512, __m512) {
+        let lo = _mm512_setr_ps(
+            -16.0, -15.0, -14.0, -13.0, -12.0, -11.0, -10.0, -9.0, -8.0, -7.0, -6.0, -5.0, -4.0,
+            -3.0, -2.0, -1.0,
+        );
+        let hi = _mm512_setr_ps(
+            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+        );
+        five_bits_512(p.add(2), p.add(6), lo, hi)
+    }
+}
+
+impl Quants512 for Q5_1 {
+    #[inline(always)]
+    unsafe fn q512(p: *const u8) -> (__m512, __m512) {
+        let lo = _mm512_setr_ps(
+            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+        );
+        let hi = _mm512_setr_ps(
+            16.0, 17.0, 18.0, 19.0, 20.0, 21.0, 22.0, 23.0, 24.0, 25.0, 26.0, 27.0, 28.0, 29.0,
+            30.0, 31.0,
+        );
+        five_bits_512(p.add(4), p.add(8), lo, hi)
+    }
+}
+
 impl Quants512 for Q8_0 {
     #[inline(always)]
     unsafe fn q512(p: *const u8) -> (__m512, __m512) {
@@ -308,8 +356,8 @@ impl Quants512 for Q4_1 {
     }
 }
 
-/// The legacy formats' GEMV: in groups of 16 blocks. Per group and row, one gather fetches the
-/// 16 blocks' `(d, m)` f16 pairs, which are widened 16 at a time into a stack buffer (so the
+/// The legacy formats' GEMV: in groups of 16 blocks. Per group and row, [`group_words`] fetches
+/// the 16 blocks' `(d, m)` f16 pairs, which are widened 16 at a time into a stack buffer (so the
 /// per-block broadcast of `d` is a plain load) and, for Q4_1, dotted with the block sums `Σx` at
 /// once (`Σ_b m_b·Σx_b`). Per block and row: `s = Σ q·x` over the block's two 16-lane halves,
 /// then `acc += d·s` (one FMA).
@@ -336,6 +384,27 @@ impl<Q: Quants512> BlockGemv for Legacy512<Q> {
     }
 }
 
+/// The first 32-bit word of each of the `n` (at most 16) blocks from `p` — `d | m << 16` —
+/// lane `i` for block `i`, lanes past `n` zero. Four-lane inserts of scalar loads: the
+/// `vpgatherdd` this replaced held about half of the Q4_1/Q8_0 GEMV's samples on a Zen 5
+/// (`perf record`, the samples on the instruction waiting for the gather).
+#[inline(always)]
+unsafe fn group_words<Q: BlockFormat>(p: *const u8, n: usize) -> __m512i {
+    let at = |i: usize| std::ptr::read_unaligned(p.add(i * Q::BYTES) as *const i32);
+    if n == 16 {
+        let q = |i: usize| _mm_setr_epi32(at(i), at(i + 1), at(i + 2), at(i + 3));
+        let lo = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(q(0)), q(4));
+        let hi = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(q(8)), q(12));
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+    } else {
+        let mut h = [0i32; 16];
+        for (i, v) in h.iter_mut().enumerate().take(n) {
+            *v = at(i);
+        }
+        _mm512_loadu_si512(h.as_ptr() as *const __m512i)
+    }
+}
+
 // `j` indexes x, every row's blocks and the scale buffer together.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
@@ -350,22 +419,13 @@ unsafe fn qgemv_512<Q: Quants512, const R: usize>(
     let mut acc = [_mm512_setzero_ps(); R];
     let mut macc = [_mm512_setzero_ps(); R];
     let mut d = [[0f32; 16]; R];
-    let offs = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32(Q::BYTES as i32),
-    );
     let mut b0 = 0;
     while b0 < nb {
         let n = (nb - b0).min(16);
         let mask = tail_mask16(n);
         for r in 0..R {
             // Lane j: the block's first dword, `d | m << 16` (m only meaningful for Q4_1).
-            let g = _mm512_mask_i32gather_epi32::<1>(
-                _mm512_setzero_si512(),
-                mask,
-                offs,
-                w[r].add(b0 * Q::BYTES) as *const i32,
-            );
+            let g = group_words::<Q>(w[r].add(b0 * Q::BYTES), n);
             _mm512_storeu_ps(d[r].as_mut_ptr(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
             if Q::HAS_MIN {
                 let m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(g)));
@@ -421,7 +481,8 @@ pub(super) unsafe fn dequantize_legacy<Q: Quants512>(src: *const u8, nb: usize, 
     }
 }
 
-/// GEMV (`job.tokens == 1`) on Q8_0/Q4_0/Q4_1 blocks; `w` holds `job.rows.end` rows of blocks.
+/// GEMV (`job.tokens == 1`) on Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 blocks; `w` holds `job.rows.end` rows
+/// of blocks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 pub(super) unsafe fn legacy_rows<Q: Quants512>(w: *const u8, job: &Job) {
     x86::gemv_rows::<Legacy512<Q>>(w, job)
@@ -449,20 +510,11 @@ impl<Q: Quants512> RowTokens for Legacy512<Q> {
         let mut acc = [_mm512_setzero_ps(); T];
         let mut macc = [_mm512_setzero_ps(); T];
         let mut d = [0f32; 16];
-        let offs = _mm512_mullo_epi32(
-            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-            _mm512_set1_epi32(Q::BYTES as i32),
-        );
         let mut b0 = 0;
         while b0 < nb {
             let n = (nb - b0).min(16);
             let mask = tail_mask16(n);
-            let g = _mm512_mask_i32gather_epi32::<1>(
-                _mm512_setzero_si512(),
-                mask,
-                offs,
-                row.add(b0 * Q::BYTES) as *const i32,
-            );
+            let g = group_words::<Q>(row.add(b0 * Q::BYTES), n);
             _mm512_storeu_ps(d.as_mut_ptr(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
             if Q::HAS_MIN {
                 let m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(g)));
@@ -499,7 +551,7 @@ impl<Q: Quants512> RowTokens for Legacy512<Q> {
     }
 }
 
-/// A few tokens on Q8_0/Q4_0/Q4_1 blocks (see [`few_tokens_rows`]).
+/// A few tokens on Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 blocks (see [`few_tokens_rows`]).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 pub(super) unsafe fn legacy_tokens_rows<Q: Quants512>(w: *const u8, job: &Job) -> bool {
     few_tokens_rows::<Legacy512<Q>>(w, job)

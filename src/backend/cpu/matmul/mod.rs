@@ -30,8 +30,9 @@
 //!   `d·Σ q·x + m·Σ x` (Q4_1; the block sums `Σ x` of the activation row are computed once per
 //!   call and shared by every row). Four rows run together so each x vector is loaded once per
 //!   four rows.
-//! - decode, Q5_0/Q5_1 (AVX2 kernels, which AVX-512 CPUs run too): as the Q4 formats, with the
-//!   fifth bit of each quant taken from the block's 32-bit `qh` word by a variable shift.
+//! - decode, Q5_0/Q5_1: as the Q4 formats, with the fifth bit of each quant taken from the
+//!   block's 32-bit `qh` word (AVX2: bytes compared against a mask; AVX-512: a masked OR from a
+//!   mask register, then one two-table `vpermt2ps` lookup).
 //! - decode, Q4_K (AVX2, run by AVX-512 CPUs too): per 256-element super-block and row, the
 //!   eight 6-bit scales and mins are unpacked once into `d·sc_j` and `dmin·m_j`; each 32-element
 //!   sub-block's `Σ q·x` is scaled by `d·sc_j` into the accumulator, and `Σ_j dmin·m_j·Σx_j`
@@ -660,7 +661,7 @@ macro_rules! avx2_legacy_kernels {
     };
 }
 
-/// Q8_0, Q4_0 and Q4_1 have the legacy kernels on both ISAs.
+/// The legacy formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) have their kernels on both ISAs.
 macro_rules! legacy_quant_method {
     ($($t:ident),*) => {$(
         impl QuantMethod for quant::$t {
@@ -682,28 +683,7 @@ macro_rules! legacy_quant_method {
         }
     )*};
 }
-legacy_quant_method!(Q8_0, Q4_0, Q4_1);
-
-/// Q5_0 and Q5_1 have the legacy kernels in AVX2 only; AVX-512 CPUs run the same AVX2 GEMV,
-/// which folds each block's scale into its partial sum instead of decoding every block into a
-/// buffer first as the generic block GEMV does (and the tile dequantization, by the trait's
-/// default). A 16-lane version is still to be written (and measured on an AVX-512 machine).
-macro_rules! avx2_legacy_quant_method {
-    ($($t:ident),*) => {$(
-        impl QuantMethod for quant::$t {
-            avx2_legacy_kernels!();
-            #[cfg(target_arch = "x86_64")]
-            unsafe fn gemv_avx512(w: *const u8, job: &Job) {
-                Self::gemv_avx2(w, job)
-            }
-            #[cfg(target_arch = "x86_64")]
-            unsafe fn gemv_tokens_avx512(w: *const u8, job: &Job) -> bool {
-                Self::gemv_tokens_avx2(w, job)
-            }
-        }
-    )*};
-}
-avx2_legacy_quant_method!(Q5_0, Q5_1);
+legacy_quant_method!(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1);
 
 impl QuantMethod for quant::Q2_K {}
 impl QuantMethod for quant::Q3_K {}
