@@ -14,9 +14,10 @@ use super::Job;
 use crate::backend::cpu::simd::x86::{hsum256, Load};
 use crate::model::quant::{self, BlockFormat, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0};
 
-// Software prefetch in the GEMVs: each prefetches the same position (block) of the next group of
-// four rows, which are contiguous in memory, so the distance suits any row length. Without it
-// the four interleaved row streams reached about half the bandwidth they reach with it (Q8_0
+// Software prefetch in the GEMVs: each prefetches the same position (block) of a later group of
+// four rows (the dense GEMV the next group; the quantized ones up to four groups on, see
+// `x86::prefetch_ahead`); rows are contiguous in memory, so the distance follows the row
+// length. Without it the four interleaved row streams reached about half the bandwidth they reach with it (Q8_0
 // lm_head of Qwen2.5-0.5B, AMD EPYC Zen 3); a fixed 1 KiB distance within the row did little
 // for rows of about 1 KiB (SmolLM2 BF16 decode 26-28 tok/s against 37-41 with the next group).
 

@@ -434,7 +434,8 @@ const CHUNK: usize = 8;
 pub(super) const MAX_TOKENS: usize = 16;
 
 /// The integer driver. One token: groups of 4 rows, then single rows, each group prefetching
-/// the same block of the next group (as [`x86::gemv_rows`] does for f32 activations). More
+/// the same block of a later group ([`x86::prefetch_ahead`], as [`x86::gemv_rows`] does for f32
+/// activations). More
 /// tokens: row by row, each row's blocks decoded once per chunk of [`CHUNK`] tokens.
 #[inline(always)]
 unsafe fn rows<K: GemvI16>(w: *const u8, job: &Job, x: &[XI16]) {
@@ -444,7 +445,7 @@ unsafe fn rows<K: GemvI16>(w: *const u8, job: &Job, x: &[XI16]) {
         let end = job.rows.end;
         let mut n = job.rows.start;
         while n + 4 <= end {
-            let s = K::tile::<4, 1>(row_ptrs(w, n, rb), [&x[0]], nb, 4 * rb);
+            let s = K::tile::<4, 1>(row_ptrs(w, n, rb), [&x[0]], nb, x86::prefetch_ahead(rb));
             x86::put_tile(job, n, 0, s);
             n += 4;
         }
