@@ -5,7 +5,7 @@
 //! Kernels (x86-64, picked at run time by [`simd::level`] from `is_x86_feature_detected!`), one
 //! file per ISA: [`avx512`], [`avx2`], [`scalar`], with the row/token drivers they share written
 //! once in [`x86`]. Decode (`tokens == 1`) runs 4 weight rows against the activation row with two
-//! k-unrolled accumulators per row and software prefetch of the next group of rows. Calls of more
+//! k-unrolled accumulators per row and software prefetch of later rows. Calls of more
 //! tokens (prefill, and batched decode, whose rows are tokens too): on AVX2, weights packed
 //! k-major after BLIS, 6 tokens × 16 outputs ([`avx2_panel`]: broadcasts and FMAs, no
 //! reductions, one FMA chain per output in k order); on AVX-512, up to 16 tokens a 4 rows × 6
