@@ -293,7 +293,9 @@ fn api_key_models_health_and_metrics() {
         "POST",
         "/v1/completions",
         &[auth[0], ("Content-Type", "application/json")],
-        json!({"prompt": "Once", "max_tokens": 3})
+        // Greedy and past the end-of-text token, so exactly 3 tokens (at the default temperature
+        // 1 the first sampled token was once the end of text, and 1 was generated).
+        json!({"prompt": "Once", "max_tokens": 3, "temperature": 0, "ignore_eos": true})
             .to_string()
             .as_bytes(),
     );
