@@ -495,8 +495,9 @@ pub(super) unsafe fn block_rows<F: BlockFormat>(w: *const u8, job: &Job) {
 }
 
 impl<Q: Quants512> RowTokens for Legacy512<Q> {
-    /// Per token as [`qgemv_512`]: the same gathered scales, the same block partials and the
-    /// same accumulation order, so each token's result is bit-identical to its one-token call.
+    /// Per token as [`qgemv_512`]: the same group scales ([`group_words`]), the same block
+    /// partials and the same accumulation order, so each token's result is bit-identical to its
+    /// one-token call.
     #[allow(clippy::needless_range_loop)]
     #[inline(always)]
     unsafe fn row<const T: usize>(

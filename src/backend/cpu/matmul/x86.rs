@@ -232,7 +232,7 @@ pub(super) trait RowTokens: BlockGemv {
 }
 
 /// The few-token driver (2 to 8 tokens: small batched-decode steps, speculative verification;
-/// for more, dequantizing a tile once for the packed-panel kernel costs about as much): row by row,
+/// for more, dequantizing a tile once for the multi-token kernels costs about as much): row by row,
 /// prefetching the next row. Returns `false` (nothing done) for other token counts.
 #[inline(always)]
 pub(super) unsafe fn few_tokens_rows<K: RowTokens>(w: *const u8, job: &Job) -> bool {
