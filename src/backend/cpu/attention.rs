@@ -4,9 +4,11 @@
 //! storage type) serves every head of its group while it is in L1. Per (token, head) the
 //! arithmetic is fixed whatever the grouping: scores `q·k · scale` by the SIMD level's dot
 //! product, a softmax in f32 (`simd::softmax_at`: vectorised `exp` on AVX2), and the values summed in
-//! position order with per-lane fused multiply-adds, as `simd::axpy` sums them. On AVX2 the dot
-//! products and the weighted sum are inlined into one kernel that keeps 64 lanes of the output in
-//! registers across positions; other levels call the `simd` entry points.
+//! position order with per-lane fused multiply-adds, as `simd::axpy` sums them. On AVX2 and
+//! AVX-512 the dot products and the weighted sum are inlined into one kernel that keeps 64 lanes
+//! of the output in registers across positions and reduces the scores of 8 (AVX2) or 16 keys
+//! (AVX-512) together; the scalar level calls the `simd` entry points. (On a Zen 5, SmolLM2 pp512
+//! at 2 threads went from ~950–1,000 to ~1,100–1,270 tok/s when AVX-512 got its kernel.)
 
 use std::cell::RefCell;
 
@@ -98,6 +100,9 @@ pub fn attention(
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: the clamped level says the CPU has AVX2 and FMA.
                 Level::Avx2 => unsafe { attend_avx2(kv, &job, scratch) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the clamped level says the CPU has AVX-512 F/BW/VL.
+                Level::Avx512 | Level::Avx512Bf16 => unsafe { attend_avx512(kv, &job, scratch) },
                 other => unsafe { attend(&AtLevel(other), kv, &job, scratch) },
             });
         });
@@ -144,6 +149,11 @@ trait Ops {
     /// default one [`Ops::dot`] at a time.
     unsafe fn dot8(&self, q: &[f32], keys: *const f32, scale: f32, out: *mut f32) {
         dot8_one_by_one(self, q, keys, scale, out)
+    }
+    /// As [`Ops::dot8`] for sixteen consecutive keys; by default two [`Ops::dot8`] calls.
+    unsafe fn dot16(&self, q: &[f32], keys: *const f32, scale: f32, out: *mut f32) {
+        self.dot8(q, keys, scale, out);
+        self.dot8(q, keys.add(8 * q.len()), scale, out.add(8));
     }
 }
 
@@ -321,6 +331,105 @@ mod avx2 {
     }
 }
 
+/// The task under AVX-512 with its arithmetic inlined.
+///
+/// # Safety
+/// The CPU supports AVX-512 F/BW/VL, AVX2 and FMA; as [`attend`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn attend_avx512(kv: &KvCache, job: &Task, scratch: &mut Scratch) {
+    attend(&avx512::Avx512, kv, job, scratch)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::Ops;
+    use crate::backend::cpu::simd::x86::{
+        dot_512_lanes, hsum16_512, softmax_256_body, tail_mask16,
+    };
+
+    pub(super) struct Avx512;
+
+    impl Avx512 {
+        /// Scores of `N` (at most 16) consecutive keys: each key's lanes are `dot_512`'s
+        /// before its reduction, and the sixteen reductions are one [`hsum16_512`], which sums
+        /// in `_mm512_reduce_add_ps`'s order, so each score is `dot_512`'s bit for bit.
+        #[inline(always)]
+        unsafe fn dots<const N: usize>(q: &[f32], keys: *const f32, scale: f32, out: *mut f32) {
+            let d = q.len();
+            let mut v = [_mm512_setzero_ps(); 16];
+            // Lane `4·a + b` of the reduction sums `v[a + 4·b]`: key `j` goes to the slot
+            // whose lane is `j`.
+            for j in 0..N {
+                v[(j / 4) + 4 * (j % 4)] = dot_512_lanes(q.as_ptr(), keys.add(j * d), d);
+            }
+            let s = _mm512_mul_ps(hsum16_512(v), _mm512_set1_ps(scale));
+            _mm512_mask_storeu_ps(out, tail_mask16(N), s);
+        }
+    }
+
+    impl Ops for Avx512 {
+        #[inline(always)]
+        unsafe fn dot(&self, q: &[f32], k: &[f32]) -> f32 {
+            debug_assert_eq!(q.len(), k.len());
+            _mm512_reduce_add_ps(dot_512_lanes(q.as_ptr(), k.as_ptr(), q.len()))
+        }
+
+        #[inline(always)]
+        unsafe fn softmax(&self, scores: &mut [f32]) {
+            softmax_256_body(scores.as_mut_ptr(), scores.len())
+        }
+
+        #[inline(always)]
+        unsafe fn dot8(&self, q: &[f32], keys: *const f32, scale: f32, out: *mut f32) {
+            Self::dots::<8>(q, keys, scale, out)
+        }
+
+        #[inline(always)]
+        unsafe fn dot16(&self, q: &[f32], keys: *const f32, scale: f32, out: *mut f32) {
+            Self::dots::<16>(q, keys, scale, out)
+        }
+
+        /// 64 output lanes at a time stay in four registers across every position, then 16,
+        /// then a masked tail; every lane is `simd::axpy`'s `fma(w, v, acc)` in position order.
+        #[inline(always)]
+        unsafe fn weighted_sum(&self, acc: &mut [f32], w: &[f32], values: &[f32], d: usize) {
+            assert!(acc.len() >= d && values.len() >= w.len() * d);
+            let (pa, pv) = (acc.as_mut_ptr(), values.as_ptr());
+            let mut c = 0;
+            while c + 64 <= d {
+                let mut a = [_mm512_setzero_ps(); 4];
+                for (u, a) in a.iter_mut().enumerate() {
+                    *a = _mm512_loadu_ps(pa.add(c + 16 * u));
+                }
+                for (j, &wj) in w.iter().enumerate() {
+                    let vw = _mm512_set1_ps(wj);
+                    let v = pv.add(j * d + c);
+                    for (u, a) in a.iter_mut().enumerate() {
+                        *a = _mm512_fmadd_ps(vw, _mm512_loadu_ps(v.add(16 * u)), *a);
+                    }
+                }
+                for (u, a) in a.iter().enumerate() {
+                    _mm512_storeu_ps(pa.add(c + 16 * u), *a);
+                }
+                c += 64;
+            }
+            while c < d {
+                let m = tail_mask16((d - c).min(16));
+                let mut a = _mm512_maskz_loadu_ps(m, pa.add(c));
+                for (j, &wj) in w.iter().enumerate() {
+                    let v = _mm512_maskz_loadu_ps(m, pv.add(j * d + c));
+                    a = _mm512_fmadd_ps(_mm512_set1_ps(wj), v, a);
+                }
+                _mm512_mask_storeu_ps(pa.add(c), m, a);
+                c += 16;
+            }
+        }
+    }
+}
+
 /// Scores, softmax and weighted values for one task.
 ///
 /// # Safety
@@ -368,7 +477,16 @@ unsafe fn attend<O: Ops>(o: &O, kv: &KvCache, job: &Task, scratch: &mut Scratch)
         let (keys, _) = block_rows(table[start / bs], rows_here, kbuf, vbuf);
         let end = start + rows_here;
         let mut j = start.max(lo);
-        // Eight keys at a time (same roundings as one at a time), then the rest.
+        // Sixteen, then eight keys at a time (same roundings as one at a time), then the rest.
+        while j + 16 <= end {
+            let key = keys.add((j - start) * d);
+            for (i, h) in job.heads.clone().enumerate() {
+                let qh = &job.q[h * d..(h + 1) * d];
+                let at = scores.as_mut_ptr().add(i * positions + j - lo);
+                o.dot16(qh, key, s.scale, at);
+            }
+            j += 16;
+        }
         while j + 8 <= end {
             let key = keys.add((j - start) * d);
             for (i, h) in job.heads.clone().enumerate() {

@@ -1,5 +1,6 @@
 //! Element-wise ops on rows.
 
+use super::simd;
 use crate::graph::Activation;
 
 pub fn add(a: &[f32], b: &[f32], out: &mut [f32]) {
@@ -20,8 +21,11 @@ pub fn act_inplace(x: &mut [f32], act: Activation) {
     }
 }
 
-/// `out = act(gate) · up`
+/// `out = act(gate) · up`; SiLU through the SIMD level's `exp` ([`simd::silu_gated_at`]).
 pub fn gated(gate: &[f32], up: &[f32], act: Activation, out: &mut [f32]) {
+    if act == Activation::Silu {
+        return simd::silu_gated_at(simd::level(), gate, up, out);
+    }
     for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
         *o = act.apply(*g) * u;
     }

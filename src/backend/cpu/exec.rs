@@ -1,6 +1,8 @@
 //! The plan interpreter: one match arm per op, reading and writing column slots of the
 //! workspace's buffers.
 
+use rayon::prelude::*;
+
 use super::attention::{self, AttentionShape};
 use super::matmul::{self, PackedMatrix};
 use super::{elementwise, norm, rope, CpuBackend};
@@ -59,6 +61,32 @@ impl<'a> View<'a> {
 fn row_mut(data: &mut [f32], stride: usize, s: Slot, t: usize) -> &mut [f32] {
     let at = t * stride + s.col;
     &mut data[at..at + s.cols]
+}
+
+/// Elements below which per-row work stays on the calling thread: waking the pool costs
+/// microseconds, about what this many elements of SiLU or RMSNorm take.
+const PAR_ELEMS: usize = 1 << 16;
+
+/// `f(t, row t)` for rows `0..rows` of `data` (row `t` at `t·stride + s.col`, `s.cols` wide),
+/// spread over the thread pool when the rows hold at least [`PAR_ELEMS`] elements (prefill
+/// chunks). Each row's result is the same either way.
+fn for_rows(
+    data: &mut [f32],
+    stride: usize,
+    s: Slot,
+    rows: usize,
+    f: impl Fn(usize, &mut [f32]) + Sync + Send,
+) {
+    if rows < 2 || rows * s.cols < PAR_ELEMS {
+        for t in 0..rows {
+            f(t, row_mut(data, stride, s, t));
+        }
+    } else {
+        data[..rows * stride]
+            .par_chunks_mut(stride)
+            .enumerate()
+            .for_each(|(t, row)| f(t, &mut row[s.col..s.col + s.cols]));
+    }
 }
 
 /// `mats[i]` is the index into `be.matrices` of the matrix instruction `i` reads; `logit_rows`,
@@ -137,9 +165,9 @@ pub(super) fn run(
                 Op::RmsNorm(n) => {
                     let x = view(&ins.inputs[0]);
                     let w = n.weight.as_ref().map(|w| be.vectors[w].as_slice());
-                    for t in 0..rows_out {
-                        norm::rms_norm(x.row(t), w, n.eps, row_mut(&mut out, stride, out_slot, t));
-                    }
+                    for_rows(&mut out, stride, out_slot, rows_out, |t, dst| {
+                        norm::rms_norm(x.row(t), w, n.eps, dst)
+                    });
                 }
                 Op::MatMul {
                     norm: pre,
@@ -155,14 +183,14 @@ pub(super) fn run(
                         Some(n) => {
                             ws.normed.resize(rows_out * k, 0.0);
                             let w = n.weight.as_ref().map(|w| be.vectors[w].as_slice());
-                            for t in 0..rows_out {
-                                norm::rms_norm(
-                                    x.row(t),
-                                    w,
-                                    n.eps,
-                                    &mut ws.normed[t * k..(t + 1) * k],
-                                );
-                            }
+                            let whole = Slot {
+                                buffer: ob,
+                                col: 0,
+                                cols: k,
+                            };
+                            for_rows(&mut ws.normed, k, whole, rows_out, |t, dst| {
+                                norm::rms_norm(x.row(t), w, n.eps, dst)
+                            });
                             (&ws.normed, k, 0)
                         }
                         None => (x.data, x.stride, x.col),
@@ -190,12 +218,9 @@ pub(super) fn run(
                                 stride,
                                 false,
                             );
-                            for t in 0..rows_out {
-                                elementwise::act_inplace(
-                                    row_mut(&mut out, stride, out_slot, t),
-                                    *a,
-                                );
-                            }
+                            for_rows(&mut out, stride, out_slot, rows_out, |_, dst| {
+                                elementwise::act_inplace(dst, *a)
+                            });
                         }
                         Epilogue::ResidualAdd => {
                             if !ins.in_place {
@@ -229,15 +254,11 @@ pub(super) fn run(
                                 m.rows,
                                 false,
                             );
-                            for t in 0..rows_out {
-                                let g = &ws.gated[t * m.rows..(t + 1) * m.rows];
-                                elementwise::gated(
-                                    &g[..f],
-                                    &g[f..],
-                                    *a,
-                                    row_mut(&mut out, stride, out_slot, t),
-                                );
-                            }
+                            let gated = &ws.gated;
+                            for_rows(&mut out, stride, out_slot, rows_out, |t, dst| {
+                                let g = &gated[t * m.rows..(t + 1) * m.rows];
+                                elementwise::gated(&g[..f], &g[f..], *a, dst)
+                            });
                         }
                     }
                 }

@@ -1,6 +1,6 @@
 //! AVX-512 F/BW/VL kernels (16 f32 lanes, masked k tails). Decode GEMV runs 2R k-unrolled FMA
 //! chains with software prefetch; calls of up to 16 tokens run a 4 rows × 6 tokens tile (24 zmm
-//! accumulators) whose sums are reduced together ([`hsum16_512`]), more tokens the packed panels
+//! accumulators) whose sums are reduced together ([`hsum16_512`], shared with attention), more tokens the packed panels
 //! of [`super::avx512_panel`].
 //! The drivers are shared with AVX2 (see [`super::x86`]); the entry points here instantiate
 //! them with this file's kernels under `#[target_feature]`.
@@ -13,7 +13,7 @@ use super::x86::{
     RowTokens,
 };
 use super::Job;
-use crate::backend::cpu::simd::x86::{tail_mask16, Load};
+use crate::backend::cpu::simd::x86::{hsum16_512, tail_mask16, Load};
 use crate::model::quant::{BlockFormat, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 
 const PREFETCH: bool = true;
@@ -160,41 +160,6 @@ unsafe fn tile_acc_512<W: Load, const R: usize, const T: usize>(
         }
     }
     acc
-}
-
-/// Lane sums of 16 vectors at once, in 45 shuffles and adds instead of 16 separate reductions:
-/// lane `4·a + b` of the result is the sum of `v[a + 4·b]` (so with `v[t + 4·r]` holding row `r`,
-/// token `t` of a 4 × 4 tile, 128-bit lane `t` holds rows 0..4 of token `t`).
-#[inline(always)]
-unsafe fn hsum16_512(v: [__m512; 16]) -> __m512 {
-    // 512 → 256 bits per source: s[i] = [v[2i] (2 × 128) | v[2i+1] (2 × 128)].
-    let s: [__m512; 8] = std::array::from_fn(|i| {
-        let (a, b) = (v[2 * i], v[2 * i + 1]);
-        _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0x44>(a, b),
-            _mm512_shuffle_f32x4::<0xEE>(a, b),
-        )
-    });
-    // 256 → 128 bits: 128-bit lane L of u[j] belongs to v[4j + L].
-    let u: [__m512; 4] = std::array::from_fn(|j| {
-        let (c, d) = (s[2 * j], s[2 * j + 1]);
-        _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0x88>(c, d),
-            _mm512_shuffle_f32x4::<0xDD>(c, d),
-        )
-    });
-    // 128 → 64 bits, within each 128-bit lane L: elements 0/2 belong to v[8m + L], 1/3 to
-    // v[8m + 4 + L].
-    let w: [__m512; 2] = std::array::from_fn(|m| {
-        let (e, f) = (u[2 * m], u[2 * m + 1]);
-        _mm512_add_ps(_mm512_unpacklo_ps(e, f), _mm512_unpackhi_ps(e, f))
-    });
-    // 64 → 32 bits: lane L holds v[L], v[4 + L], v[8 + L], v[12 + L].
-    let (g, h) = (_mm512_castps_pd(w[0]), _mm512_castps_pd(w[1]));
-    _mm512_add_ps(
-        _mm512_castpd_ps(_mm512_unpacklo_pd(g, h)),
-        _mm512_castpd_ps(_mm512_unpackhi_pd(g, h)),
-    )
 }
 
 /// 128-bit lane `L` of `v`.
