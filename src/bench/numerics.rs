@@ -8,11 +8,18 @@
 //! - **top-1 agreement**: the share of steps whose argmax agrees;
 //! - **KL divergence** `KL(p_exact ‖ p_other)` of the two softmax distributions, mean and max
 //!   over the steps (computed in f64).
+//!
+//! A mode that changes only calls of many tokens (`Numerics::Bf16`: prefill) would show almost
+//! nothing in lockstep decoding, so [`compare_prefill`] measures it teacher-forced instead: the
+//! other engine computes the logits of every step in one prefill of the exact engine's whole
+//! sequence, through the multi-token kernels the mode changes.
 
 use std::sync::Arc;
 
 use serde::Serialize;
 
+use crate::backend::cpu::Workspace;
+use crate::backend::TokenRow;
 use crate::engine::{Engine, EngineError, Session};
 
 /// Prompts for the comparison: chat and raw text, prose and code.
@@ -106,6 +113,61 @@ pub fn compare(
             la = a.feed(&t)?.to_vec();
             lb = b.feed(&t)?.to_vec();
         }
+    }
+    Ok(r)
+}
+
+/// As [`compare`], with `other`'s logits for every step from one prefill of the prompt and the
+/// tokens `exact` chose (see the module documentation). `other` must be a CPU engine.
+pub fn compare_prefill(
+    exact: &Arc<Engine>,
+    other: &Arc<Engine>,
+    prompt: &[u32],
+    steps: usize,
+) -> Result<Agreement, EngineError> {
+    let capacity = prompt.len() + steps;
+    let mut a = Session::new(exact.clone(), capacity, 1);
+    let mut la = a.feed(prompt)?.to_vec();
+    let mut exact_logits = Vec::with_capacity(steps);
+    let mut sequence = prompt.to_vec();
+    for step in 0..steps {
+        let t = argmax(&la) as u32;
+        exact_logits.push(std::mem::take(&mut la));
+        if step + 1 < steps {
+            sequence.push(t);
+            la = a.feed(&[t])?.to_vec();
+        }
+    }
+    let backend = other.cpu_backend().ok_or_else(|| {
+        EngineError::Request("a teacher-forced comparison needs a CPU engine".into())
+    })?;
+    let mut kv = backend.new_cache(1, capacity)?;
+    let mut ws = Workspace::new();
+    let rows: Vec<TokenRow> = (0..sequence.len())
+        .map(|pos| TokenRow { slot: 0, pos })
+        .collect();
+    let logit_rows: Vec<usize> = (prompt.len() - 1..sequence.len()).collect();
+    let mut lb = Vec::new();
+    backend.forward_selected(&mut ws, &mut kv, &sequence, &rows, &logit_rows, &mut lb)?;
+    let vocab = lb.len() / logit_rows.len();
+    let mut r = Agreement {
+        prompt_tokens: prompt.len(),
+        steps,
+        leading: steps,
+        top1_equal: 0,
+        mean_kl: 0.0,
+        max_kl: 0.0,
+    };
+    for (step, la) in exact_logits.iter().enumerate() {
+        let lb = &lb[step * vocab..(step + 1) * vocab];
+        if argmax(la) == argmax(lb) {
+            r.top1_equal += 1;
+        } else if r.leading == steps {
+            r.leading = step;
+        }
+        let kl = kl_divergence(&log_softmax(la), &log_softmax(lb));
+        r.mean_kl += kl / steps as f64;
+        r.max_kl = r.max_kl.max(kl);
     }
     Ok(r)
 }

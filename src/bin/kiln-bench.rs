@@ -149,6 +149,8 @@ struct Args {
     /// Instead of timing: decode N greedy tokens on each of a few built-in prompts with the
     /// exact path choosing and each other --numerics value following, and print their
     /// agreement (leading greedy tokens, top-1) and the KL divergence of their distributions.
+    /// bf16 (which changes prefill only) computes each step's logits teacher-forced, in one
+    /// prefill of the exact path's sequence.
     #[arg(long, value_name = "N")]
     agreement: Option<usize>,
     /// Size of the buffer used to measure bandwidth, in MiB (keep it far above the LLC).
@@ -1082,7 +1084,11 @@ fn run_agreement(
                     src.name(),
                     n.numerics().name()
                 );
-                let r = numerics::compare(&exact, &other, &ids, steps)?;
+                // Bf16 changes only calls of more than 16 tokens: teacher-forced, in one prefill.
+                let r = match n.numerics() {
+                    Numerics::Bf16 => numerics::compare_prefill(&exact, &other, &ids, steps)?,
+                    _ => numerics::compare(&exact, &other, &ids, steps)?,
+                };
                 print_out(&format!(
                     "| {} | {} | {i} | {} | {} | {} | {} | {:.3e} | {:.3e} |\n",
                     src.name(),

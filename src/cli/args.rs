@@ -202,7 +202,7 @@ mod tests {
     }
 }
 
-/// `--numerics`: how decode treats activations against quantized weights.
+/// `--numerics`: how activations are rounded against the weights, where that is faster.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum NumericsArg {
     /// f32 activations: results equal the f32 product with the dequantized weights up to the
@@ -212,6 +212,10 @@ pub enum NumericsArg {
     /// Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K weights in one-token steps (AVX2 CPUs): faster
     /// decode, not bit-equal to exact.
     Int16,
+    /// Activations rounded to bf16 against bf16 weights in prefill (calls of more than 16
+    /// tokens), multiplied by `vdpbf16ps` (AVX512-BF16 CPUs): faster prefill of BF16 models,
+    /// not bit-equal to exact.
+    Bf16,
 }
 
 impl NumericsArg {
@@ -219,6 +223,7 @@ impl NumericsArg {
         match self {
             NumericsArg::Exact => crate::backend::cpu::Numerics::Exact,
             NumericsArg::Int16 => crate::backend::cpu::Numerics::Int16,
+            NumericsArg::Bf16 => crate::backend::cpu::Numerics::Bf16,
         }
     }
 }

@@ -112,7 +112,7 @@ unsafe fn tile<const T: usize>(panel: *const Line, job: &Job, n: usize, nr: usiz
 /// One token's 32 sums (+ bias, + the output when accumulating), rounded as [`Job::put`]:
 /// `(out + sum) + bias`, or `sum + bias`.
 #[inline(always)]
-unsafe fn put(job: &Job, t: usize, n: usize, nr: usize, acc: [__m512; 2]) {
+pub(super) unsafe fn put(job: &Job, t: usize, n: usize, nr: usize, acc: [__m512; 2]) {
     if nr == NR {
         let o = job.out.add(t * job.ldo + n);
         for (h, &sum) in acc.iter().enumerate() {

@@ -73,6 +73,8 @@ mod avx2_panel;
 // The AVX-512 intrinsics are stable since Rust 1.89, the workspace's `rust-version`.
 mod avx512;
 #[cfg(target_arch = "x86_64")]
+mod avx512_bf16_panel;
+#[cfg(target_arch = "x86_64")]
 mod avx512_panel;
 mod int16;
 mod scalar;
@@ -99,16 +101,24 @@ pub enum Numerics {
     /// [`Numerics::Exact`]. What it costs in agreement with the exact path is measured in the
     /// README.
     Int16,
+    /// Activations rounded to bf16 (nearest even) against bf16 weights in calls of more than 16
+    /// tokens (prefill chunks, large batched steps), multiplied in pairs by `vdpbf16ps` into
+    /// f32 sums: twice the multiply-adds per instruction of the f32 kernels, at the cost of
+    /// each activation's rounding to 8 significant bits (a relative 2⁻⁹ at most). Needs
+    /// AVX512-BF16; everything else (other weight formats, calls of up to 16 tokens, decode,
+    /// other CPUs) runs as [`Numerics::Exact`]. What it costs is measured in the README.
+    Bf16,
 }
 
 impl Numerics {
-    pub const ALL: [Numerics; 2] = [Numerics::Exact, Numerics::Int16];
+    pub const ALL: [Numerics; 3] = [Numerics::Exact, Numerics::Int16, Numerics::Bf16];
 
     /// The name used by `--numerics`.
     pub fn name(self) -> &'static str {
         match self {
             Numerics::Exact => "exact",
             Numerics::Int16 => "int16",
+            Numerics::Bf16 => "bf16",
         }
     }
 }
@@ -340,6 +350,7 @@ pub fn matmul_with(
     let starts: Vec<usize> = (0..w.rows).step_by(chunk).collect();
     // Rounded once per call, shared by every task.
     let xq = rounded_activations(level, numerics, w, x, ldx, tokens);
+    let xb = bf16_activations(level, numerics, w, x, ldx, tokens);
     starts.into_par_iter().for_each(|r0| {
         let rows = r0..(r0 + chunk).min(w.rows);
         let p = ptr;
@@ -357,6 +368,7 @@ pub fn matmul_with(
                 ldo,
                 accumulate,
                 xq.as_deref(),
+                xb.as_deref(),
             )
         };
     });
@@ -395,6 +407,31 @@ fn rounded_activations(
     )
 }
 
+/// The token rows rounded to bf16 pairs ([`avx512_bf16_panel::round_rows`]) when `numerics` is
+/// [`Numerics::Bf16`] and its kernel will use them: bf16 weights, more than
+/// [`avx512::TILE_TOKENS`] tokens, a CPU with AVX512-BF16.
+fn bf16_activations(
+    level: Level,
+    numerics: Numerics,
+    w: &PackedMatrix,
+    x: &[f32],
+    ldx: usize,
+    tokens: usize,
+) -> Option<Vec<u32>> {
+    #[cfg(target_arch = "x86_64")]
+    if numerics == Numerics::Bf16
+        && simd::clamp(level) == Level::Avx512Bf16
+        && matches!(w.data, WeightData::BF16(_))
+        && tokens > avx512::TILE_TOKENS
+        && x.len() >= (tokens - 1) * ldx + w.cols
+    {
+        // SAFETY: the clamped level says the CPU has AVX512-BF16; `x` holds the rows (checked).
+        return Some(unsafe { avx512_bf16_panel::round_rows(x, ldx, tokens, w.cols) });
+    }
+    let _ = (level, numerics, w, x, ldx, tokens);
+    None
+}
+
 /// The single-threaded kernel over a block of output rows.
 ///
 /// # Safety
@@ -431,6 +468,7 @@ pub unsafe fn matmul_rows_with(
     accumulate: bool,
 ) {
     let xq = rounded_activations(level, numerics, w, x, ldx, tokens);
+    let xb = bf16_activations(level, numerics, w, x, ldx, tokens);
     rows_job(
         level,
         w,
@@ -442,6 +480,7 @@ pub unsafe fn matmul_rows_with(
         ldo,
         accumulate,
         xq.as_deref(),
+        xb.as_deref(),
     )
 }
 
@@ -461,10 +500,13 @@ pub unsafe fn matmul_rows_at(
     ldo: usize,
     accumulate: bool,
 ) {
-    rows_job(level, w, x, ldx, tokens, rows, out, ldo, accumulate, None)
+    rows_job(
+        level, w, x, ldx, tokens, rows, out, ldo, accumulate, None, None,
+    )
 }
 
-/// [`matmul_rows_at`], with the rounded activation row of [`Numerics::Int16`] where there is one.
+/// [`matmul_rows_at`], with the rounded activation rows of [`Numerics::Int16`] or
+/// [`Numerics::Bf16`] where there are some.
 ///
 /// # Safety
 /// As [`matmul_rows`].
@@ -480,6 +522,7 @@ unsafe fn rows_job(
     ldo: usize,
     accumulate: bool,
     xq: Option<&[int16::XI16]>,
+    xb: Option<&[u32]>,
 ) {
     if tokens == 0 || rows.is_empty() {
         return;
@@ -506,6 +549,7 @@ unsafe fn rows_job(
         ldo,
         accumulate,
         xq,
+        xb,
     };
     data_rows(level, &w.data, &job);
 }
@@ -556,6 +600,10 @@ unsafe fn dense_rows(level: Level, data: Dense, job: &Job) {
     match (simd::clamp(level), data) {
         #[cfg(target_arch = "x86_64")]
         (Level::Avx512 | Level::Avx512Bf16, Dense::F32(v)) => avx512::dense_rows(v.as_ptr(), job),
+        #[cfg(target_arch = "x86_64")]
+        (Level::Avx512Bf16, Dense::BF16(v)) if job.xb.is_some() => {
+            avx512_bf16_panel::panel_rows(v.as_ptr(), job)
+        }
         #[cfg(target_arch = "x86_64")]
         (Level::Avx512 | Level::Avx512Bf16, Dense::BF16(v)) => avx512::dense_rows(v.as_ptr(), job),
         #[cfg(target_arch = "x86_64")]
@@ -852,6 +900,8 @@ struct Job<'a> {
     accumulate: bool,
     /// The token rows rounded for [`Numerics::Int16`] (one to sixteen tokens), if rounded.
     xq: Option<&'a [int16::XI16]>,
+    /// The token rows rounded to bf16 pairs for [`Numerics::Bf16`], if rounded.
+    xb: Option<&'a [u32]>,
 }
 
 impl Job<'_> {

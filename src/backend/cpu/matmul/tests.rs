@@ -816,3 +816,128 @@ fn parts_multiply_as_each_part_alone() {
         start += m.rows;
     }
 }
+
+/// `Numerics::Bf16` on an AVX512-BF16 CPU: calls of more than 16 tokens on bf16 weights equal
+/// the f64 product of the weights with the activations rounded to bf16, within the f32 rounding
+/// of the sum (a bound tighter than what leaving the activations unrounded moves the result,
+/// which the test checks); a token's results do not depend on the other tokens of the call;
+/// odd k, partial panels, bias and accumulation are handled; everything else (up to 16 tokens,
+/// quantized weights) is the exact path bit for bit.
+#[test]
+fn bf16_activations_match_rounded_reference() {
+    if !simd::available_levels().contains(&Level::Avx512Bf16) {
+        println!("skipped: this CPU has no AVX512-BF16");
+        return;
+    }
+    let level = Level::Avx512Bf16;
+    for (rows, cols) in [(70, 320), (33, 77), (64, 1536)] {
+        let w = PackedMatrix {
+            rows,
+            cols,
+            data: WeightData::BF16(
+                rand_vec(rows * cols, cols as u64)
+                    .iter()
+                    .map(|&v| bf16::from_f32(v))
+                    .collect(),
+            ),
+            bias: Some(rand_vec(rows, 5)),
+        };
+        let wf = weights_f64(&w);
+        let bias = w.bias.as_ref().unwrap();
+        for tokens in [17, 24, 40] {
+            let x = rand_vec(tokens * cols, 40 + tokens as u64);
+            let start = rand_vec(tokens * rows, 41);
+            let mut got = start.clone();
+            matmul_with(
+                level,
+                Numerics::Bf16,
+                &w,
+                &x,
+                cols,
+                tokens,
+                &mut got,
+                rows,
+                true,
+            );
+            let mut moved = 0.0f64;
+            for t in 0..tokens {
+                for n in 0..rows {
+                    let (mut sum, mut abs, mut unrounded) = (0.0f64, 0.0f64, 0.0f64);
+                    for c in 0..cols {
+                        let xv = x[t * cols + c];
+                        let p = wf[n * cols + c] * bf16::from_f32(xv).to_f64();
+                        sum += p;
+                        abs += p.abs();
+                        unrounded += wf[n * cols + c] * xv as f64;
+                    }
+                    let want = start[t * rows + n] as f64 + sum + bias[n] as f64;
+                    // The sum's rounding (k terms; at most 16·√k of them for these seeds, far
+                    // inside the worst case), then the bias and accumulation roundings.
+                    let terms = (cols as f64).min(16.0 * (cols as f64).sqrt());
+                    let ends = start[t * rows + n].abs() as f64 + sum.abs() + bias[n].abs() as f64;
+                    let tol = f32::EPSILON as f64 * (terms * abs + 4.0 * ends);
+                    let g = got[t * rows + n] as f64;
+                    assert!(
+                        (g - want).abs() <= tol,
+                        "{rows}x{cols}, {tokens} tokens, t={t} n={n}: {g} vs {want} (tol {tol})"
+                    );
+                    moved = moved.max((sum - unrounded).abs() / tol);
+                }
+            }
+            assert!(moved > 1.0, "{rows}x{cols} {tokens}: the test cannot tell rounded activations from exact ones ({moved})");
+            // The first 17 tokens alone: the same bits.
+            let mut alone = start[..17 * rows].to_vec();
+            matmul_with(
+                level,
+                Numerics::Bf16,
+                &w,
+                &x,
+                cols,
+                17,
+                &mut alone,
+                rows,
+                true,
+            );
+            assert!(
+                alone
+                    .iter()
+                    .zip(&got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{rows}x{cols}: a token's results depend on the call"
+            );
+        }
+        // Up to 16 tokens, and quantized weights: the exact path.
+        let q = quant_matrix(QuantKind::Q4_1, rows, cols.next_multiple_of(32), true, 7);
+        for (i, (m, tokens)) in [(&w, 16), (&w, 1), (&q, 24)].into_iter().enumerate() {
+            let x = rand_vec(tokens * m.cols, 50);
+            let mut a = vec![0f32; tokens * rows];
+            let mut b = vec![0f32; tokens * rows];
+            matmul_with(
+                level,
+                Numerics::Bf16,
+                m,
+                &x,
+                m.cols,
+                tokens,
+                &mut a,
+                rows,
+                false,
+            );
+            matmul_with(
+                level,
+                Numerics::Exact,
+                m,
+                &x,
+                m.cols,
+                tokens,
+                &mut b,
+                rows,
+                false,
+            );
+            assert!(
+                a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "case {i}, {tokens} tokens: not the exact path"
+            );
+        }
+    }
+}

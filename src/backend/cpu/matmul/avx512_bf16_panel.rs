@@ -1,0 +1,253 @@
+//! [`super::Numerics::Bf16`]: bf16 weights against activations rounded to bf16, in calls of more
+//! than 16 tokens, by `vdpbf16ps` (AVX512-BF16), which multiplies two bf16 pairs per 32-bit lane
+//! into an f32 sum: twice the multiply-adds per instruction of the f32 panels of
+//! [`super::avx512_panel`], on the same scheme. The weights of 32 outputs are packed into a
+//! panel of k pairs (`panel[j][i]` holds weights `2j` and `2j + 1` of output `i`, one 32-bit
+//! word; 64 KiB for k = 1,024), and a register tile of 12 tokens × 32 outputs walks it with 24 zmm
+//! accumulators: per pair two aligned weight loads, twelve broadcasts of a token's activation
+//! pair and twenty-four `vdpbf16ps`.
+//!
+//! Each output is one chain over the pairs in k order, so a token's results do not depend on
+//! the tile it lands in or on the other tokens of the call (calls of more than 16 tokens).
+//! Products of two bf16 are exact in f32; how `vdpbf16ps` rounds the two-product sum into the
+//! accumulator (and its flushing of subnormals) is the CPU's, so results may differ in the last
+//! bits between CPU models.
+
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+use half::bf16;
+
+use super::avx512_panel::{put, NR};
+use super::Job;
+
+/// Tokens per register tile, as the f32 panels.
+const MR: usize = 12;
+
+/// One pair of k positions of a panel: the weights of its 32 outputs as bf16 pairs, two cache
+/// lines.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u32; NR]);
+
+thread_local! {
+    /// Per-thread packed panel (`k / 2` lines).
+    static PANEL: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Words (bf16 pairs) per row of `k` elements; an odd `k` gets a zero partner.
+#[inline(always)]
+fn pairs(k: usize) -> usize {
+    k.div_ceil(2)
+}
+
+/// The register tiles of a call of `tokens` tokens, as `(first token, width)`: as few as
+/// [`MR`] allows, of balanced widths (16 tokens run as 8 + 8, not 12 + 4: a narrow tile spends
+/// its k loop on two weight loads per few multiply-adds).
+fn tiles(tokens: usize) -> impl Iterator<Item = (usize, usize)> {
+    let count = tokens.div_ceil(MR);
+    (0..count).scan(0, move |t, i| {
+        let width = (tokens - *t) / (count - i);
+        let tile = (*t, width);
+        *t += width;
+        Some(tile)
+    })
+}
+
+/// Rows `0..tokens` of `x` (row `t` at `t·ldx`, `k` wide) rounded to bf16 (nearest even, NaN
+/// kept) as words of two (element `2j` in the low half of word `j`; an odd `k`'s last word has
+/// a zero partner), laid out for the register tiles: the tile of tokens `t0..t0 + w` ([`tiles`])
+/// holds its words at `t0·⌈k/2⌉ ..`, word `j` of its token `t0 + i` at `t0·⌈k/2⌉ + j·w + i`, so
+/// a tile's broadcasts are at fixed offsets from one pointer. Tiles are rounded in parallel.
+///
+/// # Safety
+/// The CPU supports AVX512-BF16 (and F/BW/VL); `x` holds the rows.
+pub(super) unsafe fn round_rows(x: &[f32], ldx: usize, tokens: usize, k: usize) -> Vec<u32> {
+    use rayon::prelude::*;
+    let kp = pairs(k);
+    let mut out = vec![0u32; tokens * kp];
+    let mut parts: Vec<(usize, usize, &mut [u32])> = Vec::new();
+    let mut rest = &mut out[..];
+    for (t0, w) in tiles(tokens) {
+        let (part, tail) = rest.split_at_mut(w * kp);
+        parts.push((t0, w, part));
+        rest = tail;
+    }
+    parts.into_par_iter().for_each(|(t0, w, part)| {
+        for i in 0..w {
+            let t = t0 + i;
+            // SAFETY: as this function's.
+            unsafe { round_row(&x[t * ldx..t * ldx + k], part, w, i) };
+        }
+    });
+    out
+}
+
+/// One row of `k` values rounded into `words[j·w + i]` (see [`round_rows`]).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn round_row(src: &[f32], words: &mut [u32], w: usize, i: usize) {
+    let k = src.len();
+    let mut buf = [0u32; 16];
+    let mut c = 0;
+    // 32 values (16 words) at a time: `cvtne2ps` puts its second operand in the low half.
+    while c < k {
+        let n = (k - c).min(32);
+        let lo = _mm512_maskz_loadu_ps(mask16(n.min(16)), src.as_ptr().add(c));
+        let hi = _mm512_maskz_loadu_ps(mask16(n.saturating_sub(16)), src.as_ptr().add(c + 16));
+        let b: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+        _mm512_storeu_si512(buf.as_mut_ptr() as *mut __m512i, b);
+        for (e, &word) in buf.iter().enumerate().take(n.div_ceil(2)) {
+            words[(c / 2 + e) * w + i] = word;
+        }
+        c += 32;
+    }
+}
+
+/// The first `n` (at most 16) lanes.
+#[inline(always)]
+fn mask16(n: usize) -> __mmask16 {
+    ((1u32 << n) - 1) as __mmask16
+}
+
+/// `job.rows` against the bf16 pairs in `job.xb`, 32 outputs at a time.
+///
+/// # Safety
+/// The CPU supports AVX512-BF16 (and F/BW/VL, AVX2, FMA); `job` describes valid memory (see
+/// `matmul_rows_at`), `job.xb` holds `job.tokens` rows of [`round_rows`], and `w` holds
+/// `job.rows.end` rows of `job.k` elements.
+#[inline(always)]
+pub(super) unsafe fn panel_rows(w: *const bf16, job: &Job) {
+    PANEL.with_borrow_mut(|panel| {
+        panel.resize(pairs(job.k), Line([0; NR]));
+        // SAFETY: as this function's; the panel holds `⌈k/2⌉` lines. The work is in a function
+        // of its own because a closure is compiled without the caller's target features.
+        unsafe { panels(w, job, panel.as_mut_ptr()) }
+    })
+}
+
+/// # Safety
+/// As [`panel_rows`], with `panel` valid for `⌈k/2⌉` lines.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+unsafe fn panels(w: *const bf16, job: &Job, panel: *mut Line) {
+    let xb = job.xb.expect("Numerics::Bf16 calls carry bf16 activations");
+    let kp = pairs(job.k);
+    assert!(xb.len() >= job.tokens * kp, "bf16 activations too short");
+    let end = job.rows.end;
+    let mut n = job.rows.start;
+    while n < end {
+        let nr = (end - n).min(NR);
+        pack(w, job.k, n, nr, panel);
+        for (t, width) in tiles(job.tokens) {
+            let x = xb.as_ptr().add(t * kp);
+            match width {
+                12 => tile::<12>(panel, x, kp, job, n, nr, t),
+                11 => tile::<11>(panel, x, kp, job, n, nr, t),
+                10 => tile::<10>(panel, x, kp, job, n, nr, t),
+                9 => tile::<9>(panel, x, kp, job, n, nr, t),
+                8 => tile::<8>(panel, x, kp, job, n, nr, t),
+                7 => tile::<7>(panel, x, kp, job, n, nr, t),
+                6 => tile::<6>(panel, x, kp, job, n, nr, t),
+                5 => tile::<5>(panel, x, kp, job, n, nr, t),
+                4 => tile::<4>(panel, x, kp, job, n, nr, t),
+                3 => tile::<3>(panel, x, kp, job, n, nr, t),
+                2 => tile::<2>(panel, x, kp, job, n, nr, t),
+                _ => tile::<1>(panel, x, kp, job, n, nr, t),
+            }
+        }
+        n += nr;
+    }
+}
+
+/// Outputs `n..n + nr` of the row-major `w` (`k` bf16 per row) into the panel: word `j` of lane
+/// `i` is elements `2j, 2j + 1` of row `n + i`; lanes past `nr`, and the partner of an odd
+/// `k`'s last element, are zero. Sixteen rows × sixteen words at a time through
+/// [`transpose16`].
+#[inline(always)]
+unsafe fn pack(w: *const bf16, k: usize, n: usize, nr: usize, panel: *mut Line) {
+    let kp = pairs(k);
+    let panel = panel as *mut u32;
+    for half in 0..NR / 16 {
+        let mut j = 0;
+        while j < kp {
+            // Elements `2j ..` of each row: 32 bf16 (16 words), fewer at the row's end.
+            let elems = (k - 2 * j).min(32);
+            let m = ((1u64 << elems) - 1) as __mmask32;
+            let rows: [__m512i; 16] = std::array::from_fn(|r| {
+                let row = half * 16 + r;
+                if row < nr {
+                    _mm512_maskz_loadu_epi16(m, w.add((n + row) * k + 2 * j) as *const i16)
+                } else {
+                    _mm512_setzero_si512()
+                }
+            });
+            let cols = transpose16(rows);
+            for (c, col) in cols.iter().enumerate().take((kp - j).min(16)) {
+                _mm512_store_si512(panel.add((j + c) * NR + 16 * half) as *mut __m512i, *col);
+            }
+            j += 16;
+        }
+    }
+}
+
+/// The 16 × 16 transpose of 32-bit words: word `c` of result `r` is word `r` of input `c`.
+/// Within each 128-bit lane a 4 × 4 transpose (unpacks), then the 4 × 4 transpose of the
+/// 128-bit lanes across each group of four results (`shuffle_i32x4`).
+#[inline(always)]
+unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+    // u[4g + c], lane L: column 4L + c of rows 4g..4g + 4.
+    let mut u = [_mm512_setzero_si512(); 16];
+    for g in 0..4 {
+        let (r0, r1, r2, r3) = (r[4 * g], r[4 * g + 1], r[4 * g + 2], r[4 * g + 3]);
+        let t0 = _mm512_unpacklo_epi32(r0, r1);
+        let t1 = _mm512_unpackhi_epi32(r0, r1);
+        let t2 = _mm512_unpacklo_epi32(r2, r3);
+        let t3 = _mm512_unpackhi_epi32(r2, r3);
+        u[4 * g] = _mm512_unpacklo_epi64(t0, t2);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(t0, t2);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(t1, t3);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(t1, t3);
+    }
+    // Column 4L + c: lane g of it is lane L of u[4g + c].
+    let mut out = [_mm512_setzero_si512(); 16];
+    for c in 0..4 {
+        let (a, b, cc, d) = (u[c], u[4 + c], u[8 + c], u[12 + c]);
+        let p0 = _mm512_shuffle_i32x4::<0x44>(a, b);
+        let p1 = _mm512_shuffle_i32x4::<0xEE>(a, b);
+        let p2 = _mm512_shuffle_i32x4::<0x44>(cc, d);
+        let p3 = _mm512_shuffle_i32x4::<0xEE>(cc, d);
+        out[c] = _mm512_shuffle_i32x4::<0x88>(p0, p2);
+        out[4 + c] = _mm512_shuffle_i32x4::<0xDD>(p0, p2);
+        out[8 + c] = _mm512_shuffle_i32x4::<0x88>(p1, p3);
+        out[12 + c] = _mm512_shuffle_i32x4::<0xDD>(p1, p3);
+    }
+    out
+}
+
+/// Tokens `t..t + T` (their pairs from `x`, interleaved as [`round_rows`] lays out a tile)
+/// against the packed panel of outputs `n..n + nr`, written to the output.
+#[inline(always)]
+unsafe fn tile<const T: usize>(
+    panel: *const Line,
+    x: *const u32,
+    kp: usize,
+    job: &Job,
+    n: usize,
+    nr: usize,
+    t: usize,
+) {
+    let p = panel as *const u32;
+    let mut acc = [[_mm512_setzero_ps(); 2]; T];
+    for j in 0..kp {
+        let w0: __m512bh = std::mem::transmute(_mm512_load_si512(p.add(j * NR) as *const __m512i));
+        let w1: __m512bh =
+            std::mem::transmute(_mm512_load_si512(p.add(j * NR + 16) as *const __m512i));
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let xv: __m512bh = std::mem::transmute(_mm512_set1_epi32(*x.add(j * T + i) as i32));
+            acc[0] = _mm512_dpbf16_ps(acc[0], w0, xv);
+            acc[1] = _mm512_dpbf16_ps(acc[1], w1, xv);
+        }
+    }
+    for (i, acc) in acc.iter().enumerate() {
+        put(job, t + i, n, nr, *acc);
+    }
+}
