@@ -569,7 +569,10 @@ mod avx512 {
         let w: [*const f32; P] = std::array::from_fn(|p| group[p].1);
         for j in 0..count {
             let v = pv.add(j * d + c);
-            let vs: [__m512; 4] = std::array::from_fn(|u| _mm512_loadu_ps(v.add(16 * u)));
+            let mut vs = [_mm512_setzero_ps(); 4];
+            for (u, vs) in vs.iter_mut().enumerate() {
+                *vs = _mm512_loadu_ps(v.add(16 * u));
+            }
             for (p, a) in a.iter_mut().enumerate() {
                 let wj = _mm512_set1_ps(*w[p].add(j));
                 for (u, a) in a.iter_mut().enumerate() {

@@ -391,27 +391,32 @@ pub(crate) mod x86 {
     #[inline(always)]
     pub(crate) unsafe fn hsum16_512(v: [__m512; 16]) -> __m512 {
         // 512 → 256 bits per source: s[i] = [v[2i] (2 × 128) | v[2i+1] (2 × 128)].
-        let s: [__m512; 8] = std::array::from_fn(|i| {
+        // (Loops, not `array::from_fn`: a closure is compiled without the caller's target
+        // features, and when it is not inlined every intrinsic in it becomes a call.)
+        let mut s = [_mm512_setzero_ps(); 8];
+        for (i, s) in s.iter_mut().enumerate() {
             let (a, b) = (v[2 * i], v[2 * i + 1]);
-            _mm512_add_ps(
+            *s = _mm512_add_ps(
                 _mm512_shuffle_f32x4::<0x44>(a, b),
                 _mm512_shuffle_f32x4::<0xEE>(a, b),
-            )
-        });
+            );
+        }
         // 256 → 128 bits: 128-bit lane L of u[j] belongs to v[4j + L].
-        let u: [__m512; 4] = std::array::from_fn(|j| {
+        let mut u = [_mm512_setzero_ps(); 4];
+        for (j, u) in u.iter_mut().enumerate() {
             let (c, d) = (s[2 * j], s[2 * j + 1]);
-            _mm512_add_ps(
+            *u = _mm512_add_ps(
                 _mm512_shuffle_f32x4::<0x88>(c, d),
                 _mm512_shuffle_f32x4::<0xDD>(c, d),
-            )
-        });
+            );
+        }
         // 128 → 64 bits, within each 128-bit lane L: elements 0/2 belong to v[8m + L], 1/3 to
         // v[8m + 4 + L].
-        let w: [__m512; 2] = std::array::from_fn(|m| {
+        let mut w = [_mm512_setzero_ps(); 2];
+        for (m, w) in w.iter_mut().enumerate() {
             let (e, f) = (u[2 * m], u[2 * m + 1]);
-            _mm512_add_ps(_mm512_unpacklo_ps(e, f), _mm512_unpackhi_ps(e, f))
-        });
+            *w = _mm512_add_ps(_mm512_unpacklo_ps(e, f), _mm512_unpackhi_ps(e, f));
+        }
         // 64 → 32 bits: lane L holds v[L], v[4 + L], v[8 + L], v[12 + L].
         let (g, h) = (_mm512_castps_pd(w[0]), _mm512_castps_pd(w[1]));
         _mm512_add_ps(

@@ -94,17 +94,16 @@ pub(super) unsafe fn pack<W: Load, const P: usize>(
         let mut kk = 0;
         while kk + 8 <= k {
             // A whole group of eight rows loads without a test per row (the common case).
-            let v: [__m256; 8] = if r0 + 8 <= nr {
-                std::array::from_fn(|i| W::ld8(w.add((n + r0 + i) * stride + kk)))
+            let mut v = [_mm256_setzero_ps(); 8];
+            if r0 + 8 <= nr {
+                for (i, v) in v.iter_mut().enumerate() {
+                    *v = W::ld8(w.add((n + r0 + i) * stride + kk));
+                }
             } else {
-                std::array::from_fn(|i| {
-                    if r0 + i < nr {
-                        W::ld8(w.add((n + r0 + i) * stride + kk))
-                    } else {
-                        _mm256_setzero_ps()
-                    }
-                })
-            };
+                for (i, v) in v.iter_mut().enumerate().take(nr.saturating_sub(r0)) {
+                    *v = W::ld8(w.add((n + r0 + i) * stride + kk));
+                }
+            }
             let c = transpose8(v);
             for (i, c) in c.iter().enumerate() {
                 _mm256_store_ps(out.add((kk + i) * P + r0), *c);

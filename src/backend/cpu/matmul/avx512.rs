@@ -183,14 +183,13 @@ unsafe fn tile4_put_512<W: Load, const T: usize>(w: [*const W; 4], job: &Job, n:
     let bias = job.bias.map(|b| _mm_loadu_ps(b[n..n + 4].as_ptr()));
     let mut c = 0;
     while c < T {
-        let v: [__m512; 16] = std::array::from_fn(|i| {
+        let mut v = [_mm512_setzero_ps(); 16];
+        for (i, v) in v.iter_mut().enumerate() {
             let (tt, r) = (c + i % 4, i / 4);
             if tt < T {
-                acc[r][tt]
-            } else {
-                _mm512_setzero_ps()
+                *v = acc[r][tt];
             }
-        });
+        }
         let sums = hsum16_512(v);
         for l in 0..4.min(T - c) {
             let o = job.out.add((t + c + l) * job.ldo + n);
@@ -414,14 +413,16 @@ unsafe fn qgemv_512<Q: Quants512, const R: usize>(
         }
         b0 += n;
     }
-    std::array::from_fn(|r| {
+    let mut s = [0f32; R];
+    for (r, s) in s.iter_mut().enumerate() {
         let t = if Q::HAS_MIN {
             _mm512_add_ps(acc[r], macc[r])
         } else {
             acc[r]
         };
-        _mm512_reduce_add_ps(t)
-    })
+        *s = _mm512_reduce_add_ps(t);
+    }
+    s
 }
 
 /// `nb` legacy blocks at `src` to f32 at `dst`, 16 lanes at a time: `q·d` (`+ m` for Q4_1) as a
@@ -506,14 +507,16 @@ impl<Q: Quants512> RowTokens for Legacy512<Q> {
             }
             b0 += n;
         }
-        std::array::from_fn(|t| {
+        let mut s = [0f32; T];
+        for (t, s) in s.iter_mut().enumerate() {
             let v = if Q::HAS_MIN {
                 _mm512_add_ps(acc[t], macc[t])
             } else {
                 acc[t]
             };
-            _mm512_reduce_add_ps(v)
-        })
+            *s = _mm512_reduce_add_ps(v);
+        }
+        s
     }
 }
 

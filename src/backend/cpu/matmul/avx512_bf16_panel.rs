@@ -172,14 +172,13 @@ unsafe fn pack(w: *const bf16, k: usize, n: usize, nr: usize, panel: *mut Line) 
             // Elements `2j ..` of each row: 32 bf16 (16 words), fewer at the row's end.
             let elems = (k - 2 * j).min(32);
             let m = ((1u64 << elems) - 1) as __mmask32;
-            let rows: [__m512i; 16] = std::array::from_fn(|r| {
+            let mut rows = [_mm512_setzero_si512(); 16];
+            for (r, v) in rows.iter_mut().enumerate() {
                 let row = half * 16 + r;
                 if row < nr {
-                    _mm512_maskz_loadu_epi16(m, w.add((n + row) * k + 2 * j) as *const i16)
-                } else {
-                    _mm512_setzero_si512()
+                    *v = _mm512_maskz_loadu_epi16(m, w.add((n + row) * k + 2 * j) as *const i16);
                 }
-            });
+            }
             let cols = transpose16(rows);
             for (c, col) in cols.iter().enumerate().take((kp - j).min(16)) {
                 _mm512_store_si512(panel.add((j + c) * NR + 16 * half) as *mut __m512i, *col);

@@ -372,6 +372,10 @@ impl<L: Lanes, F: BlockFormat> BlockGemv for Blocks<L, F> {
                 i += 2 * L::N;
             }
         }
-        std::array::from_fn(|r| L::sum(L::add(a0[r], a1[r])))
+        let mut s = [0f32; R];
+        for (r, s) in s.iter_mut().enumerate() {
+            *s = L::sum(L::add(a0[r], a1[r]));
+        }
+        s
     }
 }
