@@ -14,7 +14,7 @@ use super::x86::{
 };
 use super::Job;
 use crate::backend::cpu::simd::x86::{hsum16_512, tail_mask16, Load};
-use crate::model::quant::{BlockFormat, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+use crate::model::quant::{self, BlockFormat, Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, Q8_0};
 
 const PREFETCH: bool = true;
 
@@ -524,4 +524,144 @@ impl<Q: Quants512> RowTokens for Legacy512<Q> {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 pub(super) unsafe fn legacy_tokens_rows<Q: Quants512>(w: *const u8, job: &Job) -> bool {
     few_tokens_rows::<Legacy512<Q>>(w, job)
+}
+
+// ----- Q6_K -----
+
+/// Q6_K's GEMV on 16 lanes: each vector is one 16-element sub-block, so its signed 8-bit scale
+/// is one broadcast. Otherwise the AVX2 kernel's arithmetic: the quants rebuilt in integer lanes
+/// (low 4 bits from `ql`, top 2 from `qh`, minus 32) and multiplied by the scale as integers
+/// (exact: |sc·(q − 32)| ≤ 4,096), converted and multiplied with x into the super-block's
+/// partial; `d` applied once per super-block and row (`acc += d · partial`). Equal to the f32
+/// product of the dequantized weights with f32 activations up to the rounding of the sums
+/// (which differs from the AVX2 kernel's: 16 lanes, not 8).
+pub(super) struct K6Gemv512;
+
+/// The 16 quants of sub-block `8·h + 2·q + half` of the Q6_K super-block at `p` (elements
+/// `16·half..` of quarter `q` of half `h`: the low (quarters 0, 1) or high (2, 3) nibbles of `ql`
+/// run `q % 2`, bits `2·q..` of `qh`) times the sub-block's scale, as f32.
+#[inline(always)]
+unsafe fn k6_sixteen(p: *const u8, h: usize, q: usize, half: usize) -> __m512 {
+    let l0 = 16 * half;
+    let ql = p.add(64 * h + 32 * (q % 2) + l0);
+    let qh = p.add(128 + 32 * h + l0);
+    let lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(ql as *const __m128i));
+    let hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(qh as *const __m128i));
+    let lo = _mm512_and_si512(
+        _mm512_srl_epi32(lo, _mm_cvtsi32_si128(4 * (q / 2) as i32)),
+        _mm512_set1_epi32(0x0f),
+    );
+    let hi = _mm512_and_si512(
+        _mm512_srl_epi32(hi, _mm_cvtsi32_si128(2 * q as i32)),
+        _mm512_set1_epi32(0x03),
+    );
+    let v = _mm512_sub_epi32(
+        _mm512_or_si512(lo, _mm512_slli_epi32::<4>(hi)),
+        _mm512_set1_epi32(32),
+    );
+    let sc = *(p.add(192 + 8 * h + 2 * q + half) as *const i8);
+    _mm512_cvtepi32_ps(_mm512_mullo_epi32(v, _mm512_set1_epi32(sc as i32)))
+}
+
+impl BlockGemv for K6Gemv512 {
+    const ELEMS: usize = Q6_K::ELEMS;
+    const BYTES: usize = Q6_K::BYTES;
+
+    #[inline(always)]
+    unsafe fn prepare(_x: *const f32, _nb: usize) -> Vec<f32> {
+        Vec::new()
+    }
+
+    #[inline(always)]
+    unsafe fn gemv<const R: usize>(
+        w: [*const u8; R],
+        x: *const f32,
+        _prep: &[f32],
+        nb: usize,
+        pf: usize,
+    ) -> [f32; R] {
+        let mut acc = [_mm512_setzero_ps(); R];
+        for b in 0..nb {
+            let mut part = [_mm512_setzero_ps(); R];
+            let xb = x.add(b * Q6_K::ELEMS);
+            for row in &w {
+                super::avx2::prefetch_block(row.add(b * Q6_K::BYTES).wrapping_add(pf), Q6_K::BYTES);
+            }
+            for h in 0..2 {
+                for q in 0..4 {
+                    for half in 0..2 {
+                        let xv = _mm512_loadu_ps(xb.add(128 * h + 32 * q + 16 * half));
+                        for (row, part) in w.iter().zip(part.iter_mut()) {
+                            let v = k6_sixteen(row.add(b * Q6_K::BYTES), h, q, half);
+                            *part = _mm512_fmadd_ps(v, xv, *part);
+                        }
+                    }
+                }
+            }
+            for (row, (acc, part)) in w.iter().zip(acc.iter_mut().zip(&part)) {
+                let d = quant::f16_at(std::slice::from_raw_parts(
+                    row.add(b * Q6_K::BYTES + 208),
+                    2,
+                ));
+                *acc = _mm512_fmadd_ps(_mm512_set1_ps(d), *part, *acc);
+            }
+        }
+        let mut s = [0f32; R];
+        for (s, acc) in s.iter_mut().zip(&acc) {
+            *s = _mm512_reduce_add_ps(*acc);
+        }
+        s
+    }
+}
+
+impl RowTokens for K6Gemv512 {
+    /// Per token as [`K6Gemv512`]'s GEMV; each sub-block's quants are rebuilt and scaled once for
+    /// all the tokens.
+    #[inline(always)]
+    unsafe fn row<const T: usize>(
+        row: *const u8,
+        x: [*const f32; T],
+        _prep: [*const f32; T],
+        nb: usize,
+        pf: usize,
+    ) -> [f32; T] {
+        let mut acc = [_mm512_setzero_ps(); T];
+        for b in 0..nb {
+            let p = row.add(b * Q6_K::BYTES);
+            super::avx2::prefetch_block(p.wrapping_add(pf), Q6_K::BYTES);
+            let mut part = [_mm512_setzero_ps(); T];
+            for h in 0..2 {
+                for q in 0..4 {
+                    for half in 0..2 {
+                        let v = k6_sixteen(p, h, q, half);
+                        let at = b * Q6_K::ELEMS + 128 * h + 32 * q + 16 * half;
+                        for (xt, part) in x.iter().zip(part.iter_mut()) {
+                            *part = _mm512_fmadd_ps(v, _mm512_loadu_ps(xt.add(at)), *part);
+                        }
+                    }
+                }
+            }
+            let d = quant::f16_at(std::slice::from_raw_parts(p.add(208), 2));
+            for (acc, part) in acc.iter_mut().zip(&part) {
+                *acc = _mm512_fmadd_ps(_mm512_set1_ps(d), *part, *acc);
+            }
+        }
+        let mut s = [0f32; T];
+        for (s, acc) in s.iter_mut().zip(&acc) {
+            *s = _mm512_reduce_add_ps(*acc);
+        }
+        s
+    }
+}
+
+/// GEMV (`job.tokens == 1`) on Q6_K blocks (see [`K6Gemv512`]).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(super) unsafe fn k6_rows(w: *const u8, job: &Job) {
+    x86::gemv_rows::<K6Gemv512>(w, job)
+}
+
+/// A few tokens on Q6_K blocks (see [`few_tokens_rows`], [`K6Gemv512`]).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(super) unsafe fn k6_tokens_rows(w: *const u8, job: &Job) -> bool {
+    few_tokens_rows::<K6Gemv512>(w, job)
 }
