@@ -354,19 +354,20 @@ impl<Q: Quants512> BlockGemv for Legacy512<Q> {
 /// (`perf record`, the samples on the instruction waiting for the gather).
 #[inline(always)]
 unsafe fn group_words<Q: BlockFormat>(p: *const u8, n: usize) -> __m512i {
-    let at = |i: usize| std::ptr::read_unaligned(p.add(i * Q::BYTES) as *const i32);
-    if n == 16 {
-        let q = |i: usize| _mm_setr_epi32(at(i), at(i + 1), at(i + 2), at(i + 3));
-        let lo = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(q(0)), q(4));
-        let hi = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(q(8)), q(12));
-        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
-    } else {
-        let mut h = [0i32; 16];
-        for (i, v) in h.iter_mut().enumerate().take(n) {
-            *v = at(i);
+    // A partial group (the end of a row) takes zeros past `n` in registers: building it in a
+    // stack array of scalar stores read back as one vector stalled on store forwarding (Zen 5:
+    // Qwen2.5-Coder's rows of 28 blocks end in a group of 12).
+    let at = |i: usize| {
+        if n == 16 || i < n {
+            std::ptr::read_unaligned(p.add(i * Q::BYTES) as *const i32)
+        } else {
+            0
         }
-        _mm512_loadu_si512(h.as_ptr() as *const __m512i)
-    }
+    };
+    let q = |i: usize| _mm_setr_epi32(at(i), at(i + 1), at(i + 2), at(i + 3));
+    let lo = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(q(0)), q(4));
+    let hi = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(q(8)), q(12));
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
 }
 
 // `j` indexes x, every row's blocks and the scale buffer together.
