@@ -736,8 +736,8 @@ legacy_quant_method!(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1);
 impl QuantMethod for quant::Q2_K {}
 impl QuantMethod for quant::Q3_K {}
 /// Q4_K and Q6_K have hand-written AVX2 GEMVs (`avx2::k4_rows`, `avx2::k6_rows`) that apply the
-/// sub-block scales to partial sums; Q6_K has a 16-lane AVX-512 one too (`avx512::k6_rows`),
-/// while AVX-512 CPUs run the AVX2 Q4_K kernel. Prefill tiles use the generic exact decoding.
+/// sub-block scales to partial sums, and 16-lane AVX-512 ones (`avx512::k4_rows`,
+/// `avx512::k6_rows`). Prefill tiles use the generic exact decoding.
 impl QuantMethod for quant::Q4_K {
     const INT16: bool = true;
     #[cfg(target_arch = "x86_64")]
@@ -747,7 +747,7 @@ impl QuantMethod for quant::Q4_K {
     }
     #[cfg(target_arch = "x86_64")]
     unsafe fn gemv_avx512(w: *const u8, job: &Job) {
-        Self::gemv_avx2(w, job)
+        avx512::k4_rows(w, job)
     }
     #[cfg(target_arch = "x86_64")]
     unsafe fn gemv_avx2(w: *const u8, job: &Job) {
@@ -759,7 +759,7 @@ impl QuantMethod for quant::Q4_K {
     }
     #[cfg(target_arch = "x86_64")]
     unsafe fn gemv_tokens_avx512(w: *const u8, job: &Job) -> bool {
-        Self::gemv_tokens_avx2(w, job)
+        avx512::k4_tokens_rows(w, job)
     }
 }
 impl QuantMethod for quant::Q5_K {}
