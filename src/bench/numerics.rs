@@ -42,6 +42,32 @@ pub struct Agreement {
     pub max_kl: f64,
 }
 
+impl Agreement {
+    /// Nothing compared yet: every step counted as leading until one differs.
+    fn new(prompt_tokens: usize, steps: usize) -> Agreement {
+        Agreement {
+            prompt_tokens,
+            steps,
+            leading: steps,
+            top1_equal: 0,
+            mean_kl: 0.0,
+            max_kl: 0.0,
+        }
+    }
+
+    /// Step `step`'s two next-token distributions (as logits), exact first.
+    fn add_step(&mut self, step: usize, exact: &[f32], other: &[f32]) {
+        if argmax(exact) == argmax(other) {
+            self.top1_equal += 1;
+        } else if self.leading == self.steps {
+            self.leading = step;
+        }
+        let kl = kl_divergence(&log_softmax(exact), &log_softmax(other));
+        self.mean_kl += kl / self.steps as f64;
+        self.max_kl = self.max_kl.max(kl);
+    }
+}
+
 /// The index of the largest logit (the lowest index among equals, as greedy sampling takes it).
 fn argmax(logits: &[f32]) -> usize {
     let mut best = 0;
@@ -90,24 +116,10 @@ pub fn compare(
     let mut b = Session::new(other.clone(), capacity, 1);
     let mut la = a.feed(prompt)?.to_vec();
     let mut lb = b.feed(prompt)?.to_vec();
-    let mut r = Agreement {
-        prompt_tokens: prompt.len(),
-        steps,
-        leading: steps,
-        top1_equal: 0,
-        mean_kl: 0.0,
-        max_kl: 0.0,
-    };
+    let mut r = Agreement::new(prompt.len(), steps);
     for step in 0..steps {
-        let (ta, tb) = (argmax(&la), argmax(&lb));
-        if ta == tb {
-            r.top1_equal += 1;
-        } else if r.leading == steps {
-            r.leading = step;
-        }
-        let kl = kl_divergence(&log_softmax(&la), &log_softmax(&lb));
-        r.mean_kl += kl / steps as f64;
-        r.max_kl = r.max_kl.max(kl);
+        r.add_step(step, &la, &lb);
+        let ta = argmax(&la);
         if step + 1 < steps {
             let t = [ta as u32];
             la = a.feed(&t)?.to_vec();
@@ -150,24 +162,9 @@ pub fn compare_prefill(
     let mut lb = Vec::new();
     backend.forward_selected(&mut ws, &mut kv, &sequence, &rows, &logit_rows, &mut lb)?;
     let vocab = lb.len() / logit_rows.len();
-    let mut r = Agreement {
-        prompt_tokens: prompt.len(),
-        steps,
-        leading: steps,
-        top1_equal: 0,
-        mean_kl: 0.0,
-        max_kl: 0.0,
-    };
+    let mut r = Agreement::new(prompt.len(), steps);
     for (step, la) in exact_logits.iter().enumerate() {
-        let lb = &lb[step * vocab..(step + 1) * vocab];
-        if argmax(la) == argmax(lb) {
-            r.top1_equal += 1;
-        } else if r.leading == steps {
-            r.leading = step;
-        }
-        let kl = kl_divergence(&log_softmax(la), &log_softmax(lb));
-        r.mean_kl += kl / steps as f64;
-        r.max_kl = r.max_kl.max(kl);
+        r.add_step(step, la, &lb[step * vocab..(step + 1) * vocab]);
     }
     Ok(r)
 }
