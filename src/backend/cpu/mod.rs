@@ -46,8 +46,9 @@ pub struct CpuOptions {
     /// Worker threads; 0 uses every core.
     pub threads: usize,
     pub weights: WeightFormat,
-    /// How decode GEMVs on quantized weights treat the activations ([`Numerics::Exact`] by
-    /// default).
+    /// How activations meet the weights where rounding them is faster: decode GEMVs on
+    /// quantized weights ([`Numerics::Int16`]) or prefill on bf16 weights ([`Numerics::Bf16`]);
+    /// [`Numerics::Exact`] by default.
     pub numerics: Numerics,
 }
 
