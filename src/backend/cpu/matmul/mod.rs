@@ -83,7 +83,9 @@ mod tests;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-/// How activations meet quantized weights in decode (calls of 1 to 8 tokens).
+/// How activations meet the weights: exactly, or rounded where that is faster (16-bit integers
+/// against quantized weights in calls of 1 to 16 tokens, bf16 against bf16 weights in calls of
+/// more).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Numerics {
     /// f32 activations (never rounded): every product equals the f32 product of the
