@@ -14,10 +14,12 @@
 //! above 16 tokens the packed panels at twice the AVX2 width ([`avx512_panel`], 12 tokens × 32
 //! outputs, the same bits as AVX2's). Packing costs about as much as 16 tokens' FMAs, hence the
 //! split: on a Zen 5 (SmolLM2, 2 threads) the panels took pp512 from 800 to 940–990 tok/s, while
-//! at 16 rows the tiles stayed faster. An AVX512-BF16 prefill path (activations split into bf16
-//! hi + lo, two `vdpbf16ps` per weight vector) was measured at about half the speed of the FMA
-//! tile on a Zen 5 machine and removed; `Level::Avx512Bf16` therefore runs the AVX-512 FMA
-//! kernels.
+//! at 16 rows the tiles stayed faster. An AVX512-BF16 prefill path that kept results near f32
+//! (activations split into bf16 hi + lo, two `vdpbf16ps` per weight vector, in a dot-product
+//! tile) was measured at about half the speed of the FMA tile on a Zen 5 machine and removed, so
+//! `Level::Avx512Bf16` runs the AVX-512 FMA kernels in exact numerics; [`Numerics::Bf16`] rounds
+//! the activations to bf16 once and runs `vdpbf16ps` panels ([`avx512_bf16_panel`]), 1.4× the
+//! exact panels' prefill on bf16 weights.
 //!
 //! Quantized weights (every ggml block format of [`crate::model::quant`]) are computed on
 //! directly, with f32 activations (never quantized), so results equal the f32 product with the
