@@ -171,17 +171,21 @@ trait Ops {
     /// `acc += Σ_j w[j] · values[j·d ..][..d]` in order of `j`, each term as `simd::axpy`.
     unsafe fn weighted_sum(&self, acc: &mut [f32], w: &[f32], values: &[f32], d: usize);
     /// [`Ops::weighted_sum`] for several outputs over the same `count` values: pair `p` is
-    /// (`d` outputs, `count` weights). By default one pair at a time.
+    /// (`d` outputs, weights), its weights `w[skip..skip + count]`. By default one pair at a time.
+    /// (`inline(always)`, as every method here: the kernels' intrinsics inline only into
+    /// callers compiled with their target features.)
+    #[inline(always)]
     unsafe fn weighted_sum_multi(
         &self,
         pairs: &[(*mut f32, *const f32)],
+        skip: usize,
         count: usize,
         values: &[f32],
         d: usize,
     ) {
         for &(acc, w) in pairs {
             let acc = std::slice::from_raw_parts_mut(acc, d);
-            let w = std::slice::from_raw_parts(w, count);
+            let w = std::slice::from_raw_parts(w.add(skip), count);
             self.weighted_sum(acc, w, values, d);
         }
     }
@@ -190,10 +194,12 @@ trait Ops {
     /// `out[j] = dot(q, keys[j·d..][..d]) · scale` for eight consecutive keys of `q.len()`
     /// elements, each rounded exactly as [`Ops::dot`] then the scale multiply round it; by
     /// default one [`Ops::dot`] at a time.
+    #[inline(always)]
     unsafe fn dot8(&self, q: &[f32], keys: *const f32, scale: f32, out: *mut f32) {
         dot8_one_by_one(self, q, keys, scale, out)
     }
     /// As [`Ops::dot8`] for sixteen consecutive keys; by default two [`Ops::dot8`] calls.
+    #[inline(always)]
     unsafe fn dot16(&self, q: &[f32], keys: *const f32, scale: f32, out: *mut f32) {
         self.dot8(q, keys, scale, out);
         self.dot8(q, keys.add(8 * q.len()), scale, out.add(8));
@@ -466,11 +472,13 @@ mod avx512 {
 
         /// Six outputs at a time share each value vector's loads: 24 accumulators (64 lanes
         /// of six outputs) across the positions; lanes past the last 64 go one output at a
-        /// time. Every lane is [`Ops::weighted_sum`]'s chain.
+        /// time, 16 (then masked) at a time. Every lane is `simd::axpy`'s `fma(w, v, acc)` in
+        /// position order.
         #[inline(always)]
         unsafe fn weighted_sum_multi(
             &self,
             pairs: &[(*mut f32, *const f32)],
+            skip: usize,
             count: usize,
             values: &[f32],
             d: usize,
@@ -480,51 +488,30 @@ mod avx512 {
             for group in pairs.chunks(6) {
                 let mut c = 0;
                 while c < whole {
+                    let pv = values.as_ptr();
                     match group.len() {
-                        6 => six::<6>(group, count, values.as_ptr(), d, c),
-                        5 => six::<5>(group, count, values.as_ptr(), d, c),
-                        4 => six::<4>(group, count, values.as_ptr(), d, c),
-                        3 => six::<3>(group, count, values.as_ptr(), d, c),
-                        2 => six::<2>(group, count, values.as_ptr(), d, c),
-                        _ => six::<1>(group, count, values.as_ptr(), d, c),
+                        6 => six::<6>(group, skip, count, pv, d, c),
+                        5 => six::<5>(group, skip, count, pv, d, c),
+                        4 => six::<4>(group, skip, count, pv, d, c),
+                        3 => six::<3>(group, skip, count, pv, d, c),
+                        2 => six::<2>(group, skip, count, pv, d, c),
+                        _ => six::<1>(group, skip, count, pv, d, c),
                     }
                     c += 64;
                 }
             }
             if whole < d {
                 for &(acc, w) in pairs {
-                    tail16(acc, w, count, values.as_ptr(), d, whole);
+                    tail16(acc, w.add(skip), count, values.as_ptr(), d, whole);
                 }
             }
         }
 
-        /// 64 output lanes at a time stay in four registers across every position, then 16,
-        /// then a masked tail; every lane is `simd::axpy`'s `fma(w, v, acc)` in position order.
+        /// One output through [`Ops::weighted_sum_multi`].
         #[inline(always)]
         unsafe fn weighted_sum(&self, acc: &mut [f32], w: &[f32], values: &[f32], d: usize) {
-            assert!(acc.len() >= d && values.len() >= w.len() * d);
-            let (pa, pv) = (acc.as_mut_ptr(), values.as_ptr());
-            let mut c = 0;
-            while c + 64 <= d {
-                let mut a = [_mm512_setzero_ps(); 4];
-                for (u, a) in a.iter_mut().enumerate() {
-                    *a = _mm512_loadu_ps(pa.add(c + 16 * u));
-                }
-                for (j, &wj) in w.iter().enumerate() {
-                    let vw = _mm512_set1_ps(wj);
-                    let v = pv.add(j * d + c);
-                    for (u, a) in a.iter_mut().enumerate() {
-                        *a = _mm512_fmadd_ps(vw, _mm512_loadu_ps(v.add(16 * u)), *a);
-                    }
-                }
-                for (u, a) in a.iter().enumerate() {
-                    _mm512_storeu_ps(pa.add(c + 16 * u), *a);
-                }
-                c += 64;
-            }
-            if c < d {
-                tail16(pa, w.as_ptr(), w.len(), pv, d, c);
-            }
+            assert!(acc.len() >= d);
+            self.weighted_sum_multi(&[(acc.as_mut_ptr(), w.as_ptr())], 0, w.len(), values, d)
         }
     }
 
@@ -551,10 +538,11 @@ mod avx512 {
         }
     }
 
-    /// Lanes `c..c + 64` of `P` outputs over `count` values.
+    /// Lanes `c..c + 64` of `P` outputs over `count` values (weights from `skip`).
     #[inline(always)]
     unsafe fn six<const P: usize>(
         group: &[(*mut f32, *const f32)],
+        skip: usize,
         count: usize,
         pv: *const f32,
         d: usize,
@@ -566,7 +554,7 @@ mod avx512 {
                 *a = _mm512_loadu_ps(group[p].0.add(c + 16 * u));
             }
         }
-        let w: [*const f32; P] = std::array::from_fn(|p| group[p].1);
+        let w: [*const f32; P] = std::array::from_fn(|p| group[p].1.wrapping_add(skip));
         for j in 0..count {
             let v = pv.add(j * d + c);
             let mut vs = [_mm512_setzero_ps(); 4];
@@ -585,6 +573,57 @@ mod avx512 {
                 _mm512_storeu_ps(group[p].0.add(c + 16 * u), *a);
             }
         }
+    }
+}
+
+/// One block of the task's KV head: keys and values of rows `0..rows_here`, read in place (f32
+/// storage) or decoded into `kbuf`/`vbuf`.
+#[inline(always)]
+unsafe fn block_rows(
+    kv: &KvCache,
+    job: &Task,
+    block: u32,
+    rows_here: usize,
+    kbuf: &mut [f32],
+    vbuf: &mut [f32],
+) -> (*const f32, *const f32) {
+    if kv.layout().dtype == KvDtype::F32 {
+        let (k, v) = kv.pool().head_block_f32(job.s.layer, block, job.kv_head);
+        (k.as_ptr(), v.as_ptr())
+    } else {
+        kv.pool()
+            .decode_rows(job.s.layer, block, job.kv_head, 0, rows_here, kbuf, vbuf);
+        (kbuf.as_ptr(), vbuf.as_ptr())
+    }
+}
+
+/// Values of positions `a..b` into the outputs of `pairs` (each: `d` outputs, its probability
+/// for position `a`), block by block, in position order ([`Ops::weighted_sum_multi`]). A
+/// function, not a closure, so that it is compiled with the caller's target features.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn sum_values<O: Ops>(
+    o: &O,
+    kv: &KvCache,
+    job: &Task,
+    table: &[u32],
+    n_max: usize,
+    (kbuf, vbuf): (&mut Vec<f32>, &mut Vec<f32>),
+    pairs: &[(*mut f32, *const f32)],
+    a: usize,
+    b: usize,
+) {
+    let d = job.s.head_dim;
+    let bs = kv.layout().block_size;
+    let mut start = a - a % bs;
+    while start < b {
+        let rows_here = bs.min(n_max - start);
+        let (_, values) = block_rows(kv, job, table[start / bs], rows_here, kbuf, vbuf);
+        let first = start.max(a);
+        let count = (start + rows_here).min(b) - first;
+        let vals = std::slice::from_raw_parts(values.add((first - start) * d), count * d);
+        o.weighted_sum_multi(pairs, first - a, count, vals, d);
+        start += bs;
     }
 }
 
@@ -632,22 +671,11 @@ unsafe fn attend<O: Ops>(o: &O, kv: &KvCache, job: &Task, scratch: &mut Scratch)
     scores.clear();
     scores.resize(total, 0.0);
     let qh = |i: usize, h: usize| &job.q[i * job.q_stride + h * d..i * job.q_stride + (h + 1) * d];
-    // One block of this KV head's keys and values (rows `0..rows_here` of the block).
-    let block_rows = |block: u32, rows_here: usize, kbuf: &mut Vec<f32>, vbuf: &mut Vec<f32>| {
-        if f32_in_place {
-            let (k, v) = kv.pool().head_block_f32(s.layer, block, job.kv_head);
-            (k.as_ptr(), v.as_ptr())
-        } else {
-            kv.pool()
-                .decode_rows(s.layer, block, job.kv_head, 0, rows_here, kbuf, vbuf);
-            (kbuf.as_ptr(), vbuf.as_ptr())
-        }
-    };
     let first_block = lo_min - lo_min % bs;
     let mut start = first_block;
     while start < n_max {
         let rows_here = bs.min(n_max - start);
-        let (keys, _) = block_rows(table[start / bs], rows_here, kbuf, vbuf);
+        let (keys, _) = block_rows(kv, job, table[start / bs], rows_here, kbuf, vbuf);
         let end = start + rows_here;
         let mut j = start.max(lo_min);
         while j < end {
@@ -698,116 +726,67 @@ unsafe fn attend<O: Ops>(o: &O, kv: &KvCache, job: &Task, scratch: &mut Scratch)
     // can leave none: then each pair sums its own positions.)
     let shared_lo = spans.iter().map(|p| p.0).max().unwrap_or(0);
     let shared_end = spans.iter().map(|p| p.1).min().unwrap_or(0);
-    let out_of = |acc: &mut Vec<f32>, i: usize, ii: usize| acc.as_mut_ptr().add((i * hc + ii) * d);
-    // `[a, b)` of one (token, head) pair, block by block (a function, not a closure, so that it
-    // is compiled with the caller's target features).
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn own<O: Ops>(
-        o: &O,
-        kv: &KvCache,
-        job: &Task,
-        table: &[u32],
-        (acc, scores, kbuf, vbuf): (&mut [f32], &[f32], &mut Vec<f32>, &mut Vec<f32>),
-        (lo, n, base): (usize, usize, usize),
-        (i, ii, n_max): (usize, usize, usize),
-        (a, b): (usize, usize),
-    ) {
-        let s = job.s;
-        let d = s.head_dim;
-        let hc = job.heads.len();
-        let bs = kv.layout().block_size;
-        let mut start = a - a % bs;
-        while start < b {
-            let rows_here = bs.min(n_max - start);
-            let values = if kv.layout().dtype == KvDtype::F32 {
-                kv.pool()
-                    .head_block_f32(s.layer, table[start / bs], job.kv_head)
-                    .1
-                    .as_ptr()
-            } else {
-                kv.pool().decode_rows(
-                    s.layer,
-                    table[start / bs],
-                    job.kv_head,
-                    0,
-                    rows_here,
-                    kbuf,
-                    vbuf,
-                );
-                vbuf.as_ptr()
-            };
-            let first = start.max(a);
-            let count = (start + rows_here).min(b) - first;
-            let vals = std::slice::from_raw_parts(values.add((first - start) * d), count * d);
-            let w = &scores[base + ii * (n - lo) + first - lo..][..count];
-            let out = &mut acc[(i * hc + ii) * d..(i * hc + ii + 1) * d];
-            o.weighted_sum(out, w, vals, d);
-            start += bs;
-        }
-    }
+    // Pair (token i, head ii): its outputs, and its probability for position `at`.
+    let pair = |acc: &mut Vec<f32>, (i, ii): (usize, usize), at: usize| {
+        let (lo, n, base) = spans[i];
+        let w = scores.as_ptr().add(base + ii * (n - lo) + at - lo);
+        (acc.as_mut_ptr().add((i * hc + ii) * d), w)
+    };
+    let bufs = (&mut *kbuf, &mut *vbuf);
     if shared_lo >= shared_end {
-        for (i, &span) in spans.iter().enumerate() {
+        for (i, &(lo, n, _)) in spans.iter().enumerate() {
             for ii in 0..hc {
-                let bufs = (&mut acc[..], &scores[..], &mut *kbuf, &mut *vbuf);
-                own(
-                    o,
-                    kv,
-                    job,
-                    table,
-                    bufs,
-                    span,
-                    (i, ii, n_max),
-                    (span.0, span.1),
-                );
+                let one = [pair(acc, (i, ii), lo)];
+                sum_values(o, kv, job, table, n_max, (bufs.0, bufs.1), &one, lo, n);
             }
         }
     } else {
-        for (i, &span) in spans.iter().enumerate() {
+        for (i, &(lo, _, _)) in spans.iter().enumerate() {
             for ii in 0..hc {
-                let bufs = (&mut acc[..], &scores[..], &mut *kbuf, &mut *vbuf);
-                own(
+                let one = [pair(acc, (i, ii), lo)];
+                sum_values(
                     o,
                     kv,
                     job,
                     table,
-                    bufs,
-                    span,
-                    (i, ii, n_max),
-                    (span.0, shared_lo),
+                    n_max,
+                    (bufs.0, bufs.1),
+                    &one,
+                    lo,
+                    shared_lo,
                 );
             }
         }
-        // The shared positions, every pair at once, block by block.
-        let mut start = shared_lo - shared_lo % bs;
-        while start < shared_end {
-            let rows_here = bs.min(n_max - start);
-            let (_, values) = block_rows(table[start / bs], rows_here, kbuf, vbuf);
-            let first = start.max(shared_lo);
-            let count = (start + rows_here).min(shared_end) - first;
-            let vals = std::slice::from_raw_parts(values.add((first - start) * d), count * d);
-            pairs.clear();
-            for (i, &(lo, n, base)) in spans.iter().enumerate() {
-                for ii in 0..hc {
-                    let w = scores.as_ptr().add(base + ii * (n - lo) + first - lo);
-                    pairs.push((out_of(acc, i, ii), w));
-                }
-            }
-            o.weighted_sum_multi(pairs, count, vals, d);
-            start += bs;
-        }
-        for (i, &span) in spans.iter().enumerate() {
+        pairs.clear();
+        for i in 0..spans.len() {
             for ii in 0..hc {
-                let bufs = (&mut acc[..], &scores[..], &mut *kbuf, &mut *vbuf);
-                own(
+                pairs.push(pair(acc, (i, ii), shared_lo));
+            }
+        }
+        sum_values(
+            o,
+            kv,
+            job,
+            table,
+            n_max,
+            (bufs.0, bufs.1),
+            pairs,
+            shared_lo,
+            shared_end,
+        );
+        for (i, &(_, n, _)) in spans.iter().enumerate() {
+            for ii in 0..hc {
+                let one = [pair(acc, (i, ii), shared_end)];
+                sum_values(
                     o,
                     kv,
                     job,
                     table,
-                    bufs,
-                    span,
-                    (i, ii, n_max),
-                    (shared_end, span.1),
+                    n_max,
+                    (bufs.0, bufs.1),
+                    &one,
+                    shared_end,
+                    n,
                 );
             }
         }
