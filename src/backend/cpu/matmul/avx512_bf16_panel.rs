@@ -18,11 +18,8 @@ use std::cell::RefCell;
 
 use half::bf16;
 
-use super::avx512_panel::{put, NR};
+use super::avx512_panel::{put, tiles, NR};
 use super::Job;
-
-/// Tokens per register tile, as the f32 panels.
-const MR: usize = 12;
 
 /// One pair of k positions of a panel: the weights of its 32 outputs as bf16 pairs, two cache
 /// lines.
@@ -41,24 +38,12 @@ fn pairs(k: usize) -> usize {
     k.div_ceil(2)
 }
 
-/// The register tiles of a call of `tokens` tokens, as `(first token, width)`: as few as
-/// [`MR`] allows, of balanced widths (16 tokens run as 8 + 8, not 12 + 4: a narrow tile spends
-/// its k loop on two weight loads per few multiply-adds).
-fn tiles(tokens: usize) -> impl Iterator<Item = (usize, usize)> {
-    let count = tokens.div_ceil(MR);
-    (0..count).scan(0, move |t, i| {
-        let width = (tokens - *t) / (count - i);
-        let tile = (*t, width);
-        *t += width;
-        Some(tile)
-    })
-}
-
 /// Rows `0..tokens` of `x` (row `t` at `t·ldx`, `k` wide) rounded to bf16 (nearest even, NaN
 /// kept) as words of two (element `2j` in the low half of word `j`; an odd `k`'s last word has
-/// a zero partner), laid out for the register tiles: the tile of tokens `t0..t0 + w` ([`tiles`])
-/// holds its words at `t0·⌈k/2⌉ ..`, word `j` of its token `t0 + i` at `t0·⌈k/2⌉ + j·w + i`, so
-/// a tile's broadcasts are at fixed offsets from one pointer. Tiles are rounded in parallel.
+/// a zero partner), laid out for the register tiles (the f32 panels' [`tiles`]): the tile of
+/// tokens `t0..t0 + w` holds its words at `t0·⌈k/2⌉ ..`, word `j` of its token `t0 + i` at
+/// `t0·⌈k/2⌉ + j·w + i`, so a tile's broadcasts are at fixed offsets from one pointer. Tiles are
+/// rounded in parallel.
 ///
 /// # Safety
 /// The CPU supports AVX512-BF16 (and F/BW/VL); `x` holds the rows.

@@ -28,6 +28,19 @@ pub(super) const NR: usize = 32;
 /// the 32 zmm registers.
 const MR: usize = 12;
 
+/// The register tiles of a call of `tokens` tokens, as `(first token, width)`: as few as
+/// [`MR`] allows, of balanced widths (16 tokens run as 8 + 8, not 12 + 4: a narrow tile spends
+/// its k loop on two weight loads per few multiply-adds).
+pub(super) fn tiles(tokens: usize) -> impl Iterator<Item = (usize, usize)> {
+    let count = tokens.div_ceil(MR);
+    (0..count).scan(0, move |t, i| {
+        let width = (tokens - *t) / (count - i);
+        let tile = (*t, width);
+        *t += width;
+        Some(tile)
+    })
+}
+
 /// One k position of a panel: the weights of its 32 outputs, two cache lines.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
@@ -62,13 +75,7 @@ unsafe fn panels<W: Load>(w: *const W, job: &Job, panel: *mut Line) {
     while n < end {
         let nr = (end - n).min(NR);
         pack::<W, NR>(w, job.k, job.k, n, nr, panel as *mut f32);
-        // The tokens in as few tiles as the register tile allows, of balanced widths (16
-        // tokens run as 8 + 8, not 12 + 4: a narrow tile spends its k loop on two weight loads
-        // per few FMAs).
-        let tiles = job.tokens.div_ceil(MR);
-        let mut t = 0;
-        for i in 0..tiles {
-            let width = (job.tokens - t) / (tiles - i);
+        for (t, width) in tiles(job.tokens) {
             match width {
                 12 => tile::<12>(panel, job, n, nr, t),
                 11 => tile::<11>(panel, job, n, nr, t),
@@ -83,7 +90,6 @@ unsafe fn panels<W: Load>(w: *const W, job: &Job, panel: *mut Line) {
                 2 => tile::<2>(panel, job, n, nr, t),
                 _ => tile::<1>(panel, job, n, nr, t),
             }
-            t += width;
         }
         n += nr;
     }
