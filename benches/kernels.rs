@@ -124,8 +124,16 @@ fn gemv(c: &mut Criterion) {
             }
         }
     }
-    for (rows, cols) in [(1536, 576), (49152, 576)] {
-        for kind in [QuantKind::Q4_1, QuantKind::Q8_0] {
+    // SmolLM2's Q4_1/Q8_0 shapes, then Qwen2.5-Coder-0.5B's Q5_0 gate/up (4864 × 896).
+    let shapes = [
+        (1536, 576, QuantKind::Q4_1),
+        (49152, 576, QuantKind::Q4_1),
+        (1536, 576, QuantKind::Q8_0),
+        (49152, 576, QuantKind::Q8_0),
+        (4864, 896, QuantKind::Q5_0),
+    ];
+    for (rows, cols, kind) in shapes {
+        {
             let w = quant_matrix(rows, cols, kind);
             let x = rand_vec(cols, 1);
             let mut out = vec![0f32; rows];
