@@ -17,7 +17,7 @@
 #   --cpus LIST   run every tool under `taskset -c LIST` (default: no pinning)
 #   --numerics L  kiln's numerics modes to run, each a column (default exact; see kiln-bench
 #                 --numerics: int16 rounds decode activations to 16-bit integers, bf16
-#                 rounds prefill activations to bf16 against bf16 weights)
+#                 rounds prefill activations, and quantized weights, to bf16)
 #   --quick       a check that everything runs, not a measurement: pp64, tg16, -r 1, 1 round
 #
 # Models: the demo model SmolLM2-135M-Instruct Q4_1 (scripts/fetch_demo_model.sh), its BF16 and

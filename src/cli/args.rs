@@ -212,9 +212,9 @@ pub enum NumericsArg {
     /// Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K weights in one-token steps (AVX2 CPUs): faster
     /// decode, not bit-equal to exact.
     Int16,
-    /// Activations rounded to bf16 against bf16 weights in prefill (calls of more than 16
-    /// tokens), multiplied by `vdpbf16ps` (AVX512-BF16 CPUs): faster prefill of BF16 models,
-    /// not bit-equal to exact.
+    /// Activations rounded to bf16 against bf16 weights (quantized weights: their dequantized
+    /// values rounded to bf16) in prefill (calls of more than 16 tokens), multiplied by
+    /// `vdpbf16ps` (AVX512-BF16 CPUs): faster prefill, not bit-equal to exact.
     Bf16,
 }
 

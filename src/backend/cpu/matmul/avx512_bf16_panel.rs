@@ -1,4 +1,5 @@
-//! [`super::Numerics::Bf16`]: bf16 weights against activations rounded to bf16, in calls of more
+//! [`super::Numerics::Bf16`]: bf16 weights (or dequantized tiles of quantized weights, rounded
+//! by [`round_weights`]) against activations rounded to bf16, in calls of more
 //! than 16 tokens, by `vdpbf16ps` (AVX512-BF16), which multiplies two bf16 pairs per 32-bit lane
 //! into an f32 sum: twice the multiply-adds per instruction of the f32 panels of
 //! [`super::avx512_panel`], on the same scheme. The weights of 32 outputs are packed into a
@@ -84,6 +85,26 @@ unsafe fn round_row(src: &[f32], words: &mut [u32], w: usize, i: usize) {
         for (e, &word) in buf.iter().enumerate().take(n.div_ceil(2)) {
             words[(c / 2 + e) * w + i] = word;
         }
+        c += 32;
+    }
+}
+
+/// `src` rounded to bf16 (nearest even, as [`round_rows`] rounds activations) into `dst`:
+/// dequantized weight tiles, for [`super::Numerics::Bf16`] on quantized weights.
+///
+/// # Safety
+/// The CPU supports AVX512-BF16 (and F/BW/VL); `dst` is at least as long as `src`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(super) unsafe fn round_weights(src: &[f32], dst: &mut [bf16]) {
+    assert!(dst.len() >= src.len(), "bf16 weight tile too short");
+    let (s, d) = (src.as_ptr(), dst.as_mut_ptr() as *mut u16);
+    let mut c = 0;
+    while c < src.len() {
+        let n = (src.len() - c).min(32);
+        let lo = _mm512_maskz_loadu_ps(mask16(n.min(16)), s.add(c));
+        let hi = _mm512_maskz_loadu_ps(mask16(n.saturating_sub(16)), s.add(c + 16));
+        let b: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+        _mm512_mask_storeu_epi16(d.add(c) as *mut i16, ((1u64 << n) - 1) as __mmask32, b);
         c += 32;
     }
 }

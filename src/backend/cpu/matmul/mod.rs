@@ -19,7 +19,8 @@
 //! tile) was measured at about half the speed of the FMA tile on a Zen 5 machine and removed, so
 //! `Level::Avx512Bf16` runs the AVX-512 FMA kernels in exact numerics; [`Numerics::Bf16`] rounds
 //! the activations to bf16 once and runs `vdpbf16ps` panels ([`avx512_bf16_panel`]), 1.4× the
-//! exact panels' prefill on bf16 weights.
+//! exact panels' prefill on bf16 weights, and 1.4–1.6× on quantized weights, whose dequantized
+//! tiles it rounds to bf16 before packing.
 //!
 //! Quantized weights (every ggml block format of [`crate::model::quant`]) are computed on
 //! directly, with f32 activations (never quantized), so results equal the f32 product with the
@@ -86,8 +87,8 @@ mod tests;
 mod x86;
 
 /// How activations meet the weights: exactly, or rounded where that is faster (16-bit integers
-/// against quantized weights in calls of 1 to 16 tokens, bf16 against bf16 weights in calls of
-/// more).
+/// against quantized weights in calls of 1 to 16 tokens, bf16 against bf16 or bf16-rounded
+/// quantized weights in calls of more).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Numerics {
     /// f32 activations (never rounded): every product equals the f32 product of the
@@ -108,9 +109,11 @@ pub enum Numerics {
     /// Activations rounded to bf16 (nearest even) against bf16 weights in calls of more than 16
     /// tokens (prefill chunks, large batched steps), multiplied in pairs by `vdpbf16ps` into
     /// f32 sums: twice the multiply-adds per instruction of the f32 kernels, at the cost of
-    /// each activation's rounding to 8 significant bits (a relative 2⁻⁹ at most). Needs
-    /// AVX512-BF16; everything else (other weight formats, calls of up to 16 tokens, decode,
-    /// other CPUs) runs as [`Numerics::Exact`]. What it costs is measured in the README.
+    /// each activation's rounding to 8 significant bits (a relative 2⁻⁹ at most). Quantized
+    /// weights take part too: each tile is dequantized exactly, as in exact prefill, then its
+    /// values rounded to bf16 (a second relative 2⁻⁹ per product; about twice the divergence
+    /// of bf16 weights, measured in the README). Needs AVX512-BF16; everything else (f32
+    /// weights, calls of up to 16 tokens, decode, other CPUs) runs as [`Numerics::Exact`].
     Bf16,
 }
 
@@ -186,6 +189,16 @@ impl WeightData {
             }
         }
         Ok(())
+    }
+
+    /// Whether [`Numerics::Bf16`] rounds these weights' values to bf16 (bf16 and quantized
+    /// weights; f32 weights, which a user asked for, stay exact).
+    fn bf16_eligible(&self) -> bool {
+        match self {
+            WeightData::F32(_) => false,
+            WeightData::BF16(_) | WeightData::Quant { .. } => true,
+            WeightData::Parts(parts) => parts.iter().any(|p| p.data.bf16_eligible()),
+        }
     }
 
     /// Bytes held (every part's).
@@ -412,7 +425,7 @@ fn rounded_activations(
 }
 
 /// The token rows rounded to bf16 pairs ([`avx512_bf16_panel::round_rows`]) when `numerics` is
-/// [`Numerics::Bf16`] and its kernel will use them: bf16 weights, more than
+/// [`Numerics::Bf16`] and its kernel will use them: bf16 or quantized weights, more than
 /// [`avx512::TILE_TOKENS`] tokens, a CPU with AVX512-BF16.
 fn bf16_activations(
     level: Level,
@@ -425,7 +438,7 @@ fn bf16_activations(
     #[cfg(target_arch = "x86_64")]
     if numerics == Numerics::Bf16
         && simd::clamp(level) == Level::Avx512Bf16
-        && matches!(w.data, WeightData::BF16(_))
+        && w.data.bf16_eligible()
         && tokens > avx512::TILE_TOKENS
         && x.len() >= (tokens - 1) * ldx + w.cols
     {
@@ -851,6 +864,8 @@ fn tile_rows(level: Level, tokens: usize) -> usize {
 thread_local! {
     /// Per-thread f32 scratch for prefill tiles of quantized weights.
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The same tile rounded to bf16 for [`Numerics::Bf16`].
+    static TILE_BF16: RefCell<Vec<bf16>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Quantized weights: GEMV on the blocks at decode, dequantized tiles + f32 kernels otherwise.
@@ -881,6 +896,10 @@ unsafe fn quant_rows_of<F: QuantMethod>(level: Level, blocks: &[u8], job: &Job) 
         _ => {}
     }
     let rb = job.k / F::ELEMS * F::BYTES;
+    #[cfg(target_arch = "x86_64")]
+    let bf16_panels = job.xb.is_some() && level == Level::Avx512Bf16;
+    #[cfg(not(target_arch = "x86_64"))]
+    let bf16_panels = false;
     TILE.with_borrow_mut(|tile| {
         let mut n0 = job.rows.start;
         while n0 < job.rows.end {
@@ -900,7 +919,17 @@ unsafe fn quant_rows_of<F: QuantMethod>(level: Level, blocks: &[u8], job: &Job) 
                 out: job.out.add(n0),
                 ..*job
             };
-            dense_rows(level, Dense::F32(tile), &sub);
+            if bf16_panels {
+                // Numerics::Bf16: the dequantized tile rounded to bf16, through the bf16 panels.
+                #[cfg(target_arch = "x86_64")]
+                TILE_BF16.with_borrow_mut(|tb| {
+                    tb.resize(tile.len(), bf16::ZERO);
+                    avx512_bf16_panel::round_weights(tile, tb);
+                    avx512_bf16_panel::panel_rows(tb.as_ptr(), &sub);
+                });
+            } else {
+                dense_rows(level, Dense::F32(tile), &sub);
+            }
             n0 = n1;
         }
     });

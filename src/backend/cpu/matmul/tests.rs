@@ -817,19 +817,25 @@ fn parts_multiply_as_each_part_alone() {
     }
 }
 
-/// `Numerics::Bf16` on an AVX512-BF16 CPU: calls of more than 16 tokens on bf16 weights equal
-/// the f64 product of the weights with the activations rounded to bf16, within the f32 rounding
-/// of the sum (a bound tighter than what leaving the activations unrounded moves the result,
-/// which the test checks); a token's results do not depend on the other tokens of the call;
-/// odd k, partial panels, bias and accumulation are handled; everything else (up to 16 tokens,
-/// quantized weights) is the exact path bit for bit.
+/// `Numerics::Bf16` on an AVX512-BF16 CPU: calls of more than 16 tokens on bf16 or quantized
+/// weights equal the f64 product of the weights (quantized ones dequantized, then rounded to
+/// bf16) with the activations rounded to bf16, within the f32 rounding of the sum (a bound
+/// tighter than what leaving the activations unrounded moves the result, which the test
+/// checks); a token's results do not depend on the other tokens of the call; odd k, partial
+/// panels, bias, accumulation and mixed-format matrices are handled; everything else (up to 16
+/// tokens, f32 weights) is the exact path bit for bit.
 #[test]
 fn bf16_activations_match_rounded_reference() {
     if !simd::available_levels().contains(&Level::Avx512Bf16) {
         println!("skipped: this CPU has no AVX512-BF16");
         return;
     }
-    let level = Level::Avx512Bf16;
+    let rounded = |w: &PackedMatrix| -> Vec<f64> {
+        weights_f64(w)
+            .into_iter()
+            .map(|v| bf16::from_f64(v).to_f64())
+            .collect()
+    };
     for (rows, cols) in [(70, 320), (33, 77), (64, 1536)] {
         let w = PackedMatrix {
             rows,
@@ -842,102 +848,166 @@ fn bf16_activations_match_rounded_reference() {
             ),
             bias: Some(rand_vec(rows, 5)),
         };
-        let wf = weights_f64(&w);
-        let bias = w.bias.as_ref().unwrap();
-        for tokens in [17, 24, 40] {
-            let x = rand_vec(tokens * cols, 40 + tokens as u64);
-            let start = rand_vec(tokens * rows, 41);
-            let mut got = start.clone();
-            matmul_with(
-                level,
-                Numerics::Bf16,
-                &w,
-                &x,
-                cols,
-                tokens,
-                &mut got,
-                rows,
-                true,
-            );
-            let mut moved = 0.0f64;
-            for t in 0..tokens {
-                for n in 0..rows {
-                    let (mut sum, mut abs, mut unrounded) = (0.0f64, 0.0f64, 0.0f64);
-                    for c in 0..cols {
-                        let xv = x[t * cols + c];
-                        let p = wf[n * cols + c] * bf16::from_f32(xv).to_f64();
-                        sum += p;
-                        abs += p.abs();
-                        unrounded += wf[n * cols + c] * xv as f64;
-                    }
-                    let want = start[t * rows + n] as f64 + sum + bias[n] as f64;
-                    // The sum's rounding (k terms; at most 16·√k of them for these seeds, far
-                    // inside the worst case), then the bias and accumulation roundings.
-                    let terms = (cols as f64).min(16.0 * (cols as f64).sqrt());
-                    let ends = start[t * rows + n].abs() as f64 + sum.abs() + bias[n].abs() as f64;
-                    let tol = f32::EPSILON as f64 * (terms * abs + 4.0 * ends);
-                    let g = got[t * rows + n] as f64;
-                    assert!(
-                        (g - want).abs() <= tol,
-                        "{rows}x{cols}, {tokens} tokens, t={t} n={n}: {g} vs {want} (tol {tol})"
-                    );
-                    moved = moved.max((sum - unrounded).abs() / tol);
-                }
-            }
-            assert!(moved > 1.0, "{rows}x{cols} {tokens}: the test cannot tell rounded activations from exact ones ({moved})");
-            // The first 17 tokens alone: the same bits.
-            let mut alone = start[..17 * rows].to_vec();
-            matmul_with(
-                level,
-                Numerics::Bf16,
-                &w,
-                &x,
-                cols,
-                17,
-                &mut alone,
-                rows,
-                true,
-            );
-            assert!(
-                alone
-                    .iter()
-                    .zip(&got)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{rows}x{cols}: a token's results depend on the call"
-            );
-        }
-        // Up to 16 tokens, and quantized weights: the exact path.
-        let q = quant_matrix(QuantKind::Q4_1, rows, cols.next_multiple_of(32), true, 7);
-        for (i, (m, tokens)) in [(&w, 16), (&w, 1), (&q, 24)].into_iter().enumerate() {
-            let x = rand_vec(tokens * m.cols, 50);
-            let mut a = vec![0f32; tokens * rows];
-            let mut b = vec![0f32; tokens * rows];
-            matmul_with(
-                level,
-                Numerics::Bf16,
-                m,
-                &x,
-                m.cols,
-                tokens,
-                &mut a,
-                rows,
-                false,
-            );
-            matmul_with(
-                level,
-                Numerics::Exact,
-                m,
-                &x,
-                m.cols,
-                tokens,
-                &mut b,
-                rows,
-                false,
-            );
-            assert!(
-                a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()),
-                "case {i}, {tokens} tokens: not the exact path"
-            );
+        check_bf16_rounded(&w, &weights_f64(&w));
+        // Up to 16 tokens, and f32 weights: the exact path.
+        let f = PackedMatrix {
+            rows,
+            cols,
+            data: WeightData::F32(rand_vec(rows * cols, 9)),
+            bias: None,
+        };
+        for (i, (m, tokens)) in [(&w, 16), (&w, 1), (&f, 24)].into_iter().enumerate() {
+            check_bf16_is_exact(m, tokens, &format!("{rows}x{cols} case {i}"));
         }
     }
+    // Quantized weights: the dequantized values rounded to bf16.
+    for (kind, rows, cols) in [
+        (QuantKind::Q4_1, 70, 320),
+        (QuantKind::Q8_0, 33, 96),
+        (QuantKind::Q5_0, 64, 1536),
+        (QuantKind::Q4_K, 40, 512),
+        (QuantKind::Q6_K, 35, 256),
+    ] {
+        let q = quant_matrix(kind, rows, cols, true, 7);
+        check_bf16_rounded(&q, &rounded(&q));
+        check_bf16_is_exact(&q, 16, kind.name());
+    }
+    // A merged linear of Q5_0 and Q8_0 parts (Qwen2.5-Coder's qkv) and one with an f32 part.
+    let parts = |second: PackedMatrix| {
+        let first = quant_matrix(QuantKind::Q5_0, 40, 128, false, 3);
+        let rows = first.rows + second.rows;
+        PackedMatrix {
+            rows,
+            cols: 128,
+            data: WeightData::Parts(vec![
+                MatrixPart {
+                    rows: first.rows,
+                    data: first.data,
+                },
+                MatrixPart {
+                    rows: second.rows,
+                    data: second.data,
+                },
+            ]),
+            bias: Some(rand_vec(rows, 11)),
+        }
+    };
+    let mixed = parts(quant_matrix(QuantKind::Q8_0, 8, 128, false, 4));
+    check_bf16_rounded(&mixed, &rounded(&mixed));
+    let with_f32 = parts(PackedMatrix {
+        rows: 8,
+        cols: 128,
+        data: WeightData::F32(rand_vec(8 * 128, 12)),
+        bias: None,
+    });
+    // Its f32 part runs exactly (activations unrounded), its Q5_0 part rounded.
+    let tokens = 20;
+    let x = rand_vec(tokens * 128, 13);
+    let mut a = vec![0f32; tokens * 48];
+    let mut b = vec![0f32; tokens * 48];
+    for (numerics, out) in [(Numerics::Bf16, &mut a), (Numerics::Exact, &mut b)] {
+        matmul_with(
+            Level::Avx512Bf16,
+            numerics,
+            &with_f32,
+            &x,
+            128,
+            tokens,
+            out,
+            48,
+            false,
+        );
+    }
+    let same = |n: usize| (0..tokens).all(|t| a[t * 48 + n].to_bits() == b[t * 48 + n].to_bits());
+    assert!((40..48).all(same), "the f32 part was rounded");
+    assert!(!(0..40).all(same), "the Q5_0 part was not rounded");
+}
+
+/// `Numerics::Bf16` calls of 17, 24 and 40 tokens on `w` against `wf` (the weights as the
+/// mode rounds them) times the activations rounded to bf16 (see
+/// [`bf16_activations_match_rounded_reference`]).
+fn check_bf16_rounded(w: &PackedMatrix, wf: &[f64]) {
+    let (rows, cols) = (w.rows, w.cols);
+    let level = Level::Avx512Bf16;
+    let bias = w.bias.as_ref().unwrap();
+    for tokens in [17, 24, 40] {
+        let x = rand_vec(tokens * cols, 40 + tokens as u64);
+        let start = rand_vec(tokens * rows, 41);
+        let mut got = start.clone();
+        matmul_with(
+            level,
+            Numerics::Bf16,
+            w,
+            &x,
+            cols,
+            tokens,
+            &mut got,
+            rows,
+            true,
+        );
+        let mut moved = 0.0f64;
+        for t in 0..tokens {
+            for n in 0..rows {
+                let (mut sum, mut abs, mut unrounded) = (0.0f64, 0.0f64, 0.0f64);
+                for c in 0..cols {
+                    let xv = x[t * cols + c];
+                    let p = wf[n * cols + c] * bf16::from_f32(xv).to_f64();
+                    sum += p;
+                    abs += p.abs();
+                    unrounded += wf[n * cols + c] * xv as f64;
+                }
+                let want = start[t * rows + n] as f64 + sum + bias[n] as f64;
+                // The sum's rounding (k terms; at most 16·√k of them for these seeds, far
+                // inside the worst case), then the bias and accumulation roundings.
+                let terms = (cols as f64).min(16.0 * (cols as f64).sqrt());
+                let ends = start[t * rows + n].abs() as f64 + sum.abs() + bias[n].abs() as f64;
+                let tol = f32::EPSILON as f64 * (terms * abs + 4.0 * ends);
+                let g = got[t * rows + n] as f64;
+                assert!(
+                    (g - want).abs() <= tol,
+                    "{rows}x{cols}, {tokens} tokens, t={t} n={n}: {g} vs {want} (tol {tol})"
+                );
+                moved = moved.max((sum - unrounded).abs() / tol);
+            }
+        }
+        assert!(
+            moved > 1.0,
+            "{rows}x{cols} {tokens}: the test cannot tell rounded activations from exact ones ({moved})"
+        );
+        // The first 17 tokens alone: the same bits.
+        let mut alone = start[..17 * rows].to_vec();
+        matmul_with(
+            level,
+            Numerics::Bf16,
+            w,
+            &x,
+            cols,
+            17,
+            &mut alone,
+            rows,
+            true,
+        );
+        assert!(
+            alone
+                .iter()
+                .zip(&got)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{rows}x{cols}: a token's results depend on the call"
+        );
+    }
+}
+
+/// A `Numerics::Bf16` call of `tokens` tokens on `m` gives the exact path's bits.
+fn check_bf16_is_exact(m: &PackedMatrix, tokens: usize, what: &str) {
+    let level = Level::Avx512Bf16;
+    let x = rand_vec(tokens * m.cols, 50);
+    let mut a = vec![0f32; tokens * m.rows];
+    let mut b = vec![0f32; tokens * m.rows];
+    for (numerics, out) in [(Numerics::Bf16, &mut a), (Numerics::Exact, &mut b)] {
+        matmul_with(level, numerics, m, &x, m.cols, tokens, out, m.rows, false);
+    }
+    assert!(
+        a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()),
+        "{what}, {tokens} tokens: not the exact path"
+    );
 }
