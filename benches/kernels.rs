@@ -45,9 +45,12 @@ fn quant_matrix(rows: usize, cols: usize, kind: QuantKind) -> PackedMatrix {
     let bb = kind.block_bytes();
     let r = rand_vec(nb * bb, (rows ^ cols) as u64 + 7);
     let mut blocks: Vec<u8> = r.iter().map(|&v| ((v + 1.0) * 127.5) as u8).collect();
+    // The f16 scale (and min) fields: Q6_K keeps its scale after the quants.
+    let d_at = if kind == QuantKind::Q6_K { 208 } else { 0 };
     for (b, c) in blocks.chunks_exact_mut(bb).enumerate() {
-        c[..2].copy_from_slice(&f16::from_f32(0.01 + 0.001 * (b % 7) as f32).to_le_bytes());
-        if kind == QuantKind::Q4_1 {
+        let d = f16::from_f32(0.01 + 0.001 * (b % 7) as f32).to_le_bytes();
+        c[d_at..d_at + 2].copy_from_slice(&d);
+        if matches!(kind, QuantKind::Q4_1 | QuantKind::Q4_K) {
             c[2..4].copy_from_slice(&f16::from_f32(-0.08).to_le_bytes());
         }
     }
@@ -124,13 +127,16 @@ fn gemv(c: &mut Criterion) {
             }
         }
     }
-    // SmolLM2's Q4_1/Q8_0 shapes, then Qwen2.5-Coder-0.5B's Q5_0 gate/up (4864 × 896).
+    // SmolLM2's Q4_1/Q8_0 shapes, then Qwen2.5-Coder-0.5B's Q5_0 gate/up (4864 × 896) and its
+    // Q4_K/Q6_K down (896 × 4864).
     let shapes = [
         (1536, 576, QuantKind::Q4_1),
         (49152, 576, QuantKind::Q4_1),
         (1536, 576, QuantKind::Q8_0),
         (49152, 576, QuantKind::Q8_0),
         (4864, 896, QuantKind::Q5_0),
+        (896, 4864, QuantKind::Q4_K),
+        (896, 4864, QuantKind::Q6_K),
     ];
     for (rows, cols, kind) in shapes {
         {
