@@ -142,8 +142,9 @@ struct Args {
     /// How weights are held in memory.
     #[arg(long, value_enum, default_value_t = Weights::Auto)]
     weights: Weights,
-    /// How CPU decode multiplies activations by quantized weights (comma list, each a row of
-    /// the table): exact (f32 activations) or int16 (16-bit integer activations).
+    /// How the CPU multiplies activations by the weights (comma list, each a row of the table):
+    /// exact (f32 activations), int16 (16-bit integer decode activations) or bf16 (bf16
+    /// prefill activations and weights).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "exact")]
     numerics: Vec<NumericsArg>,
     /// Instead of timing: decode N greedy tokens on each of a few built-in prompts with the
