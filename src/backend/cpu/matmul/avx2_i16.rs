@@ -179,7 +179,7 @@ impl QuantsI16 for Q5_1 {
 /// `R = 1, T = 1..8` for more tokens (in chunks of 8); per (row, token) the operations and their
 /// order are the same in every shape, so a token's result never depends on what it is computed
 /// beside.
-trait GemvI16 {
+pub(super) trait GemvI16 {
     /// Elements and bytes per block.
     const ELEMS: usize;
     const BYTES: usize;
@@ -438,7 +438,7 @@ pub(super) const MAX_TOKENS: usize = 16;
 /// activations). More
 /// tokens: row by row, each row's blocks decoded once per chunk of [`CHUNK`] tokens.
 #[inline(always)]
-unsafe fn rows<K: GemvI16>(w: *const u8, job: &Job, x: &[XI16]) {
+pub(super) unsafe fn rows<K: GemvI16>(w: *const u8, job: &Job, x: &[XI16]) {
     let nb = job.k / K::ELEMS;
     let rb = nb * K::BYTES;
     if x.len() == 1 {

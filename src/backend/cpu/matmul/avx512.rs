@@ -353,7 +353,7 @@ impl<Q: Quants512> BlockGemv for Legacy512<Q> {
 /// `vpgatherdd` this replaced held about half of the Q4_1/Q8_0 GEMV's samples on a Zen 5
 /// (`perf record`, the samples on the instruction waiting for the gather).
 #[inline(always)]
-unsafe fn group_words<Q: BlockFormat>(p: *const u8, n: usize) -> __m512i {
+pub(super) unsafe fn group_words<Q: BlockFormat>(p: *const u8, n: usize) -> __m512i {
     // A partial group (the end of a row) takes zeros past `n` in registers: building it in a
     // stack array of scalar stores read back as one vector stalled on store forwarding (Zen 5:
     // Qwen2.5-Coder's rows of 28 blocks end in a group of 12).

@@ -589,6 +589,7 @@ fn int16_gemv_matches_rounded_reference() {
                 (7, 3 * n),
                 (17, 5 * n),
                 (70, 2 * n),
+                (5, 12 * n),
             ] {
                 let cols = if n == 32 { cols * 3 } else { cols };
                 for (bias, acc, par) in [
