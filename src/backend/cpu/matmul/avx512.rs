@@ -349,25 +349,91 @@ impl<Q: Quants512> BlockGemv for Legacy512<Q> {
 }
 
 /// The first 32-bit word of each of the `n` (at most 16) blocks from `p` — `d | m << 16` —
-/// lane `i` for block `i`, lanes past `n` zero. Four-lane inserts of scalar loads: the
-/// `vpgatherdd` this replaced held about half of the Q4_1/Q8_0 GEMV's samples on a Zen 5
-/// (`perf record`, the samples on the instruction waiting for the gather).
+/// lane `i` for block `i`, lanes past `n` zero. The group's bytes are read in windows of 128
+/// (two 64-byte loads, masked to the `n` blocks so nothing past them is touched) and one
+/// `vpermt2w` per window picks the two words of each block in it: three windows for the 18- to
+/// 24-byte formats, five for Q8_0. This replaced sixteen scalar loads and their inserts (~30
+/// instructions per group and row), which had replaced a `vpgatherdd` that held about half of the
+/// Q4_1/Q8_0 GEMV's samples on a Zen 5.
 #[inline(always)]
 pub(super) unsafe fn group_words<Q: BlockFormat>(p: *const u8, n: usize) -> __m512i {
-    // A partial group (the end of a row) takes zeros past `n` in registers: building it in a
-    // stack array of scalar stores read back as one vector stalled on store forwarding (Zen 5:
-    // Qwen2.5-Coder's rows of 28 blocks end in a group of 12).
-    let at = |i: usize| {
-        if n == 16 || i < n {
-            std::ptr::read_unaligned(p.add(i * Q::BYTES) as *const i32)
+    let windows = const { group_windows(Q::BYTES) };
+    let idx = const { window_index(Q::BYTES) };
+    let lanes = const { window_lanes(Q::BYTES) };
+    let limit = n * Q::BYTES;
+    let mut r = _mm512_setzero_si512();
+    for c in 0..windows {
+        let base = 128 * c;
+        let (a, b) = if n == 16 {
+            // Constant masks: the whole window, or the group's last bytes.
+            (
+                _mm512_maskz_loadu_epi8(byte_mask(16 * Q::BYTES, base), p.add(base) as *const i8),
+                _mm512_maskz_loadu_epi8(
+                    byte_mask(16 * Q::BYTES, base + 64),
+                    p.wrapping_add(base + 64) as *const i8,
+                ),
+            )
         } else {
-            0
-        }
-    };
-    let q = |i: usize| _mm_setr_epi32(at(i), at(i + 1), at(i + 2), at(i + 3));
-    let lo = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(q(0)), q(4));
-    let hi = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(q(8)), q(12));
-    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+            (
+                _mm512_maskz_loadu_epi8(byte_mask(limit, base), p.wrapping_add(base) as *const i8),
+                _mm512_maskz_loadu_epi8(
+                    byte_mask(limit, base + 64),
+                    p.wrapping_add(base + 64) as *const i8,
+                ),
+            )
+        };
+        let v = _mm512_permutex2var_epi16(a, _mm512_loadu_si512(idx[c].as_ptr().cast()), b);
+        r = _mm512_mask_mov_epi16(r, lanes[c], v);
+    }
+    if n == 16 {
+        r
+    } else {
+        _mm512_maskz_mov_epi16(((1u64 << (2 * n)) - 1) as __mmask32, r)
+    }
+}
+
+/// Bits of the bytes `base..base + 64` that lie below `limit`.
+#[inline(always)]
+fn byte_mask(limit: usize, base: usize) -> __mmask64 {
+    match limit.saturating_sub(base) {
+        0 => 0,
+        k if k >= 64 => u64::MAX,
+        k => (1u64 << k) - 1,
+    }
+}
+
+/// Windows of 64 words that [`group_words`] reads for blocks of `bytes` bytes: enough to reach
+/// the second word of the sixteenth block.
+const fn group_windows(bytes: usize) -> usize {
+    (15 * (bytes / 2) + 1) / 64 + 1
+}
+
+/// The most windows of any format (Q8_0's five).
+const MAX_WINDOWS: usize = 5;
+
+/// Per window, the `vpermt2w` index of each output word: word `l` (block `l / 2`, its word
+/// `l % 2`) is word `(l / 2)·bytes/2 + l % 2` of the group, index `% 64` in its window.
+const fn window_index(bytes: usize) -> [[i16; 32]; MAX_WINDOWS] {
+    let mut idx = [[0i16; 32]; MAX_WINDOWS];
+    let mut l = 0;
+    while l < 32 {
+        let w = (l / 2) * (bytes / 2) + l % 2;
+        idx[w / 64][l] = (w % 64) as i16;
+        l += 1;
+    }
+    idx
+}
+
+/// Per window, the output words it supplies.
+const fn window_lanes(bytes: usize) -> [__mmask32; MAX_WINDOWS] {
+    let mut lanes = [0; MAX_WINDOWS];
+    let mut l = 0;
+    while l < 32 {
+        let w = (l / 2) * (bytes / 2) + l % 2;
+        lanes[w / 64] |= 1 << l;
+        l += 1;
+    }
+    lanes
 }
 
 // `j` indexes x, every row's blocks and the scale buffer together.

@@ -764,11 +764,11 @@ macro_rules! impl_items {
     ({ $($i:item)* }) => { $($i)* };
 }
 
-// On AVX-512 CPUs the 4- and 8-bit formats keep the AVX2 integer GEMVs: single-threaded
-// (`cargo bench --bench kernels -- gemv/Q`, Zen 5) the 32-lane kernels of `avx512_i16` took
-// 1.05–1.1× their time on SmolLM2's and Qwen2.5-Coder's shapes (Q4_1 1536 × 576: 24.8 against
-// 22.4 µs; Q8_0 and Q4_1 4864 × 896: 112–115 against 107–108 µs), and SmolLM2's int16 decode
-// on one thread fell 3–8%. The five-bit formats gain: Q5_0 4864 × 896 took 124 µs against 207.
+// On AVX-512 CPUs the 4- and 8-bit formats keep the AVX2 integer GEMVs. Single-threaded
+// (`cargo bench --bench kernels -- gemv/Q`, Zen 5) 32-lane versions of them (as `avx512_i16`'s
+// five-bit one) took 0.94–1.04× the AVX2 kernels' time on SmolLM2's and Qwen2.5-Coder's shapes,
+// and SmolLM2's int16 decode on one thread did not gain (Q8_0 180–192 against 191–195 tok/s).
+// The five-bit formats do: Q5_0 4864 × 896 took 114 µs against 207.
 legacy_quant_method!(Q8_0, Q4_0, Q4_1; {});
 legacy_quant_method!(Q5_0, Q5_1; {
     #[cfg(target_arch = "x86_64")]
