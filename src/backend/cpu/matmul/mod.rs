@@ -767,7 +767,9 @@ macro_rules! impl_items {
 // On AVX-512 CPUs the 4- and 8-bit formats keep the AVX2 integer GEMVs. Single-threaded
 // (`cargo bench --bench kernels -- gemv/Q`, Zen 5) 32-lane versions of them (as `avx512_i16`'s
 // five-bit one) took 0.94–1.04× the AVX2 kernels' time on SmolLM2's and Qwen2.5-Coder's shapes,
-// and SmolLM2's int16 decode on one thread did not gain (Q8_0 180–192 against 191–195 tok/s).
+// and SmolLM2's int16 decode on one thread did not gain (Q8_0 180–192 against 191–195 tok/s);
+// on Qwen2.5-Coder's Q8_0 lm_head (one thread, `kiln-bench -t 1 --numerics int16`, three
+// alternations) the 32-lane Q8_0 kernel lost: 62.5/64.5/67.2 against 66.8/66.4/70.4 tok/s.
 // The five-bit formats do: Q5_0 4864 × 896 took 114 µs against 207.
 legacy_quant_method!(Q8_0, Q4_0, Q4_1; {});
 legacy_quant_method!(Q5_0, Q5_1; {
