@@ -191,8 +191,12 @@ impl GemvI16 for K4I16x32 {
     ) -> [[f32; T]; R] {
         let low4 = _mm512_set1_epi16(0x0f);
         let mut acc = [[_mm512_setzero_ps(); T]; R];
-        let mut scale = [[0f32; 8]; T];
+        let mut scale = [[[0f32; 8]; T]; R];
         for b in 0..nb {
+            // The rows' scales and min terms first, then the quants pair by pair with the rows
+            // inside: a small body the compiler unrolls over the rows, keeping the
+            // accumulators in registers (with each row's whole super-block inside the row loop
+            // it stayed rolled and they lived on the stack).
             for r in 0..R {
                 let p = w[r].add(b * Q4_K::BYTES);
                 prefetch_block(p.wrapping_add(pf), Q4_K::BYTES);
@@ -200,12 +204,15 @@ impl GemvI16 for K4I16x32 {
                 let dmin_m = _mm512_zextps256_ps512(dmin_m);
                 for t in 0..T {
                     let dx = _mm256_loadu_ps(x[t].d.as_ptr().add(8 * b));
-                    _mm256_storeu_ps(scale[t].as_mut_ptr(), _mm256_mul_ps(d_sc, dx));
+                    _mm256_storeu_ps(scale[r][t].as_mut_ptr(), _mm256_mul_ps(d_sc, dx));
                     let sums =
                         _mm512_zextps256_ps512(_mm256_loadu_ps(x[t].sums.as_ptr().add(8 * b)));
                     acc[r][t] = _mm512_fnmadd_ps(dmin_m, sums, acc[r][t]);
                 }
-                for c in 0..4 {
+            }
+            for c in 0..4 {
+                for r in 0..R {
+                    let p = w[r].add(b * Q4_K::BYTES);
                     let v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
                         p.add(16 + 32 * c) as *const __m256i
                     ));
@@ -214,8 +221,8 @@ impl GemvI16 for K4I16x32 {
                     for t in 0..T {
                         let sl = dot32(lo, x_block(x[t], 8 * b + 2 * c));
                         let sh = dot32(hi, x_block(x[t], 8 * b + 2 * c + 1));
-                        let dl = _mm512_set1_ps(scale[t][2 * c]);
-                        let dh = _mm512_set1_ps(scale[t][2 * c + 1]);
+                        let dl = _mm512_set1_ps(scale[r][t][2 * c]);
+                        let dh = _mm512_set1_ps(scale[r][t][2 * c + 1]);
                         acc[r][t] = _mm512_fmadd_ps(dl, sl, acc[r][t]);
                         acc[r][t] = _mm512_fmadd_ps(dh, sh, acc[r][t]);
                     }
