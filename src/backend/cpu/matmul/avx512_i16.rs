@@ -1,11 +1,11 @@
-//! AVX-512 GEMVs against 16-bit integer activations ([`super::Numerics::Int16`],
-//! [`super::int16`]) for Q5_0, Q5_1, Q4_K and Q6_K: the AVX2 kernels' scheme ([`super::avx2_i16`]) on 32 lanes. A block's 32
-//! weight quants are built in one vector of 16-bit lanes, `vpmaddwd` multiplies them with the
-//! block's 32 activation integers in one instruction (exact, pairs summed into 16 i32 lanes),
-//! the sums are converted to f32 once and scaled by `d_w·d_x` in one FMA into 16 f32 lanes.
+//! AVX-512 GEMVs against 16-bit integer activations ([`super::Numerics::Int16`], [`super::int16`])
+//! for Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K: the AVX2 kernels' scheme ([`super::avx2_i16`]) on 32
+//! lanes. A block's 32 weight quants are built in one vector of 16-bit lanes, `vpmaddwd` multiplies
+//! them with the block's 32 activation integers in one instruction (exact, pairs summed into 16 i32
+//! lanes), the sums are converted to f32 once and scaled by `d_w·d_x` in one FMA into 16 f32 lanes.
 //! Per block and (row, token) that is three instructions where the AVX2 kernels spend six; the
-//! quants are built with AVX-512 BW's word shifts and masks (Q5_0's fifth bits go through a
-//! mask register, `vpmovm2w` and one ternary-logic op).
+//! quants are built with AVX-512 BW's word shifts and masks (Q5_0's fifth bits go through a mask
+//! register, `vpmovm2w` and one ternary-logic op).
 //!
 //! Rounding: per (row, token) the 16-lane f32 accumulator and its final sum differ from the
 //! AVX2 kernels' 8 lanes, so an AVX-512 CPU rounds these products (within f32 rounding of the
@@ -26,7 +26,7 @@ use super::int16::{self, XI16};
 use super::x86::Legacy;
 use super::Job;
 use crate::backend::cpu::simd::x86::tail_mask16;
-use crate::model::quant::{self, BlockFormat, Q4_K, Q5_0, Q5_1, Q6_K};
+use crate::model::quant::{self, BlockFormat, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K};
 
 /// The 32 activation integers of block `b`.
 #[inline(always)]
@@ -40,9 +40,9 @@ unsafe fn dot32(w: __m512i, x: __m512i) -> __m512 {
     _mm512_cvtepi32_ps(_mm512_madd_epi16(w, x))
 }
 
-/// A five-bit legacy block's 32 integer quants (Q5_0's −16 applied) in 16-bit lanes, elements
-/// in order. (The 4- and 8-bit formats run the AVX2 kernels on AVX-512 CPUs too: they were
-/// faster there; see the `QuantMethod` impls.)
+/// A legacy block's 32 integer quants (Q4_0's −8, Q5_0's −16 applied) in 16-bit lanes,
+/// elements in order. (Q8_0 runs the AVX2 kernel on AVX-512 CPUs too: it was faster there; see
+/// the `QuantMethod` impls.)
 pub(super) trait QuantsI16x32: Legacy {
     unsafe fn q32(p: *const u8) -> __m512i;
 }
@@ -80,6 +80,21 @@ const Q5_0_BITS: i32 = {
 #[inline(always)]
 unsafe fn fifth_bits(qh: *const u8) -> __mmask32 {
     std::ptr::read_unaligned(qh as *const u32)
+}
+
+impl QuantsI16x32 for Q4_0 {
+    #[inline(always)]
+    unsafe fn q32(p: *const u8) -> __m512i {
+        let n = _mm512_and_si512(nibble_words(p.add(2)), _mm512_set1_epi16(0x0f));
+        _mm512_sub_epi16(n, _mm512_set1_epi16(8))
+    }
+}
+
+impl QuantsI16x32 for Q4_1 {
+    #[inline(always)]
+    unsafe fn q32(p: *const u8) -> __m512i {
+        _mm512_and_si512(nibble_words(p.add(4)), _mm512_set1_epi16(0x0f))
+    }
 }
 
 impl QuantsI16x32 for Q5_0 {
@@ -318,7 +333,7 @@ impl GemvI16 for K6I16x32 {
     }
 }
 
-/// Q5_0/Q5_1 blocks against `x.len()` (1 to [`avx2_i16::MAX_TOKENS`]) rounded activation
+/// Q4_0/Q4_1/Q5_0/Q5_1 blocks against `x.len()` (1 to [`avx2_i16::MAX_TOKENS`]) rounded activation
 /// rows, by the AVX2 kernels' driver ([`avx2_i16::rows`]).
 ///
 /// # Safety

@@ -764,15 +764,17 @@ macro_rules! impl_items {
     ({ $($i:item)* }) => { $($i)* };
 }
 
-// On AVX-512 CPUs the 4- and 8-bit formats keep the AVX2 integer GEMVs. Single-threaded
-// (`cargo bench --bench kernels -- gemv/Q`, Zen 5) 32-lane versions of them (as `avx512_i16`'s
-// five-bit one) took 0.94–1.04× the AVX2 kernels' time on SmolLM2's and Qwen2.5-Coder's shapes,
-// and SmolLM2's int16 decode on one thread did not gain (Q8_0 180–192 against 191–195 tok/s);
-// on Qwen2.5-Coder's Q8_0 lm_head (one thread, `kiln-bench -t 1 --numerics int16`, three
-// alternations) the 32-lane Q8_0 kernel lost: 62.5/64.5/67.2 against 66.8/66.4/70.4 tok/s.
-// The five-bit formats do: Q5_0 4864 × 896 took 114 µs against 207.
-legacy_quant_method!(Q8_0, Q4_0, Q4_1; {});
-legacy_quant_method!(Q5_0, Q5_1; {
+// On AVX-512 CPUs Q8_0 keeps the AVX2 integer GEMV: on Qwen2.5-Coder's Q8_0 lm_head (one
+// thread, `kiln-bench -t 1 --numerics int16`, three alternations) a 32-lane Q8_0 kernel lost,
+// 62.5/64.5/67.2 against 66.8/66.4/70.4 tok/s, and SmolLM2 Q8_0 did not gain (180–192 against
+// 191–195). The nibble and five-bit formats run `avx512_i16`: Q5_0 4864 × 896 took 114 µs
+// against the AVX2 kernel's 207 (one core, `cargo bench --bench kernels -- gemv/Q`); Q4_1's
+// one-token GEMV is as fast either way (SmolLM2 int16 decode on one thread 221–225 tok/s both),
+// and its 2- to 16-token calls gain (`kiln-bench --concurrency 1,4,16 -p 16 -n 64 -t 2
+// --numerics int16`, two alternations: 4 sequences 437/493 → 534/524 tok/s, 16 sequences
+// 486/566 → 587/575).
+legacy_quant_method!(Q8_0; {});
+legacy_quant_method!(Q4_0, Q4_1, Q5_0, Q5_1; {
     #[cfg(target_arch = "x86_64")]
     unsafe fn gemv_i16_avx512(w: *const u8, job: &Job, x: &[int16::XI16]) -> bool {
         avx512_i16::legacy_rows::<Self>(w, job, x);
