@@ -3,7 +3,8 @@
 //! multiplied with the activation integers by `vpmaddwd` (16 exact products per instruction,
 //! summed in pairs into i32 lanes), the block's integer sum is converted to f32 once and scaled by
 //! `d_w·d_x`. The f32 path spends a widening, a conversion and an FMA per 8 weights; this one
-//! spends about a third of that. AVX-512 CPUs run these too.
+//! spends about a third of that. AVX-512 CPUs run the Q8_0 one too; the other formats have
+//! 32-lane versions there ([`super::avx512_i16`]).
 //!
 //! Integer ranges (no lane can overflow, whatever a file holds): an activation integer is at most
 //! 32,767 in magnitude, and a block's i32 lane sums four products (two per `vpmaddwd`, two
