@@ -320,7 +320,7 @@ impl Quants512 for Q4_1 {
     }
 }
 
-/// The legacy formats' GEMV: in groups of 16 blocks. Per group and row, [`group_words`] fetches
+/// The legacy formats' GEMV: in groups of 16 blocks. Per group and row, [`group_scales`] fetches
 /// the 16 blocks' `(d, m)` f16 pairs, which are widened 16 at a time into a stack buffer (so the
 /// per-block broadcast of `d` is a plain load) and, for Q4_1, dotted with the block sums `Σx` at
 /// once (`Σ_b m_b·Σx_b`). Per block and row: `s = Σ q·x` over the block's two 16-lane halves,
@@ -360,27 +360,13 @@ pub(super) unsafe fn group_words<Q: BlockFormat>(p: *const u8, n: usize) -> __m5
     let windows = const { group_windows(Q::BYTES) };
     let idx = const { window_index(Q::BYTES) };
     let lanes = const { window_lanes(Q::BYTES) };
-    let limit = n * Q::BYTES;
     let mut r = _mm512_setzero_si512();
     for c in 0..windows {
-        let base = 128 * c;
+        // Spelled out for a whole group, so that its masks are constants.
         let (a, b) = if n == 16 {
-            // Constant masks: the whole window, or the group's last bytes.
-            (
-                _mm512_maskz_loadu_epi8(byte_mask(16 * Q::BYTES, base), p.add(base) as *const i8),
-                _mm512_maskz_loadu_epi8(
-                    byte_mask(16 * Q::BYTES, base + 64),
-                    p.wrapping_add(base + 64) as *const i8,
-                ),
-            )
+            window_bytes(p, 16 * Q::BYTES, 128 * c)
         } else {
-            (
-                _mm512_maskz_loadu_epi8(byte_mask(limit, base), p.wrapping_add(base) as *const i8),
-                _mm512_maskz_loadu_epi8(
-                    byte_mask(limit, base + 64),
-                    p.wrapping_add(base + 64) as *const i8,
-                ),
-            )
+            window_bytes(p, n * Q::BYTES, 128 * c)
         };
         let v = _mm512_permutex2var_epi16(a, _mm512_loadu_si512(idx[c].as_ptr().cast()), b);
         r = _mm512_mask_mov_epi16(r, lanes[c], v);
@@ -390,6 +376,29 @@ pub(super) unsafe fn group_words<Q: BlockFormat>(p: *const u8, n: usize) -> __m5
     } else {
         _mm512_maskz_mov_epi16(((1u64 << (2 * n)) - 1) as __mmask32, r)
     }
+}
+
+/// [`group_words`] widened: each block's `d` and `m` (meaningless for the formats without a
+/// min) as f32, lane `i` for block `i`.
+#[inline(always)]
+pub(super) unsafe fn group_scales<Q: BlockFormat>(p: *const u8, n: usize) -> (__m512, __m512) {
+    let g = group_words::<Q>(p, n);
+    (
+        _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)),
+        _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(g))),
+    )
+}
+
+/// The 128 bytes from `p + base` as two vectors, those at or past `limit` zero and not read.
+#[inline(always)]
+unsafe fn window_bytes(p: *const u8, limit: usize, base: usize) -> (__m512i, __m512i) {
+    (
+        _mm512_maskz_loadu_epi8(byte_mask(limit, base), p.wrapping_add(base) as *const i8),
+        _mm512_maskz_loadu_epi8(
+            byte_mask(limit, base + 64),
+            p.wrapping_add(base + 64) as *const i8,
+        ),
+    )
 }
 
 /// Bits of the bytes `base..base + 64` that lie below `limit`.
@@ -411,13 +420,17 @@ const fn group_windows(bytes: usize) -> usize {
 /// The most windows of any format (Q8_0's five).
 const MAX_WINDOWS: usize = 5;
 
-/// Per window, the `vpermt2w` index of each output word: word `l` (block `l / 2`, its word
-/// `l % 2`) is word `(l / 2)·bytes/2 + l % 2` of the group, index `% 64` in its window.
+/// The group's word that output word `l` takes: word `l % 2` of block `l / 2`.
+const fn group_word(bytes: usize, l: usize) -> usize {
+    (l / 2) * (bytes / 2) + l % 2
+}
+
+/// Per window, the `vpermt2w` index of each output word ([`group_word`] `% 64` in its window).
 const fn window_index(bytes: usize) -> [[i16; 32]; MAX_WINDOWS] {
     let mut idx = [[0i16; 32]; MAX_WINDOWS];
     let mut l = 0;
     while l < 32 {
-        let w = (l / 2) * (bytes / 2) + l % 2;
+        let w = group_word(bytes, l);
         idx[w / 64][l] = (w % 64) as i16;
         l += 1;
     }
@@ -429,8 +442,7 @@ const fn window_lanes(bytes: usize) -> [__mmask32; MAX_WINDOWS] {
     let mut lanes = [0; MAX_WINDOWS];
     let mut l = 0;
     while l < 32 {
-        let w = (l / 2) * (bytes / 2) + l % 2;
-        lanes[w / 64] |= 1 << l;
+        lanes[group_word(bytes, l) / 64] |= 1 << l;
         l += 1;
     }
     lanes
@@ -455,11 +467,9 @@ unsafe fn qgemv_512<Q: Quants512, const R: usize>(
         let n = (nb - b0).min(16);
         let mask = tail_mask16(n);
         for r in 0..R {
-            // Lane j: the block's first dword, `d | m << 16` (m only meaningful for Q4_1).
-            let g = group_words::<Q>(w[r].add(b0 * Q::BYTES), n);
-            _mm512_storeu_ps(d[r].as_mut_ptr(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
+            let (dv, m) = group_scales::<Q>(w[r].add(b0 * Q::BYTES), n);
+            _mm512_storeu_ps(d[r].as_mut_ptr(), dv);
             if Q::HAS_MIN {
-                let m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(g)));
                 let s = _mm512_maskz_loadu_ps(mask, xs.add(b0));
                 macc[r] = _mm512_fmadd_ps(m, s, macc[r]);
             }
@@ -528,7 +538,7 @@ pub(super) unsafe fn block_rows<F: BlockFormat>(w: *const u8, job: &Job) {
 }
 
 impl<Q: Quants512> RowTokens for Legacy512<Q> {
-    /// Per token as [`qgemv_512`]: the same group scales ([`group_words`]), the same block
+    /// Per token as [`qgemv_512`]: the same group scales ([`group_scales`]), the same block
     /// partials and the same accumulation order, so each token's result is bit-identical to its
     /// one-token call.
     #[allow(clippy::needless_range_loop)]
@@ -548,10 +558,9 @@ impl<Q: Quants512> RowTokens for Legacy512<Q> {
         while b0 < nb {
             let n = (nb - b0).min(16);
             let mask = tail_mask16(n);
-            let g = group_words::<Q>(row.add(b0 * Q::BYTES), n);
-            _mm512_storeu_ps(d.as_mut_ptr(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
+            let (dv, m) = group_scales::<Q>(row.add(b0 * Q::BYTES), n);
+            _mm512_storeu_ps(d.as_mut_ptr(), dv);
             if Q::HAS_MIN {
-                let m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(g)));
                 for t in 0..T {
                     let s = _mm512_maskz_loadu_ps(mask, xs[t].add(b0));
                     macc[t] = _mm512_fmadd_ps(m, s, macc[t]);

@@ -21,7 +21,7 @@ use std::marker::PhantomData;
 
 use super::avx2::{k4_scales, prefetch_block};
 use super::avx2_i16::{self, GemvI16};
-use super::avx512::group_words;
+use super::avx512::group_scales;
 use super::int16::{self, XI16};
 use super::x86::Legacy;
 use super::Job;
@@ -144,9 +144,7 @@ impl<Q: QuantsI16x32> GemvI16 for LegacyI16x32<Q> {
             for r in 0..R {
                 let p = w[r].add(g * Q::BYTES);
                 prefetch_block(p.wrapping_add(pf), n * Q::BYTES);
-                let words = group_words::<Q>(p, n);
-                let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
-                let m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(words)));
+                let (d, m) = group_scales::<Q>(p, n);
                 for t in 0..T {
                     let dx = _mm512_maskz_loadu_ps(mask, x[t].d.as_ptr().add(g));
                     _mm512_storeu_ps(scale[r][t].as_mut_ptr(), _mm512_mul_ps(d, dx));
