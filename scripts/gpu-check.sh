@@ -23,14 +23,23 @@
 # /tmp/kiln-gpu-stash, outside the checkout, so a later transfer that replaces the checkout keeps
 # them); once all N parts are there they are joined into models/ and checked against the sha256.
 #
-# Stages (KILN_GPU_STAGES, comma-separated, in this order; default all). Each stage's output is
-# in WORK/<stage>.log; a failure is recorded and the next stage runs:
-#  env        the device, driver, toolkit, NVRTC found, tools, and a 4-token smoke run per path.
+# Kernels: gpu-pack.sh also compiles the per-op sources and the megakernels of the fixtures and
+# the synthetic shapes for sm_90 with NVRTC 13.0 (the GPU machine's toolkit version) into the
+# archive's cache/kiln; unless XDG_CACHE_HOME is set, the binaries read that cache, and compile
+# only what it misses (the closing line counts those).
+#
+# Stages (KILN_GPU_STAGES, comma-separated, run in the order given; default all, in the order
+# below). Each stage's output is in WORK/<stage>.log; a failure is recorded and the next stage
+# runs:
+#  env        the device, driver, toolkit, NVRTC found, tools, and a 4-token smoke run per path
+#             (KILN_GPU_NO_SMOKE=1 leaves the smoke runs out).
 #  tests      every test function of every test file that uses the CUDA backend (tests/*.rs
 #             naming `backend::cuda` or `feature = "cuda"`) and the library's `cuda` unit tests,
 #             one process per test function under its own time limit (a hang costs one test).
 #             KILN_GPU_TEST_FILTER (a grep -E pattern on "file::test") narrows them and
 #             KILN_GPU_TEST_SKIP (default: the all-fixture megakernel NVRTC gate) leaves some out.
+#             KILN_GPU_TEST_VARIANTS (default "default") runs them once per megakernel variant
+#             (the names of KILN_GPU_MK_ROWS below; stage names then carry "[variant]").
 #  demo       with the demo model present: the demo-model tests (filter `smollm2`) and its
 #             `correct` rows (for a run that only then has the model).
 #  bandwidth  a device-to-device copy of 1 GiB, bytes read + written, median of 20 event-timed
@@ -44,11 +53,15 @@
 #             CPU row); the megakernel once per KILN_GPU_MK_ROWS value ("default", matvec rows
 #             per tile, "nostage": no shared-memory weight staging, or "split": small tiles'
 #             rows split across warps, or "preload": arguments loaded before the wait; e.g.
-#             "default 16 nostage split preload").
+#             "default 16 nostage split preload"; see scripts/mk-variant.sh), each kiln-bench
+#             under KILN_GPU_BENCH_LIMIT seconds (default 240).
 #  ncu        Nsight Compute: one megakernel step (speed of light, occupancy, warp stalls) and
-#             the per-op path's kernel times over about one step.
+#             the per-op path's kernel times over about one step; with KILN_GPU_NCU_SYNTHETIC
+#             (a shape) one batch-1 megakernel step of that shape instead, under the variant
+#             KILN_GPU_NCU_VARIANT.
 #  sanitize   compute-sanitizer memcheck on a few per-op and megakernel steps, racecheck and
-#             synccheck on the megakernel (a fixture model, few tokens).
+#             synccheck on the megakernel (a fixture model, few tokens), and racecheck on each
+#             other KILN_GPU_TEST_VARIANTS value.
 #  torch      scripts/torch_compare.py on the same shapes (transformers StaticCache +
 #             torch.compile reduce-overhead CUDA graphs) at KILN_TORCH_BATCHES (default 1).
 # Then the stage table, the bandwidths, and per kiln row: t/s, ms/token, % of bandwidth,
@@ -64,6 +77,7 @@ WORK=${KILN_GPU_WORK:-/tmp/kiln-gpu-check}
 STASH=${KILN_GPU_STASH:-/tmp/kiln-gpu-stash}
 BUDGET=${KILN_GPU_CHECK_BUDGET:-540}
 TEST_LIMIT=${KILN_GPU_TEST_LIMIT:-120}
+BENCH_LIMIT=${KILN_GPU_BENCH_LIMIT:-240}
 # Tests that need no GPU and take minutes of NVRTC (CI runs them): skipped unless asked for.
 TEST_SKIP=${KILN_GPU_TEST_SKIP-generated_megakernel_compiles_for_sm90_and_sm80}
 N_GEN=${KILN_BENCH_N:-128}
@@ -71,7 +85,8 @@ REPS=${KILN_BENCH_REPS:-5}
 # Matvec rows per megakernel tile to bench (KILN_MK_MATVEC_ROWS); "default" is the built-in size,
 # "nostage" the built-in size without the weight staging (KILN_MK_STAGE=0), "split" with small
 # tiles' rows split across warps (KILN_MK_SPLIT=1), "preload" with tile arguments loaded before
-# the wait (KILN_MK_PRELOAD=1).
+# the wait (KILN_MK_PRELOAD=1); scripts/mk-variant.sh maps the names, and '+' combines them
+# (split+4).
 MK_ROWS=${KILN_GPU_MK_ROWS:-default}
 # Synthetic shape names, smollm2-gguf (the demo model, when present) and cpu (a CPU row).
 BENCH_MODELS=${KILN_GPU_BENCH_MODELS:-llama-3.2-1b smollm2-135m smollm2-gguf cpu}
@@ -85,14 +100,16 @@ mkdir -p "$STASH"
 
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
 # Stages that run the decode megakernel (directly, through a CUDA graph, or through the engine);
-# after one of them times out, the rest are skipped and say why.
+# after one of them times out, the rest of the same megakernel variant (CUR_VARIANT) are skipped
+# and say why.
 MK_PATTERN=${KILN_GPU_MK_PATTERN:-megakernel|graph|gpu_engine}
-MK_HUNG=""
+declare -A MK_HUNG=()
+CUR_VARIANT=default
 
 # --- what this transfer carried: the binary archive and model parts go to the stash ---------
 if [[ -f .gpu/pack/kiln-gpu-bin.tar.xz ]]; then
     cmp -s .gpu/pack/kiln-gpu-bin.tar.xz "$STASH/kiln-gpu-bin.tar.xz" ||
-        { cp .gpu/pack/kiln-gpu-bin.tar.xz "$STASH/" && rm -rf "$STASH/bin"; }
+        { cp .gpu/pack/kiln-gpu-bin.tar.xz "$STASH/" && rm -rf "$STASH/bin" "$STASH/cache"; }
 fi
 for d in .gpu/model-*; do
     [[ -f $d/part ]] || continue
@@ -124,11 +141,18 @@ if [[ ! -f $DEMO && -f $STASH/model.count && -f $STASH/model.sha256 ]]; then
         echo "stash: demo model parts so far: $(ls "$STASH"/model-*.part 2>/dev/null | wc -l) of $n"
     fi
 fi
+# Kernels gpu-pack.sh compiled ahead (the archive's cache/kiln): the binaries look them up there
+# (the cache key is the source's hash, the architecture and NVRTC's version; a miss compiles).
+if [[ -d $STASH/cache/kiln && -z ${XDG_CACHE_HOME:-} ]]; then
+    export XDG_CACHE_HOME=$STASH/cache
+    echo "kernel cache: $(find "$STASH/cache/kiln" -name '*.cubin' | wc -l) cubins from the pack"
+fi
 [[ ${1:-} == --stash-only ]] && exit 0
 
 rm -rf "$WORK"
 mkdir -p "$WORK"
 : >"$WORK/stages.tsv"
+touch "$WORK/started"
 
 # stage NAME LIMIT [--stdout FILE] CMD...: runs CMD (an executable; use `bash -c` for more) with
 # stdout+stderr in WORK/NAME.log (stdout in FILE when given), under `timeout` (LIMIT seconds,
@@ -141,9 +165,10 @@ stage() {
         stdout=$2
         shift 2
     fi
-    if [[ -n $MK_HUNG && $name =~ $MK_PATTERN ]]; then
-        printf '%s\tskipped: %s timed out earlier\t0\n' "$name" "$MK_HUNG" >>"$WORK/stages.tsv"
-        echo "== $name: skipped ($MK_HUNG timed out earlier)"
+    local hung=${MK_HUNG[$CUR_VARIANT]:-}
+    if [[ -n $hung && $name =~ $MK_PATTERN ]]; then
+        printf '%s\tskipped: %s timed out earlier\t0\n' "$name" "$hung" >>"$WORK/stages.tsv"
+        echo "== $name: skipped ($hung timed out earlier)"
         return 1
     fi
     local left=$((BUDGET - SECONDS))
@@ -166,7 +191,7 @@ stage() {
     elif ((rc == 124 || rc == 137)); then
         res="FAIL: timed out after $limit s"
         # A decode megakernel that never finishes would hang every later stage that runs one.
-        [[ $name =~ $MK_PATTERN ]] && MK_HUNG=$name
+        [[ $name =~ $MK_PATTERN ]] && MK_HUNG[$CUR_VARIANT]=$name
     else
         # The first error line says more than clap's or cargo's closing line.
         local why
@@ -181,6 +206,10 @@ stage() {
 
 finish() {
     echo
+    if [[ -n ${XDG_CACHE_HOME:-} && -d $XDG_CACHE_HOME/kiln ]]; then
+        echo "kernel cache: $(find "$XDG_CACHE_HOME/kiln" -name '*.cubin' | wc -l) cubins in $XDG_CACHE_HOME/kiln at the end" \
+            "($(find "$XDG_CACHE_HOME/kiln" -name '*.cubin' -newer "$WORK/started" | wc -l) compiled by this run)"
+    fi
     "$PY" scripts/gpu_report.py table "$WORK" | tee "$WORK/summary.md" || cat "$WORK/stages.tsv"
     if [[ -n ${KILN_GPU_OUT:-} ]]; then
         mkdir -p "$KILN_GPU_OUT"
@@ -265,24 +294,38 @@ export KILN BENCH
 # --- the stages -------------------------------------------------------------------------------
 FIXTURE=(-m tests/fixtures/llama_tied --prompt-ids 1,2,3,4,5)
 
-if want env; then
+# set_venv NAME: VENV=(env VAR=value ...), the prefix that runs a command under the variant
+# (stage() runs executables under `timeout`, so not a shell function).
+set_venv() {
+    local envs
+    envs=$(scripts/mk-variant.sh "$1") || return 1
+    # shellcheck disable=SC2206
+    VENV=(env $envs)
+}
+
+do_env() {
     stage env 60 bash -c '
         nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv || true
         nvidia-smi | head -5 || true
         echo "nvcc: $(nvcc --version 2>/dev/null | tail -2 | tr "\n" " ")"
-        echo "CUDA_HOME=${CUDA_HOME:-} KILN_NVRTC_DIR=${KILN_NVRTC_DIR:-}"
+        echo "CUDA_HOME=${CUDA_HOME:-} KILN_NVRTC_DIR=${KILN_NVRTC_DIR:-} XDG_CACHE_HOME=${XDG_CACHE_HOME:-}"
         ls -l ${CUDA_HOME:-/usr/local/cuda}/lib64/libnvrtc.so* 2>/dev/null | head -3
         echo "compute-sanitizer: $(command -v compute-sanitizer || echo missing)  ncu: $(command -v ncu || echo missing)"
         "$PY" -c "import torch, transformers; print(\"torch\", torch.__version__, \"transformers\", transformers.__version__, torch.cuda.get_device_name(0))" 2>&1 | tail -1
         ldd --version | head -1; uname -r; nproc
         "$KILN" --version' || true
-    for path in per-op megakernel; do
-        stage "smoke:$path" 120 "$KILN" --device cuda --decode "$path" "${FIXTURE[@]}" -n 4 --ignore-eos --json || true
-    done
-fi
+    if [[ -z ${KILN_GPU_NO_SMOKE:-} ]]; then
+        for path in per-op megakernel; do
+            stage "smoke:$path" 120 "$KILN" --device cuda --decode "$path" "${FIXTURE[@]}" -n 4 --ignore-eos --json || true
+        done
+    fi
+}
 
-run_tests() { # FILTER: one process per test function
-    local filter=$1 t bin name
+run_tests() { # FILTER VARIANT: one process per test function, under the megakernel variant
+    local filter=$1 variant=${2:-default} t bin name tag=""
+    [[ $variant != default ]] && tag="[$variant]"
+    set_venv "$variant" || return 0
+    CUR_VARIANT=$variant
     for t in $GPU_TESTS lib; do
         bin=$BIN/test-$t
         [[ -x $bin ]] || { echo "(no $bin)"; continue; }
@@ -295,15 +338,30 @@ run_tests() { # FILTER: one process per test function
         for name in $list; do
             [[ -n $filter ]] && ! grep -qE "$filter" <<<"$t::$name" && continue
             [[ -n $TEST_SKIP ]] && grep -qE "$TEST_SKIP" <<<"$t::$name" && continue
-            stage "test:$t::$name" "$TEST_LIMIT" "$bin" --exact "$name" --nocapture --test-threads=1 || true
+            stage "test$tag:$t::$name" "$TEST_LIMIT" "${VENV[@]}" "$bin" --exact "$name" --nocapture --test-threads=1 || true
         done
     done
+    CUR_VARIANT=default
 }
-want tests && run_tests "${KILN_GPU_TEST_FILTER:-}"
-want demo && [[ -f $DEMO ]] && run_tests smollm2
+# The tests once per KILN_GPU_TEST_VARIANTS value (default: only "default").
+do_tests() {
+    local v
+    for v in ${KILN_GPU_TEST_VARIANTS:-default}; do
+        run_tests "${KILN_GPU_TEST_FILTER:-}" "$v"
+    done
+}
 
 BW_GBS=""
-if want bandwidth; then
+bw_args=()
+# bw_args from this run's measurement, an earlier run's on this machine, or KILN_BANDWIDTH_GBS.
+set_bw_args() {
+    [[ -z $BW_GBS && -s $STASH/bandwidth_gbs ]] && BW_GBS=$(cat "$STASH/bandwidth_gbs")
+    [[ -n ${KILN_BANDWIDTH_GBS:-} ]] && BW_GBS=$KILN_BANDWIDTH_GBS
+    bw_args=()
+    [[ -n $BW_GBS ]] && bw_args=(--bandwidth-gbs "$BW_GBS")
+    return 0
+}
+do_bandwidth() {
     if stage bandwidth-kiln 90 --stdout "$WORK/bandwidth-kiln.json" "$BENCH" --measure-gpu-bandwidth -o json; then
         BW_GBS=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["bytes_per_s"] / 1e9)' "$WORK/bandwidth-kiln.json") || BW_GBS=""
     fi
@@ -311,13 +369,10 @@ if want bandwidth; then
     if [[ -z $BW_GBS && -s $WORK/bandwidth-torch.json ]]; then
         BW_GBS=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["bytes_per_s"] / 1e9)' "$WORK/bandwidth-torch.json") || BW_GBS=""
     fi
-fi
-# A later run on the same machine reuses the measurement.
-[[ -n $BW_GBS ]] && echo "$BW_GBS" >"$STASH/bandwidth_gbs"
-[[ -z $BW_GBS && -s $STASH/bandwidth_gbs ]] && BW_GBS=$(cat "$STASH/bandwidth_gbs")
-[[ -n ${KILN_BANDWIDTH_GBS:-} ]] && BW_GBS=$KILN_BANDWIDTH_GBS
-bw_args=()
-[[ -n $BW_GBS ]] && bw_args=(--bandwidth-gbs "$BW_GBS")
+    # A later run on the same machine reuses the measurement.
+    [[ -n $BW_GBS ]] && echo "$BW_GBS" >"$STASH/bandwidth_gbs"
+    return 0
+}
 
 correct() { # label, then kiln's model/prompt arguments
     local label=$1
@@ -333,43 +388,41 @@ correct() { # label, then kiln's model/prompt arguments
             "$KILN" "$path" "$got3" "$ref" "$@" || true
     done
 }
-if want correct; then
+do_correct() {
     correct llama_tied "${FIXTURE[@]}" -n 64
     correct nanochat -m tests/fixtures/nanochat --prompt-ids 1,2,3,4,5 -n 64
-fi
-if want demo && [[ -f $DEMO ]]; then
+}
+do_demo() {
+    [[ -f $DEMO ]] || { printf 'demo\tskipped: %s absent\t0\n' "$DEMO" >>"$WORK/stages.tsv"; return 0; }
+    run_tests smollm2
     correct smollm2 -m "$DEMO" --chat -p "What is the capital of France?" -n 256
-fi
+}
 
 bench() { # name, then kiln-bench's model arguments
     local name=$1 rows
     shift
-    # The megakernel at each KILN_GPU_MK_ROWS value (matvec rows per tile; "default" keeps
-    # the built-in size; "nostage" is the default size without the shared-memory weight
-    # staging, KILN_MK_STAGE=0; "split" splits small tiles' rows across warps, KILN_MK_SPLIT=1;
-    # "preload" loads tile arguments before the wait, KILN_MK_PRELOAD=1), then the per-op path.
+    set_bw_args
+    # The megakernel at each KILN_GPU_MK_ROWS value (scripts/mk-variant.sh), then the per-op path.
     for rows in $MK_ROWS; do
-        local label=megakernel envs=()
-        if [[ $rows == nostage ]]; then
-            label=megakernel-nostage
-            envs=(KILN_MK_STAGE=0)
-        elif [[ $rows == split ]]; then
-            label=megakernel-split
-            envs=(KILN_MK_SPLIT=1)
-        elif [[ $rows == preload ]]; then
-            label=megakernel-preload
-            envs=(KILN_MK_PRELOAD=1)
-        elif [[ $rows != default ]]; then
+        local label=megakernel
+        if [[ $rows =~ ^[0-9]+$ ]]; then
             label=megakernel-r$rows
-            envs=(KILN_MK_MATVEC_ROWS="$rows")
+        elif [[ $rows != default ]]; then
+            label=megakernel-${rows//+/-}
         fi
-        stage "bench:$name:$label" 150 --stdout "$WORK/bench__${name}__${label}.json" \
-            env "${envs[@]}" "$BENCH" "$@" --device cuda --decode megakernel -p 0 -n "$N_GEN" --batch "$BATCHES" -r "$REPS" -o json "${bw_args[@]}" || true
+        set_venv "$rows" || continue
+        # A bench that runs past its limit skips nothing else: it may only be slow (the
+        # Llama-3.2-1B shape's 4 buckets took longer than 150 s on an H100, run 9).
+        CUR_VARIANT="$rows:$name"
+        stage "bench:$name:$label" "$BENCH_LIMIT" --stdout "$WORK/bench__${name}__${label}.json" \
+            "${VENV[@]}" "$BENCH" "$@" --device cuda --decode megakernel -p 0 -n "$N_GEN" --batch "$BATCHES" -r "$REPS" -o json "${bw_args[@]}" || true
+        CUR_VARIANT=default
     done
-    stage "bench:$name:per-op" 150 --stdout "$WORK/bench__${name}__per-op.json" \
+    stage "bench:$name:per-op" "$BENCH_LIMIT" --stdout "$WORK/bench__${name}__per-op.json" \
         "$BENCH" "$@" --device cuda --decode per-op -p 0 -n "$N_GEN" --batch "$BATCHES" -r "$REPS" -o json "${bw_args[@]}" || true
 }
-if want bench; then
+do_bench() {
+    local m
     for m in $BENCH_MODELS; do
         case $m in
         smollm2-gguf) [[ -f $DEMO ]] && bench smollm2-gguf -m "$DEMO" ;;
@@ -382,42 +435,68 @@ if want bench; then
         *) bench "$m" --synthetic "$m" ;;
         esac
     done
-fi
+}
 
 # Nsight Compute on a few decode steps: the megakernel (speed of light, occupancy, warp stalls)
 # and the per-op path's kernel times for about one step (what the device does, against the
-# step's wall time in the bench rows).
-if want ncu; then
-    if command -v ncu >/dev/null; then
-        ncu_model=(-m tests/fixtures/llama_tied --prompt-ids 1,2,3,4,5)
-        [[ -f $DEMO ]] && ncu_model=(-m "$DEMO" -p "The capital of France is")
-        stage ncu:megakernel 120 ncu --clock-control none --kernel-name regex:kiln_decode_step \
-            --launch-skip 3 --launch-count 1 --section SpeedOfLight --section LaunchStats \
-            --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-            --section SchedulerStats "$KILN" --device cuda --decode megakernel "${ncu_model[@]}" -n 8 --ignore-eos || true
-        stage ncu:per-op 120 ncu --clock-control none --metrics gpu__time_duration.sum \
-            --launch-skip 600 --launch-count 600 --csv "$KILN" --device cuda --decode per-op "${ncu_model[@]}" -n 16 --ignore-eos || true
-    else
-        printf 'ncu\tskipped: no ncu\t0\n' >>"$WORK/stages.tsv"
+# step's wall time in the bench rows). With KILN_GPU_NCU_SYNTHETIC (a shape name) the megakernel
+# step is kiln-bench's on that shape at batch 1, under the variant KILN_GPU_NCU_VARIANT.
+do_ncu() {
+    command -v ncu >/dev/null || { printf 'ncu\tskipped: no ncu\t0\n' >>"$WORK/stages.tsv"; return 0; }
+    local sections=(--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats
+        --section MemoryWorkloadAnalysis --section SchedulerStats)
+    if [[ -n ${KILN_GPU_NCU_SYNTHETIC:-} ]]; then
+        local v=${KILN_GPU_NCU_VARIANT:-default}
+        set_venv "$v" || return 0
+        CUR_VARIANT=$v
+        stage "ncu:megakernel:$KILN_GPU_NCU_SYNTHETIC:$v" 150 "${VENV[@]}" ncu --clock-control none \
+            --kernel-name regex:kiln_decode_step --launch-skip 4 --launch-count 1 "${sections[@]}" \
+            "$BENCH" --synthetic "$KILN_GPU_NCU_SYNTHETIC" --device cuda --decode megakernel -p 0 -n 8 --batch 1 -r 1 || true
+        CUR_VARIANT=default
+        return 0
     fi
-fi
+    local ncu_model=(-m tests/fixtures/llama_tied --prompt-ids 1,2,3,4,5)
+    [[ -f $DEMO ]] && ncu_model=(-m "$DEMO" -p "The capital of France is")
+    stage ncu:megakernel 120 ncu --clock-control none --kernel-name regex:kiln_decode_step \
+        --launch-skip 3 --launch-count 1 "${sections[@]}" "$KILN" --device cuda --decode megakernel "${ncu_model[@]}" -n 8 --ignore-eos || true
+    stage ncu:per-op 120 ncu --clock-control none --metrics gpu__time_duration.sum \
+        --launch-skip 600 --launch-count 600 --csv "$KILN" --device cuda --decode per-op "${ncu_model[@]}" -n 16 --ignore-eos || true
+}
 
-if want sanitize; then
-    if command -v compute-sanitizer >/dev/null; then
-        stage sanitize:memcheck:per-op 90 compute-sanitizer --tool memcheck --error-exitcode 9 "$KILN" --device cuda --decode per-op "${FIXTURE[@]}" -n 4 --ignore-eos || true
-        for tool in memcheck racecheck synccheck; do
-            stage "sanitize:$tool:megakernel" 90 compute-sanitizer --tool "$tool" --error-exitcode 9 "$KILN" --device cuda --decode megakernel "${FIXTURE[@]}" -n 3 --ignore-eos || true
-        done
-    else
-        printf 'sanitize\tskipped: no compute-sanitizer\t0\n' >>"$WORK/stages.tsv"
-    fi
-fi
+# compute-sanitizer on a few steps: memcheck on the per-op path, memcheck, racecheck and
+# synccheck on the default megakernel, and racecheck on each other KILN_GPU_TEST_VARIANTS value.
+do_sanitize() {
+    command -v compute-sanitizer >/dev/null || { printf 'sanitize\tskipped: no compute-sanitizer\t0\n' >>"$WORK/stages.tsv"; return 0; }
+    local tool v
+    stage sanitize:memcheck:per-op 90 compute-sanitizer --tool memcheck --error-exitcode 9 "$KILN" --device cuda --decode per-op "${FIXTURE[@]}" -n 4 --ignore-eos || true
+    for tool in memcheck racecheck synccheck; do
+        stage "sanitize:$tool:megakernel" 90 compute-sanitizer --tool "$tool" --error-exitcode 9 "$KILN" --device cuda --decode megakernel "${FIXTURE[@]}" -n 3 --ignore-eos || true
+    done
+    for v in ${KILN_GPU_TEST_VARIANTS:-default}; do
+        [[ $v == default ]] && continue
+        set_venv "$v" || continue
+        CUR_VARIANT=$v
+        stage "sanitize:racecheck:megakernel-$v" 90 "${VENV[@]}" compute-sanitizer --tool racecheck --error-exitcode 9 "$KILN" --device cuda --decode megakernel "${FIXTURE[@]}" -n 3 --ignore-eos || true
+        CUR_VARIANT=default
+    done
+}
 
-if want torch; then
+do_torch() {
+    local shape
+    set_bw_args
     for shape in llama-3.2-1b smollm2-135m; do
         stage "torch:$shape" 240 --stdout "$WORK/torch-$shape.jsonl" \
             "$PY" scripts/torch_compare.py --model "$shape" --batch "$TORCH_BATCHES" -n "$N_GEN" -r 10 --warmup 3 "${bw_args[@]}" || true
     done
-fi
+}
+
+# The stages, in the order KILN_GPU_STAGES names them.
+CUR_VARIANT=default
+for s in ${STAGES//,/ }; do
+    case $s in
+    env | tests | demo | bandwidth | correct | ncu | bench | sanitize | torch) "do_$s" ;;
+    *) printf '%s\tFAIL: unknown stage (known: env tests demo bandwidth correct ncu bench sanitize torch)\t0\n' "$s" >>"$WORK/stages.tsv" ;;
+    esac
+done
 
 finish

@@ -15,6 +15,14 @@
 #                                       # parts outside the checkout, joins them once all N are
 #                                       # there, and checks the sha256
 #
+# Kernels, compiled here ahead: the per-op sources and the decode megakernels (buckets 1, 2, 4,
+# 8) of every fixture model and of the synthetic shapes (KILN_GPU_PACK_SHAPES, default
+# llama-3.2-1b,smollm2-135m), once per megakernel variant in KILN_GPU_PACK_VARIANTS (default
+# "default"; the names gpu-check.sh's KILN_GPU_MK_ROWS takes), for sm_$KILN_GPU_ARCH (default 90)
+# with NVRTC 13.0 (the CUDA 13.0 toolkit's version, which the GPU machine loads; installed from
+# PyPI into .ci/nvrtc-13.0 when missing), by `kiln-bench --precompile-cuda`, into the archive's
+# cache/kiln. KILN_GPU_PACK_VARIANTS=none packs no kernels.
+#
 # KILN_GPU_CARRY_MIB (default 64) is the most one transfer may carry: the checkout's tracked
 # files, plus the archive in the first, plus one part. KILN_GPU_TESTS names the test files to
 # pack (default: those the GPU machine runs: gpu, gpu_engine, megakernel, bench).
@@ -54,7 +62,33 @@ KILN_TARGET_DIR=$TARGET
 KILN_PACKED_TESTS="$tests"
 KILN_PACKED_FROM="$(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty) on $(hostname), $(date -u +%FT%TZ)"
 MANIFEST
-tar -C .gpu -cf - bin | xz -T0 -6 >.gpu/pack/kiln-gpu-bin.tar.xz
+# Cached kernels stay between packs (an entry of an older source is never looked up, and
+# skipping what is there makes a re-pack cheap); KILN_GPU_PACK_FRESH=1 starts the cache over.
+[[ -n ${KILN_GPU_PACK_FRESH:-} ]] && rm -rf .gpu/cache
+variants=${KILN_GPU_PACK_VARIANTS:-default}
+if [[ $variants != none ]]; then
+    nv=.ci/nvrtc-13.0
+    [[ -f $nv/nvidia/cu13/include/cuda_bf16.h ]] ||
+        python3 -m pip install --quiet --no-deps --target "$nv" -r scripts/requirements-nvrtc-13.0.txt
+    : >/tmp/kiln-gpu-pack-kernels.log
+    models=()
+    for m in tests/fixtures/*; do
+        [[ -f $m/config.json || $m == *.gguf ]] && models+=(-m "$m")
+    done
+    for v in $variants; do
+        mapfile -t envs < <(scripts/mk-variant.sh "$v")
+        # One model per process, two at a time (a model the megakernel does not lower, or one
+        # that does not load, is reported and skipped).
+        printf '%s\0' "${models[@]}" "--synthetic" "${KILN_GPU_PACK_SHAPES:-llama-3.2-1b,smollm2-135m}" |
+            xargs -0 -n 2 -P "$(nproc)" env "${envs[@]}" XDG_CACHE_HOME="$ROOT/.gpu/cache" \
+                KILN_NVRTC_DIR="$ROOT/$nv" LD_LIBRARY_PATH="$ROOT/$nv/nvidia/cu13/lib" \
+                "$TARGET/release/kiln-bench" --precompile-cuda "${KILN_GPU_ARCH:-90}" --batch 1,2,4,8 \
+                >>/tmp/kiln-gpu-pack-kernels.log 2>&1 || true
+        echo "gpu-pack: kernels for variant $v: $(find .gpu/cache -name '*.cubin' | wc -l) cubins so far" >&2
+    done
+    grep -i error /tmp/kiln-gpu-pack-kernels.log >&2 || true
+fi
+tar -C .gpu -cf - bin $([[ -d .gpu/cache ]] && echo cache) | xz -T0 -6 >.gpu/pack/kiln-gpu-bin.tar.xz
 
 if [[ ${1:-} == --split-model ]]; then
     demo=models/SmolLM2-135M-Instruct.Q4_1.gguf

@@ -69,16 +69,20 @@ __device__ __forceinline__ void mk_wait(const unsigned* counters, const int* wai
 #define MK_STAGE_U4 (MK_STAGE_BYTES / 16)
 // Whether a matvec tile of fewer rows than warps splits each row's columns across several warps
 // (MK_WARPS / rows of them, partial sums added in shared memory) instead of leaving the other
-// warps idle. Off unless the host compiles with MK_SPLIT 1 (KILN_MK_SPLIT=1): UNVERIFIED on a
-// GPU. Why: on the H200 a Llama-3.2-1B step spent 24% of its stall samples at the barrier
-// ending a tile, where the warps of a 2- or 4-row tile with no row wait for the others
-// (docs/gpu-results.md, run 8).
+// warps idle. Off unless the host compiles with MK_SPLIT 1 (KILN_MK_SPLIT=1). Why: on the H200 a
+// Llama-3.2-1B step spent 24% of its stall samples at the barrier ending a tile, where the
+// warps of a 2- or 4-row tile with no row wait for the others (docs/gpu-results.md, run 8).
+// Ran on an H100 (run 9): steps complete on both synthetic shapes, SmolLM2-135M (no tile split)
+// decodes 9% slower with it compiled in; its outputs have not been checked on a GPU and the
+// Llama-3.2-1B shape has no figure yet.
 #ifndef MK_SPLIT
 #define MK_SPLIT 0
 #endif
 // Whether the kernel loads each tile's header and argument row into shared memory before its
 // dependency wait instead of after (the generated loop's MK_PRELOAD blocks). Off unless the host
-// compiles with MK_PRELOAD 1 (KILN_MK_PRELOAD=1): UNVERIFIED on a GPU. Why: on the H200 each
+// compiles with MK_PRELOAD 1 (KILN_MK_PRELOAD=1); its steps complete on an H100 (run 9, the
+// Llama-3.2-1B shape, every bucket) but neither its outputs nor its speed have been measured
+// (UNVERIFIED). Why: on the H200 each
 // wait was followed by three dependent table loads (tile, argument row, arguments) before the
 // tile could start (docs/gpu-results.md, run 8).
 #ifndef MK_PRELOAD

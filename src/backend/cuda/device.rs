@@ -468,6 +468,12 @@ macro_rules! launch {
     }};
 }
 
+/// The decode plan of a model's last-position graph: what the megakernel of every bucket is
+/// generated from (here and in [`super::precompile`], which must generate the same source).
+pub(super) fn decode_plan(last: crate::graph::Graph) -> ExecutionPlan {
+    ExecutionPlan::lower(last, Phase::Decode)
+}
+
 impl CudaBackend {
     /// Compiles `cuda/` for the device (or takes the cached cubins), uploads the weights.
     pub fn new(config: &ModelConfig, weights: &Weights) -> Result<CudaBackend, CudaError> {
@@ -496,7 +502,7 @@ impl CudaBackend {
         let last = compile_graph(config, weights, LogitRows::Last)?;
         let all = compile_graph(config, weights, LogitRows::All)?;
         let prefill = ExecutionPlan::lower(last.clone(), Phase::Prefill);
-        let decode = ExecutionPlan::lower(last, Phase::Decode);
+        let decode = decode_plan(last);
         let all_logits = ExecutionPlan::lower(all, Phase::Prefill);
         let blas = load_cublas(&stream);
         let inv = crate::graph::rope::inv_freq(&prefill.graph.rope);

@@ -64,6 +64,12 @@ const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Spins between polls of the stream while waiting on the ring.
 const POLL_SPINS: u32 = 1024;
 
+/// The name the megakernel of `bucket` is compiled and cached under (the precompiler uses it too,
+/// so that its cubins are the ones a device looks up).
+pub(super) fn megakernel_file(bucket: usize) -> String {
+    format!("kiln_decode_step_b{bucket}.cu")
+}
+
 /// One decode step's results: the sampled token of each row `start` named (in its order;
 /// `NO_TOKEN` for one that has left), each batch row's token (`None` where the row was inactive
 /// in that step), and a bit per batch row whose token is one of the stop tokens.
@@ -292,7 +298,7 @@ impl CudaBackend {
                 "the batch-{bucket} decode program names other weights than batch 1's"
             )));
         }
-        let file = format!("kiln_decode_step_b{bucket}.cu");
+        let file = megakernel_file(bucket);
         let cubin = nvrtc::compile_text_cached(&file, &mk.source, self.arch, &self.include)?;
         let module = self
             .ctx

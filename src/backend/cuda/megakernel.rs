@@ -428,16 +428,17 @@ pub fn stage_weights() -> bool {
 }
 
 /// Whether matvec tiles of fewer rows than warps split each row's columns across warps
-/// (`MK_SPLIT` in `cuda/megakernel/tiles.cuh`): off unless `KILN_MK_SPLIT=1`. UNVERIFIED on a
-/// GPU (compiled with NVRTC only), hence opt-in: the next GPU run measures it against the
-/// default on the Llama-3.2-1B shape, whose 2- and 4-row tiles leave warps idle.
+/// (`MK_SPLIT` in `cuda/megakernel/tiles.cuh`): off unless `KILN_MK_SPLIT=1`. Opt-in: on an
+/// H100 it cost SmolLM2-135M 9% (no tile of it splits) and its outputs have not been checked on
+/// a GPU; the Llama-3.2-1B shape, whose 2- and 4-row tiles leave warps idle and which it is
+/// meant for, has no figure yet (docs/gpu-results.md, run 9).
 pub fn split_rows() -> bool {
     std::env::var("KILN_MK_SPLIT").is_ok_and(|v| v.trim() == "1")
 }
 
 /// Whether the kernel loads each tile's arguments into shared memory before its dependency wait
-/// (`MK_PRELOAD` in `cuda/megakernel/tiles.cuh`): off unless `KILN_MK_PRELOAD=1`. UNVERIFIED on
-/// a GPU (compiled with NVRTC only), hence opt-in until a GPU run measures it.
+/// (`MK_PRELOAD` in `cuda/megakernel/tiles.cuh`): off unless `KILN_MK_PRELOAD=1`. Its steps
+/// complete on an H100 (run 9) but its outputs and speed are UNVERIFIED, hence opt-in.
 pub fn preload_args() -> bool {
     std::env::var("KILN_MK_PRELOAD").is_ok_and(|v| v.trim() == "1")
 }

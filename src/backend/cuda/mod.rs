@@ -15,6 +15,8 @@
 //!   (docs/gpu-results.md): equal to the per-op path and the CPU up to near ties; two checks
 //!   fail on the demo model only (rows joining and leaving, seeded sampling against the per-op
 //!   sampler; see `graph.rs`).
+//! * `precompile` (feature `cuda`): compiles a model's kernels for a named architecture into
+//!   the on-disk cache without a GPU (`kiln-bench --precompile-cuda`), for a device to load.
 //! * `device` (feature `cuda`): driver discovery and the [`CudaBackend`] executor.
 //!   Ran on an H200 (docs/gpu-results.md): logits within bf16 tolerance of the CPU on every
 //!   fixture, 128 greedy SmolLM2 tokens identical; `tests/gpu.rs` / `scripts/gpu-check.sh` are
@@ -34,6 +36,8 @@ mod device;
 mod graph;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
+#[cfg(feature = "cuda")]
+pub mod precompile;
 
 #[cfg(feature = "cuda")]
 pub use device::{probe, CudaBackend, CudaError, CudaKvCache, CudaWorkspace, DeviceInfo};

@@ -305,6 +305,18 @@ pub fn compile_cached(src: &CudaSource, arch: u32, include: &Path) -> Result<Vec
     compile_text_cached(src.file, &src.expanded(), arch, include)
 }
 
+/// Where [`compile_text_cached`] keeps the cubin of `text` (compiled as `file`) for `sm_{arch}`
+/// under the loaded NVRTC's version; `None` without a cache directory.
+pub fn cache_path(file: &str, text: &str, arch: u32) -> Result<Option<PathBuf>, NvrtcError> {
+    let (major, minor) = version()?;
+    let key = format!(
+        "{}-sm{arch}-nvrtc{major}.{minor}-{:016x}.cubin",
+        file.trim_end_matches(".cu"),
+        fnv1a(text.as_bytes())
+    );
+    Ok(cache_dir().map(|d| d.join(key)))
+}
+
 /// [`compile_cached`] for a source that is not one of `cuda/`'s files (the generated decode
 /// megakernel): cached under `file`'s stem and the hash of `text`.
 pub fn compile_text_cached(
@@ -313,13 +325,7 @@ pub fn compile_text_cached(
     arch: u32,
     include: &Path,
 ) -> Result<Vec<u8>, NvrtcError> {
-    let (major, minor) = version()?;
-    let key = format!(
-        "{}-sm{arch}-nvrtc{major}.{minor}-{:016x}.cubin",
-        file.trim_end_matches(".cu"),
-        fnv1a(text.as_bytes())
-    );
-    let path = cache_dir().map(|d| d.join(key));
+    let path = cache_path(file, text, arch)?;
     if let Some(p) = &path {
         if let Ok(bytes) = std::fs::read(p) {
             if !bytes.is_empty() {

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Prints the environment (one VAR=value per line) of a decode-megakernel variant, the names that
+# scripts/gpu-check.sh (KILN_GPU_MK_ROWS, KILN_GPU_TEST_VARIANTS) and scripts/gpu-pack.sh
+# (KILN_GPU_PACK_VARIANTS) take:
+#   default   nothing (the built-in kernel)
+#   nostage   KILN_MK_STAGE=0     no shared-memory weight staging
+#   split     KILN_MK_SPLIT=1     rows of small matvec tiles split across warps
+#   preload   KILN_MK_PRELOAD=1   tile arguments loaded before the dependency wait
+#   N         KILN_MK_MATVEC_ROWS=N   matvec output rows per tile
+# and combinations joined by '+' (split+4). An unknown name is an error (exit 1).
+set -euo pipefail
+[[ $# -eq 1 ]] || { echo "usage: $0 VARIANT" >&2; exit 2; }
+IFS=+ read -r -a parts <<<"$1"
+[[ ${#parts[@]} -gt 0 ]] || { echo "mk-variant: empty variant" >&2; exit 1; }
+for p in "${parts[@]}"; do
+    case $p in
+    default) ;;
+    nostage) echo KILN_MK_STAGE=0 ;;
+    split) echo KILN_MK_SPLIT=1 ;;
+    preload) echo KILN_MK_PRELOAD=1 ;;
+    *[!0-9]* | "") echo "mk-variant: unknown megakernel variant '$p' in '$1'" >&2 && exit 1 ;;
+    *) echo "KILN_MK_MATVEC_ROWS=$p" ;;
+    esac
+done
