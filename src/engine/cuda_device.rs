@@ -7,7 +7,8 @@
 //! and seeded sampling reproducing across runs. `tests/gpu.rs`, `tests/gpu_engine.rs` and
 //! `scripts/gpu-check.sh` are the checks for a GPU machine.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
 
 use super::backend::{Backend, Caches, CpuGraphInputs};
 use super::EngineError;
@@ -16,6 +17,30 @@ use crate::backend::{GraphRow, TokenRow};
 use crate::model::ModelConfig;
 use crate::plan::{ExecutionPlan, PlanKind};
 use crate::sample::SamplingParams;
+
+/// Whether `KILN_TRACE_GRAPH=1` asks for the time of each decode-graph phase of a session (the
+/// graph's creation and capture, each start, the first step after it, each stop, the caches'
+/// teardown) on stderr. Why: on an H100 a Llama-3.2-1B megakernel run spent about 5 s outside
+/// its timed decode, and nothing said where (docs/gpu-results.md, run 9).
+fn trace_graph() -> bool {
+    static TRACE: OnceLock<bool> = OnceLock::new();
+    *TRACE.get_or_init(|| std::env::var("KILN_TRACE_GRAPH").is_ok_and(|v| v.trim() == "1"))
+}
+
+/// Runs `f`, and with [`trace_graph`] prints how long it took as `kiln: graph WHAT: N ms`.
+fn traced<T>(what: impl FnOnce() -> String, f: impl FnOnce() -> T) -> T {
+    if !trace_graph() {
+        return f();
+    }
+    let t0 = Instant::now();
+    let out = f();
+    eprintln!(
+        "kiln: graph {}: {:.3} ms",
+        what(),
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    out
+}
 
 pub(crate) struct CudaDevice {
     backend: Arc<CudaBackend>,
@@ -60,6 +85,7 @@ impl Backend for CudaDevice {
     fn new_caches(&self, slots: usize, capacity: usize) -> Box<dyn Caches> {
         Box::new(CudaCaches {
             graphs: Vec::new(),
+            first_step: false,
             slots,
             capacity,
             kv: None,
@@ -82,6 +108,8 @@ impl Backend for CudaDevice {
 struct CudaCaches {
     /// One captured decode graph per bucket used so far.
     graphs: Vec<GraphDecoder>,
+    /// Whether the next `graph_next` is the first since a start (for [`trace_graph`]).
+    first_step: bool,
     slots: usize,
     capacity: usize,
     /// Allocated on first use with the slots rounded up to a graph bucket (padding rows of the
@@ -91,12 +119,28 @@ struct CudaCaches {
     backend: Arc<CudaBackend>,
 }
 
+impl Drop for CudaCaches {
+    /// The field order's teardown (graphs, whose drop waits for replays in flight, then the
+    /// cache), timed under [`trace_graph`].
+    fn drop(&mut self) {
+        let (n, graphs) = (self.graphs.len(), &mut self.graphs);
+        traced(|| format!("teardown of {n} graphs"), || graphs.clear());
+        let kv = &mut self.kv;
+        traced(|| "cache free".to_string(), || drop(kv.take()));
+    }
+}
+
 impl CudaCaches {
     /// The cache (allocated on first use) and the workspace, borrowed together.
     fn parts(&mut self) -> Result<(&mut CudaKvCache, &mut CudaWorkspace), EngineError> {
         if self.kv.is_none() {
             let slots = kiln_codegen::bucket_for(self.slots).unwrap_or(self.slots);
-            self.kv = Some(self.backend.new_cache(slots, self.capacity)?);
+            let (backend, capacity) = (&self.backend, self.capacity);
+            let kv = traced(
+                || format!("cache of {slots} slots x {capacity} positions"),
+                || backend.new_cache(slots, capacity),
+            )?;
+            self.kv = Some(kv);
         }
         Ok((self.kv.as_mut().expect("allocated above"), &mut self.ws))
     }
@@ -114,8 +158,12 @@ impl CudaCaches {
             None => {
                 // SAFETY: the decoder lives in these caches beside the `Arc` of its backend,
                 // and is dropped first (field order), so the backend outlives it.
-                self.graphs
-                    .push(unsafe { GraphDecoder::new(&self.backend, kv, bucket) }?);
+                let backend = &self.backend;
+                let g = traced(
+                    || format!("b{bucket} new (module, buffers, capture)"),
+                    || unsafe { GraphDecoder::new(backend, kv, bucket) },
+                )?;
+                self.graphs.push(g);
                 self.graphs.len() - 1
             }
         };
@@ -194,8 +242,13 @@ impl Caches for CudaCaches {
         stop_tokens: &[u32],
         _emulation: CpuGraphInputs<'_>,
     ) -> Result<(), EngineError> {
+        self.first_step = true;
         let (g, kv) = self.graph(bucket)?;
-        Ok(g.start(kv, rows, sampling, stop_tokens)?)
+        traced(
+            || format!("b{bucket} start ({} rows)", rows.len()),
+            || g.start(kv, rows, sampling, stop_tokens),
+        )?;
+        Ok(())
     }
 
     fn graph_enqueue(&mut self, bucket: usize) -> Result<(), EngineError> {
@@ -203,10 +256,18 @@ impl Caches for CudaCaches {
     }
 
     fn graph_next(&mut self, bucket: usize) -> Result<Vec<u32>, EngineError> {
-        Ok(self.graph(bucket)?.0.next()?.tokens)
+        let first = std::mem::take(&mut self.first_step);
+        let g = self.graph(bucket)?.0;
+        if first {
+            let step = traced(|| format!("b{bucket} first step after start"), || g.next())?;
+            return Ok(step.tokens);
+        }
+        Ok(g.next()?.tokens)
     }
 
     fn graph_stop(&mut self, bucket: usize) -> Result<(), EngineError> {
-        Ok(self.graph(bucket)?.0.stop()?)
+        let g = self.graph(bucket)?.0;
+        traced(|| format!("b{bucket} stop"), || g.stop())?;
+        Ok(())
     }
 }
