@@ -6,6 +6,7 @@
 #   nostage   KILN_MK_STAGE=0     no shared-memory weight staging
 #   split     KILN_MK_SPLIT=1     rows of small matvec tiles split across warps
 #   preload   KILN_MK_PRELOAD=1   tile arguments loaded before the dependency wait
+#   xstage    KILN_MK_XSTAGE=1    matvec input rows copied into shared memory once per tile
 #   N         KILN_MK_MATVEC_ROWS=N   matvec output rows per tile
 # and combinations joined by '+' (split+4). An unknown name is an error (exit 1).
 set -euo pipefail
@@ -18,6 +19,7 @@ for p in "${parts[@]}"; do
     nostage) echo KILN_MK_STAGE=0 ;;
     split) echo KILN_MK_SPLIT=1 ;;
     preload) echo KILN_MK_PRELOAD=1 ;;
+    xstage) echo KILN_MK_XSTAGE=1 ;;
     *[!0-9]* | "") echo "mk-variant: unknown megakernel variant '$p' in '$1'" >&2 && exit 1 ;;
     *) echo "KILN_MK_MATVEC_ROWS=$p" ;;
     esac

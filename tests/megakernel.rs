@@ -364,16 +364,18 @@ fn megakernel_without_weight_staging_compiles() {
     assert!(!log.contains("mk_stage_tile"), "{log}");
 }
 
-/// The opt-in variants not yet run on a GPU compile without spills at batch 1 and 8: the
-/// split-row matvec (`KILN_MK_SPLIT=1` puts `#define MK_SPLIT 1` ahead of the source) and the
-/// argument preload (`KILN_MK_PRELOAD=1`, `#define MK_PRELOAD 1`). Neither is in the default
-/// source. (Both at once spill 12 bytes at batch 1 under NVRTC 13.5: measure them one at a time.)
+/// The opt-in variants compile without spills at batch 1 and 8: the split-row matvec
+/// (`KILN_MK_SPLIT=1` puts `#define MK_SPLIT 1` ahead of the source), the argument preload
+/// (`KILN_MK_PRELOAD=1`, `#define MK_PRELOAD 1`), the input staging (`KILN_MK_XSTAGE=1`,
+/// `#define MK_XSTAGE 1`) and split rows with input staging. None is in the default source.
+/// (Split and preload at once spill 12 bytes at batch 1 under NVRTC 13.5: measure them one at a
+/// time.)
 #[cfg(feature = "cuda")]
 #[test]
 fn megakernel_experimental_variants_compile() {
-    use kiln::backend::cuda::megakernel::{preload_args, split_rows};
-    if split_rows() || preload_args() {
-        println!("SKIPPED: KILN_MK_SPLIT or KILN_MK_PRELOAD is set");
+    use kiln::backend::cuda::megakernel::{preload_args, split_rows, stage_inputs};
+    if split_rows() || preload_args() || stage_inputs() {
+        println!("SKIPPED: KILN_MK_SPLIT, KILN_MK_PRELOAD or KILN_MK_XSTAGE is set");
         return;
     }
     let Some(include) = nvrtc_or_skip("experimental variants compile") else {
@@ -383,9 +385,12 @@ fn megakernel_experimental_variants_compile() {
         let k = generate(&plan("tests/fixtures/llama_tied"), batch).unwrap();
         assert!(!k.source.contains("#define MK_SPLIT 1"));
         assert!(!k.source.contains("#define MK_PRELOAD 1"));
+        assert!(!k.source.contains("#define MK_XSTAGE 1"));
         for (name, defines) in [
             ("split", "#define MK_SPLIT 1\n"),
             ("preload", "#define MK_PRELOAD 1\n"),
+            ("xstage", "#define MK_XSTAGE 1\n"),
+            ("split_xstage", "#define MK_SPLIT 1\n#define MK_XSTAGE 1\n"),
         ] {
             compile_without_spills(
                 format!("megakernel_llama_tied_{name}_b{batch}.cu"),

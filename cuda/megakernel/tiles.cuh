@@ -89,6 +89,37 @@ __device__ __forceinline__ void mk_wait(const unsigned* counters, const int* wai
 #define MK_PRELOAD 0
 #endif
 
+// Whether a matvec tile copies its input rows x (B × k f32, when they fit MK_XSTAGE_FLOATS)
+// into shared memory once, block-wide, before its warps read them: every warp of a tile reads
+// the whole of x (or its slice of it) for its row, so today a tile of R rows reads x R times
+// from L2, each warp in dependent rounds. Same values, so the same bits. Off unless the host
+// compiles with MK_XSTAGE 1 (KILN_MK_XSTAGE=1): UNVERIFIED on a GPU. Why: on an H100 41% of a
+// Llama-3.2-1B step's stall cycles were long-scoreboard waits on global loads (run 9). 4,608
+// floats (18 KB, static) keep two blocks per SM beside the staging buffers and cover SmolLM2's
+// 576-column inputs at every batch and 2,048 columns at batch 1 and 2.
+#ifndef MK_XSTAGE
+#define MK_XSTAGE 0
+#endif
+#define MK_XSTAGE_FLOATS 4608
+
+#if MK_XSTAGE
+__shared__ __align__(16) float mk_x_sh[MK_XSTAGE_FLOATS];
+
+// Copies rows 0..batch-1 of x (k floats each, row stride xs, 16-byte aligned, k % 4 == 0,
+// batch · k <= MK_XSTAGE_FLOATS) into mk_x_sh as [batch][k], 16 bytes a thread at a time, all
+// in flight at once; returns mk_x_sh. The caller's barrier publishes it. Out of line, so that
+// mk_matvec keeps its registers.
+__device__ __noinline__ const float* mk_stage_x(const float* x, int xs, int k, int batch) {
+    const int k4 = k >> 2;
+    for (int i = threadIdx.x; i < batch * k4; i += blockDim.x) {
+        const int b = i / k4, c4 = i - b * k4;
+        reinterpret_cast<float4*>(mk_x_sh)[i] =
+            reinterpret_cast<const float4*>(x + (size_t)b * xs)[c4];
+    }
+    return mk_x_sh;
+}
+#endif
+
 // The two staging buffers, MK_STAGE_U4 16-byte words each (dynamic shared memory).
 extern __shared__ __align__(16) uint4 mk_stage[];
 
@@ -232,10 +263,23 @@ __device__ __noinline__ void mk_matvec(const __nv_bfloat16* __restrict__ w,
     // buffer `buf`; the newest copy group is the block's next tile's, so waiting for all but
     // one is waiting for this tile's.
     const bool staged = mk_stageable(w, up, r0, r1, k);
+#if MK_XSTAGE
+    // Block-uniform: x's rows go to mk_x_sh, published by the barrier below.
+    const bool x_staged = wide && B * k <= MK_XSTAGE_FLOATS;
+    if (x_staged) {
+        x = mk_stage_x(x, xs, k, B);
+        xs = k;
+    }
+    if (staged || x_staged) {
+        if (staged) asm volatile("cp.async.wait_group 1;" ::: "memory");
+        __syncthreads();
+    }
+#else
     if (staged) {
         asm volatile("cp.async.wait_group 1;" ::: "memory");
         __syncthreads();
     }
+#endif
     const uint4* stage = mk_stage + (size_t)buf * MK_STAGE_U4;
     const int k8 = k >> 3;
     const size_t n16 = (size_t)(r1 - r0) * (size_t)k8;

@@ -443,6 +443,14 @@ pub fn preload_args() -> bool {
     std::env::var("KILN_MK_PRELOAD").is_ok_and(|v| v.trim() == "1")
 }
 
+/// Whether matvec tiles copy their input rows into shared memory once before reading them
+/// (`MK_XSTAGE` in `cuda/megakernel/tiles.cuh`; same values, same bits): off unless
+/// `KILN_MK_XSTAGE=1`. UNVERIFIED on a GPU (compiled with NVRTC only), hence opt-in until a
+/// GPU run measures it.
+pub fn stage_inputs() -> bool {
+    std::env::var("KILN_MK_XSTAGE").is_ok_and(|v| v.trim() == "1")
+}
+
 /// Lowers, schedules ([`tile_config`]) and emits.
 pub fn generate(plan: &ExecutionPlan, batch: usize) -> Result<Megakernel, LowerError> {
     let program = lower_decode(plan, batch)?;
@@ -457,6 +465,9 @@ pub fn generate(plan: &ExecutionPlan, batch: usize) -> Result<Megakernel, LowerE
     }
     if preload_args() {
         source.insert_str(0, "#define MK_PRELOAD 1\n");
+    }
+    if stage_inputs() {
+        source.insert_str(0, "#define MK_XSTAGE 1\n");
     }
     Ok(Megakernel {
         program,
