@@ -7,6 +7,7 @@
 #   split     KILN_MK_SPLIT=1     rows of small matvec tiles split across warps
 #   preload   KILN_MK_PRELOAD=1   tile arguments loaded before the dependency wait
 #   xstage    KILN_MK_XSTAGE=1    matvec input rows copied into shared memory once per tile
+#   fuse      KILN_MK_FUSE_ATTN=1 query RoPE and KV append folded into the attention tiles
 #   N         KILN_MK_MATVEC_ROWS=N   matvec output rows per tile
 # and combinations joined by '+' (split+4). An unknown name is an error (exit 1).
 set -euo pipefail
@@ -20,6 +21,7 @@ for p in "${parts[@]}"; do
     split) echo KILN_MK_SPLIT=1 ;;
     preload) echo KILN_MK_PRELOAD=1 ;;
     xstage) echo KILN_MK_XSTAGE=1 ;;
+    fuse) echo KILN_MK_FUSE_ATTN=1 ;;
     *[!0-9]* | "") echo "mk-variant: unknown megakernel variant '$p' in '$1'" >&2 && exit 1 ;;
     *) echo "KILN_MK_MATVEC_ROWS=$p" ;;
     esac

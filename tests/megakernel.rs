@@ -367,15 +367,18 @@ fn megakernel_without_weight_staging_compiles() {
 /// The opt-in variants compile without spills at batch 1 and 8: the split-row matvec
 /// (`KILN_MK_SPLIT=1` puts `#define MK_SPLIT 1` ahead of the source), the argument preload
 /// (`KILN_MK_PRELOAD=1`, `#define MK_PRELOAD 1`), the input staging (`KILN_MK_XSTAGE=1`,
-/// `#define MK_XSTAGE 1`) and split rows with input staging. None is in the default source.
+/// `#define MK_XSTAGE 1`), split rows with input staging, and the attention fusion's program
+/// (`KILN_MK_FUSE_ATTN=1`) alone and with input staging. None is in the default source.
 /// (Split and preload at once spill 12 bytes at batch 1 under NVRTC 13.5: measure them one at a
 /// time.)
 #[cfg(feature = "cuda")]
 #[test]
 fn megakernel_experimental_variants_compile() {
-    use kiln::backend::cuda::megakernel::{preload_args, split_rows, stage_inputs};
-    if split_rows() || preload_args() || stage_inputs() {
-        println!("SKIPPED: KILN_MK_SPLIT, KILN_MK_PRELOAD or KILN_MK_XSTAGE is set");
+    use kiln::backend::cuda::megakernel::{
+        fuse_attention, generate_with, preload_args, split_rows, stage_inputs,
+    };
+    if split_rows() || preload_args() || stage_inputs() || fuse_attention() {
+        println!("SKIPPED: a KILN_MK_* variant is set");
         return;
     }
     let Some(include) = nvrtc_or_skip("experimental variants compile") else {
@@ -395,6 +398,17 @@ fn megakernel_experimental_variants_compile() {
             compile_without_spills(
                 format!("megakernel_llama_tied_{name}_b{batch}.cu"),
                 format!("{defines}{}", k.source),
+                &include,
+            );
+        }
+        // The attention fusion is a different program (fewer instructions), alone and with
+        // the input staging.
+        let fused = generate_with(&plan("tests/fixtures/llama_tied"), batch, true).unwrap();
+        assert!(fused.program.instrs.len() < k.program.instrs.len());
+        for (name, defines) in [("fuse", ""), ("fuse_xstage", "#define MK_XSTAGE 1\n")] {
+            compile_without_spills(
+                format!("megakernel_llama_tied_{name}_b{batch}.cu"),
+                format!("{defines}{}", fused.source),
                 &include,
             );
         }

@@ -25,7 +25,9 @@ use std::path::{Path, PathBuf};
 
 use common::{demo_model, fixtures, rel_l2};
 use kiln::backend::cpu::{CpuBackend, CpuOptions, WeightFormat, Workspace};
-use kiln::backend::cuda::megakernel::{lower_decode, tile_config, weight_data};
+use kiln::backend::cuda::megakernel::{
+    fuse_attention, lower_decode, lower_decode_with, tile_config, weight_data,
+};
 use kiln::backend::TokenRow;
 use kiln::graph::build::{build_graph, LogitRows};
 use kiln::kv::KvCache;
@@ -715,5 +717,76 @@ fn a_row_joins_and_another_leaves_a_running_batch_and_each_matches_its_solo_run(
         assert_eq!(got_a, solo_a, "{name}: A");
         assert_eq!(got_b, solo_b, "{name}: B");
         assert_eq!(m.pos, [-1, (b.len + STEPS - JOIN) as i32], "{name}");
+    }
+}
+
+/// `KILN_MK_FUSE_ATTN`'s program (each layer's query RoPE and KV append folded into its
+/// attention tiles) computes exactly what the unfused one does: on every fixture the megakernel
+/// lowers, at batch 1 and 3, every step's logits and tokens are bit-identical over 18 steps
+/// (each run in its own random tile order), with one instruction fewer per fused Rope and KV
+/// append and one dependent phase per layer fewer. (Running this file with
+/// `KILN_MK_FUSE_ATTN=1` puts the fused program through every other check here too, the
+/// dropped-wait mutations included.)
+#[test]
+fn fused_attention_is_bit_identical_to_rope_and_kv_append_tiles() {
+    if fuse_attention() {
+        println!("note: KILN_MK_FUSE_ATTN is set: the other tests here run the fused program");
+    }
+    for path in fixture_models() {
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        for batch in [1usize, 3] {
+            let run = |fuse: bool, seed: u64| {
+                let base = setup(&path, batch);
+                let program = lower_decode_with(base.cpu.plan(PlanKind::Decode), batch, fuse)
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+                let schedule = Schedule::build(&program, tile_config());
+                let s = Setup {
+                    program,
+                    schedule,
+                    ..base
+                };
+                let p = &s.program;
+                let rows = rows_for(p, batch);
+                let capacity = rows.iter().map(|r| r.1).max().unwrap() + STEPS + 4;
+                let vocab = p.vocab;
+                let mut st = start(&s, &s.schedule, &rows, capacity, |b, i| {
+                    ((i * 7 + 3 + 11 * b) % vocab) as u32
+                });
+                let Some(Instr::Sample { logits: lr, .. }) = p.instrs.iter().rev().nth(1) else {
+                    panic!("{name}: no sample instruction");
+                };
+                let (offs, _) = p.buffer_offsets();
+                let mut rng = SplitMix(seed);
+                let mut out = Vec::new();
+                for step in 0..STEPS {
+                    st.m.step(&mut rng.picker())
+                        .unwrap_or_else(|e| panic!("{name} fuse {fuse}: step {step}: {e}"));
+                    let got =
+                        st.m.rows(offs[lr.buf], p.buffers[lr.buf].cols, lr.col, lr.cols);
+                    let bits: Vec<Vec<u32>> = got
+                        .iter()
+                        .map(|r| r.iter().map(|v| v.to_bits()).collect())
+                        .collect();
+                    out.push((bits, st.m.tokens.clone()));
+                }
+                (s.program.instrs.len(), out)
+            };
+            let (n_plain, plain) = run(false, 5);
+            let (n_fused, fused) = run(true, 6);
+            let what = format!("{name} batch {batch}");
+            for (step, (a, b)) in plain.iter().zip(&fused).enumerate() {
+                assert!(
+                    a == b,
+                    "{what}: step {step}: the fused program's logits or tokens differ"
+                );
+            }
+            let layers = setup(&path, batch).program.layers;
+            // Every layer loses its KV append; a Llama-style layer its query Rope too.
+            assert!(
+                n_fused + layers <= n_plain,
+                "{what}: {n_plain} instructions unfused, {n_fused} fused, {layers} layers"
+            );
+            println!("{what}: {STEPS} steps bit-identical; {n_plain} -> {n_fused} instructions");
+        }
     }
 }

@@ -413,22 +413,43 @@ fn instr_rows(p: &DecodeProgram, offs: &[usize], i: usize, ins: &Instr) -> Vec<R
             scale,
             window,
             q,
+            rope_q,
+            append,
             out,
-        } => vec![row(
-            "MK_K_ATTENTION",
-            vec![
-                a(q.buf, q.col),
-                stride(q.buf),
-                a(*out, 0),
-                stride(*out),
-                *layer as i64,
-                (heads / kv_heads) as i64,
-                *kv_heads as i64,
-                *head_dim as i64,
-                window.map_or(-1, |w| w as i64),
-            ],
-            vec![*scale],
-        )],
+        } => {
+            // g[10]: bit 0 rotate q, bit 1 append k/v first, bit 2 rotate k;
+            // g[11..15): the append's k, v and their row strides (-1 / 0 without one).
+            let flags = i64::from(*rope_q) | append.map_or(0, |ap| 2 | (i64::from(ap.rope) << 2));
+            let (k, v, ks, vs) = match append {
+                Some(ap) => (
+                    a(ap.k.buf, ap.k.col),
+                    a(ap.v.buf, ap.v.col),
+                    stride(ap.k.buf),
+                    stride(ap.v.buf),
+                ),
+                None => (-1, -1, 0, 0),
+            };
+            vec![row(
+                "MK_K_ATTENTION",
+                vec![
+                    a(q.buf, q.col),
+                    stride(q.buf),
+                    a(*out, 0),
+                    stride(*out),
+                    *layer as i64,
+                    (heads / kv_heads) as i64,
+                    *kv_heads as i64,
+                    *head_dim as i64,
+                    window.map_or(-1, |w| w as i64),
+                    flags,
+                    k,
+                    v,
+                    ks,
+                    vs,
+                ],
+                vec![*scale],
+            )]
+        }
         Instr::Sample { logits } => vec![row(
             "MK_K_SAMPLE",
             vec![
@@ -706,9 +727,17 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
                          inv_freq, MK_ROPE_STYLE, g[8], MK_BATCH);\n\
             break;\n\
         case MK_K_ATTENTION:\n\
+            if (g[10] & 2) {  // the fused KV append of this head's KV head, then a barrier\n\
+                mk_kv_append(A(g[11]) + (lo / g[6]) * g[8], A(g[12]) + (lo / g[6]) * g[8], g[13], g[14],\n\
+                             k_cache, v_cache, MK_LAYERS, g[5], lo / g[6], g[7], g[8], block_size,\n\
+                             page_tables, max_blocks, pos, inv_freq, MK_ROPE_STYLE, (g[10] >> 2) & 1,\n\
+                             MK_BATCH);\n\
+                __syncthreads();\n\
+            }\n\
             mk_attention(A(g[1]) + lo * g[8], g[2], A(g[3]) + lo * g[8], g[4], k_cache, v_cache,\n\
                          MK_LAYERS, g[5], lo / g[6], g[7], g[8], block_size, fa[0], g[9],\n\
-                         page_tables, max_blocks, pos, MK_BATCH);\n\
+                         page_tables, max_blocks, pos, (g[10] & 1) ? inv_freq : nullptr,\n\
+                         MK_ROPE_STYLE, MK_BATCH);\n\
             break;\n\
         case MK_K_SAMPLE:\n\
             mk_sample(A(g[1]), g[2], g[3], lo, ctl, pos, tokens);\n\

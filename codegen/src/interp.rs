@@ -850,18 +850,41 @@ impl Machine {
         Ok(())
     }
 
-    /// `mk_attention(A(g[1]) + lo·g[8], g[2], A(g[3]) + lo·g[8], g[4], k_cache, v_cache,
-    /// MK_LAYERS, g[5], lo / g[6], g[7], g[8], block_size, fa[0], g[9], page_tables,
-    /// max_blocks, pos)`: key j is read through the row's page table.
+    /// The kernel's `MK_K_ATTENTION` case: with `g[10] & 2` first `mk_kv_append` of this
+    /// head's KV head `lo / g[6]` (k `A(g[11])`, v `A(g[12])`, strides `g[13]`, `g[14]`, rotated
+    /// when `g[10] & 4`), then `mk_attention(A(g[1]) + lo·g[8], g[2], A(g[3]) + lo·g[8], g[4],
+    /// k_cache, v_cache, MK_LAYERS, g[5], lo / g[6], g[7], g[8], block_size, fa[0], g[9],
+    /// page_tables, max_blocks, pos, g[10] & 1 ? inv_freq : null, style)`: q rotated when
+    /// `g[10] & 1`; key j is read through the row's page table.
     fn attention(&mut self, g: &[i64; NARGS], lo: i64, scale: f32) -> R<()> {
         let hd = g[8];
+        let flags = g[10];
+        if flags & 2 != 0 {
+            // mk_kv_append's argument row: k, v, their strides, layer, kv_heads, head_dim, rope.
+            let mut ka = [0i64; NARGS];
+            ka[1..9].copy_from_slice(&[
+                g[11],
+                g[12],
+                g[13],
+                g[14],
+                g[5],
+                g[7],
+                hd,
+                (flags >> 2) & 1,
+            ]);
+            self.kv_append(&ka, lo / g[6])?;
+        }
         let q = self.ptr(g[1], "attention q")? + lo * hd;
         let out = self.ptr(g[3], "attention out")? + lo * hd;
         let (qs, os, layer, group, kv_heads, window) =
             (g[2], g[4], g[5] as usize, g[6], g[7] as usize, g[9]);
         let kvh = (lo / group) as usize;
         let hd = hd as usize;
-        let qr = self.load_rows(q, qs, hd)?;
+        let qr = if flags & 1 != 0 {
+            self.rope_head(q, qs, hd)?
+        } else {
+            self.load_rows(q, qs, hd)?
+        };
         if kv_heads != self.kv_heads || hd != self.head_dim {
             return Err(Fault::Oob(format!(
                 "attention over {kv_heads} heads × {hd} in a cache of {} × {}",

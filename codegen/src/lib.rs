@@ -30,8 +30,8 @@ pub use control::{
 };
 pub use emit::{emit_kernel, emit_source, tables, Tables, KERNEL};
 pub use program::{
-    Act, BufId, Buffer, ColRange, DecodeProgram, Ewise, Instr, LowerError, NormSpec, RopeStyle,
-    Weight, WeightDtype, WeightId,
+    Act, BufId, Buffer, ColRange, DecodeProgram, Ewise, Instr, KvAppend, LowerError, NormSpec,
+    RopeStyle, Weight, WeightDtype, WeightId,
 };
 pub use schedule::{Access, Resource, Schedule, Tile, TileConfig, Wait};
 

@@ -72,6 +72,15 @@ impl ColRange {
     }
 }
 
+/// This step's k (rotated first when `rope`) and v, written into a layer's cache at each row's
+/// position by the attention tiles that read it ([`Instr::AttentionDecode`]'s `append`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvAppend {
+    pub k: ColRange,
+    pub v: ColRange,
+    pub rope: bool,
+}
+
 /// RMSNorm of the instruction's input row, optionally times a weight vector.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct NormSpec {
@@ -238,7 +247,11 @@ pub enum Instr {
         v: ColRange,
         rope: bool,
     },
-    /// Each query head over its KV head's cached keys `[pos − window, pos]`.
+    /// Each query head over its KV head's cached keys `[pos − window, pos]`. With `rope_q` the
+    /// tile rotates its head of `q` itself (q is the un-rotated projection); with `append` it
+    /// first writes this step's k and v of its KV head into the cache (every query head of the
+    /// group writes the same values, so no tile waits on another), which is what a separate
+    /// `RopeKvAppend` would have done: one dependent phase per layer fewer.
     AttentionDecode {
         layer: usize,
         heads: usize,
@@ -247,6 +260,8 @@ pub enum Instr {
         scale: f32,
         window: Option<usize>,
         q: ColRange,
+        rope_q: bool,
+        append: Option<KvAppend>,
         out: BufId,
     },
     /// Final norm + vocabulary projection (+ bias, + softcap).
@@ -692,6 +707,8 @@ impl DecodeProgram {
                 kv_heads,
                 head_dim,
                 q,
+                rope_q,
+                append,
                 out,
                 ..
             } => {
@@ -701,6 +718,13 @@ impl DecodeProgram {
                 }
                 eq("q columns", q.cols, heads * head_dim)?;
                 eq("output columns", cols(*out), heads * head_dim)?;
+                if *rope_q && (*head_dim == 0 || !head_dim.is_multiple_of(2)) {
+                    return Err(format!("odd head_dim {head_dim}"));
+                }
+                if let Some(a) = append {
+                    eq("k columns", a.k.cols, kv_heads * head_dim)?;
+                    eq("v columns", a.v.cols, kv_heads * head_dim)?;
+                }
             }
             Instr::Sample { logits, .. } => eq("logits columns", logits.cols, self.vocab)?,
             Instr::StepEnd => {}

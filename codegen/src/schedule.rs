@@ -173,7 +173,9 @@ pub fn instr_ranges(ins: &Instr) -> Vec<ColRange> {
         Instr::GatedValueAdd { v, h, ve, .. } => vec![*v, *h, *ve],
         Instr::Smear { input, .. } => vec![*input],
         Instr::RopeKvAppend { k, v, .. } => vec![*k, *v],
-        Instr::AttentionDecode { q, .. } => vec![*q],
+        Instr::AttentionDecode { q, append, .. } => std::iter::once(*q)
+            .chain(append.iter().flat_map(|a| [a.k, a.v]))
+            .collect(),
         Instr::Sample { logits } => vec![*logits],
     }
 }
@@ -411,6 +413,7 @@ fn tiles_of(p: &DecodeProgram, cfg: &TileConfig, i: usize) -> Vec<Tile> {
             kv_heads,
             head_dim,
             q,
+            append,
             out: o,
             ..
         } => {
@@ -418,21 +421,25 @@ fn tiles_of(p: &DecodeProgram, cfg: &TileConfig, i: usize) -> Vec<Tile> {
             for h in 0..*heads {
                 let (lo, hi) = (h * head_dim, (h + 1) * head_dim);
                 let g = h / group;
-                out.push(mk(
-                    h,
-                    h + 1,
-                    0,
-                    vec![
-                        Access::sub(*q, lo, hi),
-                        Access {
-                            res: Resource::Kv(*layer),
-                            lo: g,
-                            hi: g + 1,
-                        },
-                        pos,
-                    ],
-                    vec![Access::buf(*o, lo, hi)],
-                ));
+                let mut reads = vec![
+                    Access::sub(*q, lo, hi),
+                    Access {
+                        res: Resource::Kv(*layer),
+                        lo: g,
+                        hi: g + 1,
+                    },
+                    pos,
+                ];
+                // A fused append's cache write is left out of the tile's writes on purpose:
+                // every query head of the group writes the same k and v at the rows' positions
+                // before reading them back itself, and nothing else in the step reads the
+                // layer's cache, so the heads need not wait on one another.
+                if let Some(a) = append {
+                    let (klo, khi) = (g * head_dim, (g + 1) * head_dim);
+                    reads.push(Access::sub(a.k, klo, khi));
+                    reads.push(Access::sub(a.v, klo, khi));
+                }
+                out.push(mk(h, h + 1, 0, reads, vec![Access::buf(*o, lo, hi)]));
             }
         }
         Instr::Sample { logits } => {

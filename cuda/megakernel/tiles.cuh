@@ -571,19 +571,26 @@ __device__ __noinline__ void mk_kv_append(const float* k, const float* v, int ks
 // One query head over keys [max(0, pos - window), pos] of its KV head g of layer `layer`: the
 // block's warps split the keys (warp w takes key tiles w, w + MK_WARPS, ...) and merge their
 // softmax states. Keys are read through batch row b's page table; an inactive row's output is
-// zeros.
+// zeros. With `rope_freq` (not null) the head of q is rotated at the row's position first, as
+// mk_rope does (the program fused its Rope into the attention).
 __device__ __noinline__ void mk_attention(const float* q, int qs, float* out, int os,
                                           const unsigned short* k_cache,
                                           const unsigned short* v_cache, int layers, int layer,
                                           int g, int kv_heads, int head_dim, int block_size,
                                           float scale, int window, const int* tables,
-                                          int max_blocks, const int* pos, int batch) {
+                                          int max_blocks, const int* pos,
+                                          const float* __restrict__ rope_freq, int style,
+                                          int batch) {
     __shared__ float qsh[ATT_MAX_D];
     __shared__ float wm[MK_WARPS], wl[MK_WARPS];
     __shared__ float wacc[MK_WARPS][ATT_MAX_D];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int b = 0; b < batch; ++b) {
-        for (int c = threadIdx.x; c < head_dim; c += blockDim.x) qsh[c] = q[(size_t)b * qs + c];
+        if (rope_freq) {
+            mk_rope_head(q + (size_t)b * qs, qs, qsh, 0, head_dim, pos + b, rope_freq, style, 1);
+        } else {
+            for (int c = threadIdx.x; c < head_dim; c += blockDim.x) qsh[c] = q[(size_t)b * qs + c];
+        }
         __syncthreads();
         const int p = pos[b];
         if (p < 0) {  // an inactive row: zeros, no key read

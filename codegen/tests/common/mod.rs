@@ -70,6 +70,8 @@ pub fn small(batch: usize) -> DecodeProgram {
             scale: 0.25,
             window: None,
             q: ColRange::whole(q, 64),
+            rope_q: false,
+            append: None,
             out: att,
         });
         let wo = p.weight(&format!("{l}.o"), 64, 64);

@@ -87,7 +87,7 @@ __device__ const int mk_args[368] = {
     2, 4, -1, 64, 0, 64, 1, 1, 224, 128, -1, 0, 0, 0, -1, 0, // i1: norm_matvec seg 2
     3, 128, 128, 384, 64, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, // i2: rope
     5, 192, 224, 128, 128, 0, 2, 16, 1, 0, 0, 0, 0, 0, 0, 0, // i3: rope_kv_append
-    6, 384, 64, 512, 64, 0, 2, 2, 16, -1, 0, 0, 0, 0, 0, 0, // i4: attention_decode
+    6, 384, 64, 512, 64, 0, 2, 2, 16, -1, 0, -1, -1, 0, 0, 0, // i4: attention_decode
     2, 5, -1, 64, 512, 64, -1, 0, 640, 64, 0, 64, 2, 0, -1, 0, // i5: matvec_residual
     2, 7, 8, 64, 640, 64, 6, 1, 768, 96, -1, 0, 0, 0, -1, 0, // i6: gated_mlp
     2, 9, -1, 96, 768, 96, -1, 0, 960, 64, 640, 64, 2, 0, -1, 0, // i7: matvec_residual
@@ -96,7 +96,7 @@ __device__ const int mk_args[368] = {
     2, 13, -1, 64, 960, 64, 10, 1, 1184, 128, -1, 0, 0, 0, -1, 0, // i8: norm_matvec seg 2
     3, 1088, 128, 1344, 64, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, // i9: rope
     5, 1152, 1184, 128, 128, 1, 2, 16, 1, 0, 0, 0, 0, 0, 0, 0, // i10: rope_kv_append
-    6, 1344, 64, 1472, 64, 1, 2, 2, 16, -1, 0, 0, 0, 0, 0, 0, // i11: attention_decode
+    6, 1344, 64, 1472, 64, 1, 2, 2, 16, -1, 0, -1, -1, 0, 0, 0, // i11: attention_decode
     2, 14, -1, 64, 1472, 64, -1, 0, 1600, 64, 960, 64, 2, 0, -1, 0, // i12: matvec_residual
     2, 16, 17, 64, 1600, 64, 15, 1, 1728, 96, -1, 0, 0, 0, -1, 0, // i13: gated_mlp
     2, 18, -1, 96, 1728, 96, -1, 0, 1920, 64, 1600, 64, 2, 0, -1, 0, // i14: matvec_residual
@@ -235,9 +235,17 @@ MK_LAYERS, g[5], lo, g[6], g[7], block_size, page_tables, max_blocks, pos,
 inv_freq, MK_ROPE_STYLE, g[8], MK_BATCH);
 break;
 case MK_K_ATTENTION:
+if (g[10] & 2) {  // the fused KV append of this head's KV head, then a barrier
+mk_kv_append(A(g[11]) + (lo / g[6]) * g[8], A(g[12]) + (lo / g[6]) * g[8], g[13], g[14],
+k_cache, v_cache, MK_LAYERS, g[5], lo / g[6], g[7], g[8], block_size,
+page_tables, max_blocks, pos, inv_freq, MK_ROPE_STYLE, (g[10] >> 2) & 1,
+MK_BATCH);
+__syncthreads();
+}
 mk_attention(A(g[1]) + lo * g[8], g[2], A(g[3]) + lo * g[8], g[4], k_cache, v_cache,
 MK_LAYERS, g[5], lo / g[6], g[7], g[8], block_size, fa[0], g[9],
-page_tables, max_blocks, pos, MK_BATCH);
+page_tables, max_blocks, pos, (g[10] & 1) ? inv_freq : nullptr,
+MK_ROPE_STYLE, MK_BATCH);
 break;
 case MK_K_SAMPLE:
 mk_sample(A(g[1]), g[2], g[3], lo, ctl, pos, tokens);

@@ -3,7 +3,8 @@
 //!
 //! Each plan value gets its own buffer (the program is single-assignment); `LastRow` is an
 //! alias (one token row per sequence in decode); a `Rope` feeding only an attention's keys is
-//! fused into `RopeKvAppend`; a `Softcap` of the logits is fused into `LmHead`; `Add`, `Combine`,
+//! fused into `RopeKvAppend` (and with [`fuse_attention`] the KV append and a `Rope` feeding
+//! only an attention's queries are fused into its `AttentionDecode`); a `Softcap` of the logits is fused into `LmHead`; `Add`, `Combine`,
 //! `Mul`, a standalone `Act` or `Softcap` become `Elementwise`; nanochat's `GatedValueAdd` and
 //! `Smear` (whose previous-position embedding lives in the cache's per-position state) have their
 //! own instructions; matmul biases, norm weights and gates are f32 weights (the `wt_f32` table,
@@ -22,8 +23,8 @@ use std::collections::HashMap;
 
 use kiln_codegen::interp::WeightData;
 use kiln_codegen::{
-    Act, ColRange, DecodeProgram, Ewise, Instr, LowerError, NormSpec, RopeStyle, Schedule,
-    TileConfig, WeightDtype,
+    Act, ColRange, DecodeProgram, Ewise, Instr, KvAppend, LowerError, NormSpec, RopeStyle,
+    Schedule, TileConfig, WeightDtype,
 };
 
 use crate::graph::{Activation, Epilogue, Norm, Op, Value};
@@ -41,9 +42,31 @@ fn act(a: Activation, label: &str) -> Result<Act, LowerError> {
     }
 }
 
-/// Lowers a decode plan to a program for `batch` sequences. Sampling is not part of it: the
-/// kernel reads its controls (`MkControl`) at run time.
+/// Lowers a decode plan to a program for `batch` sequences ([`lower_decode_with`] with
+/// [`fuse_attention`] from the environment).
 pub fn lower_decode(plan: &ExecutionPlan, batch: usize) -> Result<DecodeProgram, LowerError> {
+    lower_decode_with(plan, batch, fuse_attention())
+}
+
+/// Whether the decode program folds each layer's query RoPE and KV append into its attention
+/// tiles (`KILN_MK_FUSE_ATTN=1`): one dependent phase per layer fewer (four instead of five on a
+/// Llama-style layer), paid for with each query head of a group rotating and writing its KV
+/// head's new k and v itself. Same values, same bits on the CPU interpreter
+/// (`tests/megakernel_interp.rs`). UNVERIFIED on a GPU, hence opt-in. Why: on an H100 a
+/// SmolLM2-135M step took 1.19 ms over about 150 dependent phases, most of it waiting
+/// (docs/gpu-results.md, runs 8 and 9).
+pub fn fuse_attention() -> bool {
+    std::env::var("KILN_MK_FUSE_ATTN").is_ok_and(|v| v.trim() == "1")
+}
+
+/// Lowers a decode plan to a program for `batch` sequences, with or without the attention
+/// fusion ([`fuse_attention`]). Sampling is not part of it: the kernel reads its controls
+/// (`MkControl`) at run time.
+pub fn lower_decode_with(
+    plan: &ExecutionPlan,
+    batch: usize,
+    fuse: bool,
+) -> Result<DecodeProgram, LowerError> {
     let g = &plan.graph;
     let style = match g.rope.style {
         ModelRope::HalfSplit => RopeStyle::HalfSplit,
@@ -60,6 +83,8 @@ pub fn lower_decode(plan: &ExecutionPlan, batch: usize) -> Result<DecodeProgram,
     let mut val: HashMap<Value, ColRange> = HashMap::new();
     // Rope nodes fused into the KV append (their input, by node).
     let mut fused_rope: HashMap<usize, Value> = HashMap::new();
+    // With `fuse`: Rope nodes fused into the attention as its query (their input, by node).
+    let mut fused_qrope: HashMap<usize, Value> = HashMap::new();
     let unsupported = |op: &Op, label: &str| LowerError::Unsupported {
         op: op.name().to_string(),
         label: label.to_string(),
@@ -227,6 +252,15 @@ pub fn lower_decode(plan: &ExecutionPlan, batch: usize) -> Result<DecodeProgram,
                     fused_rope.insert(id, node.inputs[0]);
                     continue;
                 }
+                let only_query = fuse
+                    && uses[id] == 1
+                    && g.uses(v)
+                        .iter()
+                        .all(|&(n, k)| k == 0 && matches!(g.nodes[n].op, Op::Attention { .. }));
+                if only_query {
+                    fused_qrope.insert(id, node.inputs[0]);
+                    continue;
+                }
                 let x = input(0)?;
                 let out = single_out(&mut p, &mut val);
                 p.instrs.push(Instr::Rope {
@@ -270,21 +304,27 @@ pub fn lower_decode(plan: &ExecutionPlan, batch: usize) -> Result<DecodeProgram,
                 scale,
                 window,
             } => {
-                let q = input(0)?;
+                let (q, rope_q) = match fused_qrope.get(&node.inputs[0].node) {
+                    Some(&pre) => (get(&val, pre)?, true),
+                    None => (input(0)?, false),
+                };
                 let kv = node.inputs[1];
                 let (k, rope) = match fused_rope.get(&kv.node) {
                     Some(&pre) => (get(&val, pre)?, true),
                     None => (input(1)?, false),
                 };
                 let v = input(2)?;
-                p.instrs.push(Instr::RopeKvAppend {
-                    layer: *layer,
-                    kv_heads: *kv_heads,
-                    head_dim: *head_dim,
-                    k,
-                    v,
-                    rope,
-                });
+                let kv_append = KvAppend { k, v, rope };
+                if !fuse {
+                    p.instrs.push(Instr::RopeKvAppend {
+                        layer: *layer,
+                        kv_heads: *kv_heads,
+                        head_dim: *head_dim,
+                        k,
+                        v,
+                        rope,
+                    });
+                }
                 let out = single_out(&mut p, &mut val);
                 p.instrs.push(Instr::AttentionDecode {
                     layer: *layer,
@@ -294,6 +334,8 @@ pub fn lower_decode(plan: &ExecutionPlan, batch: usize) -> Result<DecodeProgram,
                     scale: *scale,
                     window: *window,
                     q,
+                    rope_q,
+                    append: fuse.then_some(kv_append),
                     out,
                 });
             }
@@ -451,9 +493,19 @@ pub fn stage_inputs() -> bool {
     std::env::var("KILN_MK_XSTAGE").is_ok_and(|v| v.trim() == "1")
 }
 
-/// Lowers, schedules ([`tile_config`]) and emits.
+/// Lowers, schedules ([`tile_config`]) and emits ([`generate_with`], the attention fusion as
+/// [`fuse_attention`] says).
 pub fn generate(plan: &ExecutionPlan, batch: usize) -> Result<Megakernel, LowerError> {
-    let program = lower_decode(plan, batch)?;
+    generate_with(plan, batch, fuse_attention())
+}
+
+/// [`generate`] with the attention fusion chosen here rather than by the environment.
+pub fn generate_with(
+    plan: &ExecutionPlan,
+    batch: usize,
+    fuse: bool,
+) -> Result<Megakernel, LowerError> {
+    let program = lower_decode_with(plan, batch, fuse)?;
     let schedule = Schedule::build(&program, tile_config());
     let mut source = kiln_codegen::emit_source(&program, &schedule);
     let staged = stage_weights();
