@@ -242,22 +242,20 @@ pub fn lower_decode_with(
             Op::Rope {
                 heads, head_dim, ..
             } => {
-                // Fused into the KV append when its only reader is an attention's key input.
-                let v = Value::new(id, 0);
-                let only_key = uses[id] == 1
-                    && g.uses(v)
-                        .iter()
-                        .all(|&(n, k)| k == 1 && matches!(g.nodes[n].op, Op::Attention { .. }));
-                if only_key {
+                // Whether this rope's only reader is input `slot` of an attention.
+                let only_attention_input = |slot: usize| {
+                    uses[id] == 1
+                        && g.uses(Value::new(id, 0)).iter().all(|&(n, k)| {
+                            k == slot && matches!(g.nodes[n].op, Op::Attention { .. })
+                        })
+                };
+                // Fused into the KV append when its only reader is an attention's key input,
+                // and with `fuse` into the attention when it is its query input.
+                if only_attention_input(1) {
                     fused_rope.insert(id, node.inputs[0]);
                     continue;
                 }
-                let only_query = fuse
-                    && uses[id] == 1
-                    && g.uses(v)
-                        .iter()
-                        .all(|&(n, k)| k == 0 && matches!(g.nodes[n].op, Op::Attention { .. }));
-                if only_query {
+                if fuse && only_attention_input(0) {
                     fused_qrope.insert(id, node.inputs[0]);
                     continue;
                 }
@@ -304,15 +302,16 @@ pub fn lower_decode_with(
                 scale,
                 window,
             } => {
-                let (q, rope_q) = match fused_qrope.get(&node.inputs[0].node) {
-                    Some(&pre) => (get(&val, pre)?, true),
-                    None => (input(0)?, false),
+                // Input `slot`, or the un-rotated input of the rope fused into it (and whether
+                // one was).
+                let unrotated = |fused: &HashMap<usize, Value>, slot: usize| match fused
+                    .get(&node.inputs[slot].node)
+                {
+                    Some(&pre) => Ok((get(&val, pre)?, true)),
+                    None => Ok((input(slot)?, false)),
                 };
-                let kv = node.inputs[1];
-                let (k, rope) = match fused_rope.get(&kv.node) {
-                    Some(&pre) => (get(&val, pre)?, true),
-                    None => (input(1)?, false),
-                };
+                let (q, rope_q) = unrotated(&fused_qrope, 0)?;
+                let (k, rope) = unrotated(&fused_rope, 1)?;
                 let v = input(2)?;
                 let kv_append = KvAppend { k, v, rope };
                 if !fuse {
