@@ -7,7 +7,10 @@
 //!   fixture directory;
 //! * seeded sampling on the megakernel reproduces across runs, and matches per-op sampling;
 //! * a second turn decodes past the positions the first turn's graph ran at (the attention
-//!   length comes from the device position, not from the capture).
+//!   length comes from the device position, not from the capture);
+//! * the serving scheduler on a CUDA engine (a device block pool, per-op steps, preemption, the
+//!   prefix cache, n-gram speculation) generates each request's CPU tokens — written without a
+//!   GPU, not yet run on one.
 //!
 //! Run on an H200 on 2026-11-26, all passing (docs/gpu-results.md).
 #![cfg(feature = "cuda")]
@@ -21,9 +24,10 @@ use std::sync::{Arc, Mutex};
 use common::{demo_model, fixtures, gap, gpu_or_skip};
 use kiln::backend::cpu::{CpuOptions, WeightFormat};
 use kiln::engine::{
-    DecodePath, Device, Engine, EngineOptions, GenerateOptions, LogitsProcessor, Session,
+    DecodePath, Device, Engine, EngineHandle, EngineOptions, GenerateOptions, LogitsProcessor,
+    Request, ServeOptions, Session, SpecOptions,
 };
-use kiln::kv::KvDtype;
+use kiln::kv::{KvBudget, KvDtype};
 use kiln::model::Model;
 use kiln::sample::SamplingParams;
 
@@ -292,5 +296,84 @@ fn later_turns_attend_past_the_first_graph_positions() {
         );
         prompt = ra.rows[0].tokens.clone();
         prompt.push(7);
+    }
+}
+
+/// The serving scheduler on a CUDA engine: steps run kernel by kernel over a device block pool,
+/// logits to the host. Twelve greedy requests with mixed prompt lengths (half of them sharing a
+/// 40-token prefix, so the prefix cache serves them; every third one speculating with n-gram
+/// proposals, verified through the all-logits plan) are submitted at once into a pool too small
+/// for all of them (so sequences are preempted and recomputed); each must generate what the CPU
+/// generates for it alone, up to a near tie.
+#[test]
+fn scheduler_on_the_gpu_matches_each_request_alone() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let path = fixtures().join("llama_tied");
+    let cpu = engine(&path, Device::Cpu, DecodePath::Auto);
+    let gpu = engine(&path, Device::Cuda, DecodePath::PerOp);
+    let vocab = cpu.config().vocab_size as u32;
+    let shared: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % vocab).collect();
+    let prompts: Vec<Vec<u32>> = (0..12u32)
+        .map(|i| {
+            let mut p = if i % 2 == 0 {
+                shared.clone()
+            } else {
+                Vec::new()
+            };
+            p.extend((0..5 + 9 * i).map(|j| (j * 13 + i * 31 + 1) % vocab));
+            p
+        })
+        .collect();
+    let opts = greedy(32);
+    let handle = EngineHandle::start(
+        Arc::clone(&gpu),
+        ServeOptions {
+            // Blocks of 16 positions: the longest request needs 12, all twelve about 90.
+            kv_budget: KvBudget::Blocks(40),
+            max_step_tokens: 48,
+            ..ServeOptions::default()
+        },
+    )
+    .expect("a serving engine on the GPU");
+    let pending: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let spec = (i % 3 == 0).then(|| SpecOptions::ngram(4).unwrap());
+            handle
+                .submit(Request {
+                    prompt: p.clone(),
+                    options: opts.clone(),
+                    spec,
+                })
+                .expect("submit")
+        })
+        .collect();
+    let results: Vec<_> = pending
+        .into_iter()
+        .map(|r| r.wait().expect("served"))
+        .collect();
+    let stats = handle.stats();
+    println!("scheduler on the GPU: {stats:?}");
+    assert!(stats.preemptions > 0, "the pool never ran short: {stats:?}");
+    assert!(stats.prefix_hit_tokens > 0, "no prefix reused: {stats:?}");
+    for (i, (prompt, got)) in prompts.iter().zip(&results).enumerate() {
+        let (base, gaps) = cpu_rows_with_gaps(&cpu, prompt, &opts);
+        let (a, b) = (&base[0], &got.rows[0].generated);
+        let Some(step) = a.iter().zip(b).position(|(x, y)| x != y) else {
+            assert_eq!(a.len(), b.len(), "request {i}: length");
+            continue;
+        };
+        let g = gaps.get(&(0, step)).copied().unwrap_or(f32::INFINITY);
+        assert!(
+            g < NEAR_TIE,
+            "request {i}: the GPU scheduler differs from the CPU at step {step} ({} vs {}; the \
+             CPU's top-2 gap there is {g:.2e} RMS)",
+            b[step],
+            a[step]
+        );
+        println!("request {i}: first differs at step {step}, a near tie ({g:.1e} RMS)");
     }
 }

@@ -4,6 +4,7 @@
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{GraphRow, TokenRow};
+use crate::kv::{KvBudget, KvCache, KvError, KvOptions};
 use crate::model::ModelConfig;
 use crate::plan::{ExecutionPlan, PlanKind};
 use crate::sample::SamplingParams;
@@ -25,6 +26,17 @@ pub(crate) trait Backend: Send + Sync {
     /// Empty session memory for `slots` rows of `capacity` positions (device memory is taken on
     /// first use, so that creating a session cannot fail).
     fn new_caches(&self, slots: usize, capacity: usize) -> Box<dyn Caches>;
+
+    /// The shared KV pool of a serving engine's scheduler: as many blocks as `budget` allows,
+    /// no slot open, slots of up to `capacity` positions. `opts` (block size, storage type)
+    /// applies where the backend offers a choice; the CUDA pool always stores bf16 in blocks of
+    /// its default size.
+    fn new_pool(
+        &self,
+        opts: KvOptions,
+        budget: KvBudget,
+        capacity: usize,
+    ) -> Result<Box<dyn ServingPool>, EngineError>;
 
     /// Whether this is the CPU stand-in for the decode graph, which can apply a logits
     /// processor (tests script tool calls through it).
@@ -104,6 +116,56 @@ pub(crate) trait Caches: Send {
 
     /// Drops every queued step (on a GPU, after waiting for them to finish).
     fn graph_stop(&mut self, bucket: usize) -> Result<(), EngineError>;
+}
+
+/// A scheduler's KV pool on the device of the backend that made it (it holds that backend):
+/// one slot per running sequence over shared blocks, the prefix cache over those blocks, and
+/// steps over rows of many slots, logits to the host.
+pub(crate) trait ServingPool: Send {
+    /// The bookkeeping: page tables, reference counts, the prefix cache, the layout.
+    fn tables(&self) -> &KvCache;
+
+    /// A new empty slot (a closed one reused) for a sequence.
+    fn open_slot(&mut self) -> usize;
+
+    /// Gives a slot's blocks back (those shared stay with their other owners).
+    fn close_slot(&mut self, slot: usize);
+
+    /// Starts empty slot `slot` from the longest cached prefix of `tokens` (at most
+    /// `max_positions`); returns the positions it now holds.
+    fn attach_prefix(
+        &mut self,
+        slot: usize,
+        tokens: &[u32],
+        max_positions: usize,
+    ) -> Result<usize, KvError>;
+
+    /// Offers `slot`'s whole blocks, holding `tokens`, to the prefix cache.
+    fn publish_prefix(&mut self, slot: usize, tokens: &[u32]);
+
+    /// Makes slot `to` share slot `from`'s first `len` positions (no copy until either writes).
+    fn copy_slot(&mut self, from: usize, to: usize, len: usize) -> Result<(), EngineError>;
+
+    /// Forgets positions from `len` on.
+    fn truncate(&mut self, slot: usize, len: usize);
+
+    /// Makes positions from `slot`'s length up to `end` writable: blocks taken from the pool,
+    /// a shared partial block copied where the data lives. An exhausted pool is
+    /// `EngineError::Kv(KvError::Pool(PoolError::Exhausted))`, which the scheduler answers by
+    /// preempting.
+    fn prepare(&mut self, slot: usize, end: usize) -> Result<(), EngineError>;
+
+    /// Runs one step over rows of any open slots, logits to the host: one row per sequence
+    /// (its last), or with `logit_rows` the rows it names (increasing indices into `rows`).
+    /// Returns the number of logit rows.
+    fn forward(
+        &mut self,
+        kind: PlanKind,
+        tokens: &[u32],
+        rows: &[TokenRow],
+        logit_rows: Option<&[usize]>,
+        logits: &mut Vec<f32>,
+    ) -> Result<usize, EngineError>;
 }
 
 /// What only the CPU stand-in for the decode graph uses: the logits processor (the device has

@@ -10,10 +10,11 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use super::backend::{Backend, Caches, CpuGraphInputs};
+use super::backend::{Backend, Caches, CpuGraphInputs, ServingPool};
 use super::EngineError;
 use crate::backend::cuda::{CudaBackend, CudaKvCache, CudaWorkspace, GraphDecoder};
 use crate::backend::{GraphRow, TokenRow};
+use crate::kv::{KvBudget, KvCache, KvError, KvOptions};
 use crate::model::ModelConfig;
 use crate::plan::{ExecutionPlan, PlanKind};
 use crate::sample::SamplingParams;
@@ -94,12 +95,95 @@ impl Backend for CudaDevice {
         })
     }
 
+    fn new_pool(
+        &self,
+        _opts: KvOptions,
+        budget: KvBudget,
+        capacity: usize,
+    ) -> Result<Box<dyn ServingPool>, EngineError> {
+        let kv = traced(
+            || format!("serving pool of {budget:?}"),
+            || self.backend.new_pool(budget, capacity),
+        )?;
+        Ok(Box::new(CudaPool {
+            kv,
+            ws: CudaWorkspace::new(),
+            backend: Arc::clone(&self.backend),
+        }))
+    }
+
     fn uses_megakernel(&self) -> bool {
         self.megakernel
     }
 
     fn cuda(&self) -> Option<&CudaBackend> {
         Some(&self.backend)
+    }
+}
+
+/// A scheduler's pool on the GPU: the device blocks of [`CudaBackend::new_pool`] with the host
+/// bookkeeping beside them. Steps run kernel by kernel with logits to the host (the scheduler
+/// samples there, with each row's own rules). UNVERIFIED: written without a GPU; its parts
+/// (the per-op step, the block copies of copy-on-write, the all-logits plan) ran on an H200
+/// through sessions, but never under the scheduler (`tests/gpu_engine.rs` has the check).
+/// Fields drop in order: the cache before the backend whose stream it was allocated on.
+struct CudaPool {
+    kv: CudaKvCache,
+    ws: CudaWorkspace,
+    backend: Arc<CudaBackend>,
+}
+
+impl ServingPool for CudaPool {
+    fn tables(&self) -> &KvCache {
+        self.kv.tables()
+    }
+
+    fn open_slot(&mut self) -> usize {
+        self.kv.open_slot()
+    }
+
+    fn close_slot(&mut self, slot: usize) {
+        self.kv.close_slot(slot)
+    }
+
+    fn attach_prefix(
+        &mut self,
+        slot: usize,
+        tokens: &[u32],
+        max_positions: usize,
+    ) -> Result<usize, KvError> {
+        self.kv.attach_prefix(slot, tokens, max_positions)
+    }
+
+    fn publish_prefix(&mut self, slot: usize, tokens: &[u32]) {
+        self.kv.publish_prefix(slot, tokens)
+    }
+
+    fn copy_slot(&mut self, from: usize, to: usize, len: usize) -> Result<(), EngineError> {
+        Ok(self.kv.copy_slot(&self.backend, from, to, len)?)
+    }
+
+    fn truncate(&mut self, slot: usize, len: usize) {
+        self.kv.truncate(slot, len)
+    }
+
+    fn prepare(&mut self, slot: usize, end: usize) -> Result<(), EngineError> {
+        Ok(self.kv.prepare(&self.backend, slot, end)??)
+    }
+
+    fn forward(
+        &mut self,
+        kind: PlanKind,
+        tokens: &[u32],
+        rows: &[TokenRow],
+        logit_rows: Option<&[usize]>,
+        logits: &mut Vec<f32>,
+    ) -> Result<usize, EngineError> {
+        let (b, ws, kv) = (&self.backend, &mut self.ws, &mut self.kv);
+        Ok(match logit_rows {
+            Some(sel) => b.forward_selected(ws, kv, tokens, rows, sel, logits)?,
+            None => b.forward(kind, ws, kv, tokens, rows, logits)?,
+        })
     }
 }
 

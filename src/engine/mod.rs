@@ -160,6 +160,16 @@ impl Engine {
         self.backend.cpu()
     }
 
+    /// A serving scheduler's KV pool on this engine's device (see [`backend::Backend::new_pool`]).
+    pub(crate) fn new_pool(
+        &self,
+        opts: crate::kv::KvOptions,
+        budget: crate::kv::KvBudget,
+        capacity: usize,
+    ) -> Result<Box<dyn backend::ServingPool>, EngineError> {
+        self.backend.new_pool(opts, budget, capacity)
+    }
+
     /// The CUDA backend, when the engine runs on a GPU.
     #[cfg(feature = "cuda")]
     pub fn cuda_backend(&self) -> Option<&crate::backend::cuda::CudaBackend> {

@@ -27,6 +27,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use super::backend::ServingPool;
 use super::constraint::Constraint;
 use super::row::{RowRules, RowState};
 use super::sequence::{RequestId, SeqSpec, Sequence};
@@ -34,7 +35,6 @@ use super::spec::{self, choose_verified, DraftAsk, DraftBatch, Proposal, SpecMet
 use super::spec::{SpecOptions, SpecStats};
 use super::tools::ToolTokens;
 use super::{Engine, EngineError, FinishReason, GenerateOptions, RowStep, Step, Usage};
-use crate::backend::cpu::Workspace;
 use crate::backend::TokenRow;
 use crate::kv::{KvBudget, KvCache, KvError, KvOptions, PoolError};
 use crate::plan::PlanKind;
@@ -162,8 +162,8 @@ struct Planned {
 pub struct Scheduler {
     engine: Arc<Engine>,
     opts: ServeOptions,
-    kv: KvCache,
-    ws: Workspace,
+    /// The pool on the engine's device; steps run through it.
+    kv: Box<dyn ServingPool>,
     logits: Vec<f32>,
     seqs: Vec<Sequence>,
     requests: HashMap<RequestId, RequestState>,
@@ -176,8 +176,6 @@ pub struct Scheduler {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
-    #[error("serving runs on the CPU backend for now (this engine runs on {0})")]
-    Device(String),
     #[error("serve option {name} must be at least 1")]
     Zero { name: &'static str },
     #[error("request {id}: the prompt needs {needed} KV blocks but the pool holds {total}")]
@@ -200,16 +198,12 @@ impl Scheduler {
                 return Err(ServeError::Zero { name }.into());
             }
         }
-        let backend = engine
-            .cpu_backend()
-            .ok_or_else(|| ServeError::Device(engine.device()))?;
-        let kv = backend.new_pool(opts.kv, opts.kv_budget, engine.max_context())?;
+        let kv = engine.new_pool(opts.kv, opts.kv_budget, engine.max_context())?;
         Ok(Scheduler {
             tools: ToolTokens::of(engine.tokenizer()),
             engine,
             opts,
             kv,
-            ws: Workspace::new(),
             logits: Vec::new(),
             seqs: Vec::new(),
             requests: HashMap::new(),
@@ -232,9 +226,9 @@ impl Scheduler {
         let mut s = self.stats;
         s.running = self.seqs.iter().filter(|q| q.slot.is_some()).count();
         s.waiting = self.seqs.len() - s.running;
-        s.blocks_total = self.kv.pool().num_blocks();
-        s.blocks_free = self.kv.pool().free_blocks();
-        s.prefix_blocks = self.kv.prefix_blocks();
+        s.blocks_total = self.kv.tables().pool().num_blocks();
+        s.blocks_free = self.kv.tables().pool().free_blocks();
+        s.prefix_blocks = self.kv.tables().prefix_blocks();
         s.spec_draft_passes = self.drafts.iter().map(DraftBatch::passes).sum();
         s
     }
@@ -242,7 +236,7 @@ impl Scheduler {
     /// The serving cache (tests check its invariants).
     #[doc(hidden)]
     pub fn cache(&self) -> &KvCache {
-        &self.kv
+        self.kv.tables()
     }
 
     /// Queues a request under `id`; its events go to `sink`. Errors in the request itself
@@ -264,7 +258,7 @@ impl Scheduler {
                 if !self.drafts.iter().any(|b| b.runs(d)) {
                     // As many blocks as the serving pool: a row's draft cache holds no more
                     // positions than its own.
-                    let blocks = self.kv.pool().num_blocks();
+                    let blocks = self.kv.tables().pool().num_blocks();
                     let batch = DraftBatch::new(Arc::clone(d), self.opts.kv, blocks)?;
                     self.drafts.push(batch);
                 }
@@ -280,14 +274,14 @@ impl Scheduler {
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(crate::backend::ExecError::BadToken { id: bad, vocab }.into());
         }
-        if prompt.len() >= self.kv.capacity() {
+        if prompt.len() >= self.kv.tables().capacity() {
             return Err(EngineError::PromptTooLong {
                 len: prompt.len(),
-                capacity: self.kv.capacity(),
+                capacity: self.kv.tables().capacity(),
             });
         }
-        let needed = self.kv.layout().blocks_for(prompt.len() + 1);
-        let total = self.kv.pool().num_blocks();
+        let needed = self.kv.tables().layout().blocks_for(prompt.len() + 1);
+        let total = self.kv.tables().pool().num_blocks();
         if needed > total {
             return Err(ServeError::TooBig { id, needed, total }.into());
         }
@@ -475,34 +469,14 @@ impl Scheduler {
             rows.extend((s.computed..s.computed + p.n).map(|pos| TokenRow { slot, pos }));
         }
         debug_assert_eq!(tokens.len(), rows.len());
-        let engine = Arc::clone(&self.engine);
-        let backend = engine
-            .cpu_backend()
-            .expect("checked to be a CPU engine in Scheduler::new");
-        if logit_rows.len() > plan.len() {
-            backend.forward_selected(
-                &mut self.ws,
-                &mut self.kv,
-                &tokens,
-                &rows,
-                &logit_rows,
-                &mut self.logits,
-            )?;
+        let selected = (logit_rows.len() > plan.len()).then_some(&logit_rows[..]);
+        let kind = if plan.iter().all(|p| p.n == 1) {
+            PlanKind::Decode
         } else {
-            let kind = if plan.iter().all(|p| p.n == 1) {
-                PlanKind::Decode
-            } else {
-                PlanKind::Prefill
-            };
-            backend.forward(
-                kind,
-                &mut self.ws,
-                &mut self.kv,
-                &tokens,
-                &rows,
-                &mut self.logits,
-            )?;
-        }
+            PlanKind::Prefill
+        };
+        self.kv
+            .forward(kind, &tokens, &rows, selected, &mut self.logits)?;
         self.stats.steps += 1;
         self.stats.computed_tokens += tokens.len() as u64;
         // Rows choose from their logits in place (no vocabulary-sized copy per row and step);
@@ -557,7 +531,7 @@ impl Scheduler {
             }
             self.seqs[j].waits_for_prompt = false;
             let to = self.kv.open_slot();
-            self.kv.copy_slot(slot, to, len);
+            self.kv.copy_slot(slot, to, len)?;
             self.seqs[j].slot = Some(to);
             self.seqs[j].computed = len;
             self.take_token(j, &mut logits.to_vec())?;
@@ -575,7 +549,7 @@ impl Scheduler {
         let rules = row_rules(
             &engine,
             self.tools.as_ref(),
-            self.kv.capacity(),
+            self.kv.tables().capacity(),
             &opts,
             &stop_tokens,
         );
@@ -624,7 +598,7 @@ impl Scheduler {
         let rules = row_rules(
             &engine,
             self.tools.as_ref(),
-            self.kv.capacity(),
+            self.kv.tables().capacity(),
             &opts,
             &stop_tokens,
         );
@@ -703,7 +677,7 @@ impl Scheduler {
     /// row with a draft model is instead added to `drafted` with the number it may propose
     /// (returned, as its share of the budget), for [`Scheduler::propose_drafted`].
     fn propose(&mut self, i: usize, limit: usize, drafted: &mut Vec<(usize, usize)>) -> usize {
-        let capacity = self.kv.capacity();
+        let capacity = self.kv.tables().capacity();
         let s = &mut self.seqs[i];
         let Some(spec) = s.spec.as_mut() else {
             return 0;
@@ -796,7 +770,9 @@ impl Scheduler {
             }
             // Room for the first chunk; later chunks preempt if they must.
             let first = self.seqs[i].tokens.len().min(self.opts.max_step_tokens) + 1;
-            if self.kv.available_blocks() < self.kv.layout().blocks_for(first) + 1 && running > 0 {
+            if self.kv.tables().available_blocks() < self.kv.tables().layout().blocks_for(first) + 1
+                && running > 0
+            {
                 break;
             }
             self.admit(i);
@@ -876,7 +852,7 @@ impl Scheduler {
                     plan.push((i, n));
                     k += 1;
                 }
-                Err(KvError::Pool(PoolError::Exhausted { .. })) => {
+                Err(EngineError::Kv(KvError::Pool(PoolError::Exhausted { .. }))) => {
                     // Preempt the latest admitted other sequence, planned or not; else this one.
                     let victim = (0..self.seqs.len())
                         .filter(|&j| j != i && self.seqs[j].slot.is_some())
@@ -891,7 +867,7 @@ impl Scheduler {
                         }
                         _ if plan.is_empty() && !self.others_running(i) => {
                             let e = KvError::Pool(PoolError::Exhausted {
-                                blocks: self.kv.pool().num_blocks(),
+                                blocks: self.kv.tables().pool().num_blocks(),
                             });
                             self.fail_request(self.seqs[i].request, &e.to_string());
                             k += 1;
@@ -902,7 +878,7 @@ impl Scheduler {
                         }
                     }
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(e),
             }
         }
         plan.retain(|&(i, _)| self.seqs[i].slot.is_some());

@@ -54,7 +54,9 @@ pub struct EngineHandle {
 }
 
 impl EngineHandle {
-    /// Starts the scheduler thread over `engine` (CPU engines for now).
+    /// Starts the scheduler thread over `engine`. On a CUDA engine its steps run kernel by
+    /// kernel over a device pool (UNVERIFIED: not yet run on a GPU; `tests/gpu_engine.rs` has
+    /// the check).
     pub fn start(engine: Arc<Engine>, opts: ServeOptions) -> Result<EngineHandle, EngineError> {
         let mut sched = Scheduler::new(Arc::clone(&engine), opts)?;
         let (tx, rx) = mpsc::channel::<Command>();

@@ -29,7 +29,7 @@ use super::nvrtc::{self, NvrtcError};
 use crate::backend::{ExecError, TokenRow};
 use crate::graph::build::LogitRows;
 use crate::graph::{Activation, Epilogue, KvSpec, Linear, Op, Rows};
-use crate::kv::{KvBudget, KvCache, KvDtype, KvLayout, KvOptions, DEFAULT_BLOCK_SIZE};
+use crate::kv::{KvBudget, KvCache, KvDtype, KvError, KvLayout, KvOptions, DEFAULT_BLOCK_SIZE};
 use crate::model::{LoadError, ModelConfig, RopeStyle, Weights};
 use crate::plan::{compile_graph, PlanKind};
 use crate::plan::{ExecutionPlan, Phase, Slot};
@@ -216,6 +216,23 @@ impl CudaKvCache {
         self.host.set_len(slot, len);
     }
 
+    /// Starts empty slot `slot` from the longest prefix of `tokens` the prefix cache holds (at
+    /// most `max_positions`), as [`KvCache::attach_prefix`]: the blocks are shared, nothing is
+    /// copied on the device. Returns the positions the slot now holds.
+    pub fn attach_prefix(
+        &mut self,
+        slot: usize,
+        tokens: &[u32],
+        max_positions: usize,
+    ) -> Result<usize, KvError> {
+        self.host.attach_prefix(slot, tokens, max_positions)
+    }
+
+    /// Offers `slot`'s whole blocks, holding `tokens`, to the prefix cache (bookkeeping only).
+    pub fn publish_prefix(&mut self, slot: usize, tokens: &[u32]) {
+        self.host.publish_prefix(slot, tokens)
+    }
+
     /// Makes slot `to` hold the first `len` positions of slot `from` (one prefill, many
     /// samples) by sharing `from`'s blocks, as [`KvCache::copy_slot`]: nothing is copied now;
     /// the shared partial block is copied on the device when either slot first writes to it.
@@ -260,14 +277,43 @@ impl CudaKvCache {
             .host
             .make_writable(slot, start, end)
             .map_err(|e| CudaError::Exec(ExecError::from(e)))?;
+        self.replay_copies(stream, &copies)
+    }
+
+    /// Makes positions from `slot`'s length up to `end` writable, as [`KvCache::prepare`] does
+    /// on the CPU, with the copy-on-write copies replayed on the backend's stream (before any
+    /// later step's kernels). The bookkeeping's refusal (the pool exhausted, the capacity
+    /// passed) is the inner error, so a scheduler can preempt; a failed copy is the outer one.
+    /// Written for the serving scheduler; the copies it enqueues are those of
+    /// [`CudaKvCache::make_writable`], but this entry point has not run on a GPU (UNVERIFIED).
+    pub fn prepare(
+        &mut self,
+        backend: &CudaBackend,
+        slot: usize,
+        end: usize,
+    ) -> Result<Result<(), KvError>, CudaError> {
+        let start = self.len(slot);
+        let copies = match self.host.make_writable(slot, start, end) {
+            Ok(c) => c,
+            Err(e) => return Ok(Err(e)),
+        };
+        self.replay_copies(&backend.stream, &copies)?;
+        Ok(Ok(()))
+    }
+
+    /// Enqueues the device copies of the host bookkeeping's copy-on-write `copies` on `stream`.
+    fn replay_copies(&self, stream: &CudaStream, copies: &[(u32, u32)]) -> Result<(), CudaError> {
         if copies.is_empty() {
             return Ok(());
         }
         let l = *self.layout();
+        // The raw copies below do not make the context current themselves (cudarc's safe calls
+        // do); a serving scheduler calls this from its own thread.
+        stream.context().bind_to_thread().map_err(drv)?;
         let cu = stream.cu_stream();
         let (k0, v0) = (self.k.device_ptr(stream).0, self.v.device_ptr(stream).0);
         let s0 = self.state.device_ptr(stream).0;
-        for (src, dst) in block_copies(&l, &copies) {
+        for (src, dst) in block_copies(&l, copies) {
             let (base, bytes) = match src.array {
                 BlockArray::K => (k0, src.bytes),
                 BlockArray::V => (v0, src.bytes),
@@ -656,10 +702,9 @@ impl CudaBackend {
     /// whole and shared by every sequence through its page table, instead of a cache per
     /// session. No slot is open at first: each sequence opens one ([`CudaKvCache::open_slot`],
     /// up to `capacity` positions, blocks taken as it grows) and closes it when it finishes
-    /// ([`CudaKvCache::close_slot`]). Nothing calls it yet (`kiln serve`'s scheduler runs on the
-    /// CPU only), so it has not run on a GPU; the allocation it shares with
-    /// [`CudaBackend::new_cache`] has, and the block bookkeeping is the host `KvCache`'s, tested
-    /// on the CPU.
+    /// ([`CudaKvCache::close_slot`]). The serving scheduler's pool on a GPU engine; it has not
+    /// run on a GPU (UNVERIFIED): the allocation it shares with [`CudaBackend::new_cache`] has,
+    /// and the block bookkeeping is the host `KvCache`'s, tested on the CPU.
     pub fn new_pool(&self, budget: KvBudget, capacity: usize) -> Result<CudaKvCache, CudaError> {
         self.alloc_cache(pool_tables(self.prefill.graph.kv, budget, capacity)?)
     }
@@ -789,6 +834,33 @@ impl CudaBackend {
             kv.set_len(slot, end);
         }
         Ok(out.rows)
+    }
+
+    /// Runs one step like [`CudaBackend::forward`] with logits for the rows `logit_rows` names
+    /// (increasing indices into `rows`), as the CPU's `forward_selected` (a scheduler step where
+    /// a sequence verifies proposals beside others): the all-logits plan runs, so the output
+    /// projection covers every row of the step, and the named rows are kept. UNVERIFIED on a GPU
+    /// (the all-logits plan it runs matched the CPU on an H200).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_selected(
+        &self,
+        ws: &mut CudaWorkspace,
+        kv: &mut CudaKvCache,
+        tokens: &[u32],
+        rows: &[TokenRow],
+        logit_rows: &[usize],
+        logits: &mut Vec<f32>,
+    ) -> Result<usize, CudaError> {
+        crate::backend::check_logit_rows(logit_rows, tokens.len())?;
+        let n = self.forward(PlanKind::AllLogits, ws, kv, tokens, rows, logits)?;
+        let width = logits.len() / n.max(1);
+        // Increasing rows, so each moves down (or stays): earlier kept rows are never
+        // overwritten.
+        for (i, &r) in logit_rows.iter().enumerate() {
+            logits.copy_within(r * width..(r + 1) * width, i * width);
+        }
+        logits.truncate(logit_rows.len() * width);
+        Ok(logit_rows.len())
     }
 
     /// Runs one step like [`CudaBackend::forward`] and samples each row of logits on the device

@@ -131,8 +131,8 @@ pub enum SpecError {
     #[error("speculative decoding runs one sample row per request; num_samples = {0}")]
     Samples(usize),
     #[error(
-        "the draft model runs on {0}; a serving engine's drafts run on the CPU backend, like \
-         its scheduler"
+        "the draft model runs on {0}; a serving engine runs draft models on the CPU backend \
+         only (on a GPU, serve with n-gram speculation)"
     )]
     DraftDevice(String),
 }
