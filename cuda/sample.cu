@@ -26,3 +26,21 @@ sample_rows(const float* __restrict__ logits, int stride, int vocab,
                                   (u64)(u32)positions[r]);
     if (threadIdx.x == 0) tokens_out[r] = t;
 }
+
+// Grid: (rows, ceil(vocab / 256)), block: 256. Before `sample_rows` draws, a row with an allowed
+// set (a grammar's token mask) has every token outside it set to -inf, as the host's
+// `Constraint::apply` does: mask_at[r] < 0 leaves row r as it is, else token i is allowed when
+// bit i % 32 of masks[mask_at[r] + i / 32] is set (tokens past the set's `mask_words` words are
+// not). -inf weighs 0 in the sampler and never wins a greedy pick, so the draw is the host's on
+// the masked logits (up to sample.cuh's rounding cases). UNVERIFIED: compiled by NVRTC in CI,
+// not yet run on a GPU (tests/gpu.rs has the check).
+extern "C" __global__ void mask_rows(float* logits, int stride, int vocab, const u32* masks,
+                                     const int* mask_at, int mask_words) {
+    const int r = blockIdx.x;
+    const int i = blockIdx.y * blockDim.x + threadIdx.x;
+    const int at = mask_at[r];
+    if (at < 0 || i >= vocab) return;
+    const int w = i >> 5;
+    const bool allowed = w < mask_words && ((masks[at + w] >> (i & 31)) & 1u);
+    if (!allowed) logits[(size_t)r * stride + i] = KILN_NEG_INF;
+}

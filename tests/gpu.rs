@@ -14,6 +14,7 @@
 //!   leaving between replays; seeded sampling
 //!   reproducible and equal to the per-op device sampler;
 //! * the per-op device sampler (`forward_sample`) against `kiln::sample::sample` on the same
+//!   logits, and with masks (`forward_draw`, written without a GPU) against it on masked
 //!   logits.
 //!
 //! Run on an H200 on 2026-11-26 (docs/gpu-results.md): all pass on the fixtures; on the demo
@@ -31,7 +32,7 @@ use std::path::{Path, PathBuf};
 use common::{demo_model, fixtures, gap, gpu_or_skip, rel_l2};
 use kiln::backend::cpu::{CpuBackend, CpuOptions, WeightFormat, Workspace};
 use kiln::backend::cuda::{CudaBackend, CudaKvCache, CudaWorkspace, GraphDecoder};
-use kiln::backend::{GraphRow, TokenRow};
+use kiln::backend::{GraphRow, RowDraw, TokenRow};
 use kiln::kv::KvDtype;
 use kiln::model::Model;
 use kiln::plan::PlanKind;
@@ -933,6 +934,89 @@ fn device_sampler_matches_the_host_sampler_on_the_same_logits() {
             }
         }
     }
+}
+
+/// Draws with a mask (`forward_draw`, the serving scheduler's device draws for constrained
+/// rows): two sequences in one decode step, each with its own parameters and an allowed set
+/// (a pseudo-random third of the vocabulary, and a set of three tokens that excludes the best
+/// one), equal the host sampler on the same logits masked to the same sets (the sets applied as
+/// `Constraint::apply` does: -inf outside). Written without a GPU; not yet run on one.
+#[test]
+fn masked_device_draws_match_the_host_sampler_on_masked_logits() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let path = fixtures().join("llama_tied");
+    let Some(Pair { gpu, .. }) = pair(&path) else {
+        return;
+    };
+    let vocab = gpu.config().vocab_size;
+    let words = vocab.div_ceil(32);
+    let prompt = prompt_for(vocab, 5);
+    let p = prompt.len();
+    let params = [
+        SamplingParams::default(),
+        SamplingParams {
+            temperature: 0.9,
+            top_k: Some(40),
+            seed: 11,
+            ..SamplingParams::default()
+        },
+    ];
+    let mut ws = CudaWorkspace::new();
+    let mut kv = gpu.new_cache(2, p + 8).expect("cache");
+    let mut l = Vec::new();
+    for slot in 0..2 {
+        gpu.forward(
+            PlanKind::Prefill,
+            &mut ws,
+            &mut kv,
+            &prompt,
+            &token_rows(slot, 0, p),
+            &mut l,
+        )
+        .expect("prefill");
+    }
+    let rows = [TokenRow { slot: 0, pos: p }, TokenRow { slot: 1, pos: p }];
+    let fed = [3u32, 4];
+    // The host's view: the same step's logits, masked on the host.
+    gpu.forward(PlanKind::Decode, &mut ws, &mut kv, &fed, &rows, &mut l)
+        .expect("decode");
+    for slot in 0..2 {
+        kv.truncate(slot, p);
+    }
+    let mut third = vec![0u32; words];
+    for t in (0..vocab).filter(|t| (t * 7 + 1) % 3 == 0) {
+        third[t / 32] |= 1 << (t % 32);
+    }
+    let best = argmax(&l[vocab..2 * vocab]) as usize;
+    let mut three = vec![0u32; words];
+    for t in (0..vocab).filter(|&t| t != best).take(3) {
+        three[t / 32] |= 1 << (t % 32);
+    }
+    let masks = [third, three];
+    let mut want = Vec::new();
+    for (r, (m, sp)) in masks.iter().zip(&params).enumerate() {
+        let mut row = l[r * vocab..(r + 1) * vocab].to_vec();
+        for (t, x) in row.iter_mut().enumerate() {
+            if (m[t / 32] >> (t % 32)) & 1 == 0 {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+        want.push(sample(&row, sp, r as u32, (p + 1) as u64));
+    }
+    let draws: Vec<RowDraw<'_>> = (0..2)
+        .map(|r| RowDraw {
+            sampling: params[r],
+            row_id: r as u32,
+            allowed: Some(&masks[r]),
+        })
+        .collect();
+    let got = gpu
+        .forward_draw(PlanKind::Decode, &mut ws, &mut kv, &fed, &rows, &draws)
+        .expect("decode + masked draws");
+    assert_eq!(got, want, "masked device draws vs the host");
+    assert_ne!(got[1] as usize, best, "the best token was masked out");
 }
 
 /// The graph decoder and the backend can move between threads and the backend be shared.

@@ -299,12 +299,13 @@ fn later_turns_attend_past_the_first_graph_positions() {
     }
 }
 
-/// The serving scheduler on a CUDA engine: steps run kernel by kernel over a device block pool,
-/// logits to the host. Twelve greedy requests with mixed prompt lengths (half of them sharing a
-/// 40-token prefix, so the prefix cache serves them; every third one speculating with n-gram
-/// proposals, verified through the all-logits plan) are submitted at once into a pool too small
-/// for all of them (so sequences are preempted and recomputed); each must generate what the CPU
-/// generates for it alone, up to a near tie.
+/// The serving scheduler on a CUDA engine, kernel by kernel and (where the model lowers to it)
+/// with decode phases through the pool's megakernel graph. Twelve greedy requests with mixed
+/// prompt lengths (half of them sharing a 40-token prefix, so the prefix cache serves them;
+/// every third one speculating with n-gram proposals, verified through the all-logits plan, and
+/// stopping early so that the graph can take the rest) are submitted at once into a pool too
+/// small for all of them (so sequences are preempted and recomputed); each must generate what
+/// the CPU generates for it alone, up to a near tie.
 #[test]
 fn scheduler_on_the_gpu_matches_each_request_alone() {
     if !gpu_or_skip() {
@@ -312,68 +313,72 @@ fn scheduler_on_the_gpu_matches_each_request_alone() {
     }
     let path = fixtures().join("llama_tied");
     let cpu = engine(&path, Device::Cpu, DecodePath::Auto);
-    let gpu = engine(&path, Device::Cuda, DecodePath::PerOp);
     let vocab = cpu.config().vocab_size as u32;
     let shared: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % vocab).collect();
-    let prompts: Vec<Vec<u32>> = (0..12u32)
+    let reqs: Vec<Request> = (0..12u32)
         .map(|i| {
-            let mut p = if i % 2 == 0 {
+            let mut prompt = if i % 2 == 0 {
                 shared.clone()
             } else {
                 Vec::new()
             };
-            p.extend((0..5 + 9 * i).map(|j| (j * 13 + i * 31 + 1) % vocab));
-            p
-        })
-        .collect();
-    let opts = greedy(32);
-    let handle = EngineHandle::start(
-        Arc::clone(&gpu),
-        ServeOptions {
-            // Blocks of 16 positions: the longest request needs 12, all twelve about 90.
-            kv_budget: KvBudget::Blocks(40),
-            max_step_tokens: 48,
-            ..ServeOptions::default()
-        },
-    )
-    .expect("a serving engine on the GPU");
-    let pending: Vec<_> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
+            prompt.extend((0..5 + 9 * i).map(|j| (j * 13 + i * 31 + 1) % vocab));
             let spec = (i % 3 == 0).then(|| SpecOptions::ngram(4).unwrap());
-            handle
-                .submit(Request {
-                    prompt: p.clone(),
-                    options: opts.clone(),
-                    spec,
-                })
-                .expect("submit")
+            let n = if spec.is_some() { 8 } else { 24 + i as usize };
+            Request {
+                prompt,
+                options: greedy(n),
+                spec,
+            }
         })
         .collect();
-    let results: Vec<_> = pending
-        .into_iter()
-        .map(|r| r.wait().expect("served"))
-        .collect();
-    let stats = handle.stats();
-    println!("scheduler on the GPU: {stats:?}");
-    assert!(stats.preemptions > 0, "the pool never ran short: {stats:?}");
-    assert!(stats.prefix_hit_tokens > 0, "no prefix reused: {stats:?}");
-    for (i, (prompt, got)) in prompts.iter().zip(&results).enumerate() {
-        let (base, gaps) = cpu_rows_with_gaps(&cpu, prompt, &opts);
-        let (a, b) = (&base[0], &got.rows[0].generated);
-        let Some(step) = a.iter().zip(b).position(|(x, y)| x != y) else {
-            assert_eq!(a.len(), b.len(), "request {i}: length");
-            continue;
-        };
-        let g = gaps.get(&(0, step)).copied().unwrap_or(f32::INFINITY);
-        assert!(
-            g < NEAR_TIE,
-            "request {i}: the GPU scheduler differs from the CPU at step {step} ({} vs {}; the \
-             CPU's top-2 gap there is {g:.2e} RMS)",
-            b[step],
-            a[step]
-        );
-        println!("request {i}: first differs at step {step}, a near tie ({g:.1e} RMS)");
+    let mut gpus = vec![("per-op", engine(&path, Device::Cuda, DecodePath::PerOp))];
+    let mk = engine(&path, Device::Cuda, DecodePath::Auto);
+    if mk.uses_megakernel() {
+        gpus.push(("megakernel", mk));
+    }
+    for (name, gpu) in gpus {
+        let handle = EngineHandle::start(
+            Arc::clone(&gpu),
+            ServeOptions {
+                // Blocks of 16 positions: the longest request needs 12, all twelve about 90.
+                kv_budget: KvBudget::Blocks(40),
+                max_step_tokens: 48,
+                ..ServeOptions::default()
+            },
+        )
+        .expect("a serving engine on the GPU");
+        let pending: Vec<_> = reqs
+            .iter()
+            .map(|r| handle.submit(r.clone()).expect("submit"))
+            .collect();
+        let results: Vec<_> = pending
+            .into_iter()
+            .map(|r| r.wait().expect("served"))
+            .collect();
+        let stats = handle.stats();
+        println!("scheduler on the GPU ({name}): {stats:?}");
+        assert!(stats.preemptions > 0, "{name}: the pool never ran short");
+        assert!(stats.prefix_hit_tokens > 0, "{name}: no prefix reused");
+        if name == "megakernel" {
+            assert!(stats.graph_steps > 0, "{name}: no decode ran in the graph");
+        }
+        for (i, (req, got)) in reqs.iter().zip(&results).enumerate() {
+            let (base, gaps) = cpu_rows_with_gaps(&cpu, &req.prompt, &req.options);
+            let (a, b) = (&base[0], &got.rows[0].generated);
+            let Some(step) = a.iter().zip(b).position(|(x, y)| x != y) else {
+                assert_eq!(a.len(), b.len(), "{name}: request {i}: length");
+                continue;
+            };
+            let g = gaps.get(&(0, step)).copied().unwrap_or(f32::INFINITY);
+            assert!(
+                g < NEAR_TIE,
+                "{name}: request {i}: the GPU scheduler differs from the CPU at step {step} ({} \
+                 vs {}; the CPU's top-2 gap there is {g:.2e} RMS)",
+                b[step],
+                a[step]
+            );
+            println!("{name}: request {i}: first differs at step {step}, a near tie ({g:.1e} RMS)");
+        }
     }
 }

@@ -710,3 +710,117 @@ fn kv_storage_types_greedy_agreement_on_the_demo_model() {
         );
     }
 }
+
+/// Graph phases (on an engine decoding through the CPU stand-in of the device's decode graph):
+/// requests join in waves, so the scheduler switches between kernel-by-kernel steps and graph
+/// phases (started, rows leaving as they finish, stopped when a request joins or the pool runs
+/// short), through a pool small enough that the graph's block growth runs out and sequences are
+/// preempted; rows the graph cannot run (log-probabilities, two samples of one prompt) join in
+/// between. Every row's tokens equal its request run alone on a plain engine.
+#[test]
+fn graph_phases_equal_each_request_alone() {
+    let plain = engine("llama_tied");
+    let model = Model::load(fixtures().join("llama_tied")).unwrap();
+    let graph = Arc::new(
+        Engine::emulating_graph_decode_on_cpu(
+            model,
+            CpuOptions {
+                threads: 2,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let vocab = plain.config().vocab_size as u32;
+    let reqs: Vec<Request> = (0..14u32)
+        .map(|i| {
+            let prompt: Vec<u32> = (0..3 + (i * 7) % 31)
+                .map(|j| 3 + (j * 17 + i * 5) % (vocab - 3))
+                .collect();
+            let max = 12 + (i as usize * 11) % 30;
+            let options = match i % 4 {
+                0 | 2 => greedy(max),
+                1 => sampled(max, u64::from(i), 1),
+                _ if i == 7 => sampled(max, 70, 2),
+                _ => GenerateOptions {
+                    logprobs: Some(2),
+                    ..greedy(max)
+                },
+            };
+            Request {
+                prompt,
+                options,
+                spec: None,
+            }
+        })
+        .collect();
+    let mut s = Scheduler::new(
+        Arc::clone(&graph),
+        ServeOptions {
+            kv_budget: KvBudget::Blocks(40),
+            kv: KvOptions {
+                block_size: 4,
+                dtype: KvDtype::F32,
+            },
+            max_step_tokens: 32,
+            ..ServeOptions::default()
+        },
+    )
+    .unwrap();
+    let stores: Vec<Arc<Mutex<Collected>>> = (0..reqs.len())
+        .map(|_| Arc::new(Mutex::new(Collected::default())))
+        .collect();
+    // Waves: 3 at once, then one at a time at later steps, then 4 more.
+    let joins = [0, 0, 0, 6, 15, 30, 31, 32, 45, 70, 70, 70, 70, 90];
+    let (mut submitted, mut steps) = (0, 0);
+    while submitted < reqs.len() || !s.is_idle() {
+        while submitted < reqs.len() && joins[submitted] <= steps {
+            s.submit(
+                submitted as u64,
+                reqs[submitted].clone(),
+                sink(&stores[submitted]),
+            )
+            .unwrap();
+            submitted += 1;
+        }
+        s.step().unwrap();
+        s.cache().check_invariants().unwrap();
+        steps += 1;
+        assert!(steps < 10_000, "the scheduler does not finish");
+    }
+    let stats = s.stats();
+    println!("{stats:?}");
+    assert!(stats.graph_steps > 0, "no graph phase ran: {stats:?}");
+    assert!(
+        stats.graph_starts > 1,
+        "the graph never restarted: {stats:?}"
+    );
+    assert!(stats.preemptions > 0, "the pool never ran short: {stats:?}");
+    assert!(
+        stats.graph_steps < stats.steps,
+        "no step ran kernel by kernel: {stats:?}"
+    );
+    assert_eq!(
+        stats.blocks_free + stats.prefix_blocks,
+        stats.blocks_total,
+        "finished requests left blocks in use"
+    );
+    for (i, req) in reqs.iter().enumerate() {
+        let alone = plain.generate_batch(&req.prompt, &req.options).unwrap();
+        let got = stores[i].lock().unwrap();
+        for (r, row) in alone.rows.iter().enumerate() {
+            assert_eq!(
+                got.rows.get(&r).cloned().unwrap_or_default(),
+                row.generated,
+                "request {i} row {r} differs from its run alone"
+            );
+        }
+        match &got.done {
+            Some(Event::Done(d)) => {
+                let want: Vec<_> = alone.rows.iter().map(|r| r.finish_reason).collect();
+                assert_eq!(d.finish_reasons, want, "request {i}");
+            }
+            other => panic!("request {i} ended with {other:?}"),
+        }
+    }
+}

@@ -5,4 +5,4 @@ pub mod cpu;
 pub mod cuda;
 mod step;
 
-pub use step::{check_logit_rows, check_step, ExecError, GraphRow, TokenRow};
+pub use step::{check_logit_rows, check_step, ExecError, GraphRow, RowDraw, TokenRow};

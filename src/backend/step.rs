@@ -23,6 +23,17 @@ pub struct GraphRow {
     pub row_id: u32,
 }
 
+/// How one row of logits is drawn where the logits are: the row's sampling parameters, the
+/// row keying its Philox draw (with the position the token takes), and optionally the tokens it
+/// may take (a grammar's mask: token `i` when bit `i % 32` of word `i / 32` is set; every other
+/// token weighs nothing, as after `Constraint::apply` on the host).
+#[derive(Clone, Copy, Debug)]
+pub struct RowDraw<'a> {
+    pub sampling: crate::sample::SamplingParams,
+    pub row_id: u32,
+    pub allowed: Option<&'a [u32]>,
+}
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ExecError {
     #[error(transparent)]

@@ -3,7 +3,7 @@
 //! so they can only ever run on that device.
 
 use crate::backend::cpu::CpuBackend;
-use crate::backend::{GraphRow, TokenRow};
+use crate::backend::{GraphRow, RowDraw, TokenRow};
 use crate::kv::{KvBudget, KvCache, KvError, KvOptions};
 use crate::model::ModelConfig;
 use crate::plan::{ExecutionPlan, PlanKind};
@@ -118,6 +118,11 @@ pub(crate) trait Caches: Send {
     fn graph_stop(&mut self, bucket: usize) -> Result<(), EngineError>;
 }
 
+/// Positions ahead of where it writes that a serving decode graph's row holds blocks for: the
+/// replays in flight (at most the ring's depth of 8) write within them, and the row takes more
+/// as it advances, so a graph row never holds its slot's whole capacity.
+pub(crate) const GRAPH_REACH: usize = 16;
+
 /// A scheduler's KV pool on the device of the backend that made it (it holds that backend):
 /// one slot per running sequence over shared blocks, the prefix cache over those blocks, and
 /// steps over rows of many slots, logits to the host.
@@ -154,6 +159,71 @@ pub(crate) trait ServingPool: Send {
     /// `EngineError::Kv(KvError::Pool(PoolError::Exhausted))`, which the scheduler answers by
     /// preempting.
     fn prepare(&mut self, slot: usize, end: usize) -> Result<(), EngineError>;
+
+    /// Sets how many positions of `slot` count as cached (a decode graph's positions, once
+    /// their tokens are consumed: the graph itself never changes lengths).
+    fn set_len(&mut self, slot: usize, len: usize);
+
+    /// Whether decode steps can run through the graph-replayed megakernel (on a CPU engine, its
+    /// stand-in when the engine emulates the graph), through the `graph_*` calls below.
+    fn has_graph(&self) -> bool {
+        false
+    }
+
+    /// Starts the decode graph of `bucket` rows (captured on first use, then reused: starting
+    /// again only uploads the row table) on `rows` (batch rows 0..n, the rest inactive), row
+    /// `i` drawing with `sampling[i]`, keyed by its `row_id` and position as on the host. Each
+    /// row's blocks are taken a few positions ahead of where it writes, and more as it
+    /// advances ([`ServingPool::graph_enqueue`]), never up to the capacity at once.
+    fn graph_start(
+        &mut self,
+        _bucket: usize,
+        _rows: &[GraphRow],
+        _sampling: &[SamplingParams],
+    ) -> Result<(), EngineError> {
+        Err(EngineError::Request("this pool has no decode graph".into()))
+    }
+
+    /// Batch row `b` stops decoding from the next replay on (replays already queued still
+    /// write its slot: close it only after [`ServingPool::graph_stop`]).
+    fn graph_leave(&mut self, _b: usize) -> Result<(), EngineError> {
+        Err(EngineError::Request("this pool has no decode graph".into()))
+    }
+
+    /// Queues one replay, first taking the blocks the active rows write next. An exhausted
+    /// pool is `EngineError::Kv(KvError::Pool(PoolError::Exhausted))` and queues nothing.
+    fn graph_enqueue(&mut self) -> Result<(), EngineError> {
+        Err(EngineError::Request("this pool has no decode graph".into()))
+    }
+
+    /// The oldest queued replay's sampled token for each batch row (`None`: inactive then).
+    fn graph_next(&mut self) -> Result<Vec<Option<u32>>, EngineError> {
+        Err(EngineError::Request("this pool has no decode graph".into()))
+    }
+
+    /// Waits for the queued replays and drops them; after it the pool's slots may be closed and
+    /// steps run on them again.
+    fn graph_stop(&mut self) -> Result<(), EngineError> {
+        Ok(())
+    }
+
+    /// Whether [`ServingPool::forward_draw`] draws tokens where the logits are.
+    fn draws_on_device(&self) -> bool {
+        false
+    }
+
+    /// Runs one step like [`ServingPool::forward`] (one logit row per sequence) and draws each
+    /// sequence's next token there, `draws[i]` for the sequence of the `i`-th logit row: only
+    /// the tokens come back. `None`, and nothing run, where the pool cannot.
+    fn forward_draw(
+        &mut self,
+        _kind: PlanKind,
+        _tokens: &[u32],
+        _rows: &[TokenRow],
+        _draws: &[RowDraw<'_>],
+    ) -> Result<Option<Vec<u32>>, EngineError> {
+        Ok(None)
+    }
 
     /// Runs one step over rows of any open slots, logits to the host: one row per sequence
     /// (its last), or with `logit_rows` the rows it names (increasing indices into `rows`).

@@ -5,10 +5,11 @@ use std::sync::Arc;
 
 use super::backend::{Backend, Caches, CpuGraphInputs, ServingPool};
 use super::cpu_graph::CpuGraph;
+use super::cpu_pool::CpuPool;
 use super::EngineError;
 use crate::backend::cpu::{CpuBackend, Workspace};
 use crate::backend::{GraphRow, TokenRow};
-use crate::kv::{KvBudget, KvCache, KvDtype, KvError, KvOptions};
+use crate::kv::{KvBudget, KvCache, KvDtype, KvOptions};
 use crate::model::ModelConfig;
 use crate::plan::{ExecutionPlan, PlanKind};
 use crate::sample::SamplingParams;
@@ -68,11 +69,12 @@ impl Backend for CpuDevice {
         budget: KvBudget,
         capacity: usize,
     ) -> Result<Box<dyn ServingPool>, EngineError> {
-        Ok(Box::new(CpuPool {
-            kv: self.backend.new_pool(opts, budget, capacity)?,
-            backend: Arc::clone(&self.backend),
-            ws: Workspace::new(),
-        }))
+        let kv = self.backend.new_pool(opts, budget, capacity)?;
+        Ok(Box::new(CpuPool::new(
+            kv,
+            Arc::clone(&self.backend),
+            self.emulate_graph,
+        )))
     }
 
     fn emulates_graph(&self) -> bool {
@@ -85,68 +87,6 @@ impl Backend for CpuDevice {
 
     fn cpu(&self) -> Option<&CpuBackend> {
         Some(&self.backend)
-    }
-}
-
-/// A scheduler's pool in host memory.
-struct CpuPool {
-    kv: KvCache,
-    backend: Arc<CpuBackend>,
-    ws: Workspace,
-}
-
-impl ServingPool for CpuPool {
-    fn tables(&self) -> &KvCache {
-        &self.kv
-    }
-
-    fn open_slot(&mut self) -> usize {
-        self.kv.open_slot()
-    }
-
-    fn close_slot(&mut self, slot: usize) {
-        self.kv.close_slot(slot)
-    }
-
-    fn attach_prefix(
-        &mut self,
-        slot: usize,
-        tokens: &[u32],
-        max_positions: usize,
-    ) -> Result<usize, KvError> {
-        self.kv.attach_prefix(slot, tokens, max_positions)
-    }
-
-    fn publish_prefix(&mut self, slot: usize, tokens: &[u32]) {
-        self.kv.publish_prefix(slot, tokens)
-    }
-
-    fn copy_slot(&mut self, from: usize, to: usize, len: usize) -> Result<(), EngineError> {
-        self.kv.copy_slot(from, to, len);
-        Ok(())
-    }
-
-    fn truncate(&mut self, slot: usize, len: usize) {
-        self.kv.truncate(slot, len)
-    }
-
-    fn prepare(&mut self, slot: usize, end: usize) -> Result<(), EngineError> {
-        Ok(self.kv.prepare(slot, end)?)
-    }
-
-    fn forward(
-        &mut self,
-        kind: PlanKind,
-        tokens: &[u32],
-        rows: &[TokenRow],
-        logit_rows: Option<&[usize]>,
-        logits: &mut Vec<f32>,
-    ) -> Result<usize, EngineError> {
-        let (b, ws, kv) = (&self.backend, &mut self.ws, &mut self.kv);
-        Ok(match logit_rows {
-            Some(sel) => b.forward_selected(ws, kv, tokens, rows, sel, logits)?,
-            None => b.forward(kind, ws, kv, tokens, rows, logits)?,
-        })
     }
 }
 

@@ -10,10 +10,10 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use super::backend::{Backend, Caches, CpuGraphInputs, ServingPool};
+use super::backend::{Backend, Caches, CpuGraphInputs, ServingPool, GRAPH_REACH};
 use super::EngineError;
-use crate::backend::cuda::{CudaBackend, CudaKvCache, CudaWorkspace, GraphDecoder};
-use crate::backend::{GraphRow, TokenRow};
+use crate::backend::cuda::{CudaBackend, CudaError, CudaKvCache, CudaWorkspace, GraphDecoder};
+use crate::backend::{ExecError, GraphRow, RowDraw, TokenRow};
 use crate::kv::{KvBudget, KvCache, KvError, KvOptions};
 use crate::model::ModelConfig;
 use crate::plan::{ExecutionPlan, PlanKind};
@@ -106,9 +106,12 @@ impl Backend for CudaDevice {
             || self.backend.new_pool(budget, capacity),
         )?;
         Ok(Box::new(CudaPool {
+            graphs: Vec::new(),
+            running: None,
             kv,
             ws: CudaWorkspace::new(),
             backend: Arc::clone(&self.backend),
+            megakernel: self.megakernel,
         }))
     }
 
@@ -123,14 +126,57 @@ impl Backend for CudaDevice {
 
 /// A scheduler's pool on the GPU: the device blocks of [`CudaBackend::new_pool`] with the host
 /// bookkeeping beside them. Steps run kernel by kernel with logits to the host (the scheduler
-/// samples there, with each row's own rules). UNVERIFIED: written without a GPU; its parts
-/// (the per-op step, the block copies of copy-on-write, the all-logits plan) ran on an H200
-/// through sessions, but never under the scheduler (`tests/gpu_engine.rs` has the check).
-/// Fields drop in order: the cache before the backend whose stream it was allocated on.
+/// samples there, with each row's own rules), and on a megakernel engine decode phases run
+/// through the pool's own decode graphs (one per bucket, captured on first use and restarted
+/// without re-capture), rows taking blocks [`GRAPH_REACH`] positions ahead of where they write.
+/// UNVERIFIED: written without a GPU; its parts (the per-op step, the block copies of
+/// copy-on-write, the all-logits plan, graph start/leave/replay) ran on an H200 through sessions
+/// and `tests/gpu.rs`, but never under the scheduler, and a graph's blocks taken as it advances
+/// ([`GraphDecoder::enqueue_in`]) never ran at all (`tests/gpu_engine.rs` has the checks). The
+/// same scheduler phases run on the CPU through `cpu_pool.rs`'s stand-in.
+///
+/// Fields drop in order: the graphs (whose drop waits for replays in flight) before the cache
+/// they write, and both before the backend whose weights and stream they use.
 struct CudaPool {
+    graphs: Vec<GraphDecoder>,
+    /// The bucket of the started graph, if one is started.
+    running: Option<usize>,
     kv: CudaKvCache,
     ws: CudaWorkspace,
     backend: Arc<CudaBackend>,
+    megakernel: bool,
+}
+
+impl CudaPool {
+    /// The index in `graphs` of the decode graph for `bucket` rows over this pool, captured on
+    /// first use.
+    fn graph(&mut self, bucket: usize) -> Result<usize, EngineError> {
+        if let Some(i) = self.graphs.iter().position(|g| g.bucket() == bucket) {
+            return Ok(i);
+        }
+        let (backend, kv) = (&self.backend, &self.kv);
+        // SAFETY: the decoder lives in this pool beside the `Arc` of its backend and is dropped
+        // first (field order), so the backend outlives it.
+        let mut g = traced(
+            || format!("serving b{bucket} new (module, buffers, capture)"),
+            || unsafe { GraphDecoder::new(backend, kv, bucket) },
+        )?;
+        g.set_reach(Some(GRAPH_REACH));
+        self.graphs.push(g);
+        Ok(self.graphs.len() - 1)
+    }
+
+    /// The index in `graphs` of the started graph.
+    fn started(&self) -> Result<usize, EngineError> {
+        let bucket = self
+            .running
+            .ok_or_else(|| EngineError::Request("no decode graph is started".into()))?;
+        Ok(self
+            .graphs
+            .iter()
+            .position(|g| g.bucket() == bucket)
+            .expect("a started graph was captured"))
+    }
 }
 
 impl ServingPool for CudaPool {
@@ -169,6 +215,79 @@ impl ServingPool for CudaPool {
 
     fn prepare(&mut self, slot: usize, end: usize) -> Result<(), EngineError> {
         Ok(self.kv.prepare(&self.backend, slot, end)??)
+    }
+
+    fn set_len(&mut self, slot: usize, len: usize) {
+        self.kv.set_len(slot, len)
+    }
+
+    fn has_graph(&self) -> bool {
+        self.megakernel
+    }
+
+    fn graph_start(
+        &mut self,
+        bucket: usize,
+        rows: &[GraphRow],
+        sampling: &[SamplingParams],
+    ) -> Result<(), EngineError> {
+        if self.running.is_some() {
+            let i = self.started()?;
+            self.running = None;
+            self.graphs[i].stop()?;
+        }
+        let i = self.graph(bucket)?;
+        let (g, kv) = (&mut self.graphs[i], &mut self.kv);
+        traced(
+            || format!("serving b{bucket} start ({} rows)", rows.len()),
+            || g.start_rows(kv, rows, sampling, &[]),
+        )?;
+        self.running = Some(bucket);
+        Ok(())
+    }
+
+    fn graph_leave(&mut self, b: usize) -> Result<(), EngineError> {
+        let i = self.started()?;
+        Ok(self.graphs[i].leave(b)?)
+    }
+
+    fn graph_enqueue(&mut self) -> Result<(), EngineError> {
+        let i = self.started()?;
+        match self.graphs[i].enqueue_in(&mut self.kv) {
+            Err(CudaError::Exec(ExecError::Kv(e))) => Err(EngineError::Kv(e)),
+            r => Ok(r?),
+        }
+    }
+
+    fn graph_next(&mut self) -> Result<Vec<Option<u32>>, EngineError> {
+        let i = self.started()?;
+        Ok(self.graphs[i].next()?.rows)
+    }
+
+    fn graph_stop(&mut self) -> Result<(), EngineError> {
+        if self.running.is_some() {
+            let i = self.started()?;
+            self.running = None;
+            let g = &mut self.graphs[i];
+            let bucket = g.bucket();
+            traced(|| format!("serving b{bucket} stop"), || g.stop())?;
+        }
+        Ok(())
+    }
+
+    fn draws_on_device(&self) -> bool {
+        true
+    }
+
+    fn forward_draw(
+        &mut self,
+        kind: PlanKind,
+        tokens: &[u32],
+        rows: &[TokenRow],
+        draws: &[RowDraw<'_>],
+    ) -> Result<Option<Vec<u32>>, EngineError> {
+        let (b, ws, kv) = (&self.backend, &mut self.ws, &mut self.kv);
+        Ok(Some(b.forward_draw(kind, ws, kv, tokens, rows, draws)?))
     }
 
     fn forward(

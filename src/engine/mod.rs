@@ -11,6 +11,7 @@ mod collect;
 pub mod constraint;
 mod cpu_device;
 mod cpu_graph;
+mod cpu_pool;
 #[cfg(feature = "cuda")]
 mod cuda_device;
 mod device;

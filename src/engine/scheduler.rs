@@ -10,6 +10,18 @@
 //! admitted sequence is preempted (its blocks freed; it is recomputed from its tokens later), so
 //! a request that fits the pool on its own never fails because of others.
 //!
+//! On an engine whose decode runs through the graph-replayed megakernel, steady decode runs
+//! through the pool's decode graph instead: when every sequence holding a slot is a plain decode
+//! row (no prompt left, no speculation, constraint, tool calls, log-probabilities, penalty or
+//! logits processor: nothing the host must do between tokens), at most a bucket's worth (8),
+//! and nothing waits, the graph starts on them and runs up to [`GRAPH_DEPTH`] replays ahead,
+//! sampling on the device with each row's own parameters; each scheduler step then consumes one
+//! replay. A row that finishes leaves the graph between replays (its slot closes when the graph
+//! stops, since replays already queued still write it); anything else — a new request, a
+//! waiting one, the pool running short — stops the graph, and the kernel-by-kernel steps take
+//! over from the last consumed token until the graph can start again (a restart reuses the
+//! captured graph: only its row table is uploaded).
+//!
 //! Every row keeps its own sampling parameters and seed, and its draws are keyed by its row
 //! within its request and its position, exactly as in a [`super::Session`]: a request's tokens
 //! do not depend on what else runs beside it (up to the summation order of batched kernels).
@@ -35,9 +47,12 @@ use super::spec::{self, choose_verified, DraftAsk, DraftBatch, Proposal, SpecMet
 use super::spec::{SpecOptions, SpecStats};
 use super::tools::ToolTokens;
 use super::{Engine, EngineError, FinishReason, GenerateOptions, RowStep, Step, Usage};
-use crate::backend::TokenRow;
+use crate::backend::{GraphRow, RowDraw, TokenRow};
 use crate::kv::{KvBudget, KvCache, KvError, KvOptions, PoolError};
 use crate::plan::PlanKind;
+
+/// Replays a serving decode graph keeps queued ahead of the host (the graph's ring holds 8).
+pub const GRAPH_DEPTH: usize = 8;
 
 /// How a serving engine shares its memory and its steps.
 #[derive(Clone, Copy, Debug)]
@@ -148,6 +163,12 @@ pub struct SchedulerStats {
     pub spec_verify_passes: u64,
     /// Forward passes of draft models (each over every row a draft proposes for).
     pub spec_draft_passes: u64,
+    /// Steps that consumed a decode-graph replay (counted in `steps` too).
+    pub graph_steps: u64,
+    /// Times a decode graph was started.
+    pub graph_starts: u64,
+    /// Kernel-by-kernel steps whose tokens were drawn on the device (no logits to the host).
+    pub device_draw_steps: u64,
 }
 
 /// One sequence's part of a step: `n` rows fed from its tokens (a prefill chunk or a decode
@@ -157,6 +178,38 @@ struct Planned {
     seq: usize,
     n: usize,
     verify: bool,
+}
+
+/// How one planned sequence's token is drawn on the device (see [`Scheduler::device_draws`]).
+struct PlannedDraw {
+    sampling: crate::sample::SamplingParams,
+    row_id: u32,
+    /// The constraint's allowed tokens, one bit each.
+    allowed: Option<Vec<u32>>,
+    /// Its constraint cannot continue: the row ends, its draw unused.
+    broken: bool,
+}
+
+/// The pool's decode graph while it runs a phase of the scheduler's decode.
+struct GraphPhase {
+    /// Per batch row: the sequence it decodes (request and row within it: indices into the
+    /// sequences shift as finished ones are dropped), `None` once it left.
+    rows: Vec<Option<(RequestId, usize)>>,
+    /// Replays queued and not consumed.
+    in_flight: usize,
+    /// Replays that may still be queued: none may write past a row's capacity, and none is
+    /// worth running past every row's `max_tokens`.
+    budget: usize,
+    /// Slots of rows that left: replays queued before they left still write them, so they
+    /// close when the graph stops.
+    left: Vec<usize>,
+}
+
+impl GraphPhase {
+    /// Whether every row has left.
+    fn is_empty(&self) -> bool {
+        self.rows.iter().all(Option::is_none)
+    }
 }
 
 pub struct Scheduler {
@@ -172,6 +225,8 @@ pub struct Scheduler {
     stats: SchedulerStats,
     /// The draft caches of speculating rows, one pool per draft model.
     drafts: Vec<DraftBatch>,
+    /// The decode graph's phase, while one runs.
+    graph: Option<GraphPhase>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -210,6 +265,7 @@ impl Scheduler {
             next_order: 0,
             stats: SchedulerStats::default(),
             drafts: Vec::new(),
+            graph: None,
         })
     }
 
@@ -353,6 +409,11 @@ impl Scheduler {
             }
         }
         self.flush();
+        if self.graph.as_ref().is_some_and(GraphPhase::is_empty) {
+            // No row is left in the graph: stop it so the slots that left close. A device
+            // failure here fails the next step too, where it is reported.
+            let _ = self.stop_graph();
+        }
     }
 
     /// Records a row's end and frees its slot (its whole blocks stay in the prefix cache).
@@ -373,6 +434,16 @@ impl Scheduler {
         if let Some(slot) = s.slot.take() {
             if self.opts.prefix_cache {
                 self.kv.publish_prefix(slot, &s.tokens[..s.computed]);
+            }
+            let key = (s.request, s.row);
+            if let Some(g) = self.graph.as_mut() {
+                if let Some(b) = g.rows.iter().position(|r| *r == Some(key)) {
+                    g.rows[b] = None;
+                    g.left.push(slot);
+                    // A failed leave is a device failure; the next replay or stop reports it.
+                    let _ = self.kv.graph_leave(b);
+                    return;
+                }
             }
             self.kv.close_slot(slot);
         }
@@ -445,6 +516,34 @@ impl Scheduler {
     /// Runs one step. Returns whether any work remains.
     pub fn step(&mut self) -> Result<bool, EngineError> {
         self.admit_waiting();
+        if self.graph.is_some() && !self.graph_can_go_on() {
+            self.stop_graph()?;
+        }
+        if self.graph.is_none() && self.graph_can_start() {
+            self.start_graph()?;
+        }
+        if self.graph.is_some() {
+            match self.graph_step() {
+                Ok(true) => {
+                    self.flush();
+                    if self.graph.as_ref().is_some_and(GraphPhase::is_empty) {
+                        // Its last row finished: the slots that left close now.
+                        self.stop_graph()?;
+                    }
+                    return Ok(!self.seqs.is_empty());
+                }
+                // Nothing left to replay, or the pool ran short: the host path goes on
+                // (preempting if it must).
+                Ok(false) | Err(EngineError::Kv(KvError::Pool(PoolError::Exhausted { .. }))) => {
+                    self.stop_graph()?
+                }
+                Err(e) => {
+                    // The device failed: what it ran is lost, the slots are not reused.
+                    self.graph = None;
+                    return Err(e);
+                }
+            }
+        }
         let plan = self.plan()?;
         if plan.is_empty() {
             self.flush();
@@ -475,10 +574,38 @@ impl Scheduler {
         } else {
             PlanKind::Prefill
         };
-        self.kv
-            .forward(kind, &tokens, &rows, selected, &mut self.logits)?;
+        // Where the pool draws on the device and no row needs its logits here, only the
+        // tokens come back (a constrained row's allowed tokens go the other way).
+        let pre = match selected {
+            None if self.kv.draws_on_device() => self.device_draws(&plan),
+            _ => None,
+        };
+        let drawn = match &pre {
+            Some(pre) => {
+                let draws: Vec<RowDraw<'_>> = pre
+                    .iter()
+                    .map(|d| RowDraw {
+                        sampling: d.sampling,
+                        row_id: d.row_id,
+                        allowed: d.allowed.as_deref(),
+                    })
+                    .collect();
+                self.kv.forward_draw(kind, &tokens, &rows, &draws)?
+            }
+            None => None,
+        };
+        if drawn.is_none() {
+            self.kv
+                .forward(kind, &tokens, &rows, selected, &mut self.logits)?;
+        }
         self.stats.steps += 1;
         self.stats.computed_tokens += tokens.len() as u64;
+        if let (Some(drawn), Some(pre)) = (drawn, pre) {
+            self.stats.device_draw_steps += 1;
+            self.take_drawn(&plan, &drawn, &pre)?;
+            self.flush();
+            return Ok(!self.seqs.is_empty());
+        }
         // Rows choose from their logits in place (no vocabulary-sized copy per row and step);
         // the buffer goes back for the next step whatever happens.
         let mut logits = std::mem::take(&mut self.logits);
@@ -487,6 +614,268 @@ impl Scheduler {
         taken?;
         self.flush();
         Ok(!self.seqs.is_empty())
+    }
+
+    /// How each planned sequence's token is drawn on the device this step, or `None` when a
+    /// sequence that chooses after it needs its logits on the host: log-probabilities, a logits
+    /// processor, a repetition penalty, or a prompt whose sibling rows start from its logits.
+    /// A constrained row's allowed tokens are computed here, before the forward; a row whose
+    /// constraint cannot continue is marked to end (as `choose` finds on the host).
+    fn device_draws(&mut self, plan: &[Planned]) -> Option<Vec<PlannedDraw>> {
+        let mut out = Vec::with_capacity(plan.len());
+        for p in plan {
+            let s = &mut self.seqs[p.seq];
+            let chooses = s.pending() == p.n;
+            let o = &s.opts;
+            let mut d = PlannedDraw {
+                sampling: o.sampling,
+                row_id: s.row as u32,
+                allowed: None,
+                broken: false,
+            };
+            if chooses {
+                let siblings = s.row == 0 && s.state.generated == 0 && o.num_samples > 1;
+                let host_only = o.logprobs.is_some()
+                    || o.logits_processor.is_some()
+                    || o.sampling.repetition_penalty.is_some();
+                if siblings || host_only {
+                    return None;
+                }
+                if s.state.tool.forced.is_empty() {
+                    if let Some(c) = s.state.constraint.as_mut() {
+                        match c.allowed() {
+                            Ok(set) => d.allowed = Some(set.as_slice().to_vec()),
+                            Err(_) => d.broken = true,
+                        }
+                    }
+                }
+            }
+            out.push(d);
+        }
+        Some(out)
+    }
+
+    /// Advances each planned sequence by its rows; those that have caught up take their drawn
+    /// token (or a queued tool token, which comes first, as in `choose`) through their rules.
+    fn take_drawn(
+        &mut self,
+        plan: &[Planned],
+        drawn: &[u32],
+        pre: &[PlannedDraw],
+    ) -> Result<(), EngineError> {
+        for ((p, &token), d) in plan.iter().zip(drawn).zip(pre) {
+            let i = p.seq;
+            self.seqs[i].computed += p.n;
+            if self.seqs[i].pending() > 0 {
+                continue;
+            }
+            if self.seqs[i].row == 0 && self.seqs[i].state.generated == 0 {
+                // No sibling waits (`device_draws` checked): only the prefix is published.
+                self.on_prompt_done(i, &[])?;
+            }
+            if d.broken {
+                self.finish(i, FinishReason::ConstraintBroken);
+                continue;
+            }
+            let (token, mask) = match self.seqs[i].state.tool.forced.pop_front() {
+                Some(forced) => (forced, 0),
+                None => (token, 1),
+            };
+            self.accept_token(i, token, mask)?;
+        }
+        Ok(())
+    }
+
+    /// Whether sequence `i` can decode in the graph: a plain decode row, nothing the host must
+    /// do between its tokens (the device draws them with the row's own parameters and seed).
+    fn graph_row(&self, i: usize) -> bool {
+        let s = &self.seqs[i];
+        let o = &s.opts;
+        s.slot.is_some()
+            && s.pending() == 1
+            && s.spec.is_none()
+            && s.state.constraint.is_none()
+            && s.state.tool.forced.is_empty()
+            && !(o.tools && self.tools.is_some())
+            && o.logprobs.is_none()
+            && o.logits_processor.is_none()
+            && o.sampling.repetition_penalty.is_none()
+    }
+
+    /// Whether a graph phase can start now: the pool has a decode graph, something runs, every
+    /// sequence with a slot is a graph row, they fit a bucket, and nothing waits.
+    fn graph_can_start(&self) -> bool {
+        if !self.kv.has_graph() || self.seqs.iter().any(|s| s.slot.is_none()) {
+            return false;
+        }
+        let rows = self.seqs.len();
+        rows > 0
+            && kiln_codegen::bucket_for(rows).is_some()
+            && (0..rows).all(|i| self.graph_row(i))
+            && self.graph_budget() > 0
+    }
+
+    /// Whether the running graph phase goes on: nothing waits for a slot or holds one outside
+    /// the graph, and every sequence in it is still a graph row.
+    fn graph_can_go_on(&self) -> bool {
+        let Some(g) = &self.graph else {
+            return false;
+        };
+        !g.is_empty()
+            && self.seqs.iter().enumerate().all(|(i, s)| {
+                s.finished() || (g.rows.contains(&Some((s.request, s.row))) && self.graph_row(i))
+            })
+    }
+
+    /// Replays worth running for the sequences that hold slots: none past a row's capacity,
+    /// none past the longest `max_tokens` still to come.
+    fn graph_budget(&self) -> usize {
+        let capacity = self.kv.tables().capacity();
+        let live = self.seqs.iter().filter(|s| s.slot.is_some());
+        let room = live
+            .clone()
+            .map(|s| capacity.saturating_sub(s.computed))
+            .min()
+            .unwrap_or(0);
+        let wanted = live
+            .map(|s| {
+                s.opts
+                    .max_tokens
+                    .map_or(usize::MAX, |m| m.saturating_sub(s.state.generated))
+            })
+            .max()
+            .unwrap_or(0);
+        room.min(wanted)
+    }
+
+    /// Starts the graph on every sequence (each feeding its pending token at its cached length).
+    fn start_graph(&mut self) -> Result<(), EngineError> {
+        let mut order: Vec<usize> = (0..self.seqs.len()).collect();
+        order.sort_by_key(|&i| (self.seqs[i].order, self.seqs[i].row));
+        let budget = self.graph_budget();
+        let bucket = kiln_codegen::bucket_for(order.len()).expect("graph_can_start checked");
+        let rows: Vec<GraphRow> = order
+            .iter()
+            .map(|&i| {
+                let s = &self.seqs[i];
+                GraphRow {
+                    slot: s.slot.expect("graph rows hold slots"),
+                    pos: s.computed,
+                    token: s.tokens[s.computed],
+                    row_id: s.row as u32,
+                }
+            })
+            .collect();
+        let sampling: Vec<_> = order.iter().map(|&i| self.seqs[i].opts.sampling).collect();
+        match self.kv.graph_start(bucket, &rows, &sampling) {
+            Ok(()) => {}
+            // Too little room for the rows' first blocks: the host path preempts.
+            Err(EngineError::Kv(KvError::Pool(PoolError::Exhausted { .. }))) => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        self.stats.graph_starts += 1;
+        self.graph = Some(GraphPhase {
+            rows: order
+                .iter()
+                .map(|&i| Some((self.seqs[i].request, self.seqs[i].row)))
+                .collect(),
+            in_flight: 0,
+            budget,
+            left: Vec::new(),
+        });
+        Ok(())
+    }
+
+    /// Stops the graph phase: the replays in flight are dropped (each row feeds its pending
+    /// token again on the host path, over what the graph wrote there), the slots of rows that
+    /// left are closed, and blocks the graph took ahead of the rows go back to the pool.
+    fn stop_graph(&mut self) -> Result<(), EngineError> {
+        let Some(g) = self.graph.take() else {
+            return Ok(());
+        };
+        self.kv.graph_stop()?;
+        for slot in g.left {
+            self.kv.close_slot(slot);
+        }
+        for s in &self.seqs {
+            if let Some(slot) = s.slot {
+                self.kv.truncate(slot, s.computed);
+            }
+        }
+        Ok(())
+    }
+
+    /// One step of the graph phase: tops the queue up, consumes the oldest replay (each row's
+    /// fed token is now cached; its sampled token goes through the row's stop rules), and
+    /// returns `false` (nothing consumed) when no replay can run any more.
+    fn graph_step(&mut self) -> Result<bool, EngineError> {
+        let g = self.graph.as_mut().expect("a graph phase runs");
+        while g.in_flight < GRAPH_DEPTH && g.budget > 0 && !g.is_empty() {
+            self.kv.graph_enqueue()?;
+            g.in_flight += 1;
+            g.budget -= 1;
+        }
+        if g.in_flight == 0 {
+            return Ok(false);
+        }
+        let sampled = self.kv.graph_next()?;
+        g.in_flight -= 1;
+        let rows = g.rows.clone();
+        let mut fed = 0;
+        for (b, key) in rows.into_iter().enumerate() {
+            let Some((request, row)) = key else {
+                continue;
+            };
+            let Some(i) = self
+                .seqs
+                .iter()
+                .position(|s| s.request == request && s.row == row)
+            else {
+                continue;
+            };
+            let token = sampled.get(b).copied().flatten().ok_or_else(|| {
+                EngineError::Request(format!("decode graph row {b} produced no token"))
+            })?;
+            fed += 1;
+            let s = &mut self.seqs[i];
+            s.computed += 1;
+            let slot = s.slot.expect("graph rows hold slots");
+            self.kv.set_len(slot, s.computed);
+            self.accept_token(i, token, 1)?;
+        }
+        self.stats.steps += 1;
+        self.stats.graph_steps += 1;
+        self.stats.computed_tokens += fed;
+        Ok(true)
+    }
+
+    /// The row takes `token` (drawn on the device with its own parameters: `mask` 1; a forced
+    /// tool token: 0) and applies its stop rules (as [`Scheduler::take_token`] does after
+    /// choosing).
+    fn accept_token(&mut self, i: usize, token: u32, mask: u8) -> Result<(), EngineError> {
+        let engine = Arc::clone(&self.engine);
+        let s = &mut self.seqs[i];
+        let opts = Arc::clone(&s.opts);
+        let stop_tokens = Arc::clone(&s.stop_tokens);
+        let rules = row_rules(
+            &engine,
+            self.tools.as_ref(),
+            self.kv.tables().capacity(),
+            &opts,
+            &stop_tokens,
+        );
+        let pos = s.tokens.len();
+        let step = s.state.accept(&rules, token, mask, pos)?;
+        let finished = step.finished;
+        if finished.is_none() {
+            s.tokens.push(token);
+        }
+        let (request, row) = (s.request, s.row);
+        self.record(request, row, 0, step);
+        if let Some(reason) = finished {
+            self.finish(i, reason);
+        }
+        Ok(())
     }
 
     /// Advances each planned sequence by its rows and lets those that have caught up choose a

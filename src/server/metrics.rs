@@ -118,7 +118,7 @@ impl Metrics {
         for (name, help, v) in gauges {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
         }
-        let counters: [(&str, &str, u64); 8] = [
+        let counters: [(&str, &str, u64); 11] = [
             (
                 "kiln_prefix_cache_hit_tokens_total",
                 "Prompt tokens served from the prefix cache.",
@@ -158,6 +158,21 @@ impl Metrics {
                 "kiln_spec_draft_passes_total",
                 "Forward passes of draft models (each over every sequence a draft proposes for).",
                 s.spec_draft_passes,
+            ),
+            (
+                "kiln_graph_steps_total",
+                "Scheduler steps that consumed a decode-graph (megakernel) replay.",
+                s.graph_steps,
+            ),
+            (
+                "kiln_graph_starts_total",
+                "Times the scheduler started a decode graph.",
+                s.graph_starts,
+            ),
+            (
+                "kiln_device_draw_steps_total",
+                "Kernel-by-kernel steps whose tokens were drawn on the device.",
+                s.device_draw_steps,
             ),
         ];
         for (name, help, v) in counters {

@@ -26,7 +26,7 @@ use super::graph::MegakernelCache;
 use super::graph_host::{row_control, row_words, GraphError};
 use super::kernels::SOURCES;
 use super::nvrtc::{self, NvrtcError};
-use crate::backend::{ExecError, TokenRow};
+use crate::backend::{ExecError, RowDraw, TokenRow};
 use crate::graph::build::LogitRows;
 use crate::graph::{Activation, Epilogue, KvSpec, Linear, Op, Rows};
 use crate::kv::{KvBudget, KvCache, KvDtype, KvError, KvLayout, KvOptions, DEFAULT_BLOCK_SIZE};
@@ -881,10 +881,37 @@ impl CudaBackend {
         sampling: &SamplingParams,
         row_ids: &[u32],
     ) -> Result<Vec<u32>, CudaError> {
-        // One MkRow per row of logits: the parameters, the seed and the row's Philox row.
-        let controls = row_ids
+        let draws: Vec<RowDraw<'_>> = row_ids
             .iter()
-            .map(|&id| row_control(sampling, id))
+            .map(|&row_id| RowDraw {
+                sampling: *sampling,
+                row_id,
+                allowed: None,
+            })
+            .collect();
+        self.forward_draw(kind, ws, kv, tokens, rows, &draws)
+    }
+
+    /// [`CudaBackend::forward_sample`] with each row of logits drawn its own way (`draws`, one
+    /// per row of logits): its own parameters, seed and Philox row, and where it has one, its
+    /// set of allowed tokens, applied on the device (`mask_rows`) before the draw — a
+    /// constrained row's mask is uploaded instead of its logits coming back. The masks and
+    /// per-row parameters are UNVERIFIED on a GPU (written for the serving scheduler; the
+    /// unmasked draw is `forward_sample`'s).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_draw(
+        &self,
+        kind: PlanKind,
+        ws: &mut CudaWorkspace,
+        kv: &mut CudaKvCache,
+        tokens: &[u32],
+        rows: &[TokenRow],
+        draws: &[RowDraw<'_>],
+    ) -> Result<Vec<u32>, CudaError> {
+        // One MkRow per row of logits: the parameters, the seed and the row's Philox row.
+        let controls = draws
+            .iter()
+            .map(|d| row_control(&d.sampling, d.row_id))
             .collect::<Result<Vec<_>, _>>()?;
         let next = self.check_step(kv, tokens, rows)?;
         let plan = self.plan(kind);
@@ -894,15 +921,39 @@ impl CudaBackend {
             Rows::Tokens => (0..tokens.len()).collect(),
             Rows::Sequences => last_of_each_sequence(rows),
         };
-        if row_ids.len() != from.len() {
+        if draws.len() != from.len() {
             return Err(CudaError::RowIds {
-                got: row_ids.len(),
+                got: draws.len(),
                 want: from.len(),
             });
+        }
+        let vocab = o.cols;
+        let mask_words = vocab.div_ceil(32);
+        // Every mask padded or cut to the vocabulary's words, back to back; -1: no mask.
+        let mut masks: Vec<i32> = Vec::new();
+        let mut mask_at: Vec<i32> = Vec::with_capacity(draws.len());
+        for d in draws {
+            match d.allowed {
+                Some(words) => {
+                    mask_at.push(masks.len() as i32);
+                    let start = masks.len();
+                    masks.extend(words.iter().take(mask_words).map(|&w| w as i32));
+                    masks.resize(start + mask_words, 0);
+                }
+                None => mask_at.push(-1),
+            }
         }
         self.prepare_step(kv, &next)?;
         let out = self.run(plan, ws, kv, tokens, rows)?;
         let n = out.rows;
+        let logits =
+            self.ptr(ws.buffers[o.buffer].as_ref().expect("allocated")) + (o.col * 4) as u64;
+        if !masks.is_empty() {
+            let d_masks = self.ints(ws, "sample_masks", &masks)?;
+            let d_at = self.ints(ws, "sample_mask_at", &mask_at)?;
+            launch!(self, "mask_rows", cfg((n as u32, div(vocab, 256), 1), BLOCK);
+                logits, out.stride as i32, vocab as i32, d_masks, d_at, mask_words as i32);
+        }
         let ctl_words: Vec<i32> = controls
             .iter()
             .flat_map(row_words)
@@ -911,11 +962,8 @@ impl CudaBackend {
         let d_ctl = self.ints(ws, "sample_ctl", &ctl_words)?;
         let positions: Vec<i32> = from.iter().map(|&t| rows[t].pos as i32 + 1).collect();
         let d_pos = self.ints(ws, "sample_positions", &positions)?;
-        let vocab = o.cols;
         let work = self.scratch(ws, "sample_work", n * vocab)?;
         let d_out = self.ints(ws, "sample_tokens", &vec![0; n])?;
-        let logits =
-            self.ptr(ws.buffers[o.buffer].as_ref().expect("allocated")) + (o.col * 4) as u64;
         launch!(self, "sample_rows", cfg((n as u32, 1, 1), BLOCK);
             logits, out.stride as i32, vocab as i32, d_ctl, d_pos, work, d_out);
         let host: Vec<i32> = self

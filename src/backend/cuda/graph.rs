@@ -491,6 +491,11 @@ pub struct GraphDecoder {
     timeout: Duration,
     /// Launched since the stream was last synchronised.
     unsynced: bool,
+    /// Positions ahead of where it writes that a row holds blocks for (`None`: the whole
+    /// capacity from its start, as sessions use it); see [`GraphDecoder::set_reach`].
+    reach: Option<usize>,
+    /// Per batch row: positions below this have blocks (and are in the uploaded page table).
+    ends: Vec<usize>,
     // Device memory the captured launch points into.
     _act: CudaSlice<f32>,
     _counters: CudaSlice<u32>,
@@ -575,6 +580,8 @@ impl GraphDecoder {
             stops: Vec::new(),
             timeout: DEFAULT_TIMEOUT,
             unsynced: false,
+            reach: None,
+            ends: vec![0; bucket],
             _act: act,
             _counters: counters,
             _epoch: epoch,
@@ -599,6 +606,20 @@ impl GraphDecoder {
     /// [`GraphError::Timeout`] (30 s by default).
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
+    }
+
+    /// Makes each started or joining row take blocks only `reach` positions ahead of where it
+    /// writes, and more before each [`enqueue_in`](Self::enqueue_in) as it advances (`None`,
+    /// the default: up to the capacity at once, which a session's own cache can afford and a
+    /// shared serving pool cannot). UNVERIFIED on a GPU (written for the serving scheduler).
+    pub fn set_reach(&mut self, reach: Option<usize>) {
+        self.reach = reach;
+    }
+
+    /// The end of the positions a row starting (or advancing) at `pos` takes blocks for.
+    fn reach_end(&self, pos: usize, capacity: usize) -> usize {
+        self.reach
+            .map_or(capacity, |r| pos.saturating_add(r.max(1)).min(capacity))
     }
 
     /// Points the graph at `rows` (at most the bucket; the rest of the bucket is inactive),
@@ -659,7 +680,9 @@ impl GraphDecoder {
         let mut tables = vec![-1i32; self.bucket * self.max_blocks];
         for (b, (s, &p)) in slots.iter().zip(&pos).enumerate() {
             if let Some(s) = *s {
-                kv.make_writable(&self.backend_stream, s, p as usize, capacity)?;
+                let end = self.reach_end(p as usize, capacity);
+                kv.make_writable(&self.backend_stream, s, p as usize, end)?;
+                self.ends[b] = end;
                 let t = page_tables(kv.tables(), &[s], self.max_blocks);
                 tables[b * self.max_blocks..][..self.max_blocks].copy_from_slice(&t);
             }
@@ -722,7 +745,9 @@ impl GraphDecoder {
         check_rows(&[row], 1, &kv.lens(), capacity, self.vocab)?;
         let words = row_words(&row_control(sampling, row.row_id)?);
         let word = MkControl::row_offset(b).map_err(|e| GraphError::Sampling(e.to_string()))? / 4;
-        kv.make_writable(&self.backend_stream, row.slot, row.pos, capacity)?;
+        let end = self.reach_end(row.pos, capacity);
+        kv.make_writable(&self.backend_stream, row.slot, row.pos, end)?;
+        self.ends[b] = end;
         let table = page_tables(kv.tables(), &[row.slot], self.max_blocks);
         self.stream.join(&self.backend_stream).map_err(drv)?;
         let mb = self.max_blocks;
@@ -785,6 +810,42 @@ impl GraphDecoder {
         self.book = next;
         self.unsynced = true;
         Ok(())
+    }
+
+    /// [`enqueue`](Self::enqueue) after giving every active row the blocks its write in this
+    /// replay needs, when a [reach](Self::set_reach) is set: a row about to write past its
+    /// blocks takes `reach` more positions' worth from `kv`'s pool, and its page-table row is
+    /// uploaded on the replay stream (after the replays already queued, which do not read the
+    /// new entries, and before this one). The pool's refusal (exhausted) comes back as
+    /// `CudaError::Exec(ExecError::Kv(..))` with nothing launched. UNVERIFIED on a GPU; the
+    /// same bookkeeping runs on the CPU in the serving pool's graph stand-in.
+    pub fn enqueue_in(&mut self, kv: &mut CudaKvCache) -> Result<(), CudaError> {
+        if !self.kv.is(kv) {
+            return Err(GraphError::OtherCache.into());
+        }
+        if self.reach.is_some() {
+            let capacity = kv.capacity();
+            let positions = self.book.positions().to_vec();
+            for (b, p) in positions.into_iter().enumerate() {
+                let (Some(slot), Some(p)) = (self.slots[b], p) else {
+                    continue;
+                };
+                if p < self.ends[b] || p >= capacity {
+                    // Covered, or refused below by the capacity check of `enqueue`.
+                    continue;
+                }
+                let end = self.reach_end(p, capacity);
+                kv.make_writable(&self.backend_stream, slot, self.ends[b], end)?;
+                self.ends[b] = end;
+                let table = page_tables(kv.tables(), &[slot], self.max_blocks);
+                self.stream.join(&self.backend_stream).map_err(drv)?;
+                let mb = self.max_blocks;
+                self.stream
+                    .memcpy_htod(&table, &mut self.tables.slice_mut(b * mb..(b + 1) * mb))
+                    .map_err(drv)?;
+            }
+        }
+        self.enqueue()
     }
 
     /// Steps launched and not read yet.

@@ -83,7 +83,7 @@ pub const SOURCES: &[CudaSource] = &[
     CudaSource {
         file: "sample.cu",
         text: include_str!("../../../cuda/sample.cu"),
-        kernels: &["sample_rows"],
+        kernels: &["sample_rows", "mask_rows"],
     },
 ];
 
