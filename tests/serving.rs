@@ -252,6 +252,34 @@ fn sink(store: &Arc<Mutex<Collected>>) -> kiln::engine::Sink {
     })
 }
 
+/// Every row of every request (collected in `stores`) equals the request run alone on `e`,
+/// with the same finish reasons and completion tokens.
+fn assert_each_equals_its_run_alone(
+    e: &Arc<Engine>,
+    reqs: &[Request],
+    stores: &[Arc<Mutex<Collected>>],
+) {
+    for (i, req) in reqs.iter().enumerate() {
+        let alone = e.generate_batch(&req.prompt, &req.options).unwrap();
+        let got = stores[i].lock().unwrap();
+        for (r, row) in alone.rows.iter().enumerate() {
+            assert_eq!(
+                got.rows.get(&r).cloned().unwrap_or_default(),
+                row.generated,
+                "request {i} row {r} differs from its run alone"
+            );
+        }
+        match &got.done {
+            Some(Event::Done(d)) => {
+                let want: Vec<_> = alone.rows.iter().map(|r| r.finish_reason).collect();
+                assert_eq!(d.finish_reasons, want, "request {i}");
+                assert_eq!(d.usage.completion_tokens, alone.usage.completion_tokens);
+            }
+            other => panic!("request {i} ended with {other:?}"),
+        }
+    }
+}
+
 /// 64 requests (72 rows) with mixed prompt lengths, options and seeds join at different steps
 /// through one scheduler whose pool holds a fraction of them (so sequences are preempted and
 /// recomputed): every row's tokens equal the same request run alone.
@@ -334,25 +362,7 @@ fn batched_scheduler_equals_each_request_alone() {
         stats.blocks_total,
         "finished requests left blocks in use"
     );
-    for (i, req) in reqs.iter().enumerate() {
-        let alone = e.generate_batch(&req.prompt, &req.options).unwrap();
-        let got = stores[i].lock().unwrap();
-        for (r, row) in alone.rows.iter().enumerate() {
-            assert_eq!(
-                got.rows.get(&r).cloned().unwrap_or_default(),
-                row.generated,
-                "request {i} row {r} differs from its run alone"
-            );
-        }
-        match &got.done {
-            Some(Event::Done(d)) => {
-                let want: Vec<_> = alone.rows.iter().map(|r| r.finish_reason).collect();
-                assert_eq!(d.finish_reasons, want, "request {i}");
-                assert_eq!(d.usage.completion_tokens, alone.usage.completion_tokens);
-            }
-            other => panic!("request {i} ended with {other:?}"),
-        }
-    }
+    assert_each_equals_its_run_alone(&e, &reqs, &stores);
     println!("{stats:?}");
 }
 
@@ -805,22 +815,5 @@ fn graph_phases_equal_each_request_alone() {
         stats.blocks_total,
         "finished requests left blocks in use"
     );
-    for (i, req) in reqs.iter().enumerate() {
-        let alone = plain.generate_batch(&req.prompt, &req.options).unwrap();
-        let got = stores[i].lock().unwrap();
-        for (r, row) in alone.rows.iter().enumerate() {
-            assert_eq!(
-                got.rows.get(&r).cloned().unwrap_or_default(),
-                row.generated,
-                "request {i} row {r} differs from its run alone"
-            );
-        }
-        match &got.done {
-            Some(Event::Done(d)) => {
-                let want: Vec<_> = alone.rows.iter().map(|r| r.finish_reason).collect();
-                assert_eq!(d.finish_reasons, want, "request {i}");
-            }
-            other => panic!("request {i} ended with {other:?}"),
-        }
-    }
+    assert_each_equals_its_run_alone(&plain, &reqs, &stores);
 }

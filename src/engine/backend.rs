@@ -130,39 +130,59 @@ pub(crate) trait ServingPool: Send {
     /// The bookkeeping: page tables, reference counts, the prefix cache, the layout.
     fn tables(&self) -> &KvCache;
 
+    /// The bookkeeping, for the changes that move no data wherever the data lives (the provided
+    /// methods below). Making positions writable is [`ServingPool::prepare`]'s: on a device it
+    /// also copies shared blocks there.
+    fn tables_mut(&mut self) -> &mut KvCache;
+
     /// A new empty slot (a closed one reused) for a sequence.
-    fn open_slot(&mut self) -> usize;
+    fn open_slot(&mut self) -> usize {
+        self.tables_mut().open_slot()
+    }
 
     /// Gives a slot's blocks back (those shared stay with their other owners).
-    fn close_slot(&mut self, slot: usize);
+    fn close_slot(&mut self, slot: usize) {
+        self.tables_mut().close_slot(slot)
+    }
 
     /// Starts empty slot `slot` from the longest cached prefix of `tokens` (at most
-    /// `max_positions`); returns the positions it now holds.
+    /// `max_positions`); returns the positions it now holds. Blocks are shared, not copied.
     fn attach_prefix(
         &mut self,
         slot: usize,
         tokens: &[u32],
         max_positions: usize,
-    ) -> Result<usize, KvError>;
+    ) -> Result<usize, KvError> {
+        self.tables_mut().attach_prefix(slot, tokens, max_positions)
+    }
 
     /// Offers `slot`'s whole blocks, holding `tokens`, to the prefix cache.
-    fn publish_prefix(&mut self, slot: usize, tokens: &[u32]);
+    fn publish_prefix(&mut self, slot: usize, tokens: &[u32]) {
+        self.tables_mut().publish_prefix(slot, tokens)
+    }
 
-    /// Makes slot `to` share slot `from`'s first `len` positions (no copy until either writes).
-    fn copy_slot(&mut self, from: usize, to: usize, len: usize) -> Result<(), EngineError>;
+    /// Makes slot `to` share slot `from`'s first `len` positions (no copy until either writes:
+    /// [`ServingPool::prepare`] copies a shared partial block).
+    fn copy_slot(&mut self, from: usize, to: usize, len: usize) {
+        self.tables_mut().copy_slot(from, to, len)
+    }
 
     /// Forgets positions from `len` on.
-    fn truncate(&mut self, slot: usize, len: usize);
+    fn truncate(&mut self, slot: usize, len: usize) {
+        self.tables_mut().truncate(slot, len)
+    }
+
+    /// Sets how many positions of `slot` count as cached (a decode graph's positions, once
+    /// their tokens are consumed: the graph itself never changes lengths).
+    fn set_len(&mut self, slot: usize, len: usize) {
+        self.tables_mut().set_len(slot, len)
+    }
 
     /// Makes positions from `slot`'s length up to `end` writable: blocks taken from the pool,
     /// a shared partial block copied where the data lives. An exhausted pool is
     /// `EngineError::Kv(KvError::Pool(PoolError::Exhausted))`, which the scheduler answers by
     /// preempting.
     fn prepare(&mut self, slot: usize, end: usize) -> Result<(), EngineError>;
-
-    /// Sets how many positions of `slot` count as cached (a decode graph's positions, once
-    /// their tokens are consumed: the graph itself never changes lengths).
-    fn set_len(&mut self, slot: usize, len: usize);
 
     /// Whether decode steps can run through the graph-replayed megakernel (on a CPU engine, its
     /// stand-in when the engine emulates the graph), through the `graph_*` calls below.

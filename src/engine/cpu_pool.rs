@@ -18,7 +18,7 @@ use super::backend::{ServingPool, GRAPH_REACH};
 use super::EngineError;
 use crate::backend::cpu::{CpuBackend, Workspace};
 use crate::backend::{GraphRow, RowDraw, TokenRow};
-use crate::kv::{KvCache, KvError};
+use crate::kv::KvCache;
 use crate::plan::PlanKind;
 use crate::sample::{self, SamplingParams};
 
@@ -72,42 +72,12 @@ impl ServingPool for CpuPool {
         &self.kv
     }
 
-    fn open_slot(&mut self) -> usize {
-        self.kv.open_slot()
-    }
-
-    fn close_slot(&mut self, slot: usize) {
-        self.kv.close_slot(slot)
-    }
-
-    fn attach_prefix(
-        &mut self,
-        slot: usize,
-        tokens: &[u32],
-        max_positions: usize,
-    ) -> Result<usize, KvError> {
-        self.kv.attach_prefix(slot, tokens, max_positions)
-    }
-
-    fn publish_prefix(&mut self, slot: usize, tokens: &[u32]) {
-        self.kv.publish_prefix(slot, tokens)
-    }
-
-    fn copy_slot(&mut self, from: usize, to: usize, len: usize) -> Result<(), EngineError> {
-        self.kv.copy_slot(from, to, len);
-        Ok(())
-    }
-
-    fn truncate(&mut self, slot: usize, len: usize) {
-        self.kv.truncate(slot, len)
+    fn tables_mut(&mut self) -> &mut KvCache {
+        &mut self.kv
     }
 
     fn prepare(&mut self, slot: usize, end: usize) -> Result<(), EngineError> {
         Ok(self.kv.prepare(slot, end)?)
-    }
-
-    fn set_len(&mut self, slot: usize, len: usize) {
-        self.kv.set_len(slot, len)
     }
 
     fn has_graph(&self) -> bool {

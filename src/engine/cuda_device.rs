@@ -14,7 +14,7 @@ use super::backend::{Backend, Caches, CpuGraphInputs, ServingPool, GRAPH_REACH};
 use super::EngineError;
 use crate::backend::cuda::{CudaBackend, CudaError, CudaKvCache, CudaWorkspace, GraphDecoder};
 use crate::backend::{ExecError, GraphRow, RowDraw, TokenRow};
-use crate::kv::{KvBudget, KvCache, KvError, KvOptions};
+use crate::kv::{KvBudget, KvCache, KvOptions};
 use crate::model::ModelConfig;
 use crate::plan::{ExecutionPlan, PlanKind};
 use crate::sample::SamplingParams;
@@ -184,41 +184,12 @@ impl ServingPool for CudaPool {
         self.kv.tables()
     }
 
-    fn open_slot(&mut self) -> usize {
-        self.kv.open_slot()
-    }
-
-    fn close_slot(&mut self, slot: usize) {
-        self.kv.close_slot(slot)
-    }
-
-    fn attach_prefix(
-        &mut self,
-        slot: usize,
-        tokens: &[u32],
-        max_positions: usize,
-    ) -> Result<usize, KvError> {
-        self.kv.attach_prefix(slot, tokens, max_positions)
-    }
-
-    fn publish_prefix(&mut self, slot: usize, tokens: &[u32]) {
-        self.kv.publish_prefix(slot, tokens)
-    }
-
-    fn copy_slot(&mut self, from: usize, to: usize, len: usize) -> Result<(), EngineError> {
-        Ok(self.kv.copy_slot(&self.backend, from, to, len)?)
-    }
-
-    fn truncate(&mut self, slot: usize, len: usize) {
-        self.kv.truncate(slot, len)
+    fn tables_mut(&mut self) -> &mut KvCache {
+        self.kv.tables_mut()
     }
 
     fn prepare(&mut self, slot: usize, end: usize) -> Result<(), EngineError> {
         Ok(self.kv.prepare(&self.backend, slot, end)??)
-    }
-
-    fn set_len(&mut self, slot: usize, len: usize) {
-        self.kv.set_len(slot, len)
     }
 
     fn has_graph(&self) -> bool {

@@ -849,9 +849,8 @@ impl Scheduler {
         Ok(true)
     }
 
-    /// The row takes `token` (drawn on the device with its own parameters: `mask` 1; a forced
-    /// tool token: 0) and applies its stop rules (as [`Scheduler::take_token`] does after
-    /// choosing).
+    /// The row takes `token` (sampled, on the host or the device, with its own parameters:
+    /// `mask` 1; a forced tool token: 0) and applies its stop rules.
     fn accept_token(&mut self, i: usize, token: u32, mask: u8) -> Result<(), EngineError> {
         let engine = Arc::clone(&self.engine);
         let s = &mut self.seqs[i];
@@ -920,7 +919,7 @@ impl Scheduler {
             }
             self.seqs[j].waits_for_prompt = false;
             let to = self.kv.open_slot();
-            self.kv.copy_slot(slot, to, len)?;
+            self.kv.copy_slot(slot, to, len);
             self.seqs[j].slot = Some(to);
             self.seqs[j].computed = len;
             self.take_token(j, &mut logits.to_vec())?;
@@ -948,17 +947,7 @@ impl Scheduler {
             self.finish(i, FinishReason::ConstraintBroken);
             return Ok(());
         };
-        let step = s.state.accept(&rules, token, mask, pos)?;
-        let finished = step.finished;
-        if finished.is_none() {
-            s.tokens.push(token);
-        }
-        let (request, row) = (s.request, s.row);
-        self.record(request, row, 0, step);
-        if let Some(reason) = finished {
-            self.finish(i, reason);
-        }
-        Ok(())
+        self.accept_token(i, token, mask)
     }
 
     /// Queues a row's `j`-th token of this scheduler step for its request's consumer.

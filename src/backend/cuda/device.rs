@@ -183,6 +183,14 @@ impl CudaKvCache {
     pub fn tables(&self) -> &KvCache {
         &self.host
     }
+
+    /// The host-side bookkeeping, for changes that move no data on the device (opening,
+    /// closing, sharing or truncating slots, the prefix cache, confirmed lengths). Making
+    /// positions writable must go through [`CudaKvCache::prepare`], which also copies shared
+    /// blocks on the device.
+    pub(crate) fn tables_mut(&mut self) -> &mut KvCache {
+        &mut self.host
+    }
     pub(super) fn lens(&self) -> Vec<usize> {
         (0..self.slots()).map(|s| self.len(s)).collect()
     }
@@ -214,23 +222,6 @@ impl CudaKvCache {
     /// bug, not input.
     pub fn set_len(&mut self, slot: usize, len: usize) {
         self.host.set_len(slot, len);
-    }
-
-    /// Starts empty slot `slot` from the longest prefix of `tokens` the prefix cache holds (at
-    /// most `max_positions`), as [`KvCache::attach_prefix`]: the blocks are shared, nothing is
-    /// copied on the device. Returns the positions the slot now holds.
-    pub fn attach_prefix(
-        &mut self,
-        slot: usize,
-        tokens: &[u32],
-        max_positions: usize,
-    ) -> Result<usize, KvError> {
-        self.host.attach_prefix(slot, tokens, max_positions)
-    }
-
-    /// Offers `slot`'s whole blocks, holding `tokens`, to the prefix cache (bookkeeping only).
-    pub fn publish_prefix(&mut self, slot: usize, tokens: &[u32]) {
-        self.host.publish_prefix(slot, tokens)
     }
 
     /// Makes slot `to` hold the first `len` positions of slot `from` (one prefill, many
