@@ -1005,7 +1005,8 @@ impl Target for CudaTarget {
     }
 }
 
-/// `--concurrency`: the scheduler's aggregate decode throughput per number of sequences.
+/// `--concurrency`: the scheduler's aggregate decode throughput per number of sequences, on
+/// the CPU or (`--device cuda`, not yet run on a GPU) over a device pool.
 fn run_serving(
     args: &Args,
     sources: &[Source],
@@ -1032,7 +1033,12 @@ fn run_serving(
     for src in sources {
         for &t in threads {
             let cpu = cpu_opts(t)?;
-            let engine = Arc::new(Engine::from_model(src.load(args.seed)?, cpu)?);
+            let engine = match args.device {
+                Device::Cpu => Arc::new(Engine::from_model(src.load(args.seed)?, cpu)?),
+                // The scheduler over a device pool: per-op steps, and up to 8 decode rows
+                // through the megakernel graph unless `--decode per-op`.
+                Device::Cuda => CudaTarget::new(src.load(args.seed)?, args.decode)?.engine,
+            };
             let spec = spec_options(args, &engine, cpu)?;
             let plain = match &spec {
                 Some(s) => Load {
