@@ -911,3 +911,48 @@ fn demo_outputs_validate_under_thirty_schemas_and_the_mask_cost_is_measured() {
         worst.0 * 1e6
     );
 }
+
+/// A session's constrained rows drawn "on the device" (an engine emulating the device, whose
+/// stand-in masks and draws on the host as a CUDA engine's `mask_rows` and `sample_rows` do on
+/// the GPU): three JSON-schema rows sampled at temperature 1 and a greedy regex row give the
+/// tokens of a plain engine, whose rows choose from logits on the host.
+#[test]
+fn session_draws_constrained_rows_where_the_logits_are() {
+    let Some(plain) = demo() else { return };
+    let path = common::demo_model().expect("demo() found it");
+    let stand_in = Arc::new(
+        Engine::emulating_graph_decode_on_cpu(
+            kiln::model::Model::load(&path).unwrap(),
+            kiln::backend::cpu::CpuOptions::default(),
+        )
+        .unwrap(),
+    );
+    let cases = [
+        (
+            chat(&plain, "Describe a fictional person as JSON."),
+            GenerateOptions {
+                num_samples: 3,
+                constraint: Some(ConstraintSpec::JsonSchema(person_schema(true))),
+                ..sampled(5, 128)
+            },
+        ),
+        (
+            chat(&plain, "Is the sky blue? Answer yes or no and say why."),
+            GenerateOptions {
+                max_tokens: Some(40),
+                constraint: Some(ConstraintSpec::Regex(
+                    r"(Yes|No), because [a-z]+( [a-z]+){2,6}\.".into(),
+                )),
+                ..GenerateOptions::default()
+            },
+        ),
+    ];
+    for (prompt, opts) in &cases {
+        let want = plain.generate_batch(prompt, opts).unwrap();
+        let got = stand_in.generate_batch(prompt, opts).unwrap();
+        for (w, g) in want.rows.iter().zip(&got.rows) {
+            assert_eq!(g.generated, w.generated, "{}", w.text);
+            assert_eq!(g.finish_reason, w.finish_reason);
+        }
+    }
+}

@@ -8,6 +8,7 @@
 //! * seeded sampling on the megakernel reproduces across runs, and matches per-op sampling;
 //! * a second turn decodes past the positions the first turn's graph ran at (the attention
 //!   length comes from the device position, not from the capture);
+//! * a constrained session (the mask applied on the device) follows the CPU's greedy tokens;
 //! * the serving scheduler on a CUDA engine (a device block pool, per-op steps, preemption, the
 //!   prefix cache, n-gram speculation) generates each request's CPU tokens — written without a
 //!   GPU, not yet run on one.
@@ -24,12 +25,13 @@ use std::sync::{Arc, Mutex};
 use common::{demo_model, fixtures, gap, gpu_or_skip};
 use kiln::backend::cpu::{CpuOptions, WeightFormat};
 use kiln::engine::{
-    DecodePath, Device, Engine, EngineHandle, EngineOptions, GenerateOptions, LogitsProcessor,
-    Request, ServeOptions, Session, SpecOptions,
+    ConstraintSpec, DecodePath, Device, Engine, EngineHandle, EngineOptions, FinishReason,
+    GenerateOptions, LogitsProcessor, Request, ServeOptions, Session, SpecOptions,
 };
 use kiln::kv::{KvBudget, KvDtype};
 use kiln::model::Model;
 use kiln::sample::SamplingParams;
+use kiln::tokenizer::ChatMessage;
 
 fn engine(path: &Path, device: Device, decode: DecodePath) -> Arc<Engine> {
     engine_with_context(path, device, decode, None)
@@ -243,6 +245,60 @@ fn smollm2_greedy_256_tokens_match_the_cpu() {
                 near_tie: DEMO_NEAR_TIE,
             },
         );
+    }
+}
+
+/// A constrained session on the GPU: the regex's mask applied on the device before each draw
+/// (`forward_draw`, `mask_rows`; written without a GPU, not yet run on one). Every GPU row is a
+/// whole match of the regex ending with `constraint_end`, on the per-op and megakernel engines;
+/// where it parts from the CPU's greedy row the step is printed (the near-tie bound of the other
+/// tests reads unmasked logits, so it is not asserted here).
+#[test]
+fn constrained_greedy_tokens_match_the_cpu_on_the_demo_model() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let Some(path) = demo_model() else {
+        println!("SKIPPED: demo model absent (scripts/fetch_demo_model.sh)");
+        return;
+    };
+    let e = engine(&path, Device::Cpu, DecodePath::Auto);
+    let prompt = e
+        .tokenizer()
+        .chat_prompt(&[ChatMessage::new(
+            "user",
+            "Is the sky blue? Answer yes or no and say why.",
+        )])
+        .unwrap();
+    let rx = r"(Yes|No), because [a-z]+( [a-z]+){2,6}\.";
+    let opts = GenerateOptions {
+        num_samples: 2,
+        constraint: Some(ConstraintSpec::Regex(rx.into())),
+        ..greedy(40)
+    };
+    let whole = regex::Regex::new(&format!("^{rx}$")).unwrap();
+    let base = e.generate_batch(&prompt, &opts).unwrap();
+    for (name, gpu) in engines(&path).into_iter().skip(1) {
+        let got = gpu.generate_batch(&prompt, &opts).unwrap();
+        for (r, (a, b)) in base.rows.iter().zip(&got.rows).enumerate() {
+            assert!(whole.is_match(&b.text), "{name}: row {r}: {:?}", b.text);
+            assert_eq!(
+                b.finish_reason,
+                FinishReason::ConstraintEnd,
+                "{name}: row {r}"
+            );
+            if let Some(step) = a
+                .generated
+                .iter()
+                .zip(&b.generated)
+                .position(|(x, y)| x != y)
+            {
+                println!(
+                    "{name}: row {r} parts from the CPU at step {step}: {:?}",
+                    b.text
+                );
+            }
+        }
     }
 }
 

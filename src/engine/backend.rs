@@ -98,6 +98,18 @@ pub(crate) trait Caches: Send {
         row_ids: &[u32],
     ) -> Result<Option<Vec<u32>>, EngineError>;
 
+    /// A decode step with each row drawn where the logits are, its own way (`draws`, one per
+    /// row: a constrained row's allowed tokens applied there first): only the tokens come back.
+    /// `None` (and nothing run) where the device cannot.
+    fn forward_draw(
+        &mut self,
+        _tokens: &[u32],
+        _rows: &[TokenRow],
+        _draws: &[RowDraw<'_>],
+    ) -> Result<Option<Vec<u32>>, EngineError> {
+        Ok(None)
+    }
+
     /// Starts the decode graph of `bucket` rows on `rows` (nothing runs until enqueued).
     fn graph_start(
         &mut self,

@@ -5,10 +5,10 @@ use std::sync::Arc;
 
 use super::backend::{Backend, Caches, CpuGraphInputs, ServingPool};
 use super::cpu_graph::CpuGraph;
-use super::cpu_pool::CpuPool;
+use super::cpu_pool::{draw_on_host, CpuPool};
 use super::EngineError;
 use crate::backend::cpu::{CpuBackend, Workspace};
-use crate::backend::{GraphRow, TokenRow};
+use crate::backend::{GraphRow, RowDraw, TokenRow};
 use crate::kv::{KvBudget, KvCache, KvDtype, KvOptions};
 use crate::model::ModelConfig;
 use crate::plan::{ExecutionPlan, PlanKind};
@@ -60,6 +60,8 @@ impl Backend for CpuDevice {
             },
             ws: Workspace::new(),
             graph: CpuGraph::default(),
+            emulate: self.emulate_graph,
+            draw_logits: Vec::new(),
         })
     }
 
@@ -96,6 +98,10 @@ struct CpuCaches {
     kv: CpuCache,
     ws: Workspace,
     graph: CpuGraph,
+    /// Whether the engine emulates the device (the decode graph and the device's draws).
+    emulate: bool,
+    /// Logits of the stand-in's draws.
+    draw_logits: Vec<f32>,
 }
 
 /// A session's CPU cache, made on first use (like the device's), so that creating a session
@@ -169,6 +175,23 @@ impl Caches for CpuCaches {
     ) -> Result<Option<Vec<u32>>, EngineError> {
         // The CPU samples on the host, from the logits of `forward`.
         Ok(None)
+    }
+
+    /// On an engine that emulates the decode graph, the device's masked draws stood in for
+    /// (so the session's device path for constrained rows is tested without a GPU); else none.
+    fn forward_draw(
+        &mut self,
+        tokens: &[u32],
+        rows: &[TokenRow],
+        draws: &[RowDraw<'_>],
+    ) -> Result<Option<Vec<u32>>, EngineError> {
+        if !self.emulate {
+            return Ok(None);
+        }
+        let kv = self.kv.get(&self.backend)?;
+        let (b, ws) = (&self.backend, &mut self.ws);
+        let kind = PlanKind::Decode;
+        draw_on_host(b, ws, kv, kind, tokens, rows, draws, &mut self.draw_logits).map(Some)
     }
 
     fn graph_start(

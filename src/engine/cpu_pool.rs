@@ -150,8 +150,7 @@ impl ServingPool for CpuPool {
         self.graph.is_some()
     }
 
-    /// The stand-in for the device's draws (on an engine that emulates the decode graph): the
-    /// host sampler on each row's logits, masked to its allowed tokens first.
+    /// The stand-in for the device's draws (on an engine that emulates the decode graph).
     fn forward_draw(
         &mut self,
         kind: PlanKind,
@@ -162,38 +161,8 @@ impl ServingPool for CpuPool {
         if self.graph.is_none() {
             return Ok(None);
         }
-        let mut logits = std::mem::take(&mut self.ws_logits);
-        let n = self
-            .backend
-            .forward(kind, &mut self.ws, &mut self.kv, tokens, rows, &mut logits);
-        let n = match n {
-            Ok(n) => n,
-            Err(e) => {
-                self.ws_logits = logits;
-                return Err(e.into());
-            }
-        };
-        let vocab = self.backend.config().vocab_size;
-        // The position each sequence's token takes: one past its last row.
-        let mut last: Vec<usize> = Vec::with_capacity(n);
-        for (t, r) in rows.iter().enumerate() {
-            if rows.get(t + 1).is_none_or(|next| next.slot != r.slot) {
-                last.push(r.pos + 1);
-            }
-        }
-        let mut out = Vec::with_capacity(n);
-        for ((row, d), pos) in logits.chunks_exact_mut(vocab).zip(draws).zip(last) {
-            if let Some(words) = d.allowed {
-                for (i, l) in row.iter_mut().enumerate() {
-                    if words.get(i / 32).is_none_or(|w| (w >> (i % 32)) & 1 == 0) {
-                        *l = f32::NEG_INFINITY;
-                    }
-                }
-            }
-            out.push(sample::sample(row, &d.sampling, d.row_id, pos as u64));
-        }
-        self.ws_logits = logits;
-        Ok(Some(out))
+        let (b, ws, kv) = (&self.backend, &mut self.ws, &mut self.kv);
+        draw_on_host(b, ws, kv, kind, tokens, rows, draws, &mut self.ws_logits).map(Some)
     }
 
     fn forward(
@@ -277,4 +246,42 @@ impl PoolGraph {
         self.queue.push_back(next);
         Ok(())
     }
+}
+
+/// The device's draws stood in for on the host: one step, then each sequence's logit row (one
+/// per sequence, its last token's) masked to `draws[i].allowed` as `Constraint::apply` masks
+/// it and drawn by the host sampler with the row's parameters, keyed by its row and the position
+/// its token takes.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn draw_on_host(
+    backend: &CpuBackend,
+    ws: &mut Workspace,
+    kv: &mut KvCache,
+    kind: PlanKind,
+    tokens: &[u32],
+    rows: &[TokenRow],
+    draws: &[RowDraw<'_>],
+    logits: &mut Vec<f32>,
+) -> Result<Vec<u32>, EngineError> {
+    let n = backend.forward(kind, ws, kv, tokens, rows, logits)?;
+    let vocab = backend.config().vocab_size;
+    // The position each sequence's token takes: one past its last row.
+    let mut next_pos: Vec<usize> = Vec::with_capacity(n);
+    for (t, r) in rows.iter().enumerate() {
+        if rows.get(t + 1).is_none_or(|next| next.slot != r.slot) {
+            next_pos.push(r.pos + 1);
+        }
+    }
+    let mut out = Vec::with_capacity(n);
+    for ((row, d), pos) in logits.chunks_exact_mut(vocab).zip(draws).zip(next_pos) {
+        if let Some(words) = d.allowed {
+            for (i, l) in row.iter_mut().enumerate() {
+                if words.get(i / 32).is_none_or(|w| (w >> (i % 32)) & 1 == 0) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+        out.push(sample::sample(row, &d.sampling, d.row_id, pos as u64));
+    }
+    Ok(out)
 }

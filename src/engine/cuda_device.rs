@@ -408,6 +408,24 @@ impl Caches for CudaCaches {
         )?))
     }
 
+    fn forward_draw(
+        &mut self,
+        tokens: &[u32],
+        rows: &[TokenRow],
+        draws: &[RowDraw<'_>],
+    ) -> Result<Option<Vec<u32>>, EngineError> {
+        let backend = Arc::clone(&self.backend);
+        let (kv, ws) = self.parts()?;
+        Ok(Some(backend.forward_draw(
+            PlanKind::Decode,
+            ws,
+            kv,
+            tokens,
+            rows,
+            draws,
+        )?))
+    }
+
     fn graph_start(
         &mut self,
         bucket: usize,

@@ -13,7 +13,7 @@ use super::tools::ToolTokens;
 use super::{
     BatchResult, EngineError, FinishReason, GenerateOptions, RowStep, Step, Timings, Usage,
 };
-use crate::backend::{GraphRow, TokenRow};
+use crate::backend::{GraphRow, RowDraw, TokenRow};
 use crate::plan::PlanKind;
 
 /// Generation: a session's streams and the batch calls built on them.
@@ -281,15 +281,13 @@ impl<'a> Stream<'a> {
 
     /// Feeds the tokens just chosen to the model, by the fastest path the step allows: the
     /// decode graph when every fed row samples on the device next (no forced tool token, no
-    /// host-side logits processing), else a forward pass (sampling on the device when nothing
-    /// needs the logits on the host).
+    /// host-side logits processing, no constraint), else a forward pass (sampling on the device
+    /// when nothing needs the logits on the host; a constrained row's mask goes to the device
+    /// where it can draw, UNVERIFIED on a GPU).
     fn advance(&mut self, feed: &[u32], feed_rows: &[TokenRow]) -> Result<(), EngineError> {
-        // Constraints mask logits on the host.
+        // The graph has no masks: constrained rows step by step.
         let constrained = self.opts.constraint.is_some();
-        let on_device = self.opts.logits_processor.is_none()
-            && self.opts.sampling.repetition_penalty.is_none()
-            && self.opts.logprobs.is_none()
-            && !constrained;
+        let on_device = !self.needs_logits() && !constrained;
         let forced = feed_rows
             .iter()
             .any(|t| !self.rows[t.slot].tool.forced.is_empty());
@@ -347,6 +345,8 @@ impl<'a> Stream<'a> {
             self.s
                 .dev
                 .forward_sample(feed, feed_rows, &self.opts.sampling, &row_ids)?
+        } else if constrained && !forced && !self.needs_logits() {
+            self.draw_constrained(feed, feed_rows)?
         } else {
             None
         };
@@ -367,6 +367,43 @@ impl<'a> Stream<'a> {
             self.s.tokens[r.slot].push(*t);
         }
         Ok(())
+    }
+
+    /// Whether the rows' choice needs their logits on the host whatever the device can do: a
+    /// logits processor, a repetition penalty, or log-probabilities.
+    fn needs_logits(&self) -> bool {
+        self.opts.logits_processor.is_some()
+            || self.opts.sampling.repetition_penalty.is_some()
+            || self.opts.logprobs.is_some()
+    }
+
+    /// A decode step whose constrained rows are drawn on the device: each fed row's allowed
+    /// tokens are computed now and applied there, and only the tokens come back. `None` (nothing
+    /// run) where the device cannot draw, or a row's constraint cannot continue (the host path
+    /// ends that row as it finds it).
+    fn draw_constrained(
+        &mut self,
+        feed: &[u32],
+        feed_rows: &[TokenRow],
+    ) -> Result<Option<Vec<u32>>, EngineError> {
+        let mut allowed = Vec::with_capacity(feed_rows.len());
+        for t in feed_rows {
+            match self.rows[t.slot].constraint.as_mut().map(|c| c.allowed()) {
+                Some(Ok(set)) => allowed.push(Some(set.as_slice().to_vec())),
+                Some(Err(_)) => return Ok(None),
+                None => allowed.push(None),
+            }
+        }
+        let draws: Vec<RowDraw<'_>> = feed_rows
+            .iter()
+            .zip(&allowed)
+            .map(|(t, a)| RowDraw {
+                sampling: self.opts.sampling,
+                row_id: t.slot as u32,
+                allowed: a.as_deref(),
+            })
+            .collect();
+        self.s.dev.forward_draw(feed, feed_rows, &draws)
     }
 
     /// Replays worth enqueuing after feeding `feed_rows`: each writes one cache position and
