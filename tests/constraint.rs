@@ -594,6 +594,19 @@ fn demo() -> Option<Arc<Engine>> {
     Some(Arc::new(Engine::load(path, opts).unwrap()))
 }
 
+/// The demo model on an engine that emulates the device (the decode graph and the device's
+/// masked draws, stood in for on the host). Call after [`demo`] found the model.
+fn demo_on_a_device_stand_in() -> Arc<Engine> {
+    let path = common::demo_model().expect("demo() found it");
+    Arc::new(
+        Engine::emulating_graph_decode_on_cpu(
+            kiln::model::Model::load(&path).unwrap(),
+            kiln::backend::cpu::CpuOptions::default(),
+        )
+        .unwrap(),
+    )
+}
+
 fn chat(e: &Engine, text: &str) -> Vec<u32> {
     e.tokenizer()
         .chat_prompt(&[ChatMessage::new("user", text)])
@@ -762,14 +775,7 @@ INT: /-?[0-9]{1,4}/
 #[test]
 fn scheduler_draws_constrained_rows_where_the_logits_are() {
     let Some(plain) = demo() else { return };
-    let path = common::demo_model().expect("demo() found it");
-    let stand_in = Arc::new(
-        Engine::emulating_graph_decode_on_cpu(
-            kiln::model::Model::load(&path).unwrap(),
-            kiln::backend::cpu::CpuOptions::default(),
-        )
-        .unwrap(),
-    );
+    let stand_in = demo_on_a_device_stand_in();
     let schema = person_schema(true);
     let json = chat(&plain, "Describe a fictional person as JSON.");
     let mut reqs: Vec<Request> = (1..=3u64)
@@ -919,14 +925,7 @@ fn demo_outputs_validate_under_thirty_schemas_and_the_mask_cost_is_measured() {
 #[test]
 fn session_draws_constrained_rows_where_the_logits_are() {
     let Some(plain) = demo() else { return };
-    let path = common::demo_model().expect("demo() found it");
-    let stand_in = Arc::new(
-        Engine::emulating_graph_decode_on_cpu(
-            kiln::model::Model::load(&path).unwrap(),
-            kiln::backend::cpu::CpuOptions::default(),
-        )
-        .unwrap(),
-    );
+    let stand_in = demo_on_a_device_stand_in();
     let cases = [
         (
             chat(&plain, "Describe a fictional person as JSON."),
