@@ -33,6 +33,11 @@ pub struct ServingRow {
     pub kv_bytes_per_seq: usize,
     /// Accepted over proposed tokens, with speculation.
     pub acceptance_rate: Option<f64>,
+    /// Steps of the whole run, those that consumed a decode-graph replay, and those whose
+    /// tokens were drawn on the device (GPU engines; both 0 on the CPU).
+    pub steps: u64,
+    pub graph_steps: u64,
+    pub device_draw_steps: u64,
 }
 
 /// What every sequence of a run does beyond the defaults.
@@ -129,5 +134,8 @@ pub fn run(
             let s = sched.stats();
             s.spec_accepted_tokens as f64 / s.spec_proposed_tokens.max(1) as f64
         }),
+        steps: sched.stats().steps,
+        graph_steps: sched.stats().graph_steps,
+        device_draw_steps: sched.stats().device_draw_steps,
     })
 }

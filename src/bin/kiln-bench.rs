@@ -1072,6 +1072,15 @@ fn run_serving(
             for &c in &args.concurrency {
                 kiln::note!("kiln-bench: {c} sequences, {t} threads");
                 let r = run(c, n_gen, &plain)?;
+                if r.graph_steps + r.device_draw_steps > 0 {
+                    kiln::note!(
+                        "kiln-bench: {c} sequences: {} of {} steps through the decode graph, {} \
+                         drawn on the device",
+                        r.graph_steps,
+                        r.steps,
+                        r.device_draw_steps
+                    );
+                }
                 let p = plain.prompt.as_ref().map_or(prompt, Vec::len);
                 let kv = r.kv_bytes_per_seq as f64 / 1024.0;
                 let Some(s) = &spec else {
