@@ -5,4 +5,6 @@ pub mod cpu;
 pub mod cuda;
 mod step;
 
-pub use step::{check_logit_rows, check_step, ExecError, GraphRow, RowDraw, TokenRow};
+pub use step::{
+    check_logit_rows, check_step, last_of_each_sequence, ExecError, GraphRow, RowDraw, TokenRow,
+};

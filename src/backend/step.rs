@@ -34,6 +34,15 @@ pub struct RowDraw<'a> {
     pub allowed: Option<&'a [u32]>,
 }
 
+/// The index of each sequence's last token row (rows of one sequence are consecutive): the rows
+/// whose logits a one-per-sequence step returns, in order.
+pub fn last_of_each_sequence(rows: &[TokenRow]) -> Vec<usize> {
+    let n = rows.len();
+    (0..n)
+        .filter(|&t| t + 1 == n || rows[t + 1].slot != rows[t].slot)
+        .collect()
+}
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ExecError {
     #[error(transparent)]

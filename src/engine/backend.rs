@@ -130,6 +130,12 @@ pub(crate) trait Caches: Send {
     fn graph_stop(&mut self, bucket: usize) -> Result<(), EngineError>;
 }
 
+/// The refusal of a `graph_*` call on a pool without a decode graph (a scheduler's bug: it
+/// asks [`ServingPool::has_graph`] first).
+pub(crate) fn no_graph() -> EngineError {
+    EngineError::Request("this pool has no decode graph".into())
+}
+
 /// Positions ahead of where it writes that a serving decode graph's row holds blocks for: the
 /// replays in flight (at most the ring's depth of 8) write within them, and the row takes more
 /// as it advances, so a graph row never holds its slot's whole capacity.
@@ -213,24 +219,24 @@ pub(crate) trait ServingPool: Send {
         _rows: &[GraphRow],
         _sampling: &[SamplingParams],
     ) -> Result<(), EngineError> {
-        Err(EngineError::Request("this pool has no decode graph".into()))
+        Err(no_graph())
     }
 
     /// Batch row `b` stops decoding from the next replay on (replays already queued still
     /// write its slot: close it only after [`ServingPool::graph_stop`]).
     fn graph_leave(&mut self, _b: usize) -> Result<(), EngineError> {
-        Err(EngineError::Request("this pool has no decode graph".into()))
+        Err(no_graph())
     }
 
     /// Queues one replay, first taking the blocks the active rows write next. An exhausted
     /// pool is `EngineError::Kv(KvError::Pool(PoolError::Exhausted))` and queues nothing.
     fn graph_enqueue(&mut self) -> Result<(), EngineError> {
-        Err(EngineError::Request("this pool has no decode graph".into()))
+        Err(no_graph())
     }
 
     /// The oldest queued replay's sampled token for each batch row (`None`: inactive then).
     fn graph_next(&mut self) -> Result<Vec<Option<u32>>, EngineError> {
-        Err(EngineError::Request("this pool has no decode graph".into()))
+        Err(no_graph())
     }
 
     /// Waits for the queued replays and drops them; after it the pool's slots may be closed and

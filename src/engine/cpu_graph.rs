@@ -56,24 +56,7 @@ impl CpuGraph {
         kv: &mut KvCache,
         ws: &mut Workspace,
     ) -> Result<(), EngineError> {
-        let confirmed: Vec<usize> = self.rows.iter().map(|r| kv.len(r.slot)).collect();
-        for r in &self.rows {
-            kv.set_len(r.slot, r.pos);
-        }
-        let tokens: Vec<u32> = self.rows.iter().map(|r| r.token).collect();
-        let rows: Vec<TokenRow> = self
-            .rows
-            .iter()
-            .map(|r| TokenRow {
-                slot: r.slot,
-                pos: r.pos,
-            })
-            .collect();
-        let res = backend.forward(PlanKind::Decode, ws, kv, &tokens, &rows, &mut self.logits);
-        for (r, len) in self.rows.iter().zip(confirmed) {
-            kv.set_len(r.slot, len);
-        }
-        res?;
+        decode_ahead(backend, ws, kv, &self.rows, &mut self.logits)?;
         let vocab = backend.config().vocab_size;
         let mut next = Vec::with_capacity(self.rows.len());
         for (b, r) in self.rows.iter_mut().enumerate() {
@@ -100,4 +83,37 @@ impl CpuGraph {
     pub fn stop(&mut self) {
         self.queue.clear();
     }
+}
+
+/// One decode step of `rows` (each embedding its token at its position) written past the
+/// slots' confirmed lengths, which stay as they were: what a decode graph's replay does to the
+/// cache, on the CPU. Logits to `logits`, one row per graph row.
+pub(super) fn decode_ahead(
+    backend: &CpuBackend,
+    ws: &mut Workspace,
+    kv: &mut KvCache,
+    rows: &[GraphRow],
+    logits: &mut Vec<f32>,
+) -> Result<(), EngineError> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let confirmed: Vec<usize> = rows.iter().map(|r| kv.len(r.slot)).collect();
+    for r in rows {
+        kv.set_len(r.slot, r.pos);
+    }
+    let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
+    let token_rows: Vec<TokenRow> = rows
+        .iter()
+        .map(|r| TokenRow {
+            slot: r.slot,
+            pos: r.pos,
+        })
+        .collect();
+    let res = backend.forward(PlanKind::Decode, ws, kv, &tokens, &token_rows, logits);
+    for (r, len) in rows.iter().zip(confirmed) {
+        kv.set_len(r.slot, len);
+    }
+    res?;
+    Ok(())
 }

@@ -14,10 +14,11 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use super::backend::{ServingPool, GRAPH_REACH};
+use super::backend::{no_graph, ServingPool, GRAPH_REACH};
+use super::cpu_graph::decode_ahead;
 use super::EngineError;
 use crate::backend::cpu::{CpuBackend, Workspace};
-use crate::backend::{GraphRow, RowDraw, TokenRow};
+use crate::backend::{last_of_each_sequence, GraphRow, RowDraw, TokenRow};
 use crate::kv::KvCache;
 use crate::plan::PlanKind;
 use crate::sample::{self, SamplingParams};
@@ -44,9 +45,7 @@ impl CpuPool {
     }
 
     fn graph(&mut self) -> Result<&mut PoolGraph, EngineError> {
-        self.graph
-            .as_mut()
-            .ok_or_else(|| EngineError::Request("this pool has no decode graph".into()))
+        self.graph.as_mut().ok_or_else(no_graph)
     }
 }
 
@@ -122,13 +121,8 @@ impl ServingPool for CpuPool {
 
     fn graph_enqueue(&mut self) -> Result<(), EngineError> {
         let capacity = self.kv.capacity();
-        let mut g = self
-            .graph
-            .take()
-            .ok_or_else(|| EngineError::Request("this pool has no decode graph".into()))?;
-        let res = g.enqueue(&self.backend, &mut self.kv, &mut self.ws, capacity);
-        self.graph = Some(g);
-        res
+        let g = self.graph.as_mut().ok_or_else(no_graph)?;
+        g.enqueue(&self.backend, &mut self.kv, &mut self.ws, capacity)
     }
 
     fn graph_next(&mut self) -> Result<Vec<Option<u32>>, EngineError> {
@@ -208,31 +202,11 @@ impl PoolGraph {
                 r.end = end;
             }
         }
-        let live: Vec<EmuRow> = active
+        let live: Vec<GraphRow> = active
             .iter()
-            .map(|&b| self.rows[b].expect("active"))
+            .map(|&b| self.rows[b].expect("active").row)
             .collect();
-        let confirmed: Vec<usize> = live.iter().map(|r| kv.len(r.row.slot)).collect();
-        for r in &live {
-            kv.set_len(r.row.slot, r.row.pos);
-        }
-        let tokens: Vec<u32> = live.iter().map(|r| r.row.token).collect();
-        let rows: Vec<TokenRow> = live
-            .iter()
-            .map(|r| TokenRow {
-                slot: r.row.slot,
-                pos: r.row.pos,
-            })
-            .collect();
-        let res = if live.is_empty() {
-            Ok(0)
-        } else {
-            backend.forward(PlanKind::Decode, ws, kv, &tokens, &rows, &mut self.logits)
-        };
-        for (r, len) in live.iter().zip(confirmed) {
-            kv.set_len(r.row.slot, len);
-        }
-        res?;
+        decode_ahead(backend, ws, kv, &live, &mut self.logits)?;
         let vocab = backend.config().vocab_size;
         let mut next = vec![None; self.rows.len()];
         for (k, &b) in active.iter().enumerate() {
@@ -265,15 +239,11 @@ pub(super) fn draw_on_host(
 ) -> Result<Vec<u32>, EngineError> {
     let n = backend.forward(kind, ws, kv, tokens, rows, logits)?;
     let vocab = backend.config().vocab_size;
-    // The position each sequence's token takes: one past its last row.
-    let mut next_pos: Vec<usize> = Vec::with_capacity(n);
-    for (t, r) in rows.iter().enumerate() {
-        if rows.get(t + 1).is_none_or(|next| next.slot != r.slot) {
-            next_pos.push(r.pos + 1);
-        }
-    }
+    let last = last_of_each_sequence(rows);
     let mut out = Vec::with_capacity(n);
-    for ((row, d), pos) in logits.chunks_exact_mut(vocab).zip(draws).zip(next_pos) {
+    for ((row, d), t) in logits.chunks_exact_mut(vocab).zip(draws).zip(last) {
+        // The token takes the position after its sequence's last row.
+        let pos = rows[t].pos + 1;
         if let Some(words) = d.allowed {
             for (i, l) in row.iter_mut().enumerate() {
                 if words.get(i / 32).is_none_or(|w| (w >> (i % 32)) & 1 == 0) {

@@ -312,7 +312,8 @@ pub struct GenerateOptions {
     /// Adjusts a row's logits before sampling (logit bias, scripted tests).
     pub logits_processor: Option<LogitsProcessor>,
     /// What every row's output must match (JSON schema, regex, grammar); masks the logits
-    /// after `logits_processor` and the repetition penalty. Sampling then runs on the host.
+    /// after `logits_processor` and the repetition penalty. On the CPU sampling then runs on
+    /// the host masked logits; on a GPU the mask is applied on the device (UNVERIFIED there).
     pub constraint: Option<ConstraintSpec>,
     /// `Some(k)`: every step of a row carries the taken token's log-probability and the `k`
     /// most likely tokens' ([`TokenLogprobs`]: the model's raw distribution, before any
@@ -331,6 +332,17 @@ pub struct LogitsProcessor(pub Arc<LogitsFn>);
 impl std::fmt::Debug for LogitsProcessor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("LogitsProcessor(..)")
+    }
+}
+
+impl GenerateOptions {
+    /// Whether a row's choice needs its logits on the host whatever the device can do: a
+    /// logits processor, a repetition penalty or log-probabilities (a constraint's mask can be
+    /// applied where the logits are).
+    pub(crate) fn needs_host_logits(&self) -> bool {
+        self.logits_processor.is_some()
+            || self.sampling.repetition_penalty.is_some()
+            || self.logprobs.is_some()
     }
 }
 

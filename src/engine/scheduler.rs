@@ -635,10 +635,7 @@ impl Scheduler {
             };
             if chooses {
                 let siblings = s.row == 0 && s.state.generated == 0 && o.num_samples > 1;
-                let host_only = o.logprobs.is_some()
-                    || o.logits_processor.is_some()
-                    || o.sampling.repetition_penalty.is_some();
-                if siblings || host_only {
+                if siblings || o.needs_host_logits() {
                     return None;
                 }
                 if s.state.tool.forced.is_empty() {
@@ -697,9 +694,7 @@ impl Scheduler {
             && s.state.constraint.is_none()
             && s.state.tool.forced.is_empty()
             && !(o.tools && self.tools.is_some())
-            && o.logprobs.is_none()
-            && o.logits_processor.is_none()
-            && o.sampling.repetition_penalty.is_none()
+            && !o.needs_host_logits()
     }
 
     /// Whether a graph phase can start now: the pool has a decode graph, something runs, every

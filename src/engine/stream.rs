@@ -287,7 +287,7 @@ impl<'a> Stream<'a> {
     fn advance(&mut self, feed: &[u32], feed_rows: &[TokenRow]) -> Result<(), EngineError> {
         // The graph has no masks: constrained rows step by step.
         let constrained = self.opts.constraint.is_some();
-        let on_device = !self.needs_logits() && !constrained;
+        let on_device = !self.opts.needs_host_logits() && !constrained;
         let forced = feed_rows
             .iter()
             .any(|t| !self.rows[t.slot].tool.forced.is_empty());
@@ -345,7 +345,7 @@ impl<'a> Stream<'a> {
             self.s
                 .dev
                 .forward_sample(feed, feed_rows, &self.opts.sampling, &row_ids)?
-        } else if constrained && !forced && !self.needs_logits() {
+        } else if constrained && !forced && !self.opts.needs_host_logits() {
             self.draw_constrained(feed, feed_rows)?
         } else {
             None
@@ -367,14 +367,6 @@ impl<'a> Stream<'a> {
             self.s.tokens[r.slot].push(*t);
         }
         Ok(())
-    }
-
-    /// Whether the rows' choice needs their logits on the host whatever the device can do: a
-    /// logits processor, a repetition penalty, or log-probabilities.
-    fn needs_logits(&self) -> bool {
-        self.opts.logits_processor.is_some()
-            || self.opts.sampling.repetition_penalty.is_some()
-            || self.opts.logprobs.is_some()
     }
 
     /// A decode step whose constrained rows are drawn on the device: each fed row's allowed

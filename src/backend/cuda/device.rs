@@ -26,7 +26,7 @@ use super::graph::MegakernelCache;
 use super::graph_host::{row_control, row_words, GraphError};
 use super::kernels::SOURCES;
 use super::nvrtc::{self, NvrtcError};
-use crate::backend::{ExecError, RowDraw, TokenRow};
+use crate::backend::{last_of_each_sequence, ExecError, RowDraw, TokenRow};
 use crate::graph::build::LogitRows;
 use crate::graph::{Activation, Epilogue, KvSpec, Linear, Op, Rows};
 use crate::kv::{KvBudget, KvCache, KvDtype, KvError, KvLayout, KvOptions, DEFAULT_BLOCK_SIZE};
@@ -1356,14 +1356,6 @@ impl CudaBackend {
 struct DeviceOutput {
     rows: usize,
     stride: usize,
-}
-
-/// The index of each sequence's last token row (rows of one sequence are consecutive).
-fn last_of_each_sequence(rows: &[TokenRow]) -> Vec<usize> {
-    let n = rows.len();
-    (0..n)
-        .filter(|&t| t + 1 == n || rows[t + 1].slot != rows[t].slot)
-        .collect()
 }
 
 /// cuBLAS when libcublas loads (checked first: cudarc panics on a missing library), else
