@@ -9,6 +9,9 @@
 //! * a second turn decodes past the positions the first turn's graph ran at (the attention
 //!   length comes from the device position, not from the capture);
 //! * a constrained session (the mask applied on the device) follows the CPU's greedy tokens;
+//! * a speculative session draws its passes with nothing to verify on the device (the decode
+//!   graph on the megakernel engine) and follows the CPU's greedy tokens — written without a
+//!   GPU, not yet run on one;
 //! * the serving scheduler on a CUDA engine (a device block pool, per-op steps, preemption, the
 //!   prefix cache, n-gram speculation) generates each request's CPU tokens — written without a
 //!   GPU, not yet run on one.
@@ -297,6 +300,52 @@ fn constrained_greedy_tokens_match_the_cpu_on_the_demo_model() {
                     "{name}: row {r} parts from the CPU at step {step}: {:?}",
                     b.text
                 );
+            }
+        }
+    }
+}
+
+/// n-gram speculation in a session on each GPU engine: verification passes through the
+/// all-logits plan, passes with nothing to verify drawn on the device (one replay of the decode
+/// graph on the megakernel engine, a sampling step on the per-op one). Greedy tokens follow the
+/// CPU's plain decoding up to a near tie. Written without a GPU, not yet run on one.
+#[test]
+fn speculative_sessions_draw_one_token_passes_on_the_device() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let Some(path) = demo_model() else {
+        println!("SKIPPED: demo model absent (scripts/fetch_demo_model.sh)");
+        return;
+    };
+    let mut engines = engines(&path).into_iter();
+    let (_, cpu) = engines.next().expect("the CPU engine comes first");
+    let code = "fn add(a: i32, b: i32) -> i32 {\n    a + b\n}\n";
+    let prompt = cpu
+        .tokenizer()
+        .chat_prompt(&[ChatMessage::new(
+            "user",
+            format!("Rename add to sum and explain the change:\n{code}"),
+        )])
+        .unwrap();
+    let opts = greedy(64);
+    let (base, gaps) = cpu_rows_with_gaps(&cpu, &prompt, &opts);
+    for (name, e) in engines {
+        let got = Session::new(Arc::clone(&e), 512, 1)
+            .generate_speculative(&prompt, &opts, &SpecOptions::ngram(4).unwrap(), |_| true)
+            .unwrap();
+        println!("{name}: {:?}", got.spec);
+        assert!(got.spec.device_draws > 0, "{name}: {:?}", got.spec);
+        let (a, b) = (&base[0], &got.batch.rows[0].generated);
+        match a.iter().zip(b).position(|(x, y)| x != y) {
+            None => assert_eq!(a.len(), b.len(), "{name}: length"),
+            Some(step) => {
+                let g = gaps.get(&(0, step)).copied().unwrap_or(f32::INFINITY);
+                assert!(
+                    g < DEMO_NEAR_TIE,
+                    "{name}: differs from the CPU at step {step} (top-2 gap {g:.2e} RMS)"
+                );
+                println!("{name}: first differs at step {step}, a near tie ({g:.1e} RMS)");
             }
         }
     }

@@ -166,6 +166,92 @@ fn greedy_speculation_equals_plain_decoding_on_the_demo_model() {
     }
 }
 
+/// Passes with nothing to verify are plain decode steps: on an engine whose decode runs through
+/// the graph (here its CPU stand-in, which runs ahead and samples as the device does) their
+/// tokens come from one replay of the graph, not from logits on the host. Greedy and sampled,
+/// to `max_tokens` and to the context limit, by n-gram and by a draft model, every result
+/// equals the host engine's speculation: tokens, text, finish reason, usage, and the pass and
+/// proposal counts; greedy ones equal plain decoding too.
+#[test]
+fn one_token_passes_draw_through_the_decode_graph() {
+    let host = load("llama_tied");
+    let path = common::fixtures().join("llama_tied");
+    let model = kiln::model::Model::load(&path).unwrap();
+    let graph =
+        Arc::new(Engine::emulating_graph_decode_on_cpu(model, CpuOptions::default()).unwrap());
+    let draft = load("llama_tied.q4_0.gguf");
+    let prompt = host
+        .tokenizer()
+        .encode("the cat sat on the mat. the dog ran to the cat. the cat")
+        .unwrap();
+    let sampled = GenerateOptions {
+        sampling: SamplingParams {
+            temperature: 1.0,
+            seed: 11,
+            ..SamplingParams::default()
+        },
+        ..greedy(Some(40))
+    };
+    let cases = [
+        ("greedy", greedy(Some(40)), 256),
+        ("sampled", sampled, 256),
+        (
+            "greedy to the context limit",
+            greedy(None),
+            prompt.len() + 13,
+        ),
+    ];
+    for (what, opts, capacity) in cases {
+        let plain = host
+            .session(capacity)
+            .generate_batch(&prompt, &opts)
+            .unwrap();
+        let mut drew = 0;
+        for (method, on_host, on_graph) in [
+            (
+                "ngram",
+                SpecOptions::ngram(4).unwrap(),
+                SpecOptions::ngram(4).unwrap(),
+            ),
+            (
+                "draft",
+                SpecOptions::draft(&host, Arc::clone(&draft), 3).unwrap(),
+                SpecOptions::draft(&graph, Arc::clone(&draft), 3).unwrap(),
+            ),
+        ] {
+            let what = format!("{what}, {method}");
+            let want = host
+                .session(capacity)
+                .generate_speculative(&prompt, &opts, &on_host, |_| true)
+                .unwrap();
+            let got = graph
+                .session(capacity)
+                .generate_speculative(&prompt, &opts, &on_graph, |_| true)
+                .unwrap();
+            same_rows(&want.batch, &got.batch, &what);
+            if opts.sampling.temperature == 0.0 {
+                same_rows(
+                    &plain,
+                    &got.batch,
+                    &format!("{what} against plain decoding"),
+                );
+            }
+            assert_eq!(want.spec.device_draws, 0, "{what}: the host draws no token");
+            assert_eq!(
+                (
+                    want.spec.verify_passes,
+                    want.spec.proposed,
+                    want.spec.accepted
+                ),
+                (got.spec.verify_passes, got.spec.proposed, got.spec.accepted),
+                "{what}: passes"
+            );
+            drew += got.spec.device_draws;
+        }
+        assert!(drew > 0, "{what}: no pass drew through the graph");
+    }
+}
+
 /// The calculator script's generation options: 40 tokens through its processor, seed 5.
 fn calculator_options(processor: &LogitsProcessor, temperature: f32) -> GenerateOptions {
     GenerateOptions {

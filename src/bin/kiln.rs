@@ -393,6 +393,12 @@ fn generate(args: GenerateArgs) -> Result<()> {
             st.verify_passes,
             result.usage.completion_tokens as f64 / t.decode.as_secs_f64().max(1e-9)
         );
+        if st.device_draws > 0 {
+            note!(
+                "kiln: {} of those passes had nothing to verify and drew their token on the device",
+                st.device_draws
+            );
+        }
     }
     Ok(())
 }

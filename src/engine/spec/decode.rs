@@ -8,20 +8,26 @@
 //! a row whose chosen token is the next proposal moves on; the first that chooses otherwise,
 //! finishes the row, or has no proposal left ends the pass, and its token becomes the new
 //! `pending`. The cache is cut back to the tokens that were kept.
+//!
+//! A pass with no proposals is a plain decode step; where the row needs no logits on the host
+//! its token is drawn on the device instead (`Session::draw_next`: the megakernel's decode graph
+//! for one replay, or a step sampling on the device), UNVERIFIED on a GPU.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::{choose_verified, Proposal, Proposer, SpecError, SpecOptions, SpecResult, SpecStats};
-use crate::backend::TokenRow;
+use crate::backend::{GraphRow, TokenRow};
 use crate::engine::collect::RowsCollector;
 use crate::engine::constraint::{prepare_during, Constraint};
+use crate::engine::graph_run::{GraphRun, SessionMemory};
 use crate::engine::row::{RowRules, RowState};
 use crate::engine::tools::ToolTokens;
 use crate::engine::{
     BatchResult, EngineError, FinishReason, GenerateOptions, RowStep, Session, Step, Timings, Usage,
 };
 use crate::plan::PlanKind;
+use crate::sample::SamplingParams;
 
 /// The sequence's row id, which keys its Philox draws: its cache slot, as in plain decoding.
 const ROW: usize = 0;
@@ -123,6 +129,9 @@ impl Session {
                 }
             }
         }
+        // The row's choice needs nothing but the logits (the device draws it with the row's
+        // own parameters and seed, as the host would).
+        let draws_on_device = !opts.needs_host_logits() && opts.constraint.is_none();
         let mut k = spec.max_draft;
         while let Some(last) = pending.take() {
             let len = self.dev.len(0);
@@ -154,17 +163,28 @@ impl Session {
                     pos: len + i,
                 })
                 .collect();
-            let kind = if feed.len() == 1 {
-                PlanKind::Decode
+            // A pass with nothing to verify is a plain decode step: its token is drawn where
+            // the logits are when the row needs none of them on the host.
+            let drawn = if proposals.is_empty() && guessed && draws_on_device {
+                self.draw_next(last, len, &opts.sampling, &stop_tokens)?
             } else {
-                PlanKind::AllLogits
+                None
             };
-            {
-                let masks = row.constraint.iter_mut().filter(|_| guessed).collect();
-                let (dev, logits) = (&mut self.dev, &mut self.logits);
-                prepare_during(masks, || dev.forward(kind, &feed, &token_rows, logits))?;
+            if drawn.is_some() {
+                stats.device_draws += 1;
+            } else {
+                let kind = if feed.len() == 1 {
+                    PlanKind::Decode
+                } else {
+                    PlanKind::AllLogits
+                };
+                {
+                    let masks = row.constraint.iter_mut().filter(|_| guessed).collect();
+                    let (dev, logits) = (&mut self.dev, &mut self.logits);
+                    prepare_during(masks, || dev.forward(kind, &feed, &token_rows, logits))?;
+                }
+                self.tokens[0].extend_from_slice(&feed);
             }
-            self.tokens[0].extend_from_slice(&feed);
             timings.decode_steps += 1;
             stats.verify_passes += 1;
             if guessed {
@@ -175,10 +195,16 @@ impl Session {
             let mut stop_at = proposals.len();
             for i in 0..=proposals.len() {
                 let pos = len + 1 + i;
-                let context = &self.tokens[0][..pos];
-                let logits = &mut self.logits[i * vocab..(i + 1) * vocab];
                 let proposal = proposals.get(i);
-                let chosen = choose_verified(&mut row, &rules, ROW, context, pos, logits, proposal);
+                let chosen = match drawn {
+                    // Only with no proposals, so at the pass's one row.
+                    Some(token) => Some((token, 1)),
+                    None => {
+                        let context = &self.tokens[0][..pos];
+                        let logits = &mut self.logits[i * vocab..(i + 1) * vocab];
+                        choose_verified(&mut row, &rules, ROW, context, pos, logits, proposal)
+                    }
+                };
                 let Some((token, mask)) = chosen else {
                     // No token continues the row's constraint: it ends without one.
                     rows.set_reason(ROW, FinishReason::ConstraintBroken);
@@ -218,5 +244,74 @@ impl Session {
             },
             spec: stats,
         })
+    }
+}
+
+impl Session {
+    /// The token after `last` (fed at position `len` of the one sequence) for a pass with
+    /// nothing to verify, drawn where the logits are: one replay of the decode graph on a
+    /// megakernel engine (the megakernel's one-token step), else a decode step sampling on the
+    /// device. Either way `last` is then confirmed in the cache and the session's tokens.
+    /// `None`, with nothing run, where the device cannot draw (the CPU): the pass then takes
+    /// the logits to the host.
+    ///
+    /// UNVERIFIED on a GPU: tested on the CPU through the decode graph's stand-in
+    /// (`tests/speculative.rs`), never run on a device.
+    fn draw_next(
+        &mut self,
+        last: u32,
+        len: usize,
+        sampling: &SamplingParams,
+        stop_tokens: &[u32],
+    ) -> Result<Option<u32>, EngineError> {
+        let engine = Arc::clone(&self.engine);
+        let backend = &*engine.backend;
+        if GraphRun::fits(backend, 1) {
+            // The row's cache slot keys its Philox draws, as in plain decoding.
+            let feed = [GraphRow {
+                slot: ROW,
+                pos: len,
+                token: last,
+                row_id: ROW as u32,
+            }];
+            let mut run = GraphRun::start(
+                backend,
+                self.memory(),
+                &feed,
+                sampling,
+                stop_tokens,
+                None,
+                1,
+            )?;
+            let drawn = run.next(self.memory())?;
+            run.stop(self.memory())?;
+            let &(_, token) = drawn
+                .first()
+                .expect("a graph started on one row samples one token");
+            return Ok(Some(token));
+        }
+        let rows = [TokenRow {
+            slot: ROW,
+            pos: len,
+        }];
+        let Some(tokens) = self
+            .dev
+            .forward_sample(&[last], &rows, sampling, &[ROW as u32])?
+        else {
+            return Ok(None);
+        };
+        self.tokens[ROW].push(last);
+        let &token = tokens
+            .first()
+            .expect("a device step on one row samples one token");
+        Ok(Some(token))
+    }
+
+    /// The session's memory as a decode graph run reads and confirms it.
+    fn memory(&mut self) -> SessionMemory<'_> {
+        SessionMemory {
+            dev: &mut *self.dev,
+            tokens: &mut self.tokens,
+        }
     }
 }

@@ -147,6 +147,10 @@ pub struct SpecStats {
     /// Target forward passes after the prefill (each verifies one batch of proposals, or
     /// none, and yields at least one token).
     pub verify_passes: usize,
+    /// Passes with nothing to verify whose token was drawn on the device (one replay of the
+    /// decode graph on a megakernel engine, else a step sampling on the device) instead of
+    /// taking the logits to the host: 0 on the CPU.
+    pub device_draws: usize,
 }
 
 impl SpecStats {
