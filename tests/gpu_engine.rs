@@ -13,7 +13,8 @@
 //!   graph on the megakernel engine) and follows the CPU's greedy tokens — written without a
 //!   GPU, not yet run on one;
 //! * the serving scheduler on a CUDA engine (a device block pool, per-op steps, preemption, the
-//!   prefix cache, n-gram speculation) generates each request's CPU tokens — written without a
+//!   prefix cache, n-gram speculation, a draft model on the GPU) generates each request's CPU
+//!   tokens — written without a
 //!   GPU, not yet run on one.
 //!
 //! Run on an H200 on 2026-11-26, all passing (docs/gpu-results.md).
@@ -443,6 +444,19 @@ fn scheduler_on_the_gpu_matches_each_request_alone() {
         gpus.push(("megakernel", mk));
     }
     for (name, gpu) in gpus {
+        // A third of the requests drafted by the engine itself: its draft pool and passes run
+        // on the GPU too.
+        let reqs: Vec<Request> = reqs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| Request {
+                spec: match i % 3 {
+                    1 => Some(SpecOptions::draft(&gpu, Arc::clone(&gpu), 3).unwrap()),
+                    _ => r.spec.clone(),
+                },
+                ..r.clone()
+            })
+            .collect();
         let handle = EngineHandle::start(
             Arc::clone(&gpu),
             ServeOptions {
@@ -465,6 +479,7 @@ fn scheduler_on_the_gpu_matches_each_request_alone() {
         println!("scheduler on the GPU ({name}): {stats:?}");
         assert!(stats.preemptions > 0, "{name}: the pool never ran short");
         assert!(stats.prefix_hit_tokens > 0, "{name}: no prefix reused");
+        assert!(stats.spec_draft_passes > 0, "{name}: no draft pass");
         if name == "megakernel" {
             assert!(stats.graph_steps > 0, "{name}: no decode ran in the graph");
         }

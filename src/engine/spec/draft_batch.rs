@@ -12,11 +12,11 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use super::draft::{pick, Proposal};
-use crate::backend::cpu::Workspace;
 use crate::backend::TokenRow;
+use crate::engine::backend::ServingPool;
 use crate::engine::session::reusable_prefix;
 use crate::engine::{Engine, EngineError, RequestId};
-use crate::kv::{KvBudget, KvCache, KvError, KvOptions, PoolError};
+use crate::kv::{KvBudget, KvError, KvOptions, PoolError};
 use crate::plan::PlanKind;
 use crate::sample::SamplingParams;
 
@@ -41,11 +41,12 @@ struct Held {
     tokens: Vec<u32>,
 }
 
-/// The caches of every row drafted by one draft model, in one pool.
+/// The caches of every row drafted by one draft model, in one pool on the draft engine's
+/// device (a GPU draft model's pool and passes are the serving pool's device path, UNVERIFIED on
+/// a GPU).
 pub(crate) struct DraftBatch {
     engine: Arc<Engine>,
-    kv: KvCache,
-    ws: Workspace,
+    pool: Box<dyn ServingPool>,
     logits: Vec<f32>,
     held: HashMap<DraftKey, Held>,
     /// Forward passes run.
@@ -59,14 +60,11 @@ impl DraftBatch {
         kv: KvOptions,
         blocks: usize,
     ) -> Result<DraftBatch, EngineError> {
-        let backend = engine
-            .cpu_backend()
-            .ok_or_else(|| EngineError::Spec(super::SpecError::DraftDevice(engine.device())))?;
-        let kv = backend.new_pool(kv, KvBudget::Blocks(blocks.max(1)), engine.max_context())?;
+        let budget = KvBudget::Blocks(blocks.max(1));
+        let pool = engine.backend.new_pool(kv, budget, engine.max_context())?;
         Ok(DraftBatch {
             engine,
-            kv,
-            ws: Workspace::new(),
+            pool,
             logits: Vec::new(),
             held: HashMap::new(),
             passes: 0,
@@ -85,11 +83,11 @@ impl DraftBatch {
 
     /// Frees the caches of rows `keep` says are gone.
     pub fn retain(&mut self, keep: impl Fn(&DraftKey) -> bool) {
-        let kv = &mut self.kv;
+        let pool = &mut self.pool;
         self.held.retain(|key, h| {
             let kept = keep(key);
             if !kept {
-                kv.close_slot(h.slot);
+                pool.close_slot(h.slot);
             }
             kept
         });
@@ -98,7 +96,7 @@ impl DraftBatch {
     /// Proposals for every ask, in order: up to `k` each, fewer where the draft's context or
     /// its pool runs out (a row whose cache cannot grow proposes nothing this step).
     pub fn propose(&mut self, asks: &[DraftAsk<'_>]) -> Result<Vec<Vec<Proposal>>, EngineError> {
-        let capacity = self.kv.capacity();
+        let capacity = self.pool.tables().capacity();
         let mut out: Vec<Vec<Proposal>> = asks.iter().map(|_| Vec::new()).collect();
         // How many each row proposes: the context and all but the last proposal go through
         // the draft's cache.
@@ -123,7 +121,7 @@ impl DraftBatch {
             let h = match self.held.get_mut(&a.key) {
                 Some(h) => h,
                 None => {
-                    let slot = self.kv.open_slot();
+                    let slot = self.pool.open_slot();
                     let h = Held {
                         slot,
                         tokens: Vec::new(),
@@ -132,12 +130,12 @@ impl DraftBatch {
                 }
             };
             // Within what the cache holds (a failed pass may have left `tokens` ahead of it).
-            let common = reusable_prefix(&h.tokens, a.context).min(self.kv.len(h.slot));
-            self.kv.truncate(h.slot, common);
+            let common = reusable_prefix(&h.tokens, a.context).min(self.pool.tables().len(h.slot));
+            self.pool.truncate(h.slot, common);
             h.tokens.truncate(common);
             let end = a.context.len() + *k - 1;
             let slot = h.slot;
-            if !reserve(&mut self.kv, &mut self.held, &asking, slot, end)? {
+            if !reserve(&mut *self.pool, &mut self.held, &asking, slot, end)? {
                 *k = 0;
             }
         }
@@ -162,19 +160,10 @@ impl DraftBatch {
             PlanKind::Prefill
         };
         let vocab = self.engine.config().vocab_size;
-        let backend = self
-            .engine
-            .cpu_backend()
-            .expect("checked to be a CPU engine in DraftBatch::new");
         while !live.is_empty() {
-            backend.forward(
-                kind,
-                &mut self.ws,
-                &mut self.kv,
-                &tokens,
-                &rows,
-                &mut self.logits,
-            )?;
+            // One logit row per row drafting: its last.
+            self.pool
+                .forward(kind, &tokens, &rows, None, &mut self.logits)?;
             self.passes += 1;
             for (&j, logits) in live.iter().zip(self.logits.chunks_exact(vocab)) {
                 let a = &asks[j];
@@ -205,7 +194,7 @@ impl DraftBatch {
 /// this step (waiting, or not speculating now) are freed first; `false` if it still does not
 /// fit.
 fn reserve(
-    kv: &mut KvCache,
+    kv: &mut dyn ServingPool,
     held: &mut HashMap<DraftKey, Held>,
     asking: &HashSet<DraftKey>,
     slot: usize,
@@ -214,7 +203,7 @@ fn reserve(
     for attempt in 0..2 {
         match kv.prepare(slot, end) {
             Ok(()) => return Ok(true),
-            Err(KvError::Pool(PoolError::Exhausted { .. })) if attempt == 0 => {
+            Err(EngineError::Kv(KvError::Pool(PoolError::Exhausted { .. }))) if attempt == 0 => {
                 held.retain(|key, h| {
                     let kept = asking.contains(key);
                     if !kept {
@@ -223,8 +212,8 @@ fn reserve(
                     kept
                 });
             }
-            Err(KvError::Pool(PoolError::Exhausted { .. })) => return Ok(false),
-            Err(e) => return Err(e.into()),
+            Err(EngineError::Kv(KvError::Pool(PoolError::Exhausted { .. }))) => return Ok(false),
+            Err(e) => return Err(e),
         }
     }
     Ok(false)

@@ -130,11 +130,6 @@ pub enum SpecError {
     MaxDraft,
     #[error("speculative decoding runs one sample row per request; num_samples = {0}")]
     Samples(usize),
-    #[error(
-        "the draft model runs on {0}; a serving engine runs draft models on the CPU backend \
-         only (on a GPU, serve with n-gram speculation)"
-    )]
-    DraftDevice(String),
 }
 
 /// How speculation went for one request.
