@@ -366,6 +366,82 @@ fn batched_scheduler_equals_each_request_alone() {
     println!("{stats:?}");
 }
 
+/// `Numerics::Int8` (8-bit activations against interleaved Q4_0, Q4_1 and Q8_0 weights) keeps
+/// a sequence's tokens independent of the batch it runs in: 16 requests, greedy and sampled,
+/// joining at different steps through a pool that forces preemption, each equal to its run
+/// alone, on the three formats' fixtures.
+#[test]
+fn int8_batched_steps_equal_each_request_alone() {
+    if !kiln::backend::cpu::matmul::int8_kernels() {
+        println!("SKIPPED: this CPU has no AVX512-VNNI, so Numerics::Int8 runs as exact");
+        return;
+    }
+    for file in [
+        "llama_tied.q4_0.gguf",
+        "llama_tied.q4_1.gguf",
+        "llama_tied.q8_0.gguf",
+    ] {
+        let e = Arc::new(
+            Engine::load(
+                fixtures().join(file),
+                CpuOptions {
+                    threads: 2,
+                    numerics: kiln::backend::cpu::Numerics::Int8,
+                    ..Default::default()
+                },
+            )
+            .unwrap(),
+        );
+        let vocab = e.config().vocab_size as u32;
+        let reqs: Vec<Request> = (0..16u32)
+            .map(|i| Request {
+                prompt: (0..3 + 5 * i)
+                    .map(|j| (j * 11 + i * 7 + 3) % vocab)
+                    .collect(),
+                options: if i % 2 == 0 {
+                    greedy(6 + i as usize)
+                } else {
+                    sampled(6 + i as usize, i as u64, 1)
+                },
+                spec: None,
+            })
+            .collect();
+        let opts = ServeOptions {
+            // 112 positions: the longest request (99) fits alone, not beside others.
+            kv_budget: KvBudget::Blocks(28),
+            kv: KvOptions {
+                block_size: 4,
+                dtype: KvDtype::F32,
+            },
+            max_step_tokens: 32,
+            ..ServeOptions::default()
+        };
+        let mut s = Scheduler::new(Arc::clone(&e), opts).unwrap();
+        let stores: Vec<Arc<Mutex<Collected>>> = (0..reqs.len())
+            .map(|_| Arc::new(Mutex::new(Collected::default())))
+            .collect();
+        let mut submitted = 0;
+        let mut steps = 0;
+        while submitted < reqs.len() || !s.is_idle() {
+            if submitted < reqs.len() {
+                let id = submitted as u64;
+                s.submit(id, reqs[submitted].clone(), sink(&stores[submitted]))
+                    .unwrap();
+                submitted += 1;
+            }
+            s.step().unwrap();
+            steps += 1;
+            assert!(steps < 10_000, "{file}: the scheduler does not finish");
+        }
+        let stats = s.stats();
+        assert!(
+            stats.preemptions > 0,
+            "{file}: the pool never ran short: {stats:?}"
+        );
+        assert_each_equals_its_run_alone(&e, &reqs, &stores);
+    }
+}
+
 /// A second request sharing a 200-token prefix computes only what is new (counted), and equals
 /// a cold run; under a pool too small to keep the prefix, results are unchanged.
 #[test]

@@ -47,8 +47,9 @@ pub struct CpuOptions {
     pub threads: usize,
     pub weights: WeightFormat,
     /// How activations meet the weights where rounding them is faster: decode GEMVs on
-    /// quantized weights ([`Numerics::Int16`]) or prefill on bf16 weights ([`Numerics::Bf16`]);
-    /// [`Numerics::Exact`] by default.
+    /// quantized weights ([`Numerics::Int16`]), prefill on bf16 weights ([`Numerics::Bf16`]),
+    /// every call on Q4_0/Q4_1/Q8_0 weights ([`Numerics::Int8`]); [`Numerics::Exact`] by
+    /// default.
     pub numerics: Numerics,
 }
 
@@ -125,6 +126,19 @@ impl CpuBackend {
 
         // Pack every distinct weight once; each plan instruction then names its matrix by index,
         // so a step never builds a key or hashes a name to find its weights.
+        // `Numerics::Int8` regroups the Q4_0/Q4_1/Q8_0 blocks for its kernels, where the CPU
+        // has them (elsewhere those weights stay as stored and run exact).
+        let interleave = opts.numerics == Numerics::Int8 && matmul::int8_kernels();
+        let regroup = |m: PackedMatrix| {
+            if interleave {
+                PackedMatrix {
+                    data: m.data.interleaved(m.rows, m.cols),
+                    ..m
+                }
+            } else {
+                m
+            }
+        };
         let mut matrices: Vec<PackedMatrix> = Vec::new();
         let mut index: HashMap<String, usize> = HashMap::new();
         let mut vectors = HashMap::new();
@@ -139,7 +153,8 @@ impl CpuBackend {
                         let stored = weights.get(table)?.shape.first().copied().unwrap_or(0);
                         let rows = stored.min(config.vocab_size);
                         Some(intern(&mut matrices, &mut index, table.clone(), || {
-                            pack(weights, &[(table.clone(), None, rows)], opts.weights)
+                            // A tied LM head is this matrix: regrouped like the others.
+                            pack(weights, &[(table.clone(), None, rows)], opts.weights).map(regroup)
                         })?)
                     }
                     Op::GatedValueAdd { gate, .. } | Op::Smear { gate, .. } => {
@@ -159,7 +174,7 @@ impl CpuBackend {
                                     .iter()
                                     .map(|l| (l.weight.clone(), l.bias.clone(), l.out))
                                     .collect();
-                                pack(weights, &parts, opts.weights)
+                                pack(weights, &parts, opts.weights).map(regroup)
                             },
                         )?)
                     }

@@ -80,9 +80,14 @@ mod avx512_bf16_panel;
 #[cfg(target_arch = "x86_64")]
 mod avx512_i16;
 #[cfg(target_arch = "x86_64")]
+mod avx512_i8;
+#[cfg(target_arch = "x86_64")]
 mod avx512_panel;
 mod int16;
+mod int8;
 mod scalar;
+
+pub use int8::{interleavable, Interleaved};
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]
@@ -117,10 +122,24 @@ pub enum Numerics {
     /// of bf16 weights, measured in the README). Needs AVX512-BF16; everything else (f32
     /// weights, calls of up to 16 tokens, decode, other CPUs) runs as [`Numerics::Exact`].
     Bf16,
+    /// Activations rounded to 8-bit integers per 32-element block (`d = max|x| / 127`: at most
+    /// a relative 0.4% of the block's largest value per element, llama.cpp's activations)
+    /// against Q4_0, Q4_1 and Q8_0 weights, which the engine regroups at load sixteen rows to a
+    /// group for AVX512-VNNI's `vpdpbusd` ([`int8`]), in every call (decode, batched steps and
+    /// prefill; each token's result is the same whichever call it is in). Other formats, and
+    /// CPUs without AVX512-VNNI (whose engines keep the weights as stored), run as
+    /// [`Numerics::Exact`]. What it costs in agreement with the exact path is measured in the
+    /// README.
+    Int8,
 }
 
 impl Numerics {
-    pub const ALL: [Numerics; 3] = [Numerics::Exact, Numerics::Int16, Numerics::Bf16];
+    pub const ALL: [Numerics; 4] = [
+        Numerics::Exact,
+        Numerics::Int16,
+        Numerics::Bf16,
+        Numerics::Int8,
+    ];
 
     /// The name used by `--numerics`.
     pub fn name(self) -> &'static str {
@@ -128,8 +147,18 @@ impl Numerics {
             Numerics::Exact => "exact",
             Numerics::Int16 => "int16",
             Numerics::Bf16 => "bf16",
+            Numerics::Int8 => "int8",
         }
     }
+}
+
+/// Whether this CPU runs [`Numerics::Int8`]'s kernels (AVX512-VNNI at the kernels' SIMD level):
+/// an engine interleaves its weights for them only then.
+pub fn int8_kernels() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return avx512_i8::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// Weight storage the kernels read directly (bf16 is never widened in memory, quantized blocks
@@ -151,6 +180,9 @@ pub enum WeightData {
     /// layers). Each part keeps its own format and the kernels run part by part within one
     /// call; widening every part to f32 instead moved 5× the bytes of those layers' qkv.
     Parts(Vec<MatrixPart>),
+    /// Q4_0, Q4_1 or Q8_0 blocks regrouped for [`Numerics::Int8`]'s kernels (engines loaded
+    /// in that numerics on CPUs with AVX512-VNNI): every call rounds its activations to 8 bits.
+    Interleaved(Interleaved),
 }
 
 /// Rows `rows` of a [`WeightData::Parts`] matrix, following the previous part's rows.
@@ -179,6 +211,15 @@ impl WeightData {
                 ));
             }
         }
+        if let WeightData::Interleaved(m) = self {
+            if (m.rows, m.cols) != (rows, cols) {
+                return Err(format!(
+                    "interleaved {}x{} weights for a {rows}x{cols} matrix",
+                    m.rows, m.cols
+                ));
+            }
+            m.check()?;
+        }
         if let WeightData::Parts(parts) = self {
             let total: usize = parts.iter().map(|p| p.rows).sum();
             if total != rows {
@@ -197,7 +238,7 @@ impl WeightData {
     /// weights; f32 weights, which a user asked for, stay exact).
     fn bf16_eligible(&self) -> bool {
         match self {
-            WeightData::F32(_) => false,
+            WeightData::F32(_) | WeightData::Interleaved(_) => false,
             WeightData::BF16(_) | WeightData::Quant { .. } => true,
             WeightData::Parts(parts) => parts.iter().any(|p| p.data.bf16_eligible()),
         }
@@ -209,6 +250,7 @@ impl WeightData {
             WeightData::F32(v) => v.len() * 4,
             WeightData::BF16(v) => v.len() * 2,
             WeightData::Quant { blocks, .. } => blocks.len(),
+            WeightData::Interleaved(m) => m.bytes.len(),
             WeightData::Parts(parts) => parts.iter().map(|p| p.data.bytes()).sum(),
         }
     }
@@ -230,6 +272,7 @@ impl WeightData {
                 let rb = cols / kind.block_elems() * kind.block_bytes();
                 quant::dequantize_row(*kind, &blocks[n * rb..(n + 1) * rb], dst);
             }
+            WeightData::Interleaved(m) => m.row_f32(n, dst),
             WeightData::Parts(parts) => {
                 let mut start = 0;
                 for p in parts {
@@ -249,7 +292,36 @@ impl WeightData {
         match self {
             WeightData::Quant { kind, .. } => with_format!(*kind, F => F::INT16),
             WeightData::Parts(parts) => parts.iter().any(|p| p.data.takes_int16()),
-            WeightData::F32(_) | WeightData::BF16(_) => false,
+            WeightData::F32(_) | WeightData::BF16(_) | WeightData::Interleaved(_) => false,
+        }
+    }
+
+    /// Whether a part is [`WeightData::Interleaved`], whose kernels read 8-bit activations.
+    fn takes_int8(&self) -> bool {
+        match self {
+            WeightData::Interleaved(_) => true,
+            WeightData::Parts(parts) => parts.iter().any(|p| p.data.takes_int8()),
+            _ => false,
+        }
+    }
+
+    /// These weights regrouped for [`Numerics::Int8`]: Q4_0, Q4_1 and Q8_0 blocks (parts of
+    /// other formats, and other data, unchanged).
+    pub fn interleaved(self, rows: usize, cols: usize) -> WeightData {
+        match self {
+            WeightData::Quant { kind, blocks } if interleavable(kind) => {
+                WeightData::Interleaved(Interleaved::new(kind, rows, cols, &blocks))
+            }
+            WeightData::Parts(parts) => WeightData::Parts(
+                parts
+                    .into_iter()
+                    .map(|p| MatrixPart {
+                        rows: p.rows,
+                        data: p.data.interleaved(p.rows, cols),
+                    })
+                    .collect(),
+            ),
+            other => other,
         }
     }
 }
@@ -282,10 +354,12 @@ fn rows_per_task(level: Level, w: &PackedMatrix, tokens: usize) -> usize {
     // Multi-token calls go one packed panel's outputs at a time (the quantized prefill tiles
     // too): 32 on AVX-512, 16 on AVX2.
     let panel = tile_rows(simd::clamp(level), tokens);
+    // Interleaved weights go 16 rows (one group) at a time.
+    let one_token = if w.data.takes_int8() { int8::GROUP } else { 4 };
     let by_threads = w
         .rows
         .div_ceil(threads * 4)
-        .next_multiple_of(if tokens > 1 { panel } else { 4 });
+        .next_multiple_of(if tokens > 1 { panel } else { one_token });
     let min_rows = if tokens > 1 { panel } else { 64 };
     by_threads.max(min_rows).min(w.rows.max(1))
 }
@@ -370,6 +444,7 @@ pub fn matmul_with(
     // Rounded once per call, shared by every task.
     let xq = rounded_activations(level, numerics, w, x, ldx, tokens);
     let xb = bf16_activations(level, numerics, w, x, ldx, tokens);
+    let x8 = int8_activations(w, x, ldx, tokens);
     starts.into_par_iter().for_each(|r0| {
         let rows = r0..(r0 + chunk).min(w.rows);
         let p = ptr;
@@ -388,9 +463,28 @@ pub fn matmul_with(
                 accumulate,
                 xq.as_deref(),
                 xb.as_deref(),
+                x8.as_deref(),
             )
         };
     });
+}
+
+/// The token rows rounded to 8-bit integers for interleaved weights (which only
+/// [`Numerics::Int8`] engines hold, and which have no other kernel).
+fn int8_activations(
+    w: &PackedMatrix,
+    x: &[f32],
+    ldx: usize,
+    tokens: usize,
+) -> Option<Vec<int8::XI8>> {
+    if !w.data.takes_int8() || tokens == 0 || x.len() < (tokens - 1) * ldx + w.cols {
+        return None;
+    }
+    Some(
+        (0..tokens)
+            .map(|t| int8::quantize(&x[t * ldx..t * ldx + w.cols]))
+            .collect(),
+    )
 }
 
 /// The token rows rounded to 16-bit integers when `numerics` asks for it and a kernel will use
@@ -488,6 +582,7 @@ pub unsafe fn matmul_rows_with(
 ) {
     let xq = rounded_activations(level, numerics, w, x, ldx, tokens);
     let xb = bf16_activations(level, numerics, w, x, ldx, tokens);
+    let x8 = int8_activations(w, x, ldx, tokens);
     rows_job(
         level,
         w,
@@ -500,6 +595,7 @@ pub unsafe fn matmul_rows_with(
         accumulate,
         xq.as_deref(),
         xb.as_deref(),
+        x8.as_deref(),
     )
 }
 
@@ -519,8 +615,20 @@ pub unsafe fn matmul_rows_at(
     ldo: usize,
     accumulate: bool,
 ) {
+    let x8 = int8_activations(w, x, ldx, tokens);
     rows_job(
-        level, w, x, ldx, tokens, rows, out, ldo, accumulate, None, None,
+        level,
+        w,
+        x,
+        ldx,
+        tokens,
+        rows,
+        out,
+        ldo,
+        accumulate,
+        None,
+        None,
+        x8.as_deref(),
     )
 }
 
@@ -542,6 +650,7 @@ unsafe fn rows_job(
     accumulate: bool,
     xq: Option<&[int16::XI16]>,
     xb: Option<&[u32]>,
+    x8: Option<&[int8::XI8]>,
 ) {
     if tokens == 0 || rows.is_empty() {
         return;
@@ -569,6 +678,7 @@ unsafe fn rows_job(
         accumulate,
         xq,
         xb,
+        x8,
     };
     data_rows(level, &w.data, &job);
 }
@@ -582,6 +692,7 @@ unsafe fn data_rows(level: Level, data: &WeightData, job: &Job) {
         WeightData::F32(v) => dense_rows(level, Dense::F32(v), job),
         WeightData::BF16(v) => dense_rows(level, Dense::BF16(v), job),
         WeightData::Quant { kind, blocks } => quant_rows(level, *kind, blocks, job),
+        WeightData::Interleaved(m) => interleaved_rows(level, m, job),
         WeightData::Parts(parts) => {
             // Each part's share of the rows, with the output and bias views shifted to its
             // first row.
@@ -602,6 +713,32 @@ unsafe fn data_rows(level: Level, data: &WeightData, job: &Job) {
             }
         }
     }
+}
+
+/// The [`Numerics::Int8`] kernels: AVX512-VNNI where the CPU (and `level`) has it, else the
+/// scalar reference, bit-identical.
+///
+/// # Safety
+/// As [`dense_rows`].
+unsafe fn interleaved_rows(level: Level, m: &Interleaved, job: &Job) {
+    let owned: Vec<int8::XI8>;
+    let x8 = match job.x8 {
+        Some(x) if x.len() >= job.tokens => x,
+        // Every entry point rounds them; a call that did not still computes.
+        _ => {
+            owned = (0..job.tokens)
+                .map(|t| int8::quantize(job.xrow(t)))
+                .collect();
+            &owned
+        }
+    };
+    #[cfg(target_arch = "x86_64")]
+    if simd::clamp(level) >= Level::Avx512 && avx512_i8::available() {
+        avx512_i8::rows(m, x8, job);
+        return;
+    }
+    let _ = level;
+    int8::rows_ref(m, x8, job)
 }
 
 /// Unquantized weights as the f32/bf16 kernels read them.
@@ -1002,6 +1139,8 @@ struct Job<'a> {
     xq: Option<&'a [int16::XI16]>,
     /// The token rows rounded to bf16 pairs for [`Numerics::Bf16`], if rounded.
     xb: Option<&'a [u32]>,
+    /// The token rows rounded to 8 bits for interleaved weights ([`Numerics::Int8`]).
+    x8: Option<&'a [int8::XI8]>,
 }
 
 impl Job<'_> {

@@ -33,6 +33,14 @@ fn data_f64(data: &WeightData, rows: usize, cols: usize) -> Vec<f64> {
             .iter()
             .flat_map(|p| data_f64(&p.data, p.rows, cols))
             .collect(),
+        WeightData::Interleaved(m) => (0..rows)
+            .flat_map(|n| {
+                let mut f = vec![0f32; cols];
+                m.row_f32(n, &mut f);
+                f
+            })
+            .map(|x| x as f64)
+            .collect(),
     }
 }
 
@@ -1050,4 +1058,253 @@ fn group_words_gather_each_blocks_first_dword() {
     check::<quant::Q5_0>();
     check::<quant::Q5_1>();
     check::<quant::Q8_0>();
+}
+
+/// The formats [`Numerics::Int8`] interleaves.
+const INT8_KINDS: [QuantKind; 3] = [QuantKind::Q8_0, QuantKind::Q4_0, QuantKind::Q4_1];
+
+/// The min of the Q4_1 block holding weight (`r`, `k`) of `w`; 0 for the other formats.
+fn min_of(w: &PackedMatrix, r: usize, k: usize) -> f64 {
+    let WeightData::Quant { kind, blocks } = &w.data else {
+        return 0.0;
+    };
+    if *kind != QuantKind::Q4_1 {
+        return 0.0;
+    }
+    let at = (r * (w.cols / 32) + k / 32) * kind.block_bytes();
+    half::f16::from_le_bytes([blocks[at + 2], blocks[at + 3]]).to_f64()
+}
+
+/// 8-bit rounding of activations: the vectorised kernel equals the scalar reference bit for bit
+/// (random blocks, a zero block, subnormal and huge magnitudes, exact ties, NaN and infinities),
+/// and the reference rounds as documented.
+#[test]
+fn int8_rounding_matches_reference() {
+    let mut x = rand_vec(32 * 12, 8);
+    x[32..64].fill(0.0);
+    for (i, v) in x[64..96].iter_mut().enumerate() {
+        *v = (i as f32 - 16.0) * 1e-40;
+    }
+    for v in &mut x[96..128] {
+        *v *= 3e38;
+    }
+    x[128] = 127.0;
+    for (i, v) in x[129..160].iter_mut().enumerate() {
+        *v = i as f32 - 15.5;
+    }
+    x[170] = f32::NAN;
+    x[200] = f32::INFINITY;
+    x[240] = f32::NEG_INFINITY;
+    let r = int8::quantize_ref(&x);
+    assert_eq!(r.d[1], 0.0);
+    assert!(r.d[5].is_nan() && r.d[6].is_nan() && r.d[7].is_nan());
+    assert_eq!(&r.q[129..133], &[-16, -14, -14, -12], "ties round to even");
+    for (b, c) in x.chunks_exact(32).enumerate() {
+        if r.d[b].is_finite() {
+            let qs: i32 = r.q[b * 32..(b + 1) * 32].iter().map(|&q| q as i32).sum();
+            assert_eq!(qs, r.qsums[b], "block {b}");
+            for (q, v) in r.q[b * 32..(b + 1) * 32].iter().zip(c) {
+                let err = (*q as f32 * r.d[b] - v).abs();
+                assert!(
+                    err <= r.d[b] * 0.5001 + f32::MIN_POSITIVE,
+                    "block {b}: {v} as {q}"
+                );
+            }
+        }
+    }
+    if !avx512_i8::available() {
+        println!("SKIPPED (vector rounding): this CPU has no AVX512-VNNI");
+        return;
+    }
+    let v = int8::quantize(&x);
+    assert_eq!(v.q, r.q);
+    assert_eq!(v.qsums, r.qsums);
+    let bits = |d: &[f32]| d.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&v.d), bits(&r.d));
+    assert_eq!(bits(&v.sums), bits(&r.sums));
+}
+
+/// Interleaving keeps every weight: each row dequantizes exactly as its ggml blocks do, the
+/// shape is checked, and a matrix regrouped whole or in parts keeps its bytes (plus padding).
+#[test]
+fn int8_interleaving_keeps_every_row() {
+    for kind in INT8_KINDS {
+        for rows in [1, 15, 16, 17, 40] {
+            let cols = 96;
+            let w = quant_matrix(kind, rows, cols, false, rows as u64);
+            let want = weights_f64(&w);
+            let data = w.data.interleaved(rows, cols);
+            assert!(matches!(data, WeightData::Interleaved(_)), "{kind:?}");
+            data.check_shape(rows, cols).unwrap();
+            assert!(data.check_shape(rows + 16, cols).is_err());
+            assert_eq!(data_f64(&data, rows, cols), want, "{kind:?} {rows} rows");
+            let padded = rows.div_ceil(16) * 16 * cols / 32 * kind.block_bytes();
+            assert_eq!(data.bytes(), padded, "{kind:?} {rows} rows");
+        }
+    }
+    let other = quant_matrix(QuantKind::Q6_K, 4, 256, false, 1);
+    assert!(matches!(
+        other.data.interleaved(4, 256),
+        WeightData::Quant { .. }
+    ));
+}
+
+/// Interleaved weights times 8-bit activations: the AVX512-VNNI kernel equals the scalar
+/// reference bit for bit (row ranges that cut groups, bias, accumulation, 1 to 20 tokens:
+/// chunks of 8 and rests), the reference equals the f64 product of the dequantized weights with
+/// the rounded activations `d·q` within f32 rounding of the sums and stays within the rounding's
+/// bound `Σ|w|·d/2` of the exact product, and a token's outputs are the same bits in every
+/// call it is part of.
+#[test]
+fn int8_kernels_match_the_reference() {
+    let vnni = avx512_i8::available();
+    if !vnni {
+        println!("SKIPPED (vector kernel): this CPU has no AVX512-VNNI; the reference is checked");
+    }
+    for kind in INT8_KINDS {
+        for (rows, cols, tokens) in [
+            (1, 32, 1),
+            (16, 64, 3),
+            (37, 96, 1),
+            (40, 160, 9),
+            (70, 64, 20),
+        ] {
+            let seed = (rows * 100 + cols + tokens) as u64;
+            let mut w = quant_matrix(kind, rows, cols, true, seed);
+            let exact_w = quant_matrix(kind, rows, cols, true, seed);
+            w.data = w.data.interleaved(rows, cols);
+            let ldx = cols + 3;
+            let x = rand_vec((tokens - 1) * ldx + cols, seed + 2);
+            let out0 = rand_vec(tokens * rows, seed + 3);
+            for acc in [false, true] {
+                let mut reference = out0.clone();
+                let mut vector = out0.clone();
+                let x8: Vec<int8::XI8> = (0..tokens)
+                    .map(|t| int8::quantize_ref(&x[t * ldx..t * ldx + cols]))
+                    .collect();
+                // Rows cut at 5 and 21: groups entered and left in the middle.
+                for rg in [
+                    0..rows.min(5),
+                    rows.min(5)..rows.min(21),
+                    rows.min(21)..rows,
+                ] {
+                    for (out, simd) in [(&mut reference, false), (&mut vector, true)] {
+                        if simd && !vnni {
+                            continue;
+                        }
+                        let job = Job {
+                            k: cols,
+                            bias: w.bias.as_deref(),
+                            x: x.as_ptr(),
+                            ldx,
+                            tokens,
+                            rows: rg.clone(),
+                            out: out.as_mut_ptr(),
+                            ldo: rows,
+                            accumulate: acc,
+                            xq: None,
+                            xb: None,
+                            x8: Some(&x8),
+                        };
+                        let WeightData::Interleaved(m) = &w.data else {
+                            unreachable!()
+                        };
+                        unsafe {
+                            if simd {
+                                avx512_i8::rows(m, &x8, &job)
+                            } else {
+                                int8::rows_ref(m, &x8, &job)
+                            }
+                        }
+                    }
+                }
+                if vnni {
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&vector),
+                        bits(&reference),
+                        "{kind:?} {rows}x{cols} x{tokens}"
+                    );
+                }
+                let mut exact = out0.clone();
+                matmul_at(
+                    Level::Scalar,
+                    &exact_w,
+                    &x,
+                    ldx,
+                    tokens,
+                    &mut exact,
+                    rows,
+                    acc,
+                );
+                let wf = weights_f64(&exact_w);
+                for t in 0..tokens {
+                    for r in 0..rows {
+                        let o = t * rows + r;
+                        let base = if acc { out0[o] as f64 } else { 0.0 }
+                            + w.bias.as_ref().map_or(0.0, |b| b[r] as f64);
+                        let (mut want, mut mag, mut bound) = (base, base.abs(), 0.0);
+                        for k in 0..cols {
+                            let d = x8[t].d[k / 32] as f64;
+                            // Q4_1's min meets the unrounded activations.
+                            let m = min_of(&exact_w, r, k);
+                            let xk = x[t * ldx + k] as f64;
+                            let p = (wf[r * cols + k] - m) * x8[t].q[k] as f64 * d;
+                            want += p + m * xk;
+                            mag += p.abs() + (m * xk).abs();
+                            bound += (wf[r * cols + k] - m).abs() * d / 2.0;
+                        }
+                        let err = (reference[o] as f64 - want).abs();
+                        assert!(
+                            err <= 1e-5 * mag,
+                            "{kind:?} {rows}x{cols} token {t} row {r}: {} want {want} (err {err:e})",
+                            reference[o]
+                        );
+                        let off = (reference[o] as f64 - exact[o] as f64).abs();
+                        assert!(
+                            off <= bound + 1e-5 * mag,
+                            "{kind:?} token {t} row {r}: {off:e} from exact, bound {bound:e}"
+                        );
+                    }
+                }
+                // Through the entry point, each token alone gives the same bits.
+                let mut all = out0.clone();
+                matmul_with(
+                    simd::level(),
+                    Numerics::Int8,
+                    &w,
+                    &x,
+                    ldx,
+                    tokens,
+                    &mut all,
+                    rows,
+                    acc,
+                );
+                assert_eq!(
+                    all, reference,
+                    "{kind:?} {rows}x{cols} x{tokens}: entry point"
+                );
+                for t in 0..tokens {
+                    let mut one = out0[t * rows..(t + 1) * rows].to_vec();
+                    let xt = &x[t * ldx..t * ldx + cols];
+                    matmul_with(
+                        simd::level(),
+                        Numerics::Int8,
+                        &w,
+                        xt,
+                        cols,
+                        1,
+                        &mut one,
+                        rows,
+                        acc,
+                    );
+                    assert_eq!(
+                        one,
+                        &all[t * rows..(t + 1) * rows],
+                        "{kind:?} token {t} alone"
+                    );
+                }
+            }
+        }
+    }
 }

@@ -1,0 +1,222 @@
+//! The AVX512-VNNI kernels of [`Numerics::Int8`](super::Numerics::Int8) ([`super::int8`]):
+//! activation rounding, and the interleaved GEMM whose 16 output rows are the 16 lanes of every
+//! vector, so nothing is summed across lanes and each (row, token) is the same chain of
+//! operations as [`super::int8::rows_ref`], bit for bit, whatever the number of tokens.
+
+use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+use super::int8::{group_block_bytes, Interleaved, BLOCK, GROUP, XI8};
+use super::Job;
+use crate::backend::cpu::simd::{self, Level};
+use crate::model::quant::QuantKind;
+
+/// Whether this CPU runs these kernels: AVX-512 F/BW/VL and VNNI, at the kernels' SIMD level.
+pub(crate) fn available() -> bool {
+    static VNNI: OnceLock<bool> = OnceLock::new();
+    *VNNI.get_or_init(|| is_x86_feature_detected!("avx512vnni")) && simd::level() >= Level::Avx512
+}
+
+/// [`super::int8::quantize_ref`], vectorised: 32 elements in two vectors, the sum by the same halving
+/// tree, the rounding by `vcvtps2dq` (nearest, ties to even) and `vpmovsdb`.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW/VL; `x` is whole blocks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub(crate) unsafe fn quantize(x: &[f32]) -> XI8 {
+    let nb = x.len() / BLOCK;
+    let mut out = XI8 {
+        q: vec![0; x.len()],
+        d: vec![0.0; nb],
+        sums: vec![0.0; nb],
+        qsums: vec![0; nb],
+    };
+    let abs = _mm512_set1_epi32(0x7fff_ffff);
+    let inf = _mm512_set1_ps(f32::INFINITY);
+    for b in 0..nb {
+        let p = x.as_ptr().add(b * BLOCK);
+        let (lo, hi) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
+        let s16 = _mm512_add_ps(lo, hi);
+        let s8 = _mm256_add_ps(
+            _mm512_castps512_ps256(s16),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(s16))),
+        );
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2));
+        out.sums[b] = _mm_cvtss_f32(s1);
+        let al = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(lo), abs));
+        let ah = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(hi), abs));
+        let finite =
+            _mm512_cmp_ps_mask::<_CMP_LT_OQ>(al, inf) & _mm512_cmp_ps_mask::<_CMP_LT_OQ>(ah, inf);
+        if finite != 0xffff {
+            out.d[b] = f32::NAN;
+            continue;
+        }
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(al, ah));
+        let d = amax / 127.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let id = _mm512_set1_ps(if id.is_finite() { id } else { 0.0 });
+        out.d[b] = d;
+        let ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, id));
+        let qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));
+        let dst = out.q.as_mut_ptr().add(b * BLOCK) as *mut __m128i;
+        _mm_storeu_si128(dst, _mm512_cvtsepi32_epi8(ql));
+        _mm_storeu_si128(dst.add(1), _mm512_cvtsepi32_epi8(qh));
+        out.qsums[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+    }
+    out
+}
+
+/// Tokens whose accumulators a pass over a group's blocks keeps in registers.
+const CHUNK: usize = 8;
+
+/// The formats, as the kernels' const parameter.
+const Q4_0: u8 = 0;
+const Q4_1: u8 = 1;
+const Q8_0: u8 = 2;
+
+/// Every output of `job` over interleaved `w` with activations `x` (one per token).
+///
+/// # Safety
+/// [`available`] must hold; `job`'s output must be valid for writes at `t·ldo + n` for every
+/// token and row of the job, its bias (if any) for reads up to `w.rows`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
+pub(crate) unsafe fn rows(w: &Interleaved, x: &[XI8], job: &Job) {
+    match w.kind {
+        QuantKind::Q4_0 => rows_of::<Q4_0>(w, x, job),
+        QuantKind::Q4_1 => rows_of::<Q4_1>(w, x, job),
+        QuantKind::Q8_0 => rows_of::<Q8_0>(w, x, job),
+        k => unreachable!("{} is never interleaved", k.name()),
+    }
+}
+
+#[inline(always)]
+unsafe fn rows_of<const F: u8>(w: &Interleaved, x: &[XI8], job: &Job) {
+    let nb = w.cols / BLOCK;
+    let bb = group_block_bytes(w.kind);
+    let (g0, g1) = (job.rows.start / GROUP, job.rows.end.div_ceil(GROUP));
+    for g in g0..g1 {
+        let n0 = g * GROUP;
+        let lo = job.rows.start.max(n0) - n0;
+        let hi = job.rows.end.min(n0 + GROUP) - n0;
+        let lanes = ((1u32 << hi) - (1u32 << lo)) as __mmask16;
+        let base = w.bytes.as_ptr().add(g * nb * bb);
+        let mut t0 = 0;
+        while t0 < job.tokens {
+            let n = (job.tokens - t0).min(CHUNK);
+            let xs = &x[t0..t0 + n];
+            match n {
+                1 => store(job, t0, n0, lanes, &chunk::<F, 1>(base, nb, bb, xs)),
+                2 => store(job, t0, n0, lanes, &chunk::<F, 2>(base, nb, bb, xs)),
+                3 => store(job, t0, n0, lanes, &chunk::<F, 3>(base, nb, bb, xs)),
+                4 => store(job, t0, n0, lanes, &chunk::<F, 4>(base, nb, bb, xs)),
+                5 => store(job, t0, n0, lanes, &chunk::<F, 5>(base, nb, bb, xs)),
+                6 => store(job, t0, n0, lanes, &chunk::<F, 6>(base, nb, bb, xs)),
+                7 => store(job, t0, n0, lanes, &chunk::<F, 7>(base, nb, bb, xs)),
+                _ => store(job, t0, n0, lanes, &chunk::<F, 8>(base, nb, bb, xs)),
+            }
+            t0 += n;
+        }
+    }
+}
+
+/// One group's 16 outputs for `N` tokens: the block chain of [`super::int8`]'s module doc, lane by
+/// lane.
+#[inline(always)]
+unsafe fn chunk<const F: u8, const N: usize>(
+    base: *const u8,
+    nb: usize,
+    bb: usize,
+    x: &[XI8],
+) -> [__m512; N] {
+    assert!(
+        x.len() == N,
+        "{} activation rows for a chunk of {N}",
+        x.len()
+    );
+    let q8: [*const i8; N] = std::array::from_fn(|t| x[t].q.as_ptr());
+    let ds: [*const f32; N] = std::array::from_fn(|t| x[t].d.as_ptr());
+    let sums: [*const f32; N] = std::array::from_fn(|t| x[t].sums.as_ptr());
+    let qsums: [*const i32; N] = std::array::from_fn(|t| x[t].qsums.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); N];
+    let nibble = _mm512_set1_epi8(0x0f);
+    let quants = if F == Q4_1 { 4 * GROUP } else { 2 * GROUP };
+    for b in 0..nb {
+        let blk = base.add(b * bb);
+        let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
+        let mw = if F == Q4_1 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(2 * GROUP) as *const __m256i))
+        } else {
+            _mm512_setzero_ps()
+        };
+        // Vector i: elements 4i..4i+4 of the block, every row (Q4: bytes 4j..4j+4 carry
+        // elements 4j.. in their low nibbles and 16 + 4j.. in their high ones).
+        let q = blk.add(quants) as *const __m512i;
+        let mut wv = [_mm512_setzero_si512(); 8];
+        if F == Q8_0 {
+            for (i, v) in wv.iter_mut().enumerate() {
+                *v = _mm512_loadu_si512(q.add(i));
+            }
+        } else {
+            for j in 0..4 {
+                let c = _mm512_loadu_si512(q.add(j));
+                wv[j] = _mm512_and_si512(c, nibble);
+                wv[j + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(c), nibble);
+            }
+        }
+        // Indexed by a constant range, so the tokens unroll and `acc` stays in registers.
+        #[allow(clippy::needless_range_loop)]
+        for t in 0..N {
+            let xp = q8[t].add(b * BLOCK) as *const i32;
+            // Q4_0's quants are stored as q + 8 and Q8_0's as q + 128: take those multiples
+            // of Σx_q back, in integers (exact).
+            let fix = match F {
+                Q4_0 => -8 * *qsums[t].add(b),
+                Q8_0 => -128 * *qsums[t].add(b),
+                _ => 0,
+            };
+            let mut even = _mm512_set1_epi32(fix);
+            let mut odd = _mm512_setzero_si512();
+            for i in (0..8).step_by(2) {
+                let x0 = _mm512_set1_epi32(std::ptr::read_unaligned(xp.add(i)));
+                let x1 = _mm512_set1_epi32(std::ptr::read_unaligned(xp.add(i + 1)));
+                even = _mm512_dpbusd_epi32(even, wv[i], x0);
+                odd = _mm512_dpbusd_epi32(odd, wv[i + 1], x1);
+            }
+            let sum = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+            let s = _mm512_mul_ps(dw, _mm512_set1_ps(*ds[t].add(b)));
+            acc[t] = _mm512_fmadd_ps(sum, s, acc[t]);
+            if F == Q4_1 {
+                acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*sums[t].add(b)), acc[t]);
+            }
+        }
+    }
+    acc
+}
+
+/// Writes token `t0 + t`'s outputs `n0 + lane` for the lanes set, as [`Job::put`] does:
+/// `(out + d) + bias` when accumulating, else `d + bias`.
+#[inline(always)]
+unsafe fn store<const N: usize>(
+    job: &Job,
+    t0: usize,
+    n0: usize,
+    lanes: __mmask16,
+    acc: &[__m512; N],
+) {
+    let bias = job
+        .bias
+        .map(|b| _mm512_maskz_loadu_ps(lanes, b.as_ptr().add(n0)));
+    for (t, &d) in acc.iter().enumerate() {
+        let o = job.out.add((t0 + t) * job.ldo + n0);
+        let mut v = d;
+        if job.accumulate {
+            v = _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, o), v);
+        }
+        if let Some(b) = bias {
+            v = _mm512_add_ps(v, b);
+        }
+        _mm512_mask_storeu_ps(o, lanes, v);
+    }
+}

@@ -1,0 +1,316 @@
+//! [`Numerics::Int8`](super::Numerics::Int8): 8-bit integer activations against Q4_0, Q4_1 and
+//! Q8_0 weights interleaved at load, sixteen rows to a group, for AVX512-VNNI's `vpdpbusd`.
+//!
+//! **Activations.** Each token row is rounded per 32-element block to `q = round(x / d)`,
+//! `d = max|x| / 127` (at most `d/2` per element, a relative 0.4% of the block's largest
+//! magnitude: llama.cpp's `Q8_0`/`Q8_1` activations), once per call, shared by every row.
+//!
+//! **Weights.** The ggml blocks of 16 consecutive rows are regrouped block by block: the 16
+//! scales (and Q4_1's 16 mins), then the quants transposed so that one 64-byte vector holds
+//! four consecutive elements of each of the 16 rows (32-bit lane `r` = row `r`). Q4 bytes keep
+//! their nibble pairing (byte `i` of a block holds elements `i` and `i + 16`), so a Q4 block is
+//! four such vectors, each unpacked into two by a mask and a shift; Q8_0 is eight, stored with
+//! the sign bit flipped (`w + 128` as an unsigned byte, which `vpdpbusd` needs on one side).
+//! The same bytes as the ggml blocks, reordered: no memory is added but the padding of a last
+//! group of fewer than 16 rows.
+//!
+//! **Products.** Per group of 16 rows, block and token, eight `vpdpbusd` (64 products each,
+//! exact in 32-bit lanes, the token's four activation bytes broadcast from memory) give the
+//! block's integer sums `Σ q_w·q_x` of the 16 rows; then one conversion, one multiply
+//! (`d_w·d_x`) and one FMA into the rows' f32 accumulators (Q4_1: one more FMA, `m_w·Σx`, with
+//! `Σx` summed from the unrounded activations). That is about one instruction per 43
+//! multiply-adds at one token and per 55 at many, against 16 for the exact f32 kernels, with
+//! no dequantization and no horizontal sums.
+//!
+//! **Bits.** Each (row, token) result is one chain over the blocks in order, the same whatever
+//! the call's token count or the row's place in its group: integer sums are exact, and
+//! `acc ← fma(float(Σ), d_w·d_x, acc)` (then `acc ← fma(m_w, Σx, acc)` for Q4_1) is computed
+//! lane by lane. [`rows_ref`] is that chain in scalar Rust, the reference the AVX-512 kernel
+//! ([`super::avx512_i8`]) is tested against bit for bit, and what runs where VNNI is missing
+//! (a level forced below AVX-512).
+
+use half::f16;
+
+use super::Job;
+use crate::model::quant::{self, QuantKind};
+
+/// Elements per activation block (one scale each): every interleaved format's block.
+pub(crate) const BLOCK: usize = 32;
+
+/// Rows per interleaved group: one 32-bit lane of a 512-bit vector each.
+pub(crate) const GROUP: usize = 16;
+
+/// The largest integer an activation is rounded to.
+const QMAX: f32 = 127.0;
+
+/// One activation row in 8-bit integers.
+pub(crate) struct XI8 {
+    /// `x / d`, rounded to the nearest integer (ties to even), per element.
+    pub q: Vec<i8>,
+    /// The scale `d` of each block; NaN where the block holds a NaN or an infinity (its `q`
+    /// are then 0), so non-finite activations stay non-finite in the products.
+    pub d: Vec<f32>,
+    /// `Σ x` of each block from the unrounded activations (Q4_1's min term), summed as
+    /// [`block_sum`] does.
+    pub sums: Vec<f32>,
+    /// `Σ q` of each block (the corrections of Q4_0's `−8` and Q8_0's `+128`).
+    pub qsums: Vec<i32>,
+}
+
+/// `Σ x` of one 32-element block by halves: `s[i] = x[i] + x[i+16]`, then lanes `i` and `i+8`,
+/// `i+4`, `i+2`, `i+1`: the order the AVX-512 kernel adds in.
+pub(crate) fn block_sum(x: &[f32]) -> f32 {
+    let mut s = [0f32; 16];
+    for (i, v) in s.iter_mut().enumerate() {
+        *v = x[i] + x[i + 16];
+    }
+    let mut n = 8;
+    while n > 0 {
+        for i in 0..n {
+            s[i] += s[i + n];
+        }
+        n /= 2;
+    }
+    s[0]
+}
+
+/// Rounds `x` (a whole number of blocks) as the kernels do: the reference for the vectorised
+/// [`quantize`].
+pub(crate) fn quantize_ref(x: &[f32]) -> XI8 {
+    assert!(
+        x.len().is_multiple_of(BLOCK),
+        "activation row of {} is not whole blocks",
+        x.len()
+    );
+    let nb = x.len() / BLOCK;
+    let mut out = XI8 {
+        q: vec![0; x.len()],
+        d: vec![0.0; nb],
+        sums: vec![0.0; nb],
+        qsums: vec![0; nb],
+    };
+    for (b, c) in x.chunks_exact(BLOCK).enumerate() {
+        out.sums[b] = block_sum(c);
+        if c.iter().any(|v| !v.is_finite()) {
+            out.d[b] = f32::NAN;
+            continue;
+        }
+        let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / QMAX;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let id = if id.is_finite() { id } else { 0.0 };
+        out.d[b] = d;
+        let mut s = 0;
+        for (q, &v) in out.q[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(c) {
+            // `as` saturates; `|v·id| ≤ 127` up to rounding, so nothing is clipped.
+            *q = (v * id).round_ties_even() as i8;
+            s += *q as i32;
+        }
+        out.qsums[b] = s;
+    }
+    out
+}
+
+/// Rounds `x` with the fastest kernel the CPU has (bit-identical to [`quantize_ref`]).
+pub(crate) fn quantize(x: &[f32]) -> XI8 {
+    #[cfg(target_arch = "x86_64")]
+    if super::avx512_i8::available() {
+        assert!(
+            x.len().is_multiple_of(BLOCK),
+            "activation row of {} is not whole blocks",
+            x.len()
+        );
+        // SAFETY: the CPU has AVX-512 F/BW/VL and VNNI; `x` is whole blocks.
+        return unsafe { super::avx512_i8::quantize(x) };
+    }
+    quantize_ref(x)
+}
+
+/// Weights of a block format regrouped for the integer kernels (see the module doc).
+pub struct Interleaved {
+    pub kind: QuantKind,
+    /// Rows of the matrix (the last group is padded to [`GROUP`] rows with zero blocks).
+    pub rows: usize,
+    pub cols: usize,
+    pub bytes: Vec<u8>,
+}
+
+/// Bytes of one interleaved block of a group: scales, mins, quants.
+pub(crate) const fn group_block_bytes(kind: QuantKind) -> usize {
+    match kind {
+        QuantKind::Q4_1 => 2 * GROUP * 2 + GROUP * 16,
+        QuantKind::Q4_0 => GROUP * 2 + GROUP * 16,
+        _ => GROUP * 2 + GROUP * 32,
+    }
+}
+
+/// ggml bytes of one block of each interleaved format.
+const fn ggml_block_bytes(kind: QuantKind) -> usize {
+    match kind {
+        QuantKind::Q4_1 => 20,
+        QuantKind::Q4_0 => 18,
+        _ => 34,
+    }
+}
+
+/// Offset of the quants in a ggml block (after its f16 scale, and Q4_1's f16 min).
+const fn ggml_quants_at(kind: QuantKind) -> usize {
+    match kind {
+        QuantKind::Q4_1 => 4,
+        _ => 2,
+    }
+}
+
+/// Offset of the quants in an interleaved group block (after the scales, and Q4_1's mins).
+const fn group_quants_at(kind: QuantKind) -> usize {
+    match kind {
+        QuantKind::Q4_1 => 4 * GROUP,
+        _ => 2 * GROUP,
+    }
+}
+
+/// Whether [`Interleaved`] takes this format.
+pub fn interleavable(kind: QuantKind) -> bool {
+    matches!(kind, QuantKind::Q4_0 | QuantKind::Q4_1 | QuantKind::Q8_0)
+}
+
+impl Interleaved {
+    /// Regroups `rows` rows of `cols` columns of ggml blocks (`kind` must be
+    /// [`interleavable`]; the shape checked by the caller).
+    pub fn new(kind: QuantKind, rows: usize, cols: usize, blocks: &[u8]) -> Interleaved {
+        assert!(interleavable(kind), "{} cannot be interleaved", kind.name());
+        let nb = cols / BLOCK;
+        let (gb, bb) = (ggml_block_bytes(kind), group_block_bytes(kind));
+        let groups = rows.div_ceil(GROUP);
+        let mut bytes = vec![0u8; groups * nb * bb];
+        let (qa, ga) = (ggml_quants_at(kind), group_quants_at(kind));
+        for n in 0..rows {
+            let (g, r) = (n / GROUP, n % GROUP);
+            for b in 0..nb {
+                let src = &blocks[(n * nb + b) * gb..(n * nb + b + 1) * gb];
+                let dst = &mut bytes[(g * nb + b) * bb..(g * nb + b + 1) * bb];
+                dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
+                if kind == QuantKind::Q4_1 {
+                    dst[2 * GROUP + 2 * r..2 * GROUP + 2 * r + 2].copy_from_slice(&src[2..4]);
+                }
+                let q = &src[qa..];
+                // Vector `j` holds bytes 4j..4j+4 of every row's quants, row r at lane r.
+                for (j, word) in q.chunks_exact(4).enumerate() {
+                    let at = ga + j * 4 * GROUP + 4 * r;
+                    for (i, &v) in word.iter().enumerate() {
+                        dst[at + i] = if kind == QuantKind::Q8_0 { v ^ 0x80 } else { v };
+                    }
+                }
+            }
+        }
+        Interleaved {
+            kind,
+            rows,
+            cols,
+            bytes,
+        }
+    }
+
+    /// Row `n`'s ggml blocks, rebuilt.
+    fn ggml_row(&self, n: usize) -> Vec<u8> {
+        let nb = self.cols / BLOCK;
+        let (gb, bb) = (ggml_block_bytes(self.kind), group_block_bytes(self.kind));
+        let (qa, ga) = (ggml_quants_at(self.kind), group_quants_at(self.kind));
+        let (g, r) = (n / GROUP, n % GROUP);
+        let mut out = vec![0u8; nb * gb];
+        for b in 0..nb {
+            let src = &self.bytes[(g * nb + b) * bb..(g * nb + b + 1) * bb];
+            let dst = &mut out[b * gb..(b + 1) * gb];
+            dst[0..2].copy_from_slice(&src[2 * r..2 * r + 2]);
+            if self.kind == QuantKind::Q4_1 {
+                dst[2..4].copy_from_slice(&src[2 * GROUP + 2 * r..2 * GROUP + 2 * r + 2]);
+            }
+            let quants = gb - qa;
+            for e in 0..quants {
+                let (j, i) = (e / 4, e % 4);
+                let v = src[ga + j * 4 * GROUP + 4 * r + i];
+                dst[qa + e] = if self.kind == QuantKind::Q8_0 {
+                    v ^ 0x80
+                } else {
+                    v
+                };
+            }
+        }
+        out
+    }
+
+    /// Row `n` dequantized as ggml does (an embedding lookup).
+    pub fn row_f32(&self, n: usize, dst: &mut [f32]) {
+        assert!(n < self.rows, "row {n} of a matrix of {} rows", self.rows);
+        quant::dequantize_row(self.kind, &self.ggml_row(n), dst);
+    }
+
+    /// Whether the bytes fit the shape.
+    pub fn check(&self) -> Result<(), String> {
+        let want = self.rows.div_ceil(GROUP) * (self.cols / BLOCK) * group_block_bytes(self.kind);
+        if !self.cols.is_multiple_of(BLOCK) || self.bytes.len() != want {
+            return Err(format!(
+                "{} bytes of interleaved {} for a {}x{} matrix, expected {want}",
+                self.bytes.len(),
+                self.kind.name(),
+                self.rows,
+                self.cols
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The f16 at `p[2i..2i+2]`.
+fn f16_at(p: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([p[2 * i], p[2 * i + 1]]).to_f32()
+}
+
+/// Output `n` of token `t`: the block chain of the module doc, in scalar Rust.
+fn dot_ref(w: &Interleaved, n: usize, x: &XI8) -> f32 {
+    let nb = w.cols / BLOCK;
+    let bb = group_block_bytes(w.kind);
+    let ga = group_quants_at(w.kind);
+    let (g, r) = (n / GROUP, n % GROUP);
+    let mut acc = 0f32;
+    for b in 0..nb {
+        let blk = &w.bytes[(g * nb + b) * bb..(g * nb + b + 1) * bb];
+        let xq = &x.q[b * BLOCK..(b + 1) * BLOCK];
+        let mut sum: i32 = 0;
+        match w.kind {
+            QuantKind::Q8_0 => {
+                for e in 0..BLOCK {
+                    let v = blk[ga + (e / 4) * 4 * GROUP + 4 * r + e % 4] ^ 0x80;
+                    sum += (v as i8) as i32 * xq[e] as i32;
+                }
+            }
+            _ => {
+                let off = if w.kind == QuantKind::Q4_0 { 8 } else { 0 };
+                for e in 0..16 {
+                    let v = blk[ga + (e / 4) * 4 * GROUP + 4 * r + e % 4];
+                    sum += ((v & 0x0f) as i32 - off) * xq[e] as i32;
+                    sum += ((v >> 4) as i32 - off) * xq[e + 16] as i32;
+                }
+            }
+        }
+        let s = f16_at(blk, r) * x.d[b];
+        acc = (sum as f32).mul_add(s, acc);
+        if w.kind == QuantKind::Q4_1 {
+            acc = f16_at(&blk[2 * GROUP..], r).mul_add(x.sums[b], acc);
+        }
+    }
+    acc
+}
+
+/// Every output of `job` over interleaved `w` with activations `x` (one per token), in scalar
+/// Rust: the reference, and the kernel without VNNI.
+///
+/// # Safety
+/// `job`'s output must be valid for writes at `t·ldo + n` for every token and row of the job.
+pub(crate) unsafe fn rows_ref(w: &Interleaved, x: &[XI8], job: &Job) {
+    for (t, xt) in x.iter().enumerate().take(job.tokens) {
+        for n in job.rows.clone() {
+            job.put(t, n, dot_ref(w, n, xt));
+        }
+    }
+}
