@@ -175,12 +175,29 @@ fn gemm(c: &mut Criterion) {
     // A prefill chunk (512 tokens) and a batched decode step (16 sequences) of SmolLM2-sized
     // projections, in every weight storage the CPU backend multiplies by.
     for (rows, cols, tokens) in [(576, 1536, 64), (1536, 576, 512), (1536, 576, 16)] {
-        let storages = [
+        let mut storages = vec![
             ("f32", matrix(rows, cols, false)),
             ("bf16", matrix(rows, cols, true)),
             ("q8_0", quant_matrix(rows, cols, QuantKind::Q8_0)),
             ("q4_1", quant_matrix(rows, cols, QuantKind::Q4_1)),
         ];
+        // `Numerics::Int8`'s regrouped weights, where the CPU has its kernels (their calls
+        // take 8-bit activations whatever the numerics asked).
+        if kiln::backend::cpu::matmul::int8_kernels() {
+            for (name, kind) in [
+                ("q8_0-int8", QuantKind::Q8_0),
+                ("q4_1-int8", QuantKind::Q4_1),
+            ] {
+                let m = quant_matrix(rows, cols, kind);
+                storages.push((
+                    name,
+                    PackedMatrix {
+                        data: m.data.interleaved(rows, cols),
+                        ..m
+                    },
+                ));
+            }
+        }
         for (dt, w) in &storages {
             let x = rand_vec(tokens * cols, 2);
             let mut out = vec![0f32; tokens * rows];

@@ -6,7 +6,7 @@
 #
 #   scripts/bench_compare.sh [--quick] [-t THREADS] [-r REPS] [--rounds N] [-p N] [-n N]
 #                            [--models LIST] [--builds native,noamx] [--cpus LIST]
-#                            [--numerics exact,int16,bf16]
+#                            [--numerics exact,int16,bf16,int8]
 #
 #   -t THREADS    thread counts, comma list (default 2; -t 1 or -t 1,2 for one thread)
 #   -r REPS       repetitions per tool run (default 5)
@@ -17,7 +17,8 @@
 #   --cpus LIST   run every tool under `taskset -c LIST` (default: no pinning)
 #   --numerics L  kiln's numerics modes to run, each a column (default exact; see kiln-bench
 #                 --numerics: int16 rounds decode activations to 16-bit integers, bf16
-#                 rounds prefill activations, and quantized weights, to bf16)
+#                 rounds prefill activations, and quantized weights, to bf16, int8 rounds
+#                 every step's activations to 8-bit integers against Q4_0/Q4_1/Q8_0 weights)
 #   --quick       a check that everything runs, not a measurement: pp64, tg16, -r 1, 1 round
 #
 # Models: the demo model SmolLM2-135M-Instruct Q4_1 (scripts/fetch_demo_model.sh), its BF16 and
@@ -67,7 +68,7 @@ for v in "${REPS}" "${ROUNDS}" "${PP}" "${TG}"; do
     [[ "${v}" =~ ^[1-9][0-9]*$ ]] || { echo "bench_compare: '${v}' is not a positive integer" >&2; exit 2; }
 done
 [[ "${THREADS}" =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || { echo "bench_compare: -t '${THREADS}' is not a comma list of thread counts" >&2; exit 2; }
-[[ "${NUMERICS}" =~ ^(exact|int16|bf16)(,(exact|int16|bf16))*$ ]] || { echo "bench_compare: --numerics '${NUMERICS}' is not a comma list of exact, int16, bf16" >&2; exit 2; }
+[[ "${NUMERICS}" =~ ^(exact|int16|bf16|int8)(,(exact|int16|bf16|int8))*$ ]] || { echo "bench_compare: --numerics '${NUMERICS}' is not a comma list of exact, int16, bf16, int8" >&2; exit 2; }
 IFS=, read -r -a NUMERICS_LIST <<< "${NUMERICS}"
 PIN=()
 if [[ -n "${CPUS}" ]]; then

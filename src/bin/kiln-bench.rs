@@ -32,6 +32,7 @@ use kiln::bench::{mean_sd, median, params_text, token_ids};
 use kiln::bench::{numerics, speculative};
 use kiln::cli::args::{check_model_path, check_threads, NumericsArg, Text};
 use kiln::cli::context::kv_bytes_per_position;
+use kiln::cli::kiln_args::KvType;
 use kiln::cli::memory;
 use kiln::cli::output::{die_on_closed_pipe, Stdout};
 use kiln::cli::spec::SpecArgs;
@@ -40,6 +41,7 @@ use kiln::engine::{
     Session, SpecMethod, SpecOptions,
 };
 use kiln::graph::{human_bytes as human, Dims, Rows};
+use kiln::kv::KvOptions;
 use kiln::model::{synthetic, Model};
 use kiln::note;
 use kiln::plan::ExecutionPlan;
@@ -200,6 +202,10 @@ struct Args {
     /// (`ServeOptions::spec_step_rows`; default: no limit but the step's token budget).
     #[arg(long, value_name = "N")]
     spec_step_rows: Option<usize>,
+    /// With --concurrency: how the serving pool stores keys and values on the CPU (f32, the
+    /// exact default, bf16, f16, fp8 or q8; `kiln serve --kv-type`).
+    #[arg(long, value_enum, default_value_t = KvType::F32)]
+    kv_type: KvType,
     /// With --spec: speculative against plain decoding instead of pp/tg tests, greedy, -n
     /// tokens (the first value) on the prompt each method should help (a code edit for ngram,
     /// free text for draft): acceptance rate and end-to-end tokens/s of both.
@@ -1059,6 +1065,10 @@ fn run_serving(
                         spec_step_rows: args
                             .spec_step_rows
                             .unwrap_or(ServeOptions::default().spec_step_rows),
+                        kv: KvOptions {
+                            dtype: args.kv_type.dtype(),
+                            ..ServeOptions::default().kv
+                        },
                         ..ServeOptions::default()
                     },
                     c,

@@ -20,8 +20,7 @@ use kiln::backend::cpu::{CpuOptions, WeightFormat};
 use kiln::cli::context::{self, CacheRequest};
 use kiln::cli::input::{read_chat_line, read_prompt, ChatLine, MAX_TEXT_BYTES};
 use kiln::cli::kiln_args::{
-    parse_args, ChatArgs, Common, Decode, Device, GenerateArgs, KilnArgsError, KilnCommand, KvType,
-    Weights,
+    parse_args, ChatArgs, Common, Decode, Device, GenerateArgs, KilnArgsError, KilnCommand, Weights,
 };
 use kiln::cli::memory;
 use kiln::cli::output::{die_on_closed_pipe, Stdout};
@@ -29,7 +28,6 @@ use kiln::engine::{
     Constraint, ConstraintSpec, DecodePath, Engine, EngineOptions, FinishReason, GenerateOptions,
     Session, SpecStats, Timings, Usage,
 };
-use kiln::kv::KvDtype;
 use kiln::note;
 use kiln::plan::PlanKind;
 use kiln::sample::SamplingParams;
@@ -145,13 +143,7 @@ fn load_at(c: &Common, path: &Path) -> Result<Arc<Engine>> {
             },
             numerics: c.numerics.numerics(),
         },
-        kv_dtype: match c.kv_type {
-            KvType::F32 => KvDtype::F32,
-            KvType::Bf16 => KvDtype::Bf16,
-            KvType::F16 => KvDtype::F16,
-            KvType::Fp8 => KvDtype::Fp8E4m3,
-            KvType::Q8 => KvDtype::Q8,
-        },
+        kv_dtype: c.kv_type.dtype(),
     };
     let t0 = Instant::now();
     let engine = Engine::load(path, opts).context("loading the model")?;

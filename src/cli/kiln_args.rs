@@ -40,6 +40,20 @@ pub enum KvType {
     Q8,
 }
 
+impl KvType {
+    /// The storage type it names.
+    pub fn dtype(self) -> crate::kv::KvDtype {
+        use crate::kv::KvDtype;
+        match self {
+            KvType::F32 => KvDtype::F32,
+            KvType::Bf16 => KvDtype::Bf16,
+            KvType::F16 => KvDtype::F16,
+            KvType::Fp8 => KvDtype::Fp8E4m3,
+            KvType::Q8 => KvDtype::Q8,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum Weights {
     /// bf16 stays bf16; f32, f16 and quantized types run exactly.

@@ -597,6 +597,51 @@ unsafe fn block_rows(
     }
 }
 
+/// Which half of an f32 KV block [`prefetch_blocks`] requests.
+#[derive(Clone, Copy)]
+enum Half {
+    Keys,
+    Values,
+}
+
+/// Requests the cache lines of positions `range` of the task's KV head, keys or values, from
+/// an f32 pool (a hint: no effect on results, none off x86-64).
+fn prefetch_blocks(
+    kv: &KvCache,
+    job: &Task,
+    table: &[u32],
+    range: std::ops::Range<usize>,
+    half: Half,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let bs = kv.layout().block_size;
+        let d = job.s.head_dim;
+        let mut start = range.start - range.start % bs;
+        while start < range.end {
+            let Some(&block) = table.get(start / bs) else {
+                return;
+            };
+            let rows = bs.min(range.end - start);
+            let (k, v) = kv.pool().head_block_f32(job.s.layer, block, job.kv_head);
+            let data = match half {
+                Half::Keys => k,
+                Half::Values => v,
+            };
+            let bytes = (rows * d).min(data.len()) * 4;
+            let p = data.as_ptr() as *const i8;
+            for off in (0..bytes).step_by(64) {
+                // SAFETY: a prefetch of an address inside `data` (no access, no fault).
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(off)) };
+            }
+            start += bs;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (kv, job, table, range, half);
+}
+
 /// Values of positions `a..b` into the outputs of `pairs` (each: `d` outputs, its probability
 /// for position `a`), block by block, in position order ([`Ops::weighted_sum_multi`]). A
 /// function, not a closure, so that it is compiled with the caller's target features.
@@ -672,6 +717,12 @@ unsafe fn attend<O: Ops>(o: &O, kv: &KvCache, job: &Task, scratch: &mut Scratch)
     scores.resize(total, 0.0);
     let qh = |i: usize, h: usize| &job.q[i * job.q_stride + h * d..i * job.q_stride + (h + 1) * d];
     let first_block = lo_min - lo_min % bs;
+    if f32_in_place {
+        // The task's keys, requested all at once: its blocks lie anywhere in the pool, and
+        // a decode row reads each once, so waiting on them one block after another left the
+        // 16-sequence decode step waiting on DRAM in its key and value loads (`perf`).
+        prefetch_blocks(kv, job, table, first_block..n_max, Half::Keys);
+    }
     let mut start = first_block;
     while start < n_max {
         let rows_here = bs.min(n_max - start);
@@ -714,6 +765,10 @@ unsafe fn attend<O: Ops>(o: &O, kv: &KvCache, job: &Task, scratch: &mut Scratch)
             j += g;
         }
         start += bs;
+    }
+    if f32_in_place {
+        // The values, while the softmax runs.
+        prefetch_blocks(kv, job, table, first_block..n_max, Half::Values);
     }
     for &(lo, n, base) in spans.iter() {
         for head in scores[base..base + hc * (n - lo)].chunks_exact_mut(n - lo) {

@@ -102,20 +102,29 @@ unsafe fn rows_of<const F: u8>(w: &Interleaved, x: &[XI8], job: &Job) {
         let hi = job.rows.end.min(n0 + GROUP) - n0;
         let lanes = ((1u32 << hi) - (1u32 << lo)) as __mmask16;
         let base = w.bytes.as_ptr().add(g * nb * bb);
+        // The first pass over a group fetches the next one's blocks as it goes: a group is a
+        // few KiB read once, and without this its loads waited on DRAM.
+        let mut ahead = if g + 1 < g1 {
+            base.add(nb * bb)
+        } else {
+            std::ptr::null()
+        };
         let mut t0 = 0;
         while t0 < job.tokens {
             let n = (job.tokens - t0).min(CHUNK);
             let xs = &x[t0..t0 + n];
+            let p = (base, ahead, nb, bb);
             match n {
-                1 => store(job, t0, n0, lanes, &chunk::<F, 1>(base, nb, bb, xs)),
-                2 => store(job, t0, n0, lanes, &chunk::<F, 2>(base, nb, bb, xs)),
-                3 => store(job, t0, n0, lanes, &chunk::<F, 3>(base, nb, bb, xs)),
-                4 => store(job, t0, n0, lanes, &chunk::<F, 4>(base, nb, bb, xs)),
-                5 => store(job, t0, n0, lanes, &chunk::<F, 5>(base, nb, bb, xs)),
-                6 => store(job, t0, n0, lanes, &chunk::<F, 6>(base, nb, bb, xs)),
-                7 => store(job, t0, n0, lanes, &chunk::<F, 7>(base, nb, bb, xs)),
-                _ => store(job, t0, n0, lanes, &chunk::<F, 8>(base, nb, bb, xs)),
+                1 => store(job, t0, n0, lanes, &chunk::<F, 1>(p, xs)),
+                2 => store(job, t0, n0, lanes, &chunk::<F, 2>(p, xs)),
+                3 => store(job, t0, n0, lanes, &chunk::<F, 3>(p, xs)),
+                4 => store(job, t0, n0, lanes, &chunk::<F, 4>(p, xs)),
+                5 => store(job, t0, n0, lanes, &chunk::<F, 5>(p, xs)),
+                6 => store(job, t0, n0, lanes, &chunk::<F, 6>(p, xs)),
+                7 => store(job, t0, n0, lanes, &chunk::<F, 7>(p, xs)),
+                _ => store(job, t0, n0, lanes, &chunk::<F, 8>(p, xs)),
             }
+            ahead = std::ptr::null();
             t0 += n;
         }
     }
@@ -125,9 +134,7 @@ unsafe fn rows_of<const F: u8>(w: &Interleaved, x: &[XI8], job: &Job) {
 /// lane.
 #[inline(always)]
 unsafe fn chunk<const F: u8, const N: usize>(
-    base: *const u8,
-    nb: usize,
-    bb: usize,
+    (base, ahead, nb, bb): (*const u8, *const u8, usize, usize),
     x: &[XI8],
 ) -> [__m512; N] {
     assert!(
@@ -144,6 +151,12 @@ unsafe fn chunk<const F: u8, const N: usize>(
     let quants = if F == Q4_1 { 4 * GROUP } else { 2 * GROUP };
     for b in 0..nb {
         let blk = base.add(b * bb);
+        if !ahead.is_null() {
+            let next = ahead.add(b * bb);
+            for line in (0..bb).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(next.add(line) as *const i8);
+            }
+        }
         let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
         let mw = if F == Q4_1 {
             _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(2 * GROUP) as *const __m256i))
@@ -176,15 +189,26 @@ unsafe fn chunk<const F: u8, const N: usize>(
                 Q8_0 => -128 * *qsums[t].add(b),
                 _ => 0,
             };
-            let mut even = _mm512_set1_epi32(fix);
-            let mut odd = _mm512_setzero_si512();
-            for i in (0..8).step_by(2) {
-                let x0 = _mm512_set1_epi32(std::ptr::read_unaligned(xp.add(i)));
-                let x1 = _mm512_set1_epi32(std::ptr::read_unaligned(xp.add(i + 1)));
-                even = _mm512_dpbusd_epi32(even, wv[i], x0);
-                odd = _mm512_dpbusd_epi32(odd, wv[i + 1], x1);
-            }
-            let sum = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+            let mut ia = _mm512_set1_epi32(fix);
+            let sum = if N == 1 {
+                // One token: two chains, so the eight dependent products do not wait in line.
+                let mut odd = _mm512_setzero_si512();
+                for i in (0..8).step_by(2) {
+                    let x0 = _mm512_set1_epi32(std::ptr::read_unaligned(xp.add(i)));
+                    let x1 = _mm512_set1_epi32(std::ptr::read_unaligned(xp.add(i + 1)));
+                    ia = _mm512_dpbusd_epi32(ia, wv[i], x0);
+                    odd = _mm512_dpbusd_epi32(odd, wv[i + 1], x1);
+                }
+                _mm512_add_epi32(ia, odd)
+            } else {
+                // Several tokens' chains interleave already.
+                for (i, w) in wv.iter().enumerate() {
+                    let xi = _mm512_set1_epi32(std::ptr::read_unaligned(xp.add(i)));
+                    ia = _mm512_dpbusd_epi32(ia, *w, xi);
+                }
+                ia
+            };
+            let sum = _mm512_cvtepi32_ps(sum);
             let s = _mm512_mul_ps(dw, _mm512_set1_ps(*ds[t].add(b)));
             acc[t] = _mm512_fmadd_ps(sum, s, acc[t]);
             if F == Q4_1 {
