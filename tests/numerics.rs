@@ -13,12 +13,12 @@
 //!
 //! `Numerics::Int8` (8-bit activations against interleaved Q4_0/Q4_1/Q8_0 weights,
 //! AVX512-VNNI CPUs) likewise, in lockstep decoding: on a Zen 5 the four prompts of
-//! `kiln-bench --numerics int8 --agreement 256` on the demo model had a mean KL of 1.0·10⁻²
-//! (7.7·10⁻³ to 1.2·10⁻², max 0.37) and 96% top-1 agreement (240 to 248 of 256 steps); the
-//! 128 steps of the first two prompts here, 1.4·10⁻² and 1.6·10⁻² (118 and 123 of 128 top-1):
-//! the rounding of llama.cpp's activations, five orders of magnitude above int16's. The bounds
-//! (mean KL 3·10⁻², 85% top-1) leave about twice that; a wrong scale, quant or correction moves
-//! the KL past 1.
+//! `kiln-bench --numerics int8 --agreement 256` on the demo model had a mean KL of 1.9·10⁻³
+//! (1.3·10⁻³ to 2.3·10⁻³, max 2.5·10⁻²) and 98% top-1 agreement (247 to 254 of 256 steps): the
+//! rounding of llama.cpp's activations, four orders of magnitude above int16's. The bounds
+//! (mean KL 6·10⁻³, max 0.1, 90% top-1) leave about three times that; a wrong scale, quant or
+//! correction moves the KL past 1, and taking Q4_1's min against the unrounded activation sums
+//! (1.0·10⁻², max 0.40) fails them too.
 
 mod common;
 
@@ -156,16 +156,16 @@ fn int8_follows_exact_on_the_demo_model() {
         let ids = encode_prompt(&exact, text).unwrap();
         let r = compare(&exact, &int8, &ids, 128).unwrap();
         println!("int8: {r:?}");
-        assert!(r.mean_kl < 3e-2, "mean KL {:e}", r.mean_kl);
+        assert!(r.mean_kl < 6e-3, "mean KL {:e}", r.mean_kl);
         // The mode ran: the exact path against itself in lockstep is 0.
         assert!(
             r.mean_kl > 1e-5,
             "mean KL {:e}: int8 did not run",
             r.mean_kl
         );
-        assert!(r.max_kl < 1.0, "max KL {:e}", r.max_kl);
+        assert!(r.max_kl < 0.1, "max KL {:e}", r.max_kl);
         assert!(
-            r.top1_equal * 20 >= 128 * 17,
+            r.top1_equal * 10 >= 128 * 9,
             "top-1 agreement {} of 128",
             r.top1_equal
         );

@@ -17,8 +17,8 @@ pub(crate) fn available() -> bool {
     *VNNI.get_or_init(|| is_x86_feature_detected!("avx512vnni")) && simd::level() >= Level::Avx512
 }
 
-/// [`super::int8::quantize_ref`], vectorised: 32 elements in two vectors, the sum by the same halving
-/// tree, the rounding by `vcvtps2dq` (nearest, ties to even) and `vpmovsdb`.
+/// [`super::int8::quantize_ref`], vectorised: 32 elements in two vectors, the rounding by
+/// `vcvtps2dq` (nearest, ties to even) and `vpmovsdb`.
 ///
 /// # Safety
 /// The CPU must have AVX-512 F/BW/VL; `x` is whole blocks.
@@ -36,21 +36,13 @@ pub(crate) unsafe fn quantize(x: &[f32]) -> XI8 {
     for b in 0..nb {
         let p = x.as_ptr().add(b * BLOCK);
         let (lo, hi) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
-        let s16 = _mm512_add_ps(lo, hi);
-        let s8 = _mm256_add_ps(
-            _mm512_castps512_ps256(s16),
-            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(s16))),
-        );
-        let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
-        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2));
-        out.sums[b] = _mm_cvtss_f32(s1);
         let al = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(lo), abs));
         let ah = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(hi), abs));
         let finite =
             _mm512_cmp_ps_mask::<_CMP_LT_OQ>(al, inf) & _mm512_cmp_ps_mask::<_CMP_LT_OQ>(ah, inf);
         if finite != 0xffff {
             out.d[b] = f32::NAN;
+            out.sums[b] = f32::NAN;
             continue;
         }
         let amax = _mm512_reduce_max_ps(_mm512_max_ps(al, ah));
@@ -63,7 +55,9 @@ pub(crate) unsafe fn quantize(x: &[f32]) -> XI8 {
         let dst = out.q.as_mut_ptr().add(b * BLOCK) as *mut __m128i;
         _mm_storeu_si128(dst, _mm512_cvtsepi32_epi8(ql));
         _mm_storeu_si128(dst.add(1), _mm512_cvtsepi32_epi8(qh));
-        out.qsums[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+        let qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+        out.qsums[b] = qsum;
+        out.sums[b] = d * qsum as f32;
     }
     out
 }
