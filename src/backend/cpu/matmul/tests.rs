@@ -1226,15 +1226,15 @@ fn int8_kernels_match_the_reference() {
                     acc,
                 );
                 let wf = weights_f64(&exact_w);
-                for t in 0..tokens {
+                for (t, xt) in x8.iter().enumerate() {
                     for r in 0..rows {
                         let o = t * rows + r;
                         let base = if acc { out0[o] as f64 } else { 0.0 }
                             + w.bias.as_ref().map_or(0.0, |b| b[r] as f64);
                         let (mut want, mut mag, mut bound) = (base, base.abs(), 0.0);
                         for k in 0..cols {
-                            let d = x8[t].d[k / 32] as f64;
-                            let p = wf[r * cols + k] * x8[t].q[k] as f64 * d;
+                            let d = xt.d[k / 32] as f64;
+                            let p = wf[r * cols + k] * xt.q[k] as f64 * d;
                             want += p;
                             mag += p.abs();
                             bound += wf[r * cols + k].abs() * d / 2.0;
