@@ -312,7 +312,7 @@ mod tests {
             ("--read-timeout", "0"),
             ("--port", "70000"),
             ("--max-running", "-1"),
-            ("--numerics", "int8"),
+            ("--numerics", "int4"),
         ] {
             let e = parse(&[&format!("{flag}={value}")]).unwrap_err();
             let ServeArgsError::Usage(u) = &e else {

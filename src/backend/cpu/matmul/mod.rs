@@ -55,6 +55,11 @@
 //!   dequantized to f32 (bit-identical to ggml's reference dequantization) into thread-local
 //!   scratch and handed to the f32 kernels, so the per-element dequantization cost is shared by
 //!   all tokens.
+//!
+//! [`Numerics::Int8`] engines hold their Q4_0, Q4_1 and Q8_0 matrices regrouped sixteen rows to
+//! a group ([`WeightData::Interleaved`], [`int8`]) and run every call on them through one
+//! AVX512-VNNI kernel ([`avx512_i8`]) whose 16 lanes are 16 output rows, against 8-bit
+//! activations: decode at the memory's speed, batched steps and prefill on `vpdpbusd`.
 
 use std::cell::RefCell;
 use std::ops::Range;
