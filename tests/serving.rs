@@ -280,6 +280,37 @@ fn assert_each_equals_its_run_alone(
     }
 }
 
+/// Runs `reqs` through `s`, `joins(step)` of them submitted before each step (in order, ids
+/// from 0), `after_step` run after each step, until every request has finished; returns what
+/// each request's sink collected.
+fn serve_joining(
+    s: &mut Scheduler,
+    reqs: &[Request],
+    joins: impl Fn(usize) -> usize,
+    mut after_step: impl FnMut(&Scheduler),
+) -> Vec<Arc<Mutex<Collected>>> {
+    let stores: Vec<Arc<Mutex<Collected>>> = (0..reqs.len())
+        .map(|_| Arc::new(Mutex::new(Collected::default())))
+        .collect();
+    let mut submitted = 0;
+    let mut steps = 0;
+    while submitted < reqs.len() || !s.is_idle() {
+        for _ in 0..joins(steps) {
+            if submitted < reqs.len() {
+                let id = submitted as u64;
+                s.submit(id, reqs[submitted].clone(), sink(&stores[submitted]))
+                    .unwrap();
+                submitted += 1;
+            }
+        }
+        s.step().unwrap();
+        after_step(s);
+        steps += 1;
+        assert!(steps < 10_000, "the scheduler does not finish");
+    }
+    stores
+}
+
 /// 64 requests (72 rows) with mixed prompt lengths, options and seeds join at different steps
 /// through one scheduler whose pool holds a fraction of them (so sequences are preempted and
 /// recomputed): every row's tokens equal the same request run alone.
@@ -328,29 +359,13 @@ fn batched_scheduler_equals_each_request_alone() {
         spec_step_rows: usize::MAX,
     };
     let mut s = Scheduler::new(Arc::clone(&e), opts).unwrap();
-    let stores: Vec<Arc<Mutex<Collected>>> = (0..reqs.len())
-        .map(|_| Arc::new(Mutex::new(Collected::default())))
-        .collect();
-    let mut submitted = 0;
-    let mut steps = 0;
-    while submitted < reqs.len() || !s.is_idle() {
-        // Requests join a few at a time, between steps.
-        for _ in 0..1 + steps % 4 {
-            if submitted < reqs.len() {
-                s.submit(
-                    submitted as u64,
-                    reqs[submitted].clone(),
-                    sink(&stores[submitted]),
-                )
-                .unwrap();
-                submitted += 1;
-            }
-        }
-        s.step().unwrap();
-        s.cache().check_invariants().unwrap();
-        steps += 1;
-        assert!(steps < 10_000, "the scheduler does not finish");
-    }
+    // Requests join a few at a time, between steps.
+    let stores = serve_joining(
+        &mut s,
+        &reqs,
+        |step| 1 + step % 4,
+        |s| s.cache().check_invariants().unwrap(),
+    );
     let stats = s.stats();
     assert!(stats.preemptions > 0, "the pool never ran short: {stats:?}");
     assert!(
@@ -417,22 +432,7 @@ fn int8_batched_steps_equal_each_request_alone() {
             ..ServeOptions::default()
         };
         let mut s = Scheduler::new(Arc::clone(&e), opts).unwrap();
-        let stores: Vec<Arc<Mutex<Collected>>> = (0..reqs.len())
-            .map(|_| Arc::new(Mutex::new(Collected::default())))
-            .collect();
-        let mut submitted = 0;
-        let mut steps = 0;
-        while submitted < reqs.len() || !s.is_idle() {
-            if submitted < reqs.len() {
-                let id = submitted as u64;
-                s.submit(id, reqs[submitted].clone(), sink(&stores[submitted]))
-                    .unwrap();
-                submitted += 1;
-            }
-            s.step().unwrap();
-            steps += 1;
-            assert!(steps < 10_000, "{file}: the scheduler does not finish");
-        }
+        let stores = serve_joining(&mut s, &reqs, |_| 1, |_| {});
         let stats = s.stats();
         assert!(
             stats.preemptions > 0,

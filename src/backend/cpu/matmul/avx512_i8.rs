@@ -6,7 +6,7 @@
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
-use super::int8::{group_block_bytes, Interleaved, BLOCK, GROUP, XI8};
+use super::int8::{self, group_block_bytes, Interleaved, BLOCK, GROUP, XI8};
 use super::Job;
 use crate::backend::cpu::simd::{self, Level};
 use crate::model::quant::QuantKind;
@@ -25,12 +25,7 @@ pub(crate) fn available() -> bool {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 pub(crate) unsafe fn quantize(x: &[f32]) -> XI8 {
     let nb = x.len() / BLOCK;
-    let mut out = XI8 {
-        q: vec![0; x.len()],
-        d: vec![0.0; nb],
-        sums: vec![0.0; nb],
-        qsums: vec![0; nb],
-    };
+    let mut out = XI8::zeros(x.len());
     let abs = _mm512_set1_epi32(0x7fff_ffff);
     let inf = _mm512_set1_ps(f32::INFINITY);
     for b in 0..nb {
@@ -46,9 +41,8 @@ pub(crate) unsafe fn quantize(x: &[f32]) -> XI8 {
             continue;
         }
         let amax = _mm512_reduce_max_ps(_mm512_max_ps(al, ah));
-        let d = amax / 127.0;
-        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-        let id = _mm512_set1_ps(if id.is_finite() { id } else { 0.0 });
+        let (d, id) = int8::scale_of(amax);
+        let id = _mm512_set1_ps(id);
         out.d[b] = d;
         let ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, id));
         let qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));

@@ -58,6 +58,28 @@ pub(crate) struct XI8 {
     pub qsums: Vec<i32>,
 }
 
+impl XI8 {
+    /// Zeros for `len` elements (whole blocks), filled in by the rounding.
+    pub(crate) fn zeros(len: usize) -> XI8 {
+        let nb = len / BLOCK;
+        XI8 {
+            q: vec![0; len],
+            d: vec![0.0; nb],
+            sums: vec![0.0; nb],
+            qsums: vec![0; nb],
+        }
+    }
+}
+
+/// A block's scale and its reciprocal from its largest magnitude: `(d, 1/d)`, the reciprocal 0
+/// where `d` is 0 or its reciprocal overflows (every `q` is then 0).
+#[inline(always)]
+pub(crate) fn scale_of(amax: f32) -> (f32, f32) {
+    let d = amax / QMAX;
+    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+    (d, if id.is_finite() { id } else { 0.0 })
+}
+
 /// Rounds `x` (a whole number of blocks) as the kernels do: the reference for the vectorised
 /// [`quantize`].
 pub(crate) fn quantize_ref(x: &[f32]) -> XI8 {
@@ -66,13 +88,7 @@ pub(crate) fn quantize_ref(x: &[f32]) -> XI8 {
         "activation row of {} is not whole blocks",
         x.len()
     );
-    let nb = x.len() / BLOCK;
-    let mut out = XI8 {
-        q: vec![0; x.len()],
-        d: vec![0.0; nb],
-        sums: vec![0.0; nb],
-        qsums: vec![0; nb],
-    };
+    let mut out = XI8::zeros(x.len());
     for (b, c) in x.chunks_exact(BLOCK).enumerate() {
         if c.iter().any(|v| !v.is_finite()) {
             out.d[b] = f32::NAN;
@@ -80,9 +96,7 @@ pub(crate) fn quantize_ref(x: &[f32]) -> XI8 {
             continue;
         }
         let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / QMAX;
-        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-        let id = if id.is_finite() { id } else { 0.0 };
+        let (d, id) = scale_of(amax);
         out.d[b] = d;
         let mut s = 0;
         for (q, &v) in out.q[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(c) {

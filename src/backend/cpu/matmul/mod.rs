@@ -620,9 +620,9 @@ pub unsafe fn matmul_rows_at(
     ldo: usize,
     accumulate: bool,
 ) {
-    let x8 = int8_activations(w, x, ldx, tokens);
-    rows_job(
+    matmul_rows_with(
         level,
+        Numerics::Exact,
         w,
         x,
         ldx,
@@ -631,9 +631,6 @@ pub unsafe fn matmul_rows_at(
         out,
         ldo,
         accumulate,
-        None,
-        None,
-        x8.as_deref(),
     )
 }
 
