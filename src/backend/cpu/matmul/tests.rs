@@ -1135,6 +1135,82 @@ fn int8_interleaving_keeps_every_row() {
         other.data.interleaved(4, 256),
         WeightData::Quant { .. }
     ));
+    // A merged linear of two formats (Qwen2.5-Coder's qkv): the Q8_0 part is regrouped, the
+    // Q6_K part stays, and a call computes each part its way.
+    let (q8, q6) = (
+        quant_matrix(QuantKind::Q8_0, 20, 256, false, 2),
+        quant_matrix(QuantKind::Q6_K, 7, 256, false, 3),
+    );
+    let parts = PackedMatrix {
+        rows: 27,
+        cols: 256,
+        data: WeightData::Parts(vec![
+            MatrixPart {
+                rows: 20,
+                data: q8.data,
+            },
+            MatrixPart {
+                rows: 7,
+                data: q6.data,
+            },
+        ]),
+        bias: None,
+    };
+    let mut exact = vec![0f32; 2 * 27];
+    let x = rand_vec(2 * 256, 4);
+    matmul_with(
+        simd::level(),
+        Numerics::Exact,
+        &parts,
+        &x,
+        256,
+        2,
+        &mut exact,
+        27,
+        false,
+    );
+    let regrouped = PackedMatrix {
+        data: parts.data.interleaved(27, 256),
+        ..parts
+    };
+    let WeightData::Parts(p) = &regrouped.data else {
+        panic!("parts stay parts")
+    };
+    assert!(matches!(p[0].data, WeightData::Interleaved(_)));
+    assert!(matches!(p[1].data, WeightData::Quant { .. }));
+    let mut got = vec![0f32; 2 * 27];
+    matmul_with(
+        simd::level(),
+        Numerics::Int8,
+        &regrouped,
+        &x,
+        256,
+        2,
+        &mut got,
+        27,
+        false,
+    );
+    let wf = weights_f64(&regrouped);
+    for t in 0..2 {
+        let x8 = int8::quantize_ref(&x[t * 256..(t + 1) * 256]);
+        for r in 0..27 {
+            let (g, e) = (got[t * 27 + r], exact[t * 27 + r]);
+            if r < 20 {
+                // 8-bit activations: within the rounding's bound Σ|w|·d/2 of exact.
+                let bound: f64 = (0..256)
+                    .map(|k| wf[r * 256 + k].abs() * x8.d[k / 32] as f64 / 2.0)
+                    .sum();
+                let off = (g as f64 - e as f64).abs();
+                assert!(
+                    off <= bound * 1.001,
+                    "token {t} row {r}: {g} vs {e}, bound {bound}"
+                );
+                assert_ne!(g, e, "token {t} row {r}: the Q8_0 part ran exact");
+            } else {
+                assert_eq!(g, e, "token {t} row {r}: the Q6_K part runs exact");
+            }
+        }
+    }
 }
 
 /// Interleaved weights times 8-bit activations: the AVX512-VNNI kernel equals the scalar
