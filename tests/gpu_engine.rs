@@ -158,6 +158,25 @@ fn cpu_rows_with_gaps(
     (rows, gaps)
 }
 
+/// `got` (row `row` of a GPU engine's output, named `what`) follows the CPU's greedy row `want`
+/// to the end, or up to a first difference where the CPU's choice was a near tie (its top-2 gap
+/// in `gaps` under `near_tie`); after that step the rows are no longer comparable. Prints where
+/// it parted.
+fn assert_follows(want: &[u32], got: &[u32], gaps: &Gaps, row: usize, near_tie: f32, what: &str) {
+    let Some(step) = want.iter().zip(got).position(|(x, y)| x != y) else {
+        assert_eq!(want.len(), got.len(), "{what}: length differs");
+        return;
+    };
+    let g = gaps.get(&(row, step)).copied().unwrap_or(f32::INFINITY);
+    assert!(
+        g < near_tie,
+        "{what}: differs at step {step} ({} vs {}; the CPU's top-2 gap there is {g:.2e} RMS)",
+        got[step],
+        want[step]
+    );
+    println!("{what}: first differs at step {step}, a near tie ({g:.1e} RMS)");
+}
+
 fn check_same(path: &Path, prompt: &[u32], opts: &GenerateOptions, how: Match) {
     let mut engines = engines(path).into_iter();
     let (base_name, cpu) = engines.next().expect("the CPU engine comes first");
@@ -172,29 +191,8 @@ fn check_same(path: &Path, prompt: &[u32], opts: &GenerateOptions, how: Match) {
             .collect();
         assert_eq!(got.len(), base.len(), "{}: {name}: rows", path.display());
         for (row, (a, b)) in base.iter().zip(&got).enumerate() {
-            let Some(step) = a.iter().zip(b).position(|(x, y)| x != y) else {
-                assert_eq!(
-                    a.len(),
-                    b.len(),
-                    "{}: row {row}: {name} length differs from {base_name}",
-                    path.display()
-                );
-                continue;
-            };
-            let g = gaps.get(&(row, step)).copied().unwrap_or(f32::INFINITY);
-            assert!(
-                g < how.near_tie,
-                "{}: row {row}: {name} differs from {base_name} at step {step} ({} vs {}; \
-                 the CPU's top-2 gap there is {g:.2e} RMS)",
-                path.display(),
-                b[step],
-                a[step]
-            );
-            println!(
-                "{}: row {row}: {name} first differs from {base_name} at step {step}, a near \
-                 tie ({g:.1e} RMS)",
-                path.display()
-            );
+            let what = format!("{}: row {row}: {name} against {base_name}", path.display());
+            assert_follows(a, b, &gaps, row, how.near_tie, &what);
         }
     }
 }
@@ -337,18 +335,8 @@ fn speculative_sessions_draw_one_token_passes_on_the_device() {
             .unwrap();
         println!("{name}: {:?}", got.spec);
         assert!(got.spec.device_draws > 0, "{name}: {:?}", got.spec);
-        let (a, b) = (&base[0], &got.batch.rows[0].generated);
-        match a.iter().zip(b).position(|(x, y)| x != y) {
-            None => assert_eq!(a.len(), b.len(), "{name}: length"),
-            Some(step) => {
-                let g = gaps.get(&(0, step)).copied().unwrap_or(f32::INFINITY);
-                assert!(
-                    g < DEMO_NEAR_TIE,
-                    "{name}: differs from the CPU at step {step} (top-2 gap {g:.2e} RMS)"
-                );
-                println!("{name}: first differs at step {step}, a near tie ({g:.1e} RMS)");
-            }
-        }
+        let b = &got.batch.rows[0].generated;
+        assert_follows(&base[0], b, &gaps, 0, DEMO_NEAR_TIE, &name);
     }
 }
 
@@ -485,20 +473,8 @@ fn scheduler_on_the_gpu_matches_each_request_alone() {
         }
         for (i, (req, got)) in reqs.iter().zip(&results).enumerate() {
             let (base, gaps) = cpu_rows_with_gaps(&cpu, &req.prompt, &req.options);
-            let (a, b) = (&base[0], &got.rows[0].generated);
-            let Some(step) = a.iter().zip(b).position(|(x, y)| x != y) else {
-                assert_eq!(a.len(), b.len(), "{name}: request {i}: length");
-                continue;
-            };
-            let g = gaps.get(&(0, step)).copied().unwrap_or(f32::INFINITY);
-            assert!(
-                g < NEAR_TIE,
-                "{name}: request {i}: the GPU scheduler differs from the CPU at step {step} ({} \
-                 vs {}; the CPU's top-2 gap there is {g:.2e} RMS)",
-                b[step],
-                a[step]
-            );
-            println!("{name}: request {i}: first differs at step {step}, a near tie ({g:.1e} RMS)");
+            let what = format!("{name}: request {i} through the GPU scheduler");
+            assert_follows(&base[0], &got.rows[0].generated, &gaps, 0, NEAR_TIE, &what);
         }
     }
 }

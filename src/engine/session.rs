@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use super::backend::Caches;
+use super::graph_run::SessionMemory;
 use super::{Engine, EngineError};
 use crate::backend::TokenRow;
 use crate::plan::PlanKind;
@@ -20,6 +21,14 @@ pub struct Session {
 }
 
 impl Session {
+    /// The session's memory as a decode graph run reads and confirms it.
+    pub(super) fn memory(&mut self) -> SessionMemory<'_> {
+        SessionMemory {
+            dev: &mut *self.dev,
+            tokens: &mut self.tokens,
+        }
+    }
+
     /// `capacity` positions per slot, capped at the model's context.
     pub fn new(engine: Arc<Engine>, capacity: usize, slots: usize) -> Session {
         let capacity = capacity.min(engine.max_context()).max(1);

@@ -2,11 +2,12 @@
 //! which every row samples (or takes a forced token), checks its stop rules, and the rows still
 //! going advance together in one batched forward pass.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::collect::RowsCollector;
 use super::constraint::{prepare_during, Constraint};
-use super::graph_run::{GraphRun, SessionMemory};
+use super::graph_run::GraphRun;
 use super::row::{RowRules, RowState};
 use super::session::Session;
 use super::tools::ToolTokens;
@@ -214,10 +215,7 @@ impl<'a> Stream<'a> {
                     .graph
                     .as_mut()
                     .expect("Next::Graph is set with a running graph");
-                let got = run.next(SessionMemory {
-                    dev: &mut *self.s.dev,
-                    tokens: &mut self.s.tokens,
-                })?;
+                let got = run.next(self.s.memory())?;
                 Some(
                     self.live
                         .iter()
@@ -303,7 +301,8 @@ impl<'a> Stream<'a> {
                     row_id: r.slot as u32,
                 })
                 .collect();
-            let backend = &*self.s.engine.backend;
+            let engine = Arc::clone(&self.s.engine);
+            let backend = &*engine.backend;
             // The CPU stand-in for the graph applies logits processors (tests script tool
             // calls through it); the device cannot.
             let sampling_ok = on_device
@@ -321,11 +320,8 @@ impl<'a> Stream<'a> {
                 let budget = self.graph_budget(feed_rows);
                 if budget > 0 {
                     let run = GraphRun::start(
-                        &*self.s.engine.backend,
-                        SessionMemory {
-                            dev: &mut *self.s.dev,
-                            tokens: &mut self.s.tokens,
-                        },
+                        backend,
+                        self.s.memory(),
                         &rows,
                         &self.opts.sampling,
                         &self.stop_tokens,
@@ -421,10 +417,7 @@ impl<'a> Stream<'a> {
     /// Stops the decode graph, if one runs (what it had in flight is dropped).
     fn end_graph(&mut self) -> Result<(), EngineError> {
         if let Some(run) = self.graph.take() {
-            run.stop(SessionMemory {
-                dev: &mut *self.s.dev,
-                tokens: &mut self.s.tokens,
-            })?;
+            run.stop(self.s.memory())?;
         }
         Ok(())
     }

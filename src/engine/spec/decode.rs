@@ -20,7 +20,7 @@ use super::{choose_verified, Proposal, Proposer, SpecError, SpecOptions, SpecRes
 use crate::backend::{GraphRow, TokenRow};
 use crate::engine::collect::RowsCollector;
 use crate::engine::constraint::{prepare_during, Constraint};
-use crate::engine::graph_run::{GraphRun, SessionMemory};
+use crate::engine::graph_run::GraphRun;
 use crate::engine::row::{RowRules, RowState};
 use crate::engine::tools::ToolTokens;
 use crate::engine::{
@@ -305,13 +305,5 @@ impl Session {
             .first()
             .expect("a device step on one row samples one token");
         Ok(Some(token))
-    }
-
-    /// The session's memory as a decode graph run reads and confirms it.
-    fn memory(&mut self) -> SessionMemory<'_> {
-        SessionMemory {
-            dev: &mut *self.dev,
-            tokens: &mut self.tokens,
-        }
     }
 }

@@ -32,13 +32,10 @@ pub(crate) struct XI16 {
     pub sums: Vec<f32>,
 }
 
-/// A block's scale and its reciprocal from its largest magnitude: `(d, 1/d)`, the reciprocal 0
-/// where `d` is 0 or its reciprocal overflows (every `q` is then 0).
+/// A block's scale and its reciprocal from its largest magnitude ([`super::block_scale`]).
 #[inline(always)]
 pub(crate) fn scale_of(amax: f32) -> (f32, f32) {
-    let d = amax / QMAX;
-    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-    (d, if id.is_finite() { id } else { 0.0 })
+    super::block_scale(amax, QMAX)
 }
 
 /// Rounds `x` (a whole number of 32-element blocks) as the kernels do: the reference for the

@@ -474,6 +474,16 @@ pub fn matmul_with(
     });
 }
 
+/// A block's scale `d = amax / qmax` for rounding activations to integers up to `qmax`, and its
+/// reciprocal: `(d, 1/d)`, the reciprocal 0 where `d` is 0 or its reciprocal overflows (every
+/// `q` is then 0). [`int16`] and [`int8`] round with it.
+#[inline(always)]
+pub(crate) fn block_scale(amax: f32, qmax: f32) -> (f32, f32) {
+    let d = amax / qmax;
+    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+    (d, if id.is_finite() { id } else { 0.0 })
+}
+
 /// The token rows rounded to 8-bit integers for interleaved weights (which only
 /// [`Numerics::Int8`] engines hold, and which have no other kernel).
 fn int8_activations(
