@@ -726,19 +726,21 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
                          MK_LAYERS, g[5], lo, g[6], g[7], block_size, page_tables, max_blocks, pos,\n\
                          inv_freq, MK_ROPE_STYLE, g[8], MK_BATCH);\n\
             break;\n\
-        case MK_K_ATTENTION:\n\
-            if (g[10] & 2) {  // the fused KV append of this head's KV head, then a barrier\n\
-                mk_kv_append(A(g[11]) + (lo / g[6]) * g[8], A(g[12]) + (lo / g[6]) * g[8], g[13], g[14],\n\
-                             k_cache, v_cache, MK_LAYERS, g[5], lo / g[6], g[7], g[8], block_size,\n\
-                             page_tables, max_blocks, pos, inv_freq, MK_ROPE_STYLE, (g[10] >> 2) & 1,\n\
-                             MK_BATCH);\n\
+        case MK_K_ATTENTION: {  // one (batch row, query head): lo = row * heads + head\n\
+            const int heads = g[6] * g[7], h = lo % heads, b = lo / heads, kvh = h / g[6];\n\
+            if (g[10] & 2) {  // the fused KV append of this row's KV head, then a barrier\n\
+                mk_kv_append(A(g[11]) + b * g[13] + kvh * g[8], A(g[12]) + b * g[14] + kvh * g[8], g[13],\n\
+                             g[14], k_cache, v_cache, MK_LAYERS, g[5], kvh, g[7], g[8], block_size,\n\
+                             page_tables + b * max_blocks, max_blocks, pos + b, inv_freq, MK_ROPE_STYLE,\n\
+                             (g[10] >> 2) & 1, 1);\n\
                 __syncthreads();\n\
             }\n\
-            mk_attention(A(g[1]) + lo * g[8], g[2], A(g[3]) + lo * g[8], g[4], k_cache, v_cache,\n\
-                         MK_LAYERS, g[5], lo / g[6], g[7], g[8], block_size, fa[0], g[9],\n\
-                         page_tables, max_blocks, pos, (g[10] & 1) ? inv_freq : nullptr,\n\
-                         MK_ROPE_STYLE, MK_BATCH);\n\
+            mk_attention(A(g[1]) + b * g[2] + h * g[8], g[2], A(g[3]) + b * g[4] + h * g[8], g[4], k_cache,\n\
+                         v_cache, MK_LAYERS, g[5], kvh, g[7], g[8], block_size, fa[0], g[9],\n\
+                         page_tables + b * max_blocks, max_blocks, pos + b, (g[10] & 1) ? inv_freq : nullptr,\n\
+                         MK_ROPE_STYLE, 1);\n\
             break;\n\
+        }\n\
         case MK_K_SAMPLE:\n\
             mk_sample(A(g[1]), g[2], g[3], lo, ctl, pos, tokens);\n\
             break;\n\

@@ -436,7 +436,7 @@ impl Machine {
             Kind::HeadNorm => {
                 self.head_norm(g[1] + lo * g[5], g[2], g[3] + lo * g[5], g[4], g[5], fa)
             }
-            Kind::KvAppend => self.kv_append(&g, lo),
+            Kind::KvAppend => self.kv_append(&g, lo, None),
             Kind::Attention => self.attention(&g, lo, fa[0]),
             Kind::Sample => self.sample(g[1], g[2], g[3], lo),
             Kind::StepEnd => {
@@ -808,7 +808,9 @@ impl Machine {
     /// MK_LAYERS, g[5], lo, g[6], g[7], block_size, page_tables, max_blocks, pos, inv_freq,
     /// style, g[8])`.
     #[allow(clippy::needless_range_loop)] // the kernel's loops, index for index
-    fn kv_append(&mut self, g: &[i64; NARGS], lo: i64) -> R<()> {
+    /// `mk_kv_append` of KV head `lo`: every batch row, or only row `only` (the fused append of
+    /// an attention tile, which covers one row).
+    fn kv_append(&mut self, g: &[i64; NARGS], lo: i64, only: Option<usize>) -> R<()> {
         let hd = g[7];
         let k = self.ptr(g[1], "kv_append k")? + lo * hd;
         let v = self.ptr(g[2], "kv_append v")? + lo * hd;
@@ -826,7 +828,7 @@ impl Machine {
             )));
         }
         for (b, kr) in kr.iter().enumerate() {
-            if !self.live(b) {
+            if !self.live(b) || only.is_some_and(|o| o != b) {
                 continue;
             }
             let p = self.row_pos(b)?;
@@ -856,9 +858,18 @@ impl Machine {
     /// k_cache, v_cache, MK_LAYERS, g[5], lo / g[6], g[7], g[8], block_size, fa[0], g[9],
     /// page_tables, max_blocks, pos, g[10] & 1 ? inv_freq : null, style)`: q rotated when
     /// `g[10] & 1`; key j is read through the row's page table.
-    fn attention(&mut self, g: &[i64; NARGS], lo: i64, scale: f32) -> R<()> {
+    /// `mk_attention` for one (batch row, query head): tile unit `unit` = row · heads + head.
+    fn attention(&mut self, g: &[i64; NARGS], unit: i64, scale: f32) -> R<()> {
         let hd = g[8];
         let flags = g[10];
+        let heads = g[6] * g[7];
+        if heads <= 0 || unit < 0 || unit / heads >= self.batch as i64 {
+            return Err(Fault::Oob(format!(
+                "attention unit {unit} of {heads} heads × {} rows",
+                self.batch
+            )));
+        }
+        let (lo, row) = (unit % heads, (unit / heads) as usize);
         if flags & 2 != 0 {
             // mk_kv_append's argument row: k, v, their strides, layer, kv_heads, head_dim, rope.
             let mut ka = [0i64; NARGS];
@@ -872,7 +883,7 @@ impl Machine {
                 hd,
                 (flags >> 2) & 1,
             ]);
-            self.kv_append(&ka, lo / g[6])?;
+            self.kv_append(&ka, lo / g[6], Some(row))?;
         }
         let q = self.ptr(g[1], "attention q")? + lo * hd;
         let out = self.ptr(g[3], "attention out")? + lo * hd;
@@ -891,7 +902,7 @@ impl Machine {
                 self.kv_heads, self.head_dim
             )));
         }
-        for (b, qv) in qr.iter().enumerate() {
+        for (b, qv) in qr.iter().enumerate().skip(row).take(1) {
             if !self.live(b) {
                 for c in 0..hd {
                     self.st(out + b as i64 * os + c as i64, 0.0)?;

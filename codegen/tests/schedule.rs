@@ -60,11 +60,13 @@ fn dependencies_are_exactly_the_overlapping_earlier_tiles() {
         assert!(!t.deps.contains(&(rope0 + 1)) && !t.deps.contains(&(kv0 + 1)));
         // Its waits are per-tile counters (target e), not instruction barriers.
         assert!(t.waits.iter().all(|w| w.per_step == 1));
-        // The o projection reads every attention head: one instruction-counter wait.
+        // The o projection reads every attention head: one instruction-counter wait, on one
+        // tile per (row, head).
+        assert_eq!(s.tiles_of_instr(4), 4 * batch);
         let o0 = &s.tiles[s.instr_first[5]];
         assert!(o0.waits.contains(&Wait {
             counter: 4,
-            per_step: 4
+            per_step: 4 * batch as u32
         }));
         // The sample tile is read-after-write on tokens vs the embedding: the embedding waits on
         // nothing in-step, sample waits (transitively and directly) on the lm head.

@@ -295,19 +295,21 @@ mk_kv_append(A(g[1]) + lo * g[7], A(g[2]) + lo * g[7], g[3], g[4], k_cache, v_ca
 MK_LAYERS, g[5], lo, g[6], g[7], block_size, page_tables, max_blocks, pos,
 inv_freq, MK_ROPE_STYLE, g[8], MK_BATCH);
 break;
-case MK_K_ATTENTION:
-if (g[10] & 2) {  // the fused KV append of this head's KV head, then a barrier
-mk_kv_append(A(g[11]) + (lo / g[6]) * g[8], A(g[12]) + (lo / g[6]) * g[8], g[13], g[14],
-k_cache, v_cache, MK_LAYERS, g[5], lo / g[6], g[7], g[8], block_size,
-page_tables, max_blocks, pos, inv_freq, MK_ROPE_STYLE, (g[10] >> 2) & 1,
-MK_BATCH);
+case MK_K_ATTENTION: {  // one (batch row, query head): lo = row * heads + head
+const int heads = g[6] * g[7], h = lo % heads, b = lo / heads, kvh = h / g[6];
+if (g[10] & 2) {  // the fused KV append of this row's KV head, then a barrier
+mk_kv_append(A(g[11]) + b * g[13] + kvh * g[8], A(g[12]) + b * g[14] + kvh * g[8], g[13],
+g[14], k_cache, v_cache, MK_LAYERS, g[5], kvh, g[7], g[8], block_size,
+page_tables + b * max_blocks, max_blocks, pos + b, inv_freq, MK_ROPE_STYLE,
+(g[10] >> 2) & 1, 1);
 __syncthreads();
 }
-mk_attention(A(g[1]) + lo * g[8], g[2], A(g[3]) + lo * g[8], g[4], k_cache, v_cache,
-MK_LAYERS, g[5], lo / g[6], g[7], g[8], block_size, fa[0], g[9],
-page_tables, max_blocks, pos, (g[10] & 1) ? inv_freq : nullptr,
-MK_ROPE_STYLE, MK_BATCH);
+mk_attention(A(g[1]) + b * g[2] + h * g[8], g[2], A(g[3]) + b * g[4] + h * g[8], g[4], k_cache,
+v_cache, MK_LAYERS, g[5], kvh, g[7], g[8], block_size, fa[0], g[9],
+page_tables + b * max_blocks, max_blocks, pos + b, (g[10] & 1) ? inv_freq : nullptr,
+MK_ROPE_STYLE, 1);
 break;
+}
 case MK_K_SAMPLE:
 mk_sample(A(g[1]), g[2], g[3], lo, ctl, pos, tokens);
 break;
