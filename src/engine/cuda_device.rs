@@ -7,41 +7,17 @@
 //! and seeded sampling reproducing across runs. `tests/gpu.rs`, `tests/gpu_engine.rs` and
 //! `scripts/gpu-check.sh` are the checks for a GPU machine.
 
-use std::sync::{Arc, OnceLock};
-use std::time::Instant;
+use std::sync::Arc;
 
 use super::backend::{Backend, Caches, CpuGraphInputs, ServingPool, GRAPH_REACH};
 use super::EngineError;
+use crate::backend::cuda::trace::traced;
 use crate::backend::cuda::{CudaBackend, CudaError, CudaKvCache, CudaWorkspace, GraphDecoder};
 use crate::backend::{ExecError, GraphRow, RowDraw, TokenRow};
 use crate::kv::{KvBudget, KvCache, KvOptions};
 use crate::model::ModelConfig;
 use crate::plan::{ExecutionPlan, PlanKind};
 use crate::sample::SamplingParams;
-
-/// Whether `KILN_TRACE_GRAPH=1` asks for the time of each decode-graph phase of a session (the
-/// graph's creation and capture, each start, the first step after it, each stop, the caches'
-/// teardown) on stderr. Why: on an H100 a Llama-3.2-1B megakernel run spent about 5 s outside
-/// its timed decode, and nothing said where (docs/gpu-results.md, run 9).
-fn trace_graph() -> bool {
-    static TRACE: OnceLock<bool> = OnceLock::new();
-    *TRACE.get_or_init(|| std::env::var("KILN_TRACE_GRAPH").is_ok_and(|v| v.trim() == "1"))
-}
-
-/// Runs `f`, and with [`trace_graph`] prints how long it took as `kiln: graph WHAT: N ms`.
-fn traced<T>(what: impl FnOnce() -> String, f: impl FnOnce() -> T) -> T {
-    if !trace_graph() {
-        return f();
-    }
-    let t0 = Instant::now();
-    let out = f();
-    eprintln!(
-        "kiln: graph {}: {:.3} ms",
-        what(),
-        t0.elapsed().as_secs_f64() * 1e3
-    );
-    out
-}
 
 pub(crate) struct CudaDevice {
     backend: Arc<CudaBackend>,
@@ -158,7 +134,7 @@ impl CudaPool {
         // SAFETY: the decoder lives in this pool beside the `Arc` of its backend and is dropped
         // first (field order), so the backend outlives it.
         let mut g = traced(
-            || format!("serving b{bucket} new (module, buffers, capture)"),
+            || format!("graph serving b{bucket} new (module, buffers, capture)"),
             || unsafe { GraphDecoder::new(backend, kv, bucket) },
         )?;
         g.set_reach(Some(GRAPH_REACH));
@@ -210,7 +186,7 @@ impl ServingPool for CudaPool {
         let i = self.graph(bucket)?;
         let (g, kv) = (&mut self.graphs[i], &mut self.kv);
         traced(
-            || format!("serving b{bucket} start ({} rows)", rows.len()),
+            || format!("graph serving b{bucket} start ({} rows)", rows.len()),
             || g.start_rows(kv, rows, sampling, &[]),
         )?;
         self.running = Some(bucket);
@@ -241,7 +217,7 @@ impl ServingPool for CudaPool {
             self.running = None;
             let g = &mut self.graphs[i];
             let bucket = g.bucket();
-            traced(|| format!("serving b{bucket} stop"), || g.stop())?;
+            traced(|| format!("graph serving b{bucket} stop"), || g.stop())?;
         }
         Ok(())
     }
@@ -282,7 +258,7 @@ impl ServingPool for CudaPool {
 struct CudaCaches {
     /// One captured decode graph per bucket used so far.
     graphs: Vec<GraphDecoder>,
-    /// Whether the next `graph_next` is the first since a start (for [`trace_graph`]).
+    /// Whether the next `graph_next` is the first since a start (for `KILN_TRACE_CUDA`).
     first_step: bool,
     slots: usize,
     capacity: usize,
@@ -295,12 +271,15 @@ struct CudaCaches {
 
 impl Drop for CudaCaches {
     /// The field order's teardown (graphs, whose drop waits for replays in flight, then the
-    /// cache), timed under [`trace_graph`].
+    /// cache), timed under `KILN_TRACE_CUDA`.
     fn drop(&mut self) {
         let (n, graphs) = (self.graphs.len(), &mut self.graphs);
-        traced(|| format!("teardown of {n} graphs"), || graphs.clear());
+        traced(
+            || format!("graph teardown of {n} graphs"),
+            || graphs.clear(),
+        );
         let kv = &mut self.kv;
-        traced(|| "cache free".to_string(), || drop(kv.take()));
+        traced(|| "graph cache free".to_string(), || drop(kv.take()));
     }
 }
 
@@ -311,7 +290,7 @@ impl CudaCaches {
             let slots = kiln_codegen::bucket_for(self.slots).unwrap_or(self.slots);
             let (backend, capacity) = (&self.backend, self.capacity);
             let kv = traced(
-                || format!("cache of {slots} slots x {capacity} positions"),
+                || format!("graph cache of {slots} slots x {capacity} positions"),
                 || backend.new_cache(slots, capacity),
             )?;
             self.kv = Some(kv);
@@ -334,7 +313,7 @@ impl CudaCaches {
                 // and is dropped first (field order), so the backend outlives it.
                 let backend = &self.backend;
                 let g = traced(
-                    || format!("b{bucket} new (module, buffers, capture)"),
+                    || format!("graph b{bucket} new (module, buffers, capture)"),
                     || unsafe { GraphDecoder::new(backend, kv, bucket) },
                 )?;
                 self.graphs.push(g);
@@ -437,7 +416,7 @@ impl Caches for CudaCaches {
         self.first_step = true;
         let (g, kv) = self.graph(bucket)?;
         traced(
-            || format!("b{bucket} start ({} rows)", rows.len()),
+            || format!("graph b{bucket} start ({} rows)", rows.len()),
             || g.start(kv, rows, sampling, stop_tokens),
         )?;
         Ok(())
@@ -451,7 +430,10 @@ impl Caches for CudaCaches {
         let first = std::mem::take(&mut self.first_step);
         let g = self.graph(bucket)?.0;
         if first {
-            let step = traced(|| format!("b{bucket} first step after start"), || g.next())?;
+            let step = traced(
+                || format!("graph b{bucket} first step after start"),
+                || g.next(),
+            )?;
             return Ok(step.tokens);
         }
         Ok(g.next()?.tokens)
@@ -459,7 +441,7 @@ impl Caches for CudaCaches {
 
     fn graph_stop(&mut self, bucket: usize) -> Result<(), EngineError> {
         let g = self.graph(bucket)?.0;
-        traced(|| format!("b{bucket} stop"), || g.stop())?;
+        traced(|| format!("graph b{bucket} stop"), || g.stop())?;
         Ok(())
     }
 }

@@ -26,6 +26,7 @@ use super::graph::MegakernelCache;
 use super::graph_host::{row_control, row_words, GraphError};
 use super::kernels::SOURCES;
 use super::nvrtc::{self, NvrtcError};
+use super::trace::{traced, Phase as TracePhase};
 use crate::backend::{last_of_each_sequence, ExecError, RowDraw, TokenRow};
 use crate::graph::build::LogitRows;
 use crate::graph::{Activation, Epilogue, KvSpec, Linear, Op, Rows};
@@ -522,26 +523,25 @@ impl CudaBackend {
         let include = nvrtc::find_include_dir().ok_or(NvrtcError::NoHeaders)?;
         let (major, minor) = info.compute_capability;
         let arch = (major * 10 + minor) as u32;
-        let mut funcs = HashMap::new();
-        for src in SOURCES {
-            let cubin = nvrtc::compile_cached(src, arch, &include)?;
-            let module = ctx
-                .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
-                .map_err(|e| CudaError::Driver(format!("loading cuda/{}: {e:?}", src.file)))?;
-            for k in src.kernels {
-                let f = module.load_function(k).map_err(|e| {
-                    CudaError::Driver(format!("cuda/{} kernel {k}: {e:?}", src.file))
-                })?;
-                funcs.insert(*k, f);
-            }
-        }
+        let funcs = traced(
+            || {
+                format!(
+                    "{} kernel sources compiled or read from the cache and loaded",
+                    SOURCES.len()
+                )
+            },
+            || load_sources(&ctx, arch, &include),
+        )?;
 
+        let plans = TracePhase::start();
         let last = compile_graph(config, weights, LogitRows::Last)?;
         let all = compile_graph(config, weights, LogitRows::All)?;
         let prefill = ExecutionPlan::lower(last.clone(), Phase::Prefill);
         let decode = decode_plan(last);
         let all_logits = ExecutionPlan::lower(all, Phase::Prefill);
-        let blas = load_cublas(&stream);
+        plans.end(|| "graphs and plans".to_string());
+        let blas = traced(|| "cuBLAS".to_string(), || load_cublas(&stream));
+        let upload = TracePhase::start();
         let inv = crate::graph::rope::inv_freq(&prefill.graph.rope);
         let inv_freq = stream.clone_htod(&inv).map_err(drv)?;
         // The local layers' frequencies (Gemma 3); one unused element when there are none.
@@ -605,7 +605,18 @@ impl CudaBackend {
                 }
             }
         }
-        let mk = MegakernelCache::new(&stream, &decode, weights, &matrices, &vectors)?;
+        stream.synchronize().map_err(drv)?;
+        upload.end(|| {
+            format!(
+                "{} matrices and {} vectors uploaded",
+                matrices.len(),
+                vectors.len()
+            )
+        });
+        let mk = traced(
+            || "megakernel program lowered and its weight tables uploaded".to_string(),
+            || MegakernelCache::new(&stream, &decode, weights, &matrices, &vectors),
+        )?;
         stream.synchronize().map_err(drv)?;
         Ok(CudaBackend {
             info,
@@ -1375,6 +1386,29 @@ fn load_cublas(stream: &Arc<CudaStream>) -> Option<CudaBlas> {
             None
         }
     }
+}
+
+/// Compiles (or reads from the disk cache) and loads every per-op source of `cuda/`: its
+/// kernels by name.
+fn load_sources(
+    ctx: &Arc<CudaContext>,
+    arch: u32,
+    include: &std::path::Path,
+) -> Result<HashMap<&'static str, CudaFunction>, CudaError> {
+    let mut funcs = HashMap::new();
+    for src in SOURCES {
+        let cubin = nvrtc::compile_cached(src, arch, include)?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .map_err(|e| CudaError::Driver(format!("loading cuda/{}: {e:?}", src.file)))?;
+        for k in src.kernels {
+            let f = module
+                .load_function(k)
+                .map_err(|e| CudaError::Driver(format!("cuda/{} kernel {k}: {e:?}", src.file)))?;
+            funcs.insert(*k, f);
+        }
+    }
+    Ok(funcs)
 }
 
 /// Concatenates the rows of one or more linears as bf16 and uploads them (and their biases).

@@ -49,6 +49,7 @@ use super::graph_host::{
 };
 use super::megakernel::{generate, lower_decode};
 use super::nvrtc;
+use super::trace::traced;
 use crate::backend::GraphRow;
 use crate::graph::{Linear, Op};
 use crate::model::{LoadError, Weights};
@@ -291,15 +292,26 @@ impl CudaBackend {
         if let Some(m) = modules.get(&bucket) {
             return Ok(m.clone());
         }
-        let mk =
-            generate(&self.decode, bucket).map_err(|e| CudaError::Unsupported(e.to_string()))?;
+        let mk = traced(
+            || format!("megakernel b{bucket} lowered, scheduled and emitted"),
+            || generate(&self.decode, bucket),
+        )
+        .map_err(|e| CudaError::Unsupported(e.to_string()))?;
         if mk.program.weights != weights.program {
             return Err(CudaError::Unsupported(format!(
                 "the batch-{bucket} decode program names other weights than batch 1's"
             )));
         }
         let file = megakernel_file(bucket);
-        let cubin = nvrtc::compile_text_cached(&file, &mk.source, self.arch, &self.include)?;
+        let cubin = traced(
+            || {
+                format!(
+                    "{file} compiled or read from the cache ({} bytes of source)",
+                    mk.source.len()
+                )
+            },
+            || nvrtc::compile_text_cached(&file, &mk.source, self.arch, &self.include),
+        )?;
         let module = self
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
@@ -564,7 +576,10 @@ impl GraphDecoder {
             ctl: ctl.device_ptr(&stream).0,
             ring: ring.dev,
         };
-        let graph = capture(&backend.ctx, &module, &args)?;
+        let graph = traced(
+            || format!("graph b{bucket} captured"),
+            || capture(&backend.ctx, &module, &args),
+        )?;
         Ok(GraphDecoder {
             bucket,
             vocab: backend.config().vocab_size,

@@ -17,6 +17,8 @@
 //!   sampler; see `graph.rs`).
 //! * `precompile` (feature `cuda`): compiles a model's kernels for a named architecture into
 //!   the on-disk cache without a GPU (`kiln-bench --precompile-cuda`), for a device to load.
+//! * `trace` (feature `cuda`): `KILN_TRACE_CUDA=1`, the time of each load and decode-graph
+//!   phase on stderr.
 //! * `device` (feature `cuda`): driver discovery and the [`CudaBackend`] executor.
 //!   Ran on an H200 (docs/gpu-results.md): logits within bf16 tolerance of the CPU on every
 //!   fixture, 128 greedy SmolLM2 tokens identical; `tests/gpu.rs` / `scripts/gpu-check.sh` are
@@ -38,6 +40,8 @@ mod graph;
 pub mod nvrtc;
 #[cfg(feature = "cuda")]
 pub mod precompile;
+#[cfg(feature = "cuda")]
+pub mod trace;
 
 #[cfg(feature = "cuda")]
 pub use device::{probe, CudaBackend, CudaError, CudaKvCache, CudaWorkspace, DeviceInfo};
