@@ -155,6 +155,18 @@ impl CudaPool {
     }
 }
 
+/// A decode-graph call's error as the scheduler needs it: the pool's refusal (no free block,
+/// the capacity passed) as `EngineError::Kv`, which it answers by stopping the graph and
+/// preempting on the host path; anything else as the device's error. Why: on an H200 a graph
+/// start that found too few blocks ended `kiln-bench --concurrency 8` with "all 40 blocks are
+/// in use" (docs/gpu-results.md, run 10), where the CPU's stand-in preempted.
+fn pool_refusal(e: CudaError) -> EngineError {
+    match e {
+        CudaError::Exec(ExecError::Kv(e)) => EngineError::Kv(e),
+        e => EngineError::Cuda(e),
+    }
+}
+
 impl ServingPool for CudaPool {
     fn tables(&self) -> &KvCache {
         self.kv.tables()
@@ -188,7 +200,8 @@ impl ServingPool for CudaPool {
         traced(
             || format!("graph serving b{bucket} start ({} rows)", rows.len()),
             || g.start_rows(kv, rows, sampling, &[]),
-        )?;
+        )
+        .map_err(pool_refusal)?;
         self.running = Some(bucket);
         Ok(())
     }
@@ -200,10 +213,9 @@ impl ServingPool for CudaPool {
 
     fn graph_enqueue(&mut self) -> Result<(), EngineError> {
         let i = self.started()?;
-        match self.graphs[i].enqueue_in(&mut self.kv) {
-            Err(CudaError::Exec(ExecError::Kv(e))) => Err(EngineError::Kv(e)),
-            r => Ok(r?),
-        }
+        self.graphs[i]
+            .enqueue_in(&mut self.kv)
+            .map_err(pool_refusal)
     }
 
     fn graph_next(&mut self) -> Result<Vec<Option<u32>>, EngineError> {
