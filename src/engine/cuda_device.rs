@@ -105,11 +105,11 @@ impl Backend for CudaDevice {
 /// samples there, with each row's own rules), and on a megakernel engine decode phases run
 /// through the pool's own decode graphs (one per bucket, captured on first use and restarted
 /// without re-capture), rows taking blocks [`GRAPH_REACH`] positions ahead of where they write.
-/// UNVERIFIED: written without a GPU; its parts (the per-op step, the block copies of
-/// copy-on-write, the all-logits plan, graph start/leave/replay) ran on an H200 through sessions
-/// and `tests/gpu.rs`, but never under the scheduler, and a graph's blocks taken as it advances
-/// ([`GraphDecoder::enqueue_in`]) never ran at all (`tests/gpu_engine.rs` has the checks). The
-/// same scheduler phases run on the CPU through `cpu_pool.rs`'s stand-in.
+/// On an H200 (docs/gpu-results.md run 10) the scheduler's GPU test passed over it, per-op and
+/// through the megakernel (prefix hits, preemptions, n-gram and draft speculation, graph phases
+/// with blocks taken as rows advance). A graph start that found the pool short failed a run
+/// there; `pool_refusal` answers it since, not yet run on a GPU. The same scheduler phases run
+/// on the CPU through `cpu_pool.rs`'s stand-in.
 ///
 /// Fields drop in order: the graphs (whose drop waits for replays in flight) before the cache
 /// they write, and both before the backend whose weights and stream they use.

@@ -55,8 +55,8 @@ pub struct EngineHandle {
 
 impl EngineHandle {
     /// Starts the scheduler thread over `engine`. On a CUDA engine its steps run kernel by
-    /// kernel over a device pool (UNVERIFIED: not yet run on a GPU; `tests/gpu_engine.rs` has
-    /// the check).
+    /// kernel over a device pool, decode phases through its megakernel graph (on an H200 the
+    /// scheduler's GPU test passed, docs/gpu-results.md run 10).
     pub fn start(engine: Arc<Engine>, opts: ServeOptions) -> Result<EngineHandle, EngineError> {
         let mut sched = Scheduler::new(Arc::clone(&engine), opts)?;
         let (tx, rx) = mpsc::channel::<Command>();

@@ -276,8 +276,9 @@ impl CudaKvCache {
     /// on the CPU, with the copy-on-write copies replayed on the backend's stream (before any
     /// later step's kernels). The bookkeeping's refusal (the pool exhausted, the capacity
     /// passed) is the inner error, so a scheduler can preempt; a failed copy is the outer one.
-    /// Written for the serving scheduler; the copies it enqueues are those of
-    /// [`CudaKvCache::make_writable`], but this entry point has not run on a GPU (UNVERIFIED).
+    /// The serving scheduler's; on an H200 it ran under
+    /// `tests/gpu_engine.rs::scheduler_on_the_gpu_matches_each_request_alone` (prefix hits and
+    /// preemptions included, docs/gpu-results.md run 10).
     pub fn prepare(
         &mut self,
         backend: &CudaBackend,
@@ -704,9 +705,8 @@ impl CudaBackend {
     /// whole and shared by every sequence through its page table, instead of a cache per
     /// session. No slot is open at first: each sequence opens one ([`CudaKvCache::open_slot`],
     /// up to `capacity` positions, blocks taken as it grows) and closes it when it finishes
-    /// ([`CudaKvCache::close_slot`]). The serving scheduler's pool on a GPU engine; it has not
-    /// run on a GPU (UNVERIFIED): the allocation it shares with [`CudaBackend::new_cache`] has,
-    /// and the block bookkeeping is the host `KvCache`'s, tested on the CPU.
+    /// ([`CudaKvCache::close_slot`]). The serving scheduler's pool on a GPU engine: on an H200
+    /// the scheduler's GPU test passed over it (docs/gpu-results.md run 10).
     pub fn new_pool(&self, budget: KvBudget, capacity: usize) -> Result<CudaKvCache, CudaError> {
         self.alloc_cache(pool_tables(self.prefill.graph.kv, budget, capacity)?)
     }
@@ -841,8 +841,8 @@ impl CudaBackend {
     /// Runs one step like [`CudaBackend::forward`] with logits for the rows `logit_rows` names
     /// (increasing indices into `rows`), as the CPU's `forward_selected` (a scheduler step where
     /// a sequence verifies proposals beside others): the all-logits plan runs, so the output
-    /// projection covers every row of the step, and the named rows are kept. UNVERIFIED on a GPU
-    /// (the all-logits plan it runs matched the CPU on an H200).
+    /// projection covers every row of the step, and the named rows are kept. On an H200 the
+    /// scheduler's GPU test verified n-gram proposals through it and matched the CPU (run 10).
     #[allow(clippy::too_many_arguments)]
     pub fn forward_selected(
         &self,
@@ -897,9 +897,10 @@ impl CudaBackend {
     /// [`CudaBackend::forward_sample`] with each row of logits drawn its own way (`draws`, one
     /// per row of logits): its own parameters, seed and Philox row, and where it has one, its
     /// set of allowed tokens, applied on the device (`mask_rows`) before the draw — a
-    /// constrained row's mask is uploaded instead of its logits coming back. The masks and
-    /// per-row parameters are UNVERIFIED on a GPU (written for the serving scheduler; the
-    /// unmasked draw is `forward_sample`'s).
+    /// constrained row's mask is uploaded instead of its logits coming back. On an H200 masked
+    /// and unmasked per-row draws matched the host sampler on the same logits
+    /// (`tests/gpu.rs::masked_device_draws_match_the_host_sampler_on_masked_logits`) and the
+    /// scheduler's greedy device draws matched the CPU (docs/gpu-results.md run 10).
     #[allow(clippy::too_many_arguments)]
     pub fn forward_draw(
         &self,

@@ -626,7 +626,8 @@ impl GraphDecoder {
     /// Makes each started or joining row take blocks only `reach` positions ahead of where it
     /// writes, and more before each [`enqueue_in`](Self::enqueue_in) as it advances (`None`,
     /// the default: up to the capacity at once, which a session's own cache can afford and a
-    /// shared serving pool cannot). UNVERIFIED on a GPU (written for the serving scheduler).
+    /// shared serving pool cannot). The serving pool's setting; ran on an H200 under the
+    /// scheduler's GPU test (docs/gpu-results.md run 10).
     pub fn set_reach(&mut self, reach: Option<usize>) {
         self.reach = reach;
     }
@@ -832,8 +833,10 @@ impl GraphDecoder {
     /// blocks takes `reach` more positions' worth from `kv`'s pool, and its page-table row is
     /// uploaded on the replay stream (after the replays already queued, which do not read the
     /// new entries, and before this one). The pool's refusal (exhausted) comes back as
-    /// `CudaError::Exec(ExecError::Kv(..))` with nothing launched. UNVERIFIED on a GPU; the
-    /// same bookkeeping runs on the CPU in the serving pool's graph stand-in.
+    /// `CudaError::Exec(ExecError::Kv(..))` with nothing launched. Ran on an H200 under the
+    /// scheduler's GPU test (its decode phases through the graph, docs/gpu-results.md run 10);
+    /// the refusal path has not run there (its test is
+    /// `tests/gpu_engine.rs::serving_bench_in_an_exactly_sized_pool_completes_on_the_gpu`).
     pub fn enqueue_in(&mut self, kv: &mut CudaKvCache) -> Result<(), CudaError> {
         if !self.kv.is(kv) {
             return Err(GraphError::OtherCache.into());
