@@ -27,6 +27,7 @@ use super::graph_host::{row_control, row_words, GraphError};
 use super::kernels::SOURCES;
 use super::nvrtc::{self, NvrtcError};
 use super::trace::{traced, Phase as TracePhase};
+use super::upload::Staging;
 use crate::backend::{last_of_each_sequence, ExecError, RowDraw, TokenRow};
 use crate::graph::build::LogitRows;
 use crate::graph::{Activation, Epilogue, KvSpec, Linear, Op, Rows};
@@ -543,6 +544,7 @@ impl CudaBackend {
         plans.end(|| "graphs and plans".to_string());
         let blas = traced(|| "cuBLAS".to_string(), || load_cublas(&stream));
         let upload = TracePhase::start();
+        let mut staging = Staging::new(&ctx)?;
         let inv = crate::graph::rope::inv_freq(&prefill.graph.rope);
         let inv_freq = stream.clone_htod(&inv).map_err(drv)?;
         // The local layers' frequencies (Gemma 3); one unused element when there are none.
@@ -569,7 +571,12 @@ impl CudaBackend {
                         // The first vocab_size rows, as on the CPU: what a tied head shares.
                         let stored = weights.get(table)?.shape.first().copied().unwrap_or(0);
                         let rows = stored.min(config.vocab_size);
-                        let m = upload_matrix(&stream, weights, &[(table.clone(), None, rows)])?;
+                        let m = upload_matrix(
+                            &stream,
+                            &mut staging,
+                            weights,
+                            &[(table.clone(), None, rows)],
+                        )?;
                         matrices.insert(table.clone(), m);
                     }
                     Op::GatedValueAdd { kv_heads, .. } if *kv_heads > 32 => {
@@ -585,7 +592,7 @@ impl CudaBackend {
                                 .iter()
                                 .map(|l| (l.weight.clone(), l.bias.clone(), l.out))
                                 .collect();
-                            e.insert(upload_matrix(&stream, weights, &parts)?);
+                            e.insert(upload_matrix(&stream, &mut staging, weights, &parts)?);
                         }
                         if let Some(w) = norm.as_ref().and_then(|n| n.weight.as_ref()) {
                             upload_vec(w, &mut vectors)?;
@@ -606,6 +613,8 @@ impl CudaBackend {
                 }
             }
         }
+        staging.finish()?;
+        drop(staging);
         stream.synchronize().map_err(drv)?;
         upload.end(|| {
             format!(
@@ -1425,6 +1434,7 @@ fn load_sources(
 /// dequantization is tested, no GPU test uploads such a model.
 fn upload_matrix(
     stream: &Arc<CudaStream>,
+    staging: &mut Staging,
     weights: &Weights,
     parts: &[(String, Option<String>, usize)],
 ) -> Result<DevMatrix, CudaError> {
@@ -1447,12 +1457,16 @@ fn upload_matrix(
         }
     }
     let rows: usize = parts.iter().map(|p| p.2).sum();
-    let bits: Vec<u16> = tensors
-        .iter()
-        .zip(parts)
-        .flat_map(|(t, p)| t.to_bf16_vec().into_iter().take(p.2 * cols))
-        .map(|v| v.to_bits())
-        .collect();
+    let total = rows
+        .checked_mul(cols)
+        .ok_or_else(|| CudaError::Driver(format!("{} x {cols} values overflow", rows)))?;
+    let mut w = stream.alloc_zeros::<u16>(total.max(1)).map_err(drv)?;
+    let mut at = 0;
+    for (t, p) in tensors.iter().zip(parts) {
+        let n = p.2 * cols;
+        staging.put_bf16(stream, weights, t, n, &mut w, at)?;
+        at += n;
+    }
     let bias = if parts.iter().any(|(_, b, _)| b.is_some()) {
         let mut v = Vec::with_capacity(rows);
         for (_, b, r) in parts {
@@ -1468,7 +1482,7 @@ fn upload_matrix(
     Ok(DevMatrix {
         rows,
         cols,
-        w: stream.clone_htod(&bits).map_err(drv)?,
+        w,
         bias,
     })
 }

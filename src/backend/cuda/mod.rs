@@ -19,6 +19,7 @@
 //!   the on-disk cache without a GPU (`kiln-bench --precompile-cuda`), for a device to load.
 //! * `trace` (feature `cuda`): `KILN_TRACE_CUDA=1`, the time of each load and decode-graph
 //!   phase on stderr.
+//! * `upload` (feature `cuda`): weight uploads through two pinned staging buffers.
 //! * `device` (feature `cuda`): driver discovery and the [`CudaBackend`] executor.
 //!   Ran on an H200 (docs/gpu-results.md): logits within bf16 tolerance of the CPU on every
 //!   fixture, 128 greedy SmolLM2 tokens identical; `tests/gpu.rs` / `scripts/gpu-check.sh` are
@@ -42,6 +43,8 @@ pub mod nvrtc;
 pub mod precompile;
 #[cfg(feature = "cuda")]
 pub mod trace;
+#[cfg(feature = "cuda")]
+mod upload;
 
 #[cfg(feature = "cuda")]
 pub use device::{probe, CudaBackend, CudaError, CudaKvCache, CudaWorkspace, DeviceInfo};
