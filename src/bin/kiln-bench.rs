@@ -147,7 +147,7 @@ struct Args {
     /// How the CPU multiplies activations by the weights (comma list, each a row of the table):
     /// exact (f32 activations), int16 (16-bit integer decode activations), bf16 (bf16
     /// prefill activations and weights) or int8 (8-bit integer activations in every step,
-    /// Q4_0/Q4_1/Q8_0 weights).
+    /// Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "exact")]
     numerics: Vec<NumericsArg>,
     /// Instead of timing: decode N greedy tokens on each of a few built-in prompts with the

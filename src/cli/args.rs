@@ -216,7 +216,7 @@ pub enum NumericsArg {
     /// values rounded to bf16) in prefill (calls of more than 16 tokens), multiplied by
     /// `vdpbf16ps` (AVX512-BF16 CPUs): faster prefill, not bit-equal to exact.
     Bf16,
-    /// Activations rounded to 8-bit integers per 32 values against Q4_0, Q4_1 and Q8_0
+    /// Activations rounded to 8-bit integers per 32 values against Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0
     /// weights regrouped at load, in every step (AVX512-VNNI CPUs): llama.cpp's arithmetic,
     /// faster decode and batched steps, not bit-equal to exact.
     Int8,

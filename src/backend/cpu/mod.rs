@@ -1,8 +1,8 @@
 //! The CPU backend: executes execution plans with SIMD kernels on its own rayon pool.
 //!
-//! Weights are packed once at construction (linears that a pass merged become one matrix; bf16
-//! and quantized blocks stay as stored) and shared by every plan and every session; all per-step memory lives in a
-//! [`Workspace`] the caller owns, so one backend serves many concurrent sessions.
+//! Weights are packed once at construction (linears that a pass merged become one matrix; bf16 and
+//! quantized blocks stay as stored) and shared by every plan and every session; all per-step memory
+//! lives in a [`Workspace`] the caller owns, so one backend serves many concurrent sessions.
 
 pub mod attention;
 mod elementwise;
@@ -48,7 +48,7 @@ pub struct CpuOptions {
     pub weights: WeightFormat,
     /// How activations meet the weights where rounding them is faster: decode GEMVs on
     /// quantized weights ([`Numerics::Int16`]), prefill on bf16 weights ([`Numerics::Bf16`]),
-    /// every call on Q4_0/Q4_1/Q8_0 weights ([`Numerics::Int8`]); [`Numerics::Exact`] by
+    /// every call on Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights ([`Numerics::Int8`]); [`Numerics::Exact`] by
     /// default.
     pub numerics: Numerics,
 }
@@ -124,10 +124,10 @@ impl CpuBackend {
             .as_ref()
             .map_or_else(Vec::new, crate::graph::rope::inv_freq);
 
-        // Pack every distinct weight once; each plan instruction then names its matrix by index,
-        // so a step never builds a key or hashes a name to find its weights.
-        // `Numerics::Int8` regroups the Q4_0/Q4_1/Q8_0 blocks for its kernels, where the CPU
-        // has them (elsewhere those weights stay as stored and run exact).
+        // Pack every distinct weight once; each plan instruction then names its matrix by index, so
+        // a step never builds a key or hashes a name to find its weights. `Numerics::Int8` regroups
+        // the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks for its kernels, where the CPU has them (elsewhere
+        // those weights stay as stored and run exact).
         let interleave = opts.numerics == Numerics::Int8 && matmul::int8_kernels();
         let regroup = |m: PackedMatrix| {
             if interleave {

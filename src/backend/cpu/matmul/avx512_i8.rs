@@ -6,7 +6,9 @@
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
-use super::int8::{self, group_block_bytes, Interleaved, BLOCK, GROUP, XI8};
+use super::int8::{
+    self, group_block_bytes, group_masks_at, group_quants_at, Interleaved, BLOCK, GROUP, XI8,
+};
 use super::Job;
 use crate::backend::cpu::simd::{self, Level};
 use crate::model::quant::QuantKind;
@@ -63,6 +65,8 @@ const CHUNK: usize = 8;
 const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
 const Q8_0: u8 = 2;
+const Q5_0: u8 = 3;
+const Q5_1: u8 = 4;
 
 /// Every output of `job` over interleaved `w` with activations `x` (one per token).
 ///
@@ -75,6 +79,8 @@ pub(crate) unsafe fn rows(w: &Interleaved, x: &[XI8], job: &Job) {
         QuantKind::Q4_0 => rows_of::<Q4_0>(w, x, job),
         QuantKind::Q4_1 => rows_of::<Q4_1>(w, x, job),
         QuantKind::Q8_0 => rows_of::<Q8_0>(w, x, job),
+        QuantKind::Q5_0 => rows_of::<Q5_0>(w, x, job),
+        QuantKind::Q5_1 => rows_of::<Q5_1>(w, x, job),
         k => unreachable!("{} is never interleaved", k.name()),
     }
 }
@@ -136,7 +142,16 @@ unsafe fn chunk<const F: u8, const N: usize>(
     let qsums: [*const i32; N] = std::array::from_fn(|t| x[t].qsums.as_ptr());
     let mut acc = [_mm512_setzero_ps(); N];
     let nibble = _mm512_set1_epi8(0x0f);
-    let quants = if F == Q4_1 { 4 * GROUP } else { 2 * GROUP };
+    let sixteen = _mm512_set1_epi8(16);
+    let kind = match F {
+        Q4_0 => QuantKind::Q4_0,
+        Q4_1 => QuantKind::Q4_1,
+        Q5_0 => QuantKind::Q5_0,
+        Q5_1 => QuantKind::Q5_1,
+        _ => QuantKind::Q8_0,
+    };
+    let (quants, masks) = (group_quants_at(kind), group_masks_at(kind));
+    let min = F == Q4_1 || F == Q5_1;
     for b in 0..nb {
         let blk = base.add(b * bb);
         if !ahead.is_null() {
@@ -146,7 +161,7 @@ unsafe fn chunk<const F: u8, const N: usize>(
             }
         }
         let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
-        let mw = if F == Q4_1 {
+        let mw = if min {
             _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(2 * GROUP) as *const __m256i))
         } else {
             _mm512_setzero_ps()
@@ -165,15 +180,24 @@ unsafe fn chunk<const F: u8, const N: usize>(
                 wv[j] = _mm512_and_si512(c, nibble);
                 wv[j + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(c), nibble);
             }
+            if F == Q5_0 || F == Q5_1 {
+                // The fifth bits: 16 added to the bytes mask `i` marks.
+                let m = blk.add(masks) as *const u64;
+                for (i, v) in wv.iter_mut().enumerate() {
+                    let k: __mmask64 = std::ptr::read_unaligned(m.add(i));
+                    *v = _mm512_mask_add_epi8(*v, k, *v, sixteen);
+                }
+            }
         }
         // Indexed by a constant range, so the tokens unroll and `acc` stays in registers.
         #[allow(clippy::needless_range_loop)]
         for t in 0..N {
             let xp = q8[t].add(b * BLOCK) as *const i32;
-            // Q4_0's quants are stored as q + 8 and Q8_0's as q + 128: take those multiples
-            // of Σx_q back, in integers (exact).
+            // Q4_0's quants are stored as q + 8, Q5_0's as q + 16 and Q8_0's as q + 128: take
+            // those multiples of Σx_q back, in integers (exact).
             let fix = match F {
                 Q4_0 => -8 * *qsums[t].add(b),
+                Q5_0 => -16 * *qsums[t].add(b),
                 Q8_0 => -128 * *qsums[t].add(b),
                 _ => 0,
             };
@@ -199,7 +223,7 @@ unsafe fn chunk<const F: u8, const N: usize>(
             let sum = _mm512_cvtepi32_ps(sum);
             let s = _mm512_mul_ps(dw, _mm512_set1_ps(*ds[t].add(b)));
             acc[t] = _mm512_fmadd_ps(sum, s, acc[t]);
-            if F == Q4_1 {
+            if min {
                 acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*sums[t].add(b)), acc[t]);
             }
         }

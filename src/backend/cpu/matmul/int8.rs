@@ -1,5 +1,6 @@
-//! [`Numerics::Int8`](super::Numerics::Int8): 8-bit integer activations against Q4_0, Q4_1 and
-//! Q8_0 weights interleaved at load, sixteen rows to a group, for AVX512-VNNI's `vpdpbusd`.
+//! [`Numerics::Int8`](super::Numerics::Int8): 8-bit integer activations against Q4_0, Q4_1,
+//! Q5_0, Q5_1 and Q8_0 weights interleaved at load, sixteen rows to a group, for AVX512-VNNI's
+//! `vpdpbusd`.
 //!
 //! **Activations.** Each token row is rounded per 32-element block to `q = round(x / d)`,
 //! `d = max|x| / 127` (at most `d/2` per element, a relative 0.4% of the block's largest
@@ -11,22 +12,27 @@
 //! their nibble pairing (byte `i` of a block holds elements `i` and `i + 16`), so a Q4 block is
 //! four such vectors, each unpacked into two by a mask and a shift; Q8_0 is eight, stored with
 //! the sign bit flipped (`w + 128` as an unsigned byte, which `vpdpbusd` needs on one side).
-//! The same bytes as the ggml blocks, reordered: no memory is added but the padding of a last
-//! group of fewer than 16 rows.
+//! Q5's fifth bits (ggml's `qh`, one 32-bit word per row and block) become eight 64-bit masks
+//! per group block, mask `i` holding the bits of the bytes of quant vector `i` (bit `4r + k` for
+//! row `r`'s element `4i + k`), which the kernel adds as 16 to the unpacked nibbles (one masked
+//! byte add per vector). The same bytes as the ggml blocks, reordered: no memory is added but
+//! the padding of a last group of fewer than 16 rows.
 //!
 //! **Products.** Per group of 16 rows, block and token, eight `vpdpbusd` (64 products each,
 //! exact in 32-bit lanes, the token's four activation bytes broadcast from memory) give the
-//! block's integer sums `Σ q_w·q_x` of the 16 rows; then one conversion, one multiply
-//! (`d_w·d_x`) and one FMA into the rows' f32 accumulators (Q4_1: one more FMA, `m_w·d_x·Σq`). That is about one instruction per 43
+//! block's integer sums `Σ q_w·q_x` of the 16 rows (Q4_0's quants stored as `q + 8`, Q5_0's as
+//! `q + 16` and Q8_0's as `q + 128`, the multiple of `Σ q_x` taken back in integers); then one
+//! conversion, one multiply (`d_w·d_x`) and one FMA into the rows' f32 accumulators (Q4_1 and
+//! Q5_1: one more FMA, `m_w·d_x·Σq`). That is about one instruction per 43
 //! multiply-adds at one token and per 55 at many, against 16 for the exact f32 kernels, with
 //! no dequantization and no horizontal sums.
 //!
 //! **Bits.** Each (row, token) result is one chain over the blocks in order, the same whatever
 //! the call's token count or the row's place in its group: integer sums are exact, and
-//! `acc ← fma(float(Σ), d_w·d_x, acc)` (then `acc ← fma(m_w, d_x·Σq, acc)` for Q4_1) is computed
-//! lane by lane. [`rows_ref`] is that chain in scalar Rust, the reference the AVX-512 kernel
-//! ([`super::avx512_i8`]) is tested against bit for bit, and what runs where VNNI is missing
-//! (a level forced below AVX-512).
+//! `acc ← fma(float(Σ), d_w·d_x, acc)` (then `acc ← fma(m_w, d_x·Σq, acc)` for Q4_1 and Q5_1)
+//! is computed lane by lane. [`rows_ref`] is that chain in scalar Rust, the reference the AVX-512 kernel
+//! ([`super::avx512_i8`]) is tested against bit for bit, and what runs where VNNI is missing (a
+//! level forced below AVX-512).
 
 use half::f16;
 
@@ -49,12 +55,12 @@ pub(crate) struct XI8 {
     /// The scale `d` of each block; NaN where the block holds a NaN or an infinity (its `q`
     /// are then 0), so non-finite activations stay non-finite in the products.
     pub d: Vec<f32>,
-    /// `d·Σq` of each block: the rounded activations' sum, which Q4_1's min multiplies. (The
-    /// unrounded `Σx` would leave each product's error at `(w − m)·(x − d·q)`, Q4_1's quants
-    /// being all positive; with the rounded sum it is `w·(x − d·q)`, as for the other formats:
-    /// on the demo model the mean KL against exact fell from 1.0·10⁻² to 1.9·10⁻³.)
+    /// `d·Σq` of each block: the rounded activations' sum, which Q4_1's and Q5_1's min multiplies.
+    /// (The unrounded `Σx` would leave each product's error at `(w − m)·(x − d·q)`, Q4_1's quants
+    /// being all positive; with the rounded sum it is `w·(x − d·q)`, as for the other formats: on
+    /// the demo model the mean KL against exact fell from 1.0·10⁻² to 1.9·10⁻³.)
     pub sums: Vec<f32>,
-    /// `Σ q` of each block (the corrections of Q4_0's `−8` and Q8_0's `+128`).
+    /// `Σ q` of each block (the corrections of Q4_0's `−8`, Q5_0's `−16` and Q8_0's `+128`).
     pub qsums: Vec<i32>,
 }
 
@@ -131,43 +137,70 @@ pub struct Interleaved {
     pub bytes: Vec<u8>,
 }
 
-/// Bytes of one interleaved block of a group: scales, mins, quants.
+/// Bytes of one interleaved block of a group: scales, mins, fifth-bit masks, quants.
 pub(crate) const fn group_block_bytes(kind: QuantKind) -> usize {
-    match kind {
-        QuantKind::Q4_1 => 2 * GROUP * 2 + GROUP * 16,
-        QuantKind::Q4_0 => GROUP * 2 + GROUP * 16,
-        _ => GROUP * 2 + GROUP * 32,
+    group_quants_at(kind)
+        + match kind {
+            QuantKind::Q8_0 => GROUP * 32,
+            _ => GROUP * 16,
+        }
+}
+
+/// Whether a format has a min per block (its values `d·q + m`).
+pub(crate) const fn has_min(kind: QuantKind) -> bool {
+    matches!(kind, QuantKind::Q4_1 | QuantKind::Q5_1)
+}
+
+/// Whether a format has a fifth bit per quant (ggml's `qh`).
+pub(crate) const fn has_fifth_bit(kind: QuantKind) -> bool {
+    matches!(kind, QuantKind::Q5_0 | QuantKind::Q5_1)
+}
+
+/// Offset of the fifth-bit masks in an interleaved group block (after the scales and mins).
+pub(crate) const fn group_masks_at(kind: QuantKind) -> usize {
+    if has_min(kind) {
+        4 * GROUP
+    } else {
+        2 * GROUP
     }
 }
 
 /// ggml bytes of one block of each interleaved format.
 const fn ggml_block_bytes(kind: QuantKind) -> usize {
     match kind {
-        QuantKind::Q4_1 => 20,
         QuantKind::Q4_0 => 18,
+        QuantKind::Q4_1 => 20,
+        QuantKind::Q5_0 => 22,
+        QuantKind::Q5_1 => 24,
         _ => 34,
     }
 }
 
-/// Offset of the quants in a ggml block (after its f16 scale, and Q4_1's f16 min).
-const fn ggml_quants_at(kind: QuantKind) -> usize {
-    match kind {
-        QuantKind::Q4_1 => 4,
-        _ => 2,
+/// Offset of `qh` in a Q5 ggml block (after its f16 scale, and Q5_1's f16 min).
+const fn ggml_fifth_at(kind: QuantKind) -> usize {
+    if has_min(kind) {
+        4
+    } else {
+        2
     }
 }
 
-/// Offset of the quants in an interleaved group block (after the scales, and Q4_1's mins).
-const fn group_quants_at(kind: QuantKind) -> usize {
-    match kind {
-        QuantKind::Q4_1 => 4 * GROUP,
-        _ => 2 * GROUP,
-    }
+/// Offset of the quants in a ggml block (after its f16 scale, its f16 min, its `qh`).
+const fn ggml_quants_at(kind: QuantKind) -> usize {
+    ggml_fifth_at(kind) + if has_fifth_bit(kind) { 4 } else { 0 }
+}
+
+/// Offset of the quants in an interleaved group block (after the scales, mins and masks).
+pub(crate) const fn group_quants_at(kind: QuantKind) -> usize {
+    group_masks_at(kind) + if has_fifth_bit(kind) { 8 * 8 } else { 0 }
 }
 
 /// Whether [`Interleaved`] takes this format.
 pub fn interleavable(kind: QuantKind) -> bool {
-    matches!(kind, QuantKind::Q4_0 | QuantKind::Q4_1 | QuantKind::Q8_0)
+    matches!(
+        kind,
+        QuantKind::Q4_0 | QuantKind::Q4_1 | QuantKind::Q5_0 | QuantKind::Q5_1 | QuantKind::Q8_0
+    )
 }
 
 impl Interleaved {
@@ -186,8 +219,17 @@ impl Interleaved {
                 let src = &blocks[(n * nb + b) * gb..(n * nb + b + 1) * gb];
                 let dst = &mut bytes[(g * nb + b) * bb..(g * nb + b + 1) * bb];
                 dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
-                if kind == QuantKind::Q4_1 {
+                if has_min(kind) {
                     dst[2 * GROUP + 2 * r..2 * GROUP + 2 * r + 2].copy_from_slice(&src[2..4]);
+                }
+                if has_fifth_bit(kind) {
+                    let fa = ggml_fifth_at(kind);
+                    let qh = u32::from_le_bytes([src[fa], src[fa + 1], src[fa + 2], src[fa + 3]]);
+                    let masks = group_masks_at(kind);
+                    for e in (0..BLOCK).filter(|e| qh >> e & 1 == 1) {
+                        let bit = 4 * r + e % 4;
+                        dst[masks + 8 * (e / 4) + bit / 8] |= 1 << (bit % 8);
+                    }
                 }
                 let q = &src[qa..];
                 // Vector `j` holds bytes 4j..4j+4 of every row's quants, row r at lane r.
@@ -218,8 +260,15 @@ impl Interleaved {
             let src = &self.bytes[(g * nb + b) * bb..(g * nb + b + 1) * bb];
             let dst = &mut out[b * gb..(b + 1) * gb];
             dst[0..2].copy_from_slice(&src[2 * r..2 * r + 2]);
-            if self.kind == QuantKind::Q4_1 {
+            if has_min(self.kind) {
                 dst[2..4].copy_from_slice(&src[2 * GROUP + 2 * r..2 * GROUP + 2 * r + 2]);
+            }
+            if has_fifth_bit(self.kind) {
+                let qh = (0..BLOCK)
+                    .filter(|&e| fifth_bit(src, self.kind, r, e))
+                    .fold(0u32, |h, e| h | 1 << e);
+                let fa = ggml_fifth_at(self.kind);
+                dst[fa..fa + 4].copy_from_slice(&qh.to_le_bytes());
             }
             let quants = gb - qa;
             for e in 0..quants {
@@ -257,6 +306,13 @@ impl Interleaved {
     }
 }
 
+/// The fifth bit of row `r`'s element `e` in an interleaved Q5 group block: bit `4r + e % 4` of
+/// mask `e / 4`.
+fn fifth_bit(blk: &[u8], kind: QuantKind, r: usize, e: usize) -> bool {
+    let bit = 4 * r + e % 4;
+    blk[group_masks_at(kind) + 8 * (e / 4) + bit / 8] >> (bit % 8) & 1 == 1
+}
+
 /// The f16 at `p[2i..2i+2]`.
 fn f16_at(p: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([p[2 * i], p[2 * i + 1]]).to_f32()
@@ -280,18 +336,29 @@ fn dot_ref(w: &Interleaved, n: usize, x: &XI8) -> f32 {
                     sum += (v as i8) as i32 * xq[e] as i32;
                 }
             }
-            _ => {
-                let off = if w.kind == QuantKind::Q4_0 { 8 } else { 0 };
+            kind => {
+                let off = match kind {
+                    QuantKind::Q4_0 => 8,
+                    QuantKind::Q5_0 => 16,
+                    _ => 0,
+                };
+                let fifth = |e: usize| {
+                    if has_fifth_bit(kind) && fifth_bit(blk, kind, r, e) {
+                        16
+                    } else {
+                        0
+                    }
+                };
                 for e in 0..16 {
                     let v = blk[ga + (e / 4) * 4 * GROUP + 4 * r + e % 4];
-                    sum += ((v & 0x0f) as i32 - off) * xq[e] as i32;
-                    sum += ((v >> 4) as i32 - off) * xq[e + 16] as i32;
+                    sum += ((v & 0x0f) as i32 + fifth(e) - off) * xq[e] as i32;
+                    sum += ((v >> 4) as i32 + fifth(e + 16) - off) * xq[e + 16] as i32;
                 }
             }
         }
         let s = f16_at(blk, r) * x.d[b];
         acc = (sum as f32).mul_add(s, acc);
-        if w.kind == QuantKind::Q4_1 {
+        if has_min(w.kind) {
             acc = f16_at(&blk[2 * GROUP..], r).mul_add(x.sums[b], acc);
         }
     }

@@ -56,10 +56,10 @@
 //!   scratch and handed to the f32 kernels, so the per-element dequantization cost is shared by
 //!   all tokens.
 //!
-//! [`Numerics::Int8`] engines hold their Q4_0, Q4_1 and Q8_0 matrices regrouped sixteen rows to
-//! a group ([`WeightData::Interleaved`], [`int8`]) and run every call on them through one
-//! AVX512-VNNI kernel ([`avx512_i8`]) whose 16 lanes are 16 output rows, against 8-bit
-//! activations: decode at the memory's speed, batched steps and prefill on `vpdpbusd`.
+//! [`Numerics::Int8`] engines hold their Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices regrouped sixteen
+//! rows to a group ([`WeightData::Interleaved`], [`int8`]) and run every call on them through one
+//! AVX512-VNNI kernel ([`avx512_i8`]) whose 16 lanes are 16 output rows, against 8-bit activations:
+//! decode at the memory's speed, batched steps and prefill on `vpdpbusd`.
 
 use std::cell::RefCell;
 use std::ops::Range;
@@ -127,14 +127,13 @@ pub enum Numerics {
     /// of bf16 weights, measured in the README). Needs AVX512-BF16; everything else (f32
     /// weights, calls of up to 16 tokens, decode, other CPUs) runs as [`Numerics::Exact`].
     Bf16,
-    /// Activations rounded to 8-bit integers per 32-element block (`d = max|x| / 127`: at most
-    /// a relative 0.4% of the block's largest value per element, llama.cpp's activations)
-    /// against Q4_0, Q4_1 and Q8_0 weights, which the engine regroups at load sixteen rows to a
+    /// Activations rounded to 8-bit integers per 32-element block (`d = max|x| / 127`: at most a
+    /// relative 0.4% of the block's largest value per element, llama.cpp's activations) against
+    /// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights, which the engine regroups at load sixteen rows to a
     /// group for AVX512-VNNI's `vpdpbusd` ([`int8`]), in every call (decode, batched steps and
-    /// prefill; each token's result is the same whichever call it is in). Other formats, and
-    /// CPUs without AVX512-VNNI (whose engines keep the weights as stored), run as
-    /// [`Numerics::Exact`]. What it costs in agreement with the exact path is measured in the
-    /// README.
+    /// prefill; each token's result is the same whichever call it is in). Other formats, and CPUs
+    /// without AVX512-VNNI (whose engines keep the weights as stored), run as [`Numerics::Exact`].
+    /// What it costs in agreement with the exact path is measured in the README.
     Int8,
 }
 
@@ -172,10 +171,10 @@ pub enum WeightData {
     F32(Vec<f32>),
     BF16(Vec<bf16>),
     /// ggml blocks, rows concatenated: row `n` is `blocks[n·row_bytes..(n+1)·row_bytes]` with
-    /// `row_bytes = cols / kind.block_elems() · kind.block_bytes()`. An owned copy rather than a borrow of the
-    /// file mapping: merged linears (qkv, gate|up) must be concatenated anyway, the 34/18/20-byte
-    /// blocks make every load unaligned whatever the base, and an owned buffer keeps the packed
-    /// matrix independent of the file (one extra copy of ~the file size at load).
+    /// `row_bytes = cols / kind.block_elems() · kind.block_bytes()`. An owned copy rather than a
+    /// borrow of the file mapping: merged linears (qkv, gate|up) must be concatenated anyway, the
+    /// 34/18/20-byte blocks make every load unaligned whatever the base, and an owned buffer keeps
+    /// the packed matrix independent of the file (one extra copy of ~the file size at load).
     Quant {
         kind: QuantKind,
         blocks: Vec<u8>,
@@ -310,8 +309,8 @@ impl WeightData {
         }
     }
 
-    /// These weights regrouped for [`Numerics::Int8`]: Q4_0, Q4_1 and Q8_0 blocks (parts of
-    /// other formats, and other data, unchanged).
+    /// These weights regrouped for [`Numerics::Int8`]: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks
+    /// (parts of other formats, and other data, unchanged).
     pub fn interleaved(self, rows: usize, cols: usize) -> WeightData {
         match self {
             WeightData::Quant { kind, blocks } if interleavable(kind) => {

@@ -1061,7 +1061,13 @@ fn group_words_gather_each_blocks_first_dword() {
 }
 
 /// The formats [`Numerics::Int8`] interleaves.
-const INT8_KINDS: [QuantKind; 3] = [QuantKind::Q8_0, QuantKind::Q4_0, QuantKind::Q4_1];
+const INT8_KINDS: [QuantKind; 5] = [
+    QuantKind::Q8_0,
+    QuantKind::Q4_0,
+    QuantKind::Q4_1,
+    QuantKind::Q5_0,
+    QuantKind::Q5_1,
+];
 
 /// 8-bit rounding of activations: the vectorised kernel equals the scalar reference bit for bit
 /// (random blocks, a zero block, subnormal and huge magnitudes, exact ties, NaN and infinities),
