@@ -16,7 +16,7 @@ use kiln::graph::{Epilogue, Norm, Op};
 use kiln::model::Model;
 use kiln::plan::compile_graph;
 use kiln::plan::{ExecutionPlan, Phase};
-use kiln_codegen::{Access, Ewise, Instr, LowerError};
+use kiln_codegen::{Ewise, Instr, LowerError};
 
 fn plan(path: &str) -> ExecutionPlan {
     let m = Model::load(path).unwrap();
@@ -148,25 +148,11 @@ fn every_fixture_schedule_has_exactly_the_pairwise_dependencies() {
                 continue;
             };
             let (p, s) = (&k.program, &k.schedule);
-            let mut has_dependent = vec![false; s.tiles.len()];
-            for (t, b) in s.tiles.iter().enumerate() {
-                let end = p.instrs[b.instr] == Instr::StepEnd;
-                let expect: Vec<usize> = (0..s.instr_first[b.instr])
-                    .filter(|&u| {
-                        let a = &s.tiles[u];
-                        let ov = |x: &[Access], y: &[Access]| {
-                            x.iter().any(|i| y.iter().any(|j| i.overlaps(j)))
-                        };
-                        ov(&a.writes, &b.reads)
-                            || ov(&a.reads, &b.writes)
-                            || ov(&a.writes, &b.writes)
-                            || (end && !has_dependent[u])
-                    })
-                    .collect();
-                assert_eq!(b.deps, expect, "{name} batch {batch} fuse {fuse}: tile {t}");
-                for &d in &expect {
-                    has_dependent[d] = true;
-                }
+            for (t, expect) in s.pairwise_deps(p).iter().enumerate() {
+                assert_eq!(
+                    &s.tiles[t].deps, expect,
+                    "{name} batch {batch} fuse {fuse}: tile {t}"
+                );
             }
         }
     }

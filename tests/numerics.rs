@@ -76,6 +76,13 @@ fn int16_follows_exact_on_the_demo_model() {
 
 #[test]
 fn int16_follows_exact_on_qwen2_5_coder() {
+    if let Some(path) = qwen_coder() {
+        check(&path, 1, 48);
+    }
+}
+
+/// Qwen2.5-Coder-0.5B's Q4_K_M file, or `None` with the reason printed.
+fn qwen_coder() -> Option<PathBuf> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
     if !path.is_file() {
@@ -83,9 +90,9 @@ fn int16_follows_exact_on_qwen2_5_coder() {
             "SKIPPED: {} absent (scripts/fetch_models.sh qwen2.5-coder-0.5b)",
             path.display()
         );
-        return;
+        return None;
     }
-    check(&path, 1, 48);
+    Some(path)
 }
 
 #[test]
@@ -147,16 +154,9 @@ fn int8_follows_exact_on_the_demo_model() {
 /// KL 1.4e-4 over four prompts on the Zen 5.)
 #[test]
 fn int8_follows_exact_on_qwen2_5_coder() {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
-    if !path.is_file() {
-        eprintln!(
-            "SKIPPED: {} absent (scripts/fetch_models.sh qwen2.5-coder-0.5b)",
-            path.display()
-        );
-        return;
+    if let Some(path) = qwen_coder() {
+        check_int8(&path, 1, 48, 1e-3);
     }
-    check_int8(&path, 1, 48, 1e-3);
 }
 
 /// `--numerics int8` against exact in lockstep over the first `prompts` prompts: mean KL below

@@ -538,6 +538,34 @@ impl Schedule {
         }
     }
 
+    /// Every tile's dependencies by the definition, comparing each tile with every tile of the
+    /// earlier instructions (read after write, write after read, write after write, and for
+    /// the step end every tile with no dependent yet): what [`Schedule::build`] computes through
+    /// its index, in quadratic time. For tests.
+    #[doc(hidden)]
+    pub fn pairwise_deps(&self, p: &DecodeProgram) -> Vec<Vec<usize>> {
+        let ov = |x: &[Access], y: &[Access]| x.iter().any(|i| y.iter().any(|j| i.overlaps(j)));
+        let mut has_dependent = vec![false; self.tiles.len()];
+        let mut all = Vec::with_capacity(self.tiles.len());
+        for b in &self.tiles {
+            let end = p.instrs[b.instr] == Instr::StepEnd;
+            let deps: Vec<usize> = (0..self.instr_first[b.instr])
+                .filter(|&u| {
+                    let a = &self.tiles[u];
+                    ov(&a.writes, &b.reads)
+                        || ov(&a.reads, &b.writes)
+                        || ov(&a.writes, &b.writes)
+                        || (end && !has_dependent[u])
+                })
+                .collect();
+            for &d in &deps {
+                has_dependent[d] = true;
+            }
+            all.push(deps);
+        }
+        all
+    }
+
     /// Counters the kernel needs: one per instruction, then one per tile.
     pub fn counters(&self) -> usize {
         self.instr_first.len() - 1 + self.tiles.len()

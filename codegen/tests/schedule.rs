@@ -30,26 +30,8 @@ fn dependencies_are_exactly_the_overlapping_earlier_tiles() {
         let p = small(batch);
         let s = Schedule::build(&p, TileConfig::default());
         let n = s.tiles.len();
-        let mut has_dependent = vec![false; n];
-        for t in 0..n {
-            let b = &s.tiles[t];
-            let end = p.instrs[b.instr] == Instr::StepEnd;
-            let expect: Vec<usize> = (0..s.instr_first[b.instr])
-                .filter(|&u| {
-                    let a = &s.tiles[u];
-                    let ov = |x: &[Access], y: &[Access]| {
-                        x.iter().any(|i| y.iter().any(|j| i.overlaps(j)))
-                    };
-                    ov(&a.writes, &b.reads)
-                        || ov(&a.reads, &b.writes)
-                        || ov(&a.writes, &b.writes)
-                        || (end && !has_dependent[u])
-                })
-                .collect();
-            assert_eq!(b.deps, expect, "tile {t}");
-            for &d in &expect {
-                has_dependent[d] = true;
-            }
+        for (t, expect) in s.pairwise_deps(&p).iter().enumerate() {
+            assert_eq!(&s.tiles[t].deps, expect, "tile {t}");
         }
         // Fine-grained: attention head 0 (kv group 0) waits on rope head 0 and kv head 0 only.
         let att0 = s.instr_first[4];
