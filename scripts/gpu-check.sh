@@ -64,6 +64,12 @@
 #             other KILN_GPU_TEST_VARIANTS value.
 #  torch      scripts/torch_compare.py on the same shapes (transformers StaticCache +
 #             torch.compile reduce-overhead CUDA graphs) at KILN_TORCH_BATCHES (default 1).
+#  cmds       each line of the file KILN_GPU_CMDS ("LABEL COMMAND"; blank lines and # comments
+#             skipped) as a stage of its own named cmd:LABEL: COMMAND runs under bash in the
+#             checkout, with $KILN and $BENCH set and the pack's kernel cache, under
+#             KILN_GPU_CMD_LIMIT seconds (default 120). For the measurements the other stages do
+#             not make (a KILN_TRACE_CUDA run, one variant's bench:
+#             `fuse env $(scripts/mk-variant.sh fuse) "$BENCH" --synthetic … --device cuda …`).
 # Then the stage table, the bandwidths, and per kiln row: t/s, ms/token, % of bandwidth,
 # PyTorch's t/s on the same model and batch, and the ratio (scripts/gpu_report.py).
 #
@@ -92,7 +98,7 @@ MK_ROWS=${KILN_GPU_MK_ROWS:-default}
 BENCH_MODELS=${KILN_GPU_BENCH_MODELS:-llama-3.2-1b smollm2-135m smollm2-gguf cpu}
 BATCHES=${KILN_BATCHES:-1,2,4,8}
 TORCH_BATCHES=${KILN_TORCH_BATCHES:-1}
-STAGES=${KILN_GPU_STAGES:-env,tests,demo,bandwidth,correct,ncu,bench,sanitize,torch}
+STAGES=${KILN_GPU_STAGES:-env,tests,demo,bandwidth,correct,ncu,bench,sanitize,torch,cmds}
 DEMO=models/SmolLM2-135M-Instruct.Q4_1.gguf
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 RUST_BACKTRACE=1 PY
@@ -490,12 +496,27 @@ do_torch() {
     done
 }
 
+do_cmds() {
+    if [[ -z ${KILN_GPU_CMDS:-} || ! -f ${KILN_GPU_CMDS:-} ]]; then
+        printf 'cmds\tskipped: KILN_GPU_CMDS names no file\t0\n' >>"$WORK/stages.tsv"
+        return 0
+    fi
+    local line label cmd
+    # The commands' stdin is not the list (fd 3 is), so none of them can swallow the rest.
+    while IFS= read -r line <&3; do
+        [[ -z ${line//[[:space:]]/} || $line =~ ^[[:space:]]*# ]] && continue
+        label=${line%%[[:space:]]*}
+        cmd=${line#"$label"}
+        stage "cmd:$label" "${KILN_GPU_CMD_LIMIT:-120}" bash -c "$cmd" </dev/null || true
+    done 3<"$KILN_GPU_CMDS"
+}
+
 # The stages, in the order KILN_GPU_STAGES names them.
 CUR_VARIANT=default
 for s in ${STAGES//,/ }; do
     case $s in
-    env | tests | demo | bandwidth | correct | ncu | bench | sanitize | torch) "do_$s" ;;
-    *) printf '%s\tFAIL: unknown stage (known: env tests demo bandwidth correct ncu bench sanitize torch)\t0\n' "$s" >>"$WORK/stages.tsv" ;;
+    env | tests | demo | bandwidth | correct | ncu | bench | sanitize | torch | cmds) "do_$s" ;;
+    *) printf '%s\tFAIL: unknown stage (known: env tests demo bandwidth correct ncu bench sanitize torch cmds)\t0\n' "$s" >>"$WORK/stages.tsv" ;;
     esac
 done
 
