@@ -7,7 +7,8 @@ use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
 use super::int8::{
-    self, group_block_bytes, group_masks_at, group_quants_at, Interleaved, BLOCK, GROUP, XI8,
+    self, group_block_bytes, group_masks_at, group_quants_at, has_min, stored_offset, Interleaved,
+    BLOCK, GROUP, XI8,
 };
 use super::Job;
 use crate::backend::cpu::simd::{self, Level};
@@ -151,7 +152,8 @@ unsafe fn chunk<const F: u8, const N: usize>(
         _ => QuantKind::Q8_0,
     };
     let (quants, masks) = (group_quants_at(kind), group_masks_at(kind));
-    let min = F == Q4_1 || F == Q5_1;
+    let min = has_min(kind);
+    let offset = stored_offset(kind);
     for b in 0..nb {
         let blk = base.add(b * bb);
         if !ahead.is_null() {
@@ -193,14 +195,8 @@ unsafe fn chunk<const F: u8, const N: usize>(
         #[allow(clippy::needless_range_loop)]
         for t in 0..N {
             let xp = q8[t].add(b * BLOCK) as *const i32;
-            // Q4_0's quants are stored as q + 8, Q5_0's as q + 16 and Q8_0's as q + 128: take
-            // those multiples of Σx_q back, in integers (exact).
-            let fix = match F {
-                Q4_0 => -8 * *qsums[t].add(b),
-                Q5_0 => -16 * *qsums[t].add(b),
-                Q8_0 => -128 * *qsums[t].add(b),
-                _ => 0,
-            };
+            // The stored quants' offset times Σx_q, taken back in integers (exact).
+            let fix = -offset * *qsums[t].add(b);
             let mut ia = _mm512_set1_epi32(fix);
             let sum = if N == 1 {
                 // One token: two chains, so the eight dependent products do not wait in line.

@@ -165,14 +165,16 @@ pub(crate) const fn group_masks_at(kind: QuantKind) -> usize {
     }
 }
 
-/// ggml bytes of one block of each interleaved format.
-const fn ggml_block_bytes(kind: QuantKind) -> usize {
+/// What a format's stored quant adds to the signed value it stands for: Q4_0 stores `q + 8`,
+/// Q5_0 `q + 16` (its fifth bit included) and Q8_0, in the interleaved bytes, `q + 128` (sign
+/// bit flipped); the kernels take that multiple of the activations' `Σ q` back in integers.
+/// Formats with a min store their quants as they are.
+pub(crate) const fn stored_offset(kind: QuantKind) -> i32 {
     match kind {
-        QuantKind::Q4_0 => 18,
-        QuantKind::Q4_1 => 20,
-        QuantKind::Q5_0 => 22,
-        QuantKind::Q5_1 => 24,
-        _ => 34,
+        QuantKind::Q4_0 => 8,
+        QuantKind::Q5_0 => 16,
+        QuantKind::Q8_0 => 128,
+        _ => 0,
     }
 }
 
@@ -209,7 +211,7 @@ impl Interleaved {
     pub fn new(kind: QuantKind, rows: usize, cols: usize, blocks: &[u8]) -> Interleaved {
         assert!(interleavable(kind), "{} cannot be interleaved", kind.name());
         let nb = cols / BLOCK;
-        let (gb, bb) = (ggml_block_bytes(kind), group_block_bytes(kind));
+        let (gb, bb) = (kind.block_bytes(), group_block_bytes(kind));
         let groups = rows.div_ceil(GROUP);
         let mut bytes = vec![0u8; groups * nb * bb];
         let (qa, ga) = (ggml_quants_at(kind), group_quants_at(kind));
@@ -252,7 +254,7 @@ impl Interleaved {
     /// Row `n`'s ggml blocks, rebuilt.
     fn ggml_row(&self, n: usize) -> Vec<u8> {
         let nb = self.cols / BLOCK;
-        let (gb, bb) = (ggml_block_bytes(self.kind), group_block_bytes(self.kind));
+        let (gb, bb) = (self.kind.block_bytes(), group_block_bytes(self.kind));
         let (qa, ga) = (ggml_quants_at(self.kind), group_quants_at(self.kind));
         let (g, r) = (n / GROUP, n % GROUP);
         let mut out = vec![0u8; nb * gb];
@@ -337,11 +339,7 @@ fn dot_ref(w: &Interleaved, n: usize, x: &XI8) -> f32 {
                 }
             }
             kind => {
-                let off = match kind {
-                    QuantKind::Q4_0 => 8,
-                    QuantKind::Q5_0 => 16,
-                    _ => 0,
-                };
+                let off = stored_offset(kind);
                 let fifth = |e: usize| {
                     if has_fifth_bit(kind) && fifth_bit(blk, kind, r, e) {
                         16
