@@ -869,7 +869,7 @@ impl Machine {
                 self.batch
             )));
         }
-        let (lo, row) = (unit % heads, (unit / heads) as usize);
+        let (lo, b) = (unit % heads, (unit / heads) as usize);
         if flags & 2 != 0 {
             // mk_kv_append's argument row: k, v, their strides, layer, kv_heads, head_dim, rope.
             let mut ka = [0i64; NARGS];
@@ -883,7 +883,7 @@ impl Machine {
                 hd,
                 (flags >> 2) & 1,
             ]);
-            self.kv_append(&ka, lo / g[6], Some(row))?;
+            self.kv_append(&ka, lo / g[6], Some(b))?;
         }
         let q = self.ptr(g[1], "attention q")? + lo * hd;
         let out = self.ptr(g[3], "attention out")? + lo * hd;
@@ -902,45 +902,44 @@ impl Machine {
                 self.kv_heads, self.head_dim
             )));
         }
-        for (b, qv) in qr.iter().enumerate().skip(row).take(1) {
-            if !self.live(b) {
-                for c in 0..hd {
-                    self.st(out + b as i64 * os + c as i64, 0.0)?;
-                }
-                continue;
+        let qv = &qr[b];
+        if !self.live(b) {
+            for c in 0..hd {
+                self.st(out + b as i64 * os + c as i64, 0.0)?;
             }
-            let p = self.row_pos(b)?;
-            let first = if window >= 0 {
-                (p as i64 - window).max(0) as usize
-            } else {
-                0
-            };
-            let mut rows = Vec::with_capacity(p + 1 - first);
-            for j in first..=p {
-                let (block, off) = self.locate(b, j)?;
-                rows.push(self.kv_index(layer, block, kvh, off));
+            return Ok(());
+        }
+        let p = self.row_pos(b)?;
+        let first = if window >= 0 {
+            (p as i64 - window).max(0) as usize
+        } else {
+            0
+        };
+        let mut rows = Vec::with_capacity(p + 1 - first);
+        for j in first..=p {
+            let (block, off) = self.locate(b, j)?;
+            rows.push(self.kv_index(layer, block, kvh, off));
+        }
+        let mut scores = Vec::with_capacity(p + 1 - first);
+        for &row in &rows {
+            let mut d = 0f32;
+            for (c, qc) in qv.iter().enumerate() {
+                d += qc * self.kv_ld(false, row + c)?;
             }
-            let mut scores = Vec::with_capacity(p + 1 - first);
-            for &row in &rows {
-                let mut d = 0f32;
-                for (c, qc) in qv.iter().enumerate() {
-                    d += qc * self.kv_ld(false, row + c)?;
-                }
-                scores.push(d * scale);
+            scores.push(d * scale);
+        }
+        let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut l = 0f32;
+        let mut acc = vec![0f32; hd];
+        for (i, &row) in rows.iter().enumerate() {
+            let e = (scores[i] - m).exp();
+            l += e;
+            for (c, a) in acc.iter_mut().enumerate() {
+                *a += e * self.kv_ld(true, row + c)?;
             }
-            let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut l = 0f32;
-            let mut acc = vec![0f32; hd];
-            for (i, &row) in rows.iter().enumerate() {
-                let e = (scores[i] - m).exp();
-                l += e;
-                for (c, a) in acc.iter_mut().enumerate() {
-                    *a += e * self.kv_ld(true, row + c)?;
-                }
-            }
-            for (c, a) in acc.iter().enumerate() {
-                self.st(out + b as i64 * os + c as i64, a / l)?;
-            }
+        }
+        for (c, a) in acc.iter().enumerate() {
+            self.st(out + b as i64 * os + c as i64, a / l)?;
         }
         Ok(())
     }

@@ -3,8 +3,8 @@
 //! persistent blocks.
 //!
 //! * **Tiles**: matvecs split into ranges of [`TileConfig::matvec_rows`] output rows (never
-//!   straddling two weights), RoPE and head norm one tile per (query) head, attention one per (batch row, query head), the KV
-//!   append and the gated value add one tile per KV head, the embedding lookup and elementwise
+//!   straddling two weights), RoPE and head norm one tile per (query) head, attention one per
+//!   (batch row, query head), the KV append and the gated value add one tile per KV head, the embedding lookup and elementwise
 //!   ops [`TileConfig::elem_cols`] columns per tile, sampling one tile per batch row (each
 //!   samples a whole vocabulary row on one block, so the rows run in parallel); norms, smear and
 //!   the step end are one tile.
@@ -506,10 +506,10 @@ impl Schedule {
                 let mut deps = Vec::new();
                 let b = &tiles[t];
                 for r in &b.reads {
-                    past.overlapping(r, true, false, &mut deps);
+                    past.overlapping(r, false, &mut deps);
                 }
                 for w in &b.writes {
-                    past.overlapping(w, true, true, &mut deps);
+                    past.overlapping(w, true, &mut deps);
                 }
                 if step_end {
                     deps.extend((0..instr_first[i]).filter(|&u| !has_dependent[u]));
@@ -633,38 +633,29 @@ impl Schedule {
     }
 }
 
-/// Where earlier tiles read and write, by resource: `(tile, lo, hi)` in tile order.
+/// Where earlier tiles read and write, by resource: `(tile, access)` in tile order.
 #[derive(Default)]
 struct AccessIndex {
-    reads: HashMap<Resource, Vec<(usize, usize, usize)>>,
-    writes: HashMap<Resource, Vec<(usize, usize, usize)>>,
+    reads: HashMap<Resource, Vec<(usize, Access)>>,
+    writes: HashMap<Resource, Vec<(usize, Access)>>,
 }
 
 impl AccessIndex {
     fn add(&mut self, t: usize, tile: &Tile) {
         for a in &tile.reads {
-            self.reads.entry(a.res).or_default().push((t, a.lo, a.hi));
+            self.reads.entry(a.res).or_default().push((t, *a));
         }
         for a in &tile.writes {
-            self.writes.entry(a.res).or_default().push((t, a.lo, a.hi));
+            self.writes.entry(a.res).or_default().push((t, *a));
         }
     }
 
     /// Pushes onto `out` every indexed tile that writes (and, with `readers`, reads) a range
     /// overlapping `a`.
-    fn overlapping(&self, a: &Access, writers: bool, readers: bool, out: &mut Vec<usize>) {
-        let lists = [(writers, &self.writes), (readers, &self.reads)];
-        for (want, map) in lists {
-            if !want {
-                continue;
-            }
-            if let Some(list) = map.get(&a.res) {
-                out.extend(
-                    list.iter()
-                        .filter(|&&(_, lo, hi)| lo < a.hi && a.lo < hi)
-                        .map(|&(u, _, _)| u),
-                );
-            }
+    fn overlapping(&self, a: &Access, readers: bool, out: &mut Vec<usize>) {
+        let maps = std::iter::once(&self.writes).chain(readers.then_some(&self.reads));
+        for list in maps.filter_map(|m| m.get(&a.res)) {
+            out.extend(list.iter().filter(|(_, x)| x.overlaps(a)).map(|&(u, _)| u));
         }
     }
 }
