@@ -26,7 +26,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use common::{demo_model, fixtures, gap, gpu_or_skip};
+use common::{bench_load, demo_model, fixtures, gap, gpu_or_skip};
 use kiln::backend::cpu::{CpuOptions, WeightFormat};
 use kiln::engine::{
     ConstraintSpec, DecodePath, Device, Engine, EngineHandle, EngineOptions, FinishReason,
@@ -430,16 +430,7 @@ fn serving_bench_in_an_exactly_sized_pool_completes_on_the_gpu() {
     ] {
         let gpu = engine(&path, Device::Cuda, decode);
         for c in [1, 8, 16] {
-            let r = kiln::bench::serving::run(
-                &gpu,
-                ServeOptions::default(),
-                c,
-                16,
-                64,
-                1,
-                &kiln::bench::serving::Load::default(),
-            )
-            .unwrap_or_else(|e| panic!("{name}, {c} sequences: {e}"));
+            let r = bench_load(&gpu, c).unwrap_or_else(|e| panic!("{name}, {c} sequences: {e}"));
             println!(
                 "{name}, {c} sequences: {} of {} steps through the graph, {} drawn on the device",
                 r.graph_steps, r.steps, r.device_draw_steps

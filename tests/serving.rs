@@ -7,7 +7,7 @@ mod common;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use common::{demo_model, fixtures, Reference};
+use common::{bench_load, demo_model, fixtures, Reference};
 use kiln::backend::cpu::{CpuBackend, CpuOptions, Workspace};
 use kiln::backend::TokenRow;
 use kiln::engine::{
@@ -906,16 +906,7 @@ fn serving_bench_in_an_exactly_sized_pool_completes_through_graph_phases() {
     let graph =
         Arc::new(Engine::emulating_graph_decode_on_cpu(model, CpuOptions::default()).unwrap());
     for c in [1, 8, 16] {
-        let r = kiln::bench::serving::run(
-            &graph,
-            ServeOptions::default(),
-            c,
-            16,
-            64,
-            1,
-            &kiln::bench::serving::Load::default(),
-        )
-        .unwrap_or_else(|e| panic!("{c} sequences: {e}"));
+        let r = bench_load(&graph, c).unwrap_or_else(|e| panic!("{c} sequences: {e}"));
         println!(
             "{c} sequences: {} of {} steps through the graph",
             r.graph_steps, r.steps

@@ -265,3 +265,22 @@ pub fn gap(l: &[f32]) -> f32 {
     let rms = (l.iter().map(|v| v * v).sum::<f32>() / l.len() as f32).sqrt();
     (l[b] - second) / rms.max(1e-12)
 }
+
+/// `kiln-bench --concurrency`'s load on `engine`: `sequences` sequences of a 16-token prompt and
+/// 64 generated tokens each, in a serving pool of exactly the blocks they need
+/// (`kiln::bench::serving::run`). The serving tests run it on the CPU's graph stand-in and on a
+/// GPU, so both meet the same load.
+pub fn bench_load(
+    engine: &std::sync::Arc<kiln::engine::Engine>,
+    sequences: usize,
+) -> Result<kiln::bench::serving::ServingRow, kiln::engine::EngineError> {
+    kiln::bench::serving::run(
+        engine,
+        kiln::engine::ServeOptions::default(),
+        sequences,
+        16,
+        64,
+        1,
+        &kiln::bench::serving::Load::default(),
+    )
+}

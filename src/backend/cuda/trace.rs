@@ -14,21 +14,14 @@ pub fn enabled() -> bool {
 
 /// Runs `f`, and when [`enabled`] prints how long it took as `kiln: cuda WHAT: N ms`.
 pub fn traced<T>(what: impl FnOnce() -> String, f: impl FnOnce() -> T) -> T {
-    if !enabled() {
-        return f();
-    }
-    let t0 = Instant::now();
+    let phase = Phase::start();
     let out = f();
-    eprintln!(
-        "kiln: cuda {}: {:.3} ms",
-        what(),
-        t0.elapsed().as_secs_f64() * 1e3
-    );
+    phase.end(what);
     out
 }
 
 /// A phase timed by hand where a closure would not fit (a loop that returns early on errors):
-/// [`Phase::start`], then [`Phase::end`] prints like [`traced`].
+/// [`Phase::start`], then [`Phase::end`] prints `kiln: cuda WHAT: N ms` when [`enabled`].
 pub struct Phase(Option<Instant>);
 
 impl Phase {
