@@ -18,7 +18,8 @@
 #   --numerics L  kiln's numerics modes to run, each a column (default exact; see kiln-bench
 #                 --numerics: int16 rounds decode activations to 16-bit integers, bf16
 #                 rounds prefill activations, and quantized weights, to bf16, int8 rounds
-#                 every step's activations to 8-bit integers against Q4_0/Q4_1/Q8_0 weights)
+#                 every step's activations to 8-bit integers against Q4_0/Q4_1/Q5_0/Q5_1/Q8_0
+#                 weights)
 #   --quick       a check that everything runs, not a measurement: pp64, tg16, -r 1, 1 round
 #
 # Models: the demo model SmolLM2-135M-Instruct Q4_1 (scripts/fetch_demo_model.sh), its BF16 and

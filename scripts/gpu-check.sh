@@ -29,8 +29,8 @@
 # only what it misses (the closing line counts those).
 #
 # Stages (KILN_GPU_STAGES, comma-separated, run in the order given; default all, in the order
-# below). Each stage's output is in WORK/<stage>.log; a failure is recorded and the next stage
-# runs:
+# below, cmds only when KILN_GPU_CMDS is set). Each stage's output is in WORK/<stage>.log; a
+# failure is recorded and the next stage runs:
 #  env        the device, driver, toolkit, NVRTC found, tools, and a 4-token smoke run per path
 #             (KILN_GPU_NO_SMOKE=1 leaves the smoke runs out).
 #  tests      every test function of every test file that uses the CUDA backend (tests/*.rs
@@ -98,7 +98,8 @@ MK_ROWS=${KILN_GPU_MK_ROWS:-default}
 BENCH_MODELS=${KILN_GPU_BENCH_MODELS:-llama-3.2-1b smollm2-135m smollm2-gguf cpu}
 BATCHES=${KILN_BATCHES:-1,2,4,8}
 TORCH_BATCHES=${KILN_TORCH_BATCHES:-1}
-STAGES=${KILN_GPU_STAGES:-env,tests,demo,bandwidth,correct,ncu,bench,sanitize,torch,cmds}
+# cmds joins the default list only when KILN_GPU_CMDS names its file (else it is a skipped row).
+STAGES=${KILN_GPU_STAGES:-env,tests,demo,bandwidth,correct,ncu,bench,sanitize,torch${KILN_GPU_CMDS:+,cmds}}
 DEMO=models/SmolLM2-135M-Instruct.Q4_1.gguf
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 RUST_BACKTRACE=1 PY
