@@ -12,7 +12,7 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kiln::backend::cpu::attention::{attention, AttentionShape};
 use kiln::backend::cpu::norm::rms_norm;
-use kiln::backend::cpu::{CpuBackend, CpuOptions, Workspace};
+use kiln::backend::cpu::{CpuBackend, CpuOptions, Numerics, Workspace};
 use kiln::backend::TokenRow;
 use kiln::graph::{Dims, KvSpec};
 use kiln::kv::KvCache;
@@ -163,6 +163,7 @@ fn attention_decode(c: &mut Criterion) {
         |bench| {
             bench.iter(|| {
                 attention(
+                    Numerics::Exact,
                     &shape,
                     &rows,
                     (&q, heads * d, 0),
@@ -175,6 +176,62 @@ fn attention_decode(c: &mut Criterion) {
             })
         },
     );
+    g.finish();
+}
+
+/// A 512-token prefill chunk attending causally with SmolLM2's heads, in exact and in bf16
+/// numerics (the latter runs exactly on CPUs without AVX512-BF16); throughput is token rows.
+fn attention_prefill(c: &mut Criterion) {
+    let (heads, kv_heads, d, tokens) = (9, 3, 64, 512);
+    let spec = KvSpec {
+        layers: 1,
+        kv_heads,
+        head_dim: d,
+        state_dim: 0,
+    };
+    let mut kv = KvCache::new(spec, 1, tokens).expect("cache");
+    kv.prepare(0, tokens).expect("cache blocks");
+    let shape = AttentionShape {
+        layer: 0,
+        heads,
+        kv_heads,
+        head_dim: d,
+        scale: 1.0 / (d as f32).sqrt(),
+        window: None,
+    };
+    let q = rand_vec(tokens * heads * d, 3);
+    let k = rand_vec(tokens * kv_heads * d, 4);
+    let v = rand_vec(tokens * kv_heads * d, 5);
+    let mut out = vec![0f32; tokens * heads * d];
+    let rows: Vec<TokenRow> = (0..tokens).map(|pos| TokenRow { slot: 0, pos }).collect();
+    let mut g = c.benchmark_group("attention");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(200))
+        .measurement_time(Duration::from_secs(1))
+        .throughput(Throughput::Elements(tokens as u64));
+    for numerics in [Numerics::Exact, Numerics::Bf16] {
+        g.bench_function(
+            format!(
+                "prefill{tokens}_h{heads}_kv{kv_heads}_d{d}_{}",
+                numerics.name()
+            ),
+            |bench| {
+                bench.iter(|| {
+                    attention(
+                        numerics,
+                        &shape,
+                        &rows,
+                        (&q, heads * d, 0),
+                        (&k, kv_heads * d, 0),
+                        (&v, kv_heads * d, 0),
+                        &mut kv,
+                        (&mut out, heads * d, 0),
+                    );
+                    black_box(out[0])
+                })
+            },
+        );
+    }
     g.finish();
 }
 
@@ -204,5 +261,12 @@ fn sampling(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, decode_step, norm, attention_decode, sampling);
+criterion_group!(
+    benches,
+    decode_step,
+    norm,
+    attention_decode,
+    attention_prefill,
+    sampling
+);
 criterion_main!(benches);

@@ -18,6 +18,7 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 
 use super::simd::{self, Level};
+use super::Numerics;
 use crate::backend::TokenRow;
 use crate::kv::{KvCache, KvDtype};
 
@@ -41,9 +42,12 @@ unsafe impl Sync for OutPtr {}
 /// arithmetic is exactly that of a contiguous cache.
 ///
 /// `q`, `k`, `v`, `out` are row views: `(data, stride, col)` with row `t` at
-/// `data[t·stride + col ..]`.
+/// `data[t·stride + col ..]`. Calls that run [`Numerics::Bf16`]'s kernels
+/// ([`super::matmul::bf16_applies`]) attend in bf16 products ([`super::attention_bf16`]) where
+/// the head size allows; every other call as described here.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
+    numerics: Numerics,
     s: &AttentionShape,
     rows: &[TokenRow],
     q: (&[f32], usize, usize),
@@ -71,6 +75,16 @@ pub fn attention(
             "attention query too short"
         );
     }
+    #[cfg(target_arch = "x86_64")]
+    if super::matmul::bf16_applies(numerics, rows.len()) && super::attention_bf16::supports(d) {
+        let out = (out_data.as_mut_ptr(), out_stride, out_col);
+        // SAFETY: `bf16_applies` says the CPU has AVX512-BF16 at the kernels' level; the head
+        // size is supported; bounds asserted above.
+        unsafe { super::attention_bf16::attention(s, rows, q, kv, out) };
+        return;
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = numerics;
     // Tasks take up to TILE_TOKENS consecutive rows of one slot (a prefill chunk's tokens share
     // every key and value they read), and whole groups of query heads when there are enough
     // tasks to share among the threads; a single decode row with few KV heads splits its group
@@ -899,6 +913,7 @@ mod tests {
                     };
                     let mut out = vec![0.0; tokens * heads * d];
                     attention(
+                        Numerics::Exact,
                         &shape,
                         &rows,
                         (&q, heads * d, 0),
@@ -966,6 +981,7 @@ mod tests {
             window: None,
         };
         attention(
+            Numerics::Exact,
             &shape,
             &rows,
             (&q, heads * d, 0),

@@ -402,6 +402,7 @@ pub(super) fn run(
                         window: *window,
                     };
                     attention::attention(
+                        be.numerics,
                         &shape,
                         rows,
                         (q.data, q.stride, q.col),

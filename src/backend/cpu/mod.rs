@@ -5,6 +5,8 @@
 //! lives in a [`Workspace`] the caller owns, so one backend serves many concurrent sessions.
 
 pub mod attention;
+#[cfg(target_arch = "x86_64")]
+mod attention_bf16;
 mod elementwise;
 mod exec;
 pub mod matmul;

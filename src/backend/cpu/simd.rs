@@ -284,6 +284,40 @@ pub(crate) mod x86 {
 
     // ----- AVX-512 (16 lanes, masked tails) -----
 
+    /// The 16 × 16 transpose of 32-bit words: word `c` of result `r` is word `r` of input `c`.
+    /// Within each 128-bit lane a 4 × 4 transpose (unpacks), then the 4 × 4 transpose of the
+    /// 128-bit lanes across each group of four results (`shuffle_i32x4`).
+    #[inline(always)]
+    pub(crate) unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+        // u[4g + c], lane L: column 4L + c of rows 4g..4g + 4.
+        let mut u = [_mm512_setzero_si512(); 16];
+        for g in 0..4 {
+            let (r0, r1, r2, r3) = (r[4 * g], r[4 * g + 1], r[4 * g + 2], r[4 * g + 3]);
+            let t0 = _mm512_unpacklo_epi32(r0, r1);
+            let t1 = _mm512_unpackhi_epi32(r0, r1);
+            let t2 = _mm512_unpacklo_epi32(r2, r3);
+            let t3 = _mm512_unpackhi_epi32(r2, r3);
+            u[4 * g] = _mm512_unpacklo_epi64(t0, t2);
+            u[4 * g + 1] = _mm512_unpackhi_epi64(t0, t2);
+            u[4 * g + 2] = _mm512_unpacklo_epi64(t1, t3);
+            u[4 * g + 3] = _mm512_unpackhi_epi64(t1, t3);
+        }
+        // Column 4L + c: lane g of it is lane L of u[4g + c].
+        let mut out = [_mm512_setzero_si512(); 16];
+        for c in 0..4 {
+            let (a, b, cc, d) = (u[c], u[4 + c], u[8 + c], u[12 + c]);
+            let p0 = _mm512_shuffle_i32x4::<0x44>(a, b);
+            let p1 = _mm512_shuffle_i32x4::<0xEE>(a, b);
+            let p2 = _mm512_shuffle_i32x4::<0x44>(cc, d);
+            let p3 = _mm512_shuffle_i32x4::<0xEE>(cc, d);
+            out[c] = _mm512_shuffle_i32x4::<0x88>(p0, p2);
+            out[4 + c] = _mm512_shuffle_i32x4::<0xDD>(p0, p2);
+            out[8 + c] = _mm512_shuffle_i32x4::<0x88>(p1, p3);
+            out[12 + c] = _mm512_shuffle_i32x4::<0xDD>(p1, p3);
+        }
+        out
+    }
+
     #[inline(always)]
     pub(crate) unsafe fn tail_mask16(n: usize) -> __mmask16 {
         ((1u32 << n) - 1) as __mmask16
@@ -636,6 +670,38 @@ pub(crate) mod x86 {
         _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)))
     }
 
+    /// [`exp_256`] in sixteen lanes: the same reduction, polynomial and clamps, so each lane
+    /// is `exp_256`'s result for it.
+    #[inline(always)]
+    pub(crate) unsafe fn exp_512(x: __m512) -> __m512 {
+        let lo = _mm512_set1_ps(-87.336_55);
+        let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, lo);
+        // `max(lo, x)` and `min(hi, ·)` return their second operand when it is NaN.
+        let x = _mm512_min_ps(_mm512_set1_ps(88.0), _mm512_max_ps(lo, x));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm512_set1_ps(1.987_569_1e-4);
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.398_199_9e-3));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.333_452e-3));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.166_579_6e-2));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166_666_65));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5));
+        let y = _mm512_fmadd_ps(
+            p,
+            _mm512_mul_ps(r, r),
+            _mm512_add_ps(r, _mm512_set1_ps(1.0)),
+        );
+        // 2^n for n in [-126, 127]: the biased exponent in bits 23..31.
+        let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+            _mm512_cvtps_epi32(n),
+            _mm512_set1_epi32(127),
+        ));
+        _mm512_maskz_mul_ps(!under, y, _mm512_castsi512_ps(e))
+    }
+
     /// `silu(g)·u` eight lanes at a time (see `silu_gated_at`), the tail through padded vectors.
     #[target_feature(enable = "avx2,fma")]
     pub(crate) unsafe fn silu_gated_256(gate: &[f32], up: &[f32], out: &mut [f32]) {
@@ -842,6 +908,61 @@ mod tests {
             assert_eq!(&out[1..4], &[0.0, 0.0, 0.0]);
             assert_eq!(&out[4..6], &[1.0, 1.0]);
         }
+    }
+
+    /// `exp_512` gives `exp_256`'s bits in every lane, specials included.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn exp_512_is_exp_256_lane_for_lane() {
+        if !available_levels().contains(&Level::Avx512) {
+            eprintln!("skipped: this CPU has no AVX-512");
+            return;
+        }
+        let mut xs: Vec<f32> = (0..40_000).map(|i| -100.0 + i as f32 * 0.0047).collect();
+        xs.extend([
+            f32::NAN,
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            -1e30,
+            0.0,
+            -0.0,
+            1e-40,
+        ]);
+        for chunk in xs.chunks(16) {
+            let mut x = [0f32; 16];
+            x[..chunk.len()].copy_from_slice(chunk);
+            let mut wide = [0f32; 16];
+            let mut narrow = [0f32; 16];
+            // SAFETY: AVX-512 F (and AVX2, FMA) are present.
+            unsafe {
+                exp_lanes16(&x, &mut wide);
+                exp_lanes(
+                    x[..8].try_into().unwrap(),
+                    (&mut narrow[..8]).try_into().unwrap(),
+                );
+                exp_lanes(
+                    x[8..].try_into().unwrap(),
+                    (&mut narrow[8..]).try_into().unwrap(),
+                );
+            }
+            for i in 0..16 {
+                assert!(
+                    wide[i].to_bits() == narrow[i].to_bits()
+                        || (wide[i].is_nan() && narrow[i].is_nan()),
+                    "exp({}): {} vs {}",
+                    x[i],
+                    wide[i],
+                    narrow[i]
+                );
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn exp_lanes16(x: &[f32; 16], out: &mut [f32; 16]) {
+        use std::arch::x86_64::*;
+        _mm512_storeu_ps(out.as_mut_ptr(), x86::exp_512(_mm512_loadu_ps(x.as_ptr())));
     }
 
     #[cfg(target_arch = "x86_64")]

@@ -21,6 +21,7 @@ use half::bf16;
 
 use super::avx512_panel::{put, tiles, NR};
 use super::Job;
+use crate::backend::cpu::simd::x86::transpose16;
 
 /// One pair of k positions of a panel: the weights of its 32 outputs as bf16 pairs, two cache
 /// lines.
@@ -60,32 +61,37 @@ pub(super) unsafe fn round_rows(x: &[f32], ldx: usize, tokens: usize, k: usize) 
         rest = tail;
     }
     parts.into_par_iter().for_each(|(t0, w, part)| {
-        for i in 0..w {
-            let t = t0 + i;
-            // SAFETY: as this function's.
-            unsafe { round_row(&x[t * ldx..t * ldx + k], part, w, i) };
-        }
+        // SAFETY: as this function's; the tile's rows are in `x`.
+        unsafe { round_tile(&x[t0 * ldx..], ldx, k, w, part) };
     });
     out
 }
 
-/// One row of `k` values rounded into `words[j·w + i]` (see [`round_rows`]).
+/// The `w` rows (at most 16) of one tile rounded into `words[j·w + i]` (see [`round_rows`]):
+/// per 16 words, each row's 32 values rounded by `cvtne2ps`, then the 16 × 16 transpose
+/// ([`transpose16`]) and a masked store of `w` words per column.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-unsafe fn round_row(src: &[f32], words: &mut [u32], w: usize, i: usize) {
-    let k = src.len();
-    let mut buf = [0u32; 16];
-    let mut c = 0;
-    // 32 values (16 words) at a time: `cvtne2ps` puts its second operand in the low half.
-    while c < k {
+unsafe fn round_tile(x: &[f32], ldx: usize, k: usize, w: usize, words: &mut [u32]) {
+    assert!(w <= 16 && words.len() >= w * pairs(k) && x.len() >= (w - 1) * ldx + k);
+    let kp = pairs(k);
+    let store = ((1u32 << w) - 1) as __mmask16;
+    let mut j = 0;
+    while j < kp {
+        let c = 2 * j;
         let n = (k - c).min(32);
-        let lo = _mm512_maskz_loadu_ps(mask16(n.min(16)), src.as_ptr().add(c));
-        let hi = _mm512_maskz_loadu_ps(mask16(n.saturating_sub(16)), src.as_ptr().add(c + 16));
-        let b: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
-        _mm512_storeu_si512(buf.as_mut_ptr() as *mut __m512i, b);
-        for (e, &word) in buf.iter().enumerate().take(n.div_ceil(2)) {
-            words[(c / 2 + e) * w + i] = word;
+        let mut rows = [_mm512_setzero_si512(); 16];
+        for (i, r) in rows.iter_mut().enumerate().take(w) {
+            let src = x.as_ptr().add(i * ldx + c);
+            let lo = _mm512_maskz_loadu_ps(mask16(n.min(16)), src);
+            let hi = _mm512_maskz_loadu_ps(mask16(n.saturating_sub(16)), src.add(16));
+            *r = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo));
         }
-        c += 32;
+        let cols = transpose16(rows);
+        for (jj, col) in cols.iter().enumerate().take((kp - j).min(16)) {
+            let dst = words.as_mut_ptr().add((j + jj) * w) as *mut i32;
+            _mm512_mask_storeu_epi32(dst, store, *col);
+        }
+        j += 16;
     }
 }
 
@@ -192,40 +198,6 @@ unsafe fn pack(w: *const bf16, k: usize, n: usize, nr: usize, panel: *mut Line) 
             j += 16;
         }
     }
-}
-
-/// The 16 × 16 transpose of 32-bit words: word `c` of result `r` is word `r` of input `c`.
-/// Within each 128-bit lane a 4 × 4 transpose (unpacks), then the 4 × 4 transpose of the
-/// 128-bit lanes across each group of four results (`shuffle_i32x4`).
-#[inline(always)]
-unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
-    // u[4g + c], lane L: column 4L + c of rows 4g..4g + 4.
-    let mut u = [_mm512_setzero_si512(); 16];
-    for g in 0..4 {
-        let (r0, r1, r2, r3) = (r[4 * g], r[4 * g + 1], r[4 * g + 2], r[4 * g + 3]);
-        let t0 = _mm512_unpacklo_epi32(r0, r1);
-        let t1 = _mm512_unpackhi_epi32(r0, r1);
-        let t2 = _mm512_unpacklo_epi32(r2, r3);
-        let t3 = _mm512_unpackhi_epi32(r2, r3);
-        u[4 * g] = _mm512_unpacklo_epi64(t0, t2);
-        u[4 * g + 1] = _mm512_unpackhi_epi64(t0, t2);
-        u[4 * g + 2] = _mm512_unpacklo_epi64(t1, t3);
-        u[4 * g + 3] = _mm512_unpackhi_epi64(t1, t3);
-    }
-    // Column 4L + c: lane g of it is lane L of u[4g + c].
-    let mut out = [_mm512_setzero_si512(); 16];
-    for c in 0..4 {
-        let (a, b, cc, d) = (u[c], u[4 + c], u[8 + c], u[12 + c]);
-        let p0 = _mm512_shuffle_i32x4::<0x44>(a, b);
-        let p1 = _mm512_shuffle_i32x4::<0xEE>(a, b);
-        let p2 = _mm512_shuffle_i32x4::<0x44>(cc, d);
-        let p3 = _mm512_shuffle_i32x4::<0xEE>(cc, d);
-        out[c] = _mm512_shuffle_i32x4::<0x88>(p0, p2);
-        out[4 + c] = _mm512_shuffle_i32x4::<0xDD>(p0, p2);
-        out[8 + c] = _mm512_shuffle_i32x4::<0x88>(p1, p3);
-        out[12 + c] = _mm512_shuffle_i32x4::<0xDD>(p1, p3);
-    }
-    out
 }
 
 /// Tokens `t..t + T` (their pairs from `x`, interleaved as [`round_rows`] lays out a tile)

@@ -124,8 +124,10 @@ pub enum Numerics {
     /// each activation's rounding to 8 significant bits (a relative 2⁻⁹ at most). Quantized
     /// weights take part too: each tile is dequantized exactly, as in exact prefill, then its
     /// values rounded to bf16 (a second relative 2⁻⁹ per product; about twice the divergence
-    /// of bf16 weights, measured in the README). Needs AVX512-BF16; everything else (f32
-    /// weights, calls of up to 16 tokens, decode, other CPUs) runs as [`Numerics::Exact`].
+    /// of bf16 weights, measured in the README). The same calls' attention rounds queries, keys,
+    /// values and softmax weights to bf16 and multiplies them by `vdpbf16ps` too
+    /// (`attention_bf16`). Needs AVX512-BF16; everything else (products with f32 weights, calls
+    /// of up to 16 tokens, decode, other CPUs) runs as [`Numerics::Exact`].
     Bf16,
     /// Activations rounded to 8-bit integers per 32-element block (`d = max|x| / 127`: at most a
     /// relative 0.4% of the block's largest value per element, llama.cpp's activations) against
@@ -153,6 +155,29 @@ impl Numerics {
             Numerics::Bf16 => "bf16",
             Numerics::Int8 => "int8",
         }
+    }
+}
+
+/// Whether a call of `tokens` token rows runs [`Numerics::Bf16`]'s kernels on this CPU: the
+/// numerics asked for, AVX512-BF16 at the kernels' SIMD level, more than 16 rows. The matrix
+/// products (for bf16 and quantized weights) and the attention take the same decision, so a
+/// call is either all bf16 or all exact.
+pub fn bf16_applies(numerics: Numerics, tokens: usize) -> bool {
+    bf16_call(simd::level(), numerics, tokens)
+}
+
+/// [`bf16_applies`] at `level`.
+fn bf16_call(level: Level, numerics: Numerics, tokens: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        numerics == Numerics::Bf16
+            && simd::clamp(level) == Level::Avx512Bf16
+            && tokens > avx512::TILE_TOKENS
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (level, numerics, tokens);
+        false
     }
 }
 
@@ -546,10 +571,8 @@ fn bf16_activations(
     tokens: usize,
 ) -> Option<Vec<u32>> {
     #[cfg(target_arch = "x86_64")]
-    if numerics == Numerics::Bf16
-        && simd::clamp(level) == Level::Avx512Bf16
+    if bf16_call(level, numerics, tokens)
         && w.data.bf16_eligible()
-        && tokens > avx512::TILE_TOKENS
         && x.len() >= (tokens - 1) * ldx + w.cols
     {
         // SAFETY: the clamped level says the CPU has AVX512-BF16; `x` holds the rows (checked).
