@@ -410,41 +410,52 @@ mod avx512 {
 
     use super::Ops;
     use crate::backend::cpu::simd::x86::{
-        dot_512_lanes, hsum16_512, softmax_256_body, tail_mask16,
+        dot_512_lanes, hsum16_finish, hsum16_quarter, softmax_256_body, tail_mask16,
     };
 
     pub(super) struct Avx512;
 
     impl Avx512 {
         /// Scores of `N` (at most 16) consecutive keys: each key's lanes are `dot_512`'s
-        /// before its reduction, and the sixteen reductions are one [`hsum16_512`], which sums
-        /// in `_mm512_reduce_add_ps`'s order, so each score is `dot_512`'s bit for bit.
+        /// before its reduction, and the sixteen reductions are one [`hsum16_512`](crate::backend::cpu::simd::x86::hsum16_512), which sums
+        /// in `_mm512_reduce_add_ps`'s order, so each score is `dot_512`'s bit for bit. The
+        /// keys go four at a time, those of one [`hsum16_quarter`], each four reduced at once
+        /// (the sixteen vectors of lanes had gone through a stack array, a store and a load per
+        /// key). Heads of 64 and 128 (the usual sizes) keep the query in registers.
         #[inline(always)]
         unsafe fn dots<const N: usize>(q: &[f32], keys: *const f32, scale: f32, out: *mut f32) {
-            let d = q.len();
-            let mut v = [_mm512_setzero_ps(); 16];
-            // Lane `4·a + b` of the reduction sums `v[a + 4·b]`: key `j` goes to the slot
-            // whose lane is `j`. Heads of 64 and 128 (the usual sizes) keep the query in
-            // registers across the keys.
-            match d {
-                64 => {
-                    for j in 0..N {
-                        v[(j / 4) + 4 * (j % 4)] = lanes_fixed::<1>(q.as_ptr(), keys.add(j * d));
-                    }
-                }
-                128 => {
-                    for j in 0..N {
-                        v[(j / 4) + 4 * (j % 4)] = lanes_fixed::<2>(q.as_ptr(), keys.add(j * d));
-                    }
-                }
-                _ => {
-                    for j in 0..N {
-                        v[(j / 4) + 4 * (j % 4)] = dot_512_lanes(q.as_ptr(), keys.add(j * d), d);
-                    }
-                }
-            }
-            let s = _mm512_mul_ps(hsum16_512(v), _mm512_set1_ps(scale));
+            let s = match q.len() {
+                64 => Self::reduced::<N, 1>(q, keys),
+                128 => Self::reduced::<N, 2>(q, keys),
+                _ => Self::reduced::<N, 0>(q, keys),
+            };
+            let s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
             _mm512_mask_storeu_ps(out, tail_mask16(N), s);
+        }
+
+        /// Lane `j` of the result: the reduced lanes of key `j < N` (zero past `N`). Lane
+        /// `4·a + b` of [`hsum16_512`] sums `v[a + 4·b]`, so key `j` takes slot
+        /// `j / 4 + 4·(j mod 4)`, and quarter `b` holds keys `b`, `4 + b`, `8 + b`, `12 + b`.
+        #[inline(always)]
+        unsafe fn reduced<const N: usize, const C: usize>(q: &[f32], keys: *const f32) -> __m512 {
+            let d = q.len();
+            let mut u = [_mm512_setzero_ps(); 4];
+            for (b, u) in u.iter_mut().enumerate() {
+                let mut v = [_mm512_setzero_ps(); 4];
+                for (a, v) in v.iter_mut().enumerate() {
+                    let j = 4 * a + b;
+                    if j < N {
+                        let key = keys.add(j * d);
+                        *v = if C == 0 {
+                            dot_512_lanes(q.as_ptr(), key, d)
+                        } else {
+                            lanes_fixed::<C>(q.as_ptr(), key)
+                        };
+                    }
+                }
+                *u = hsum16_quarter(v);
+            }
+            hsum16_finish(u)
         }
     }
 

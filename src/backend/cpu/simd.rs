@@ -191,13 +191,14 @@ pub fn softmax_at(l: Level, x: &mut [f32]) {
     by_level!(l, avx512: x86::softmax_256(x), avx2: x86::softmax_256(x), scalar: scalar::softmax(x))
 }
 
-/// `out[i] = silu(gate[i]) · up[i]` with `silu(x) = x / (1 + e^−x)`. AVX2 (and AVX-512 CPUs,
-/// through the same code) evaluate `e^−x` with [`x86::exp_256`] eight lanes at a time (within
+/// `out[i] = silu(gate[i]) · up[i]` with `silu(x) = x / (1 + e^−x)`. AVX2 evaluates `e^−x`
+/// with [`x86::exp_256`] eight lanes at a time, AVX-512 with `exp_512` sixteen at a time, the
+/// same bits per lane (within
 /// 2 ulp; for `x < −88`, where the result is below 10⁻³⁶, `e^88` stands in for `e^−x`); the
 /// portable path calls `f32::exp`. Each element depends on its own inputs alone.
 pub fn silu_gated_at(l: Level, gate: &[f32], up: &[f32], out: &mut [f32]) {
     assert!(gate.len() == out.len() && up.len() == out.len());
-    by_level!(l, avx512: x86::silu_gated_256(gate, up, out), avx2: x86::silu_gated_256(gate, up, out), scalar: scalar::silu_gated(gate, up, out))
+    by_level!(l, avx512: x86::silu_gated_512(gate, up, out), avx2: x86::silu_gated_256(gate, up, out), scalar: scalar::silu_gated(gate, up, out))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -424,26 +425,38 @@ pub(crate) mod x86 {
     /// token `t` of a 4 × 4 tile, 128-bit lane `t` holds rows 0..4 of token `t`).
     #[inline(always)]
     pub(crate) unsafe fn hsum16_512(v: [__m512; 16]) -> __m512 {
-        // 512 → 256 bits per source: s[i] = [v[2i] (2 × 128) | v[2i+1] (2 × 128)].
-        // (Loops, not `array::from_fn`: a closure is compiled without the caller's target
-        // features, and when it is not inlined every intrinsic in it becomes a call.)
-        let mut s = [_mm512_setzero_ps(); 8];
-        for (i, s) in s.iter_mut().enumerate() {
-            let (a, b) = (v[2 * i], v[2 * i + 1]);
+        let mut u = [_mm512_setzero_ps(); 4];
+        for (j, u) in u.iter_mut().enumerate() {
+            *u = hsum16_quarter([v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]]);
+        }
+        hsum16_finish(u)
+    }
+
+    /// The first two stages of [`hsum16_512`] for `v[4j..4j + 4]` (its `u[j]`): each source's
+    /// 512 bits folded to 256 (`s[2j]` from the first two, `s[2j + 1]` from the last two), then
+    /// to 128: 128-bit lane `L` of the result belongs to `v[4j + L]`. Callers that produce the
+    /// sixteen vectors four at a time reduce each four at once, with fewer registers live.
+    #[inline(always)]
+    pub(crate) unsafe fn hsum16_quarter(v: [__m512; 4]) -> __m512 {
+        // (No closures: a closure is compiled without the caller's target features, and when
+        // it is not inlined every intrinsic in it becomes a call.)
+        let fold256 = [(v[0], v[1]), (v[2], v[3])];
+        let mut s = [_mm512_setzero_ps(); 2];
+        for (s, &(a, b)) in s.iter_mut().zip(&fold256) {
             *s = _mm512_add_ps(
                 _mm512_shuffle_f32x4::<0x44>(a, b),
                 _mm512_shuffle_f32x4::<0xEE>(a, b),
             );
         }
-        // 256 → 128 bits: 128-bit lane L of u[j] belongs to v[4j + L].
-        let mut u = [_mm512_setzero_ps(); 4];
-        for (j, u) in u.iter_mut().enumerate() {
-            let (c, d) = (s[2 * j], s[2 * j + 1]);
-            *u = _mm512_add_ps(
-                _mm512_shuffle_f32x4::<0x88>(c, d),
-                _mm512_shuffle_f32x4::<0xDD>(c, d),
-            );
-        }
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(s[0], s[1]),
+            _mm512_shuffle_f32x4::<0xDD>(s[0], s[1]),
+        )
+    }
+
+    /// The last two stages of [`hsum16_512`], from its four [`hsum16_quarter`]s.
+    #[inline(always)]
+    pub(crate) unsafe fn hsum16_finish(u: [__m512; 4]) -> __m512 {
         // 128 → 64 bits, within each 128-bit lane L: elements 0/2 belong to v[8m + L], 1/3 to
         // v[8m + 4 + L].
         let mut w = [_mm512_setzero_ps(); 2];
@@ -731,6 +744,28 @@ pub(crate) mod x86 {
         }
     }
 
+    /// [`silu_gated_256`] sixteen lanes at a time: [`exp_512`] gives `exp_256`'s bits per lane
+    /// and the division and product are the same per lane, so every element is
+    /// `silu_gated_256`'s. The tail goes through `silu_gated_256`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub(crate) unsafe fn silu_gated_512(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        let n = out.len();
+        let (pg, pu, po) = (gate.as_ptr(), up.as_ptr(), out.as_mut_ptr());
+        let one = _mm512_set1_ps(1.0);
+        let mut i = 0;
+        while i + 16 <= n {
+            let g = _mm512_loadu_ps(pg.add(i));
+            let e = exp_512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            let y = _mm512_mul_ps(
+                _mm512_div_ps(g, _mm512_add_ps(one, e)),
+                _mm512_loadu_ps(pu.add(i)),
+            );
+            _mm512_storeu_ps(po.add(i), y);
+            i += 16;
+        }
+        silu_gated_256(&gate[i..n], &up[i..n], &mut out[i..])
+    }
+
     #[target_feature(enable = "avx2,fma")]
     pub(crate) unsafe fn softmax_256(x: &mut [f32]) {
         softmax_256_body(x.as_mut_ptr(), x.len())
@@ -953,6 +988,42 @@ mod tests {
                     x[i],
                     wide[i],
                     narrow[i]
+                );
+            }
+        }
+    }
+
+    /// The AVX-512 gated SiLU gives the AVX2 one's bits (so AVX-512 CPUs keep their results).
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn silu_gated_512_is_silu_gated_256_bit_for_bit() {
+        if !available_levels().contains(&Level::Avx512) {
+            eprintln!("skipped: this CPU has no AVX-512");
+            return;
+        }
+        for n in [0usize, 5, 16, 31, 1000, 1536] {
+            let mut gate: Vec<f32> = rand_vec(n, n as u64 + 21)
+                .iter()
+                .map(|v| v * 100.0)
+                .collect();
+            if n > 3 {
+                gate[1] = f32::NAN;
+                gate[2] = -120.0;
+            }
+            let up = rand_vec(n, n as u64 + 22);
+            let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
+            // SAFETY: AVX-512 F/BW/VL, AVX2 and FMA are present.
+            unsafe {
+                x86::silu_gated_512(&gate, &up, &mut a);
+                x86::silu_gated_256(&gate, &up, &mut b);
+            }
+            for i in 0..n {
+                assert!(
+                    a[i].to_bits() == b[i].to_bits() || (a[i].is_nan() && b[i].is_nan()),
+                    "n={n} g={}: {} vs {}",
+                    gate[i],
+                    a[i],
+                    b[i]
                 );
             }
         }
