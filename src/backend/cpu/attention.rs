@@ -5,8 +5,9 @@
 //! group and every token of the task while it is in L1; the values of the positions all of a
 //! task's tokens attend are summed for six (token, head) outputs per load. Per (token, head) the
 //! arithmetic is fixed whatever the grouping: scores `q·k · scale` by the SIMD level's dot
-//! product, a softmax in f32 (`simd::softmax_at`: vectorised `exp` on AVX2), and the values summed in
-//! position order with per-lane fused multiply-adds, as `simd::axpy` sums them. On AVX2 and
+//! product, a softmax in f32 (`simd::softmax_at`: vectorised `exp` on AVX2 and AVX-512), and the
+//! values summed in position order with per-lane fused multiply-adds, as `simd::axpy` sums
+//! them. On AVX2 and
 //! AVX-512 the dot products and the weighted sum are inlined into one kernel that keeps 64 lanes
 //! of the output in registers across positions and reduces the scores of 8 (AVX2) or 16 keys
 //! (AVX-512) together; the scalar level calls the `simd` entry points. (On a Zen 5, SmolLM2 pp512
@@ -32,8 +33,9 @@ pub struct AttentionShape {
     pub window: Option<usize>,
 }
 
+/// The output rows, shared by tasks that each write their own heads of their own rows.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(super) struct OutPtr(pub(super) *mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
@@ -89,16 +91,7 @@ pub fn attention(
     // every key and value they read), and whole groups of query heads when there are enough
     // tasks to share among the threads; a single decode row with few KV heads splits its group
     // head by head instead.
-    let mut tiles: Vec<std::ops::Range<usize>> = Vec::new();
-    let mut t0 = 0;
-    while t0 < rows.len() {
-        let mut t1 = t0 + 1;
-        while t1 < rows.len() && t1 - t0 < TILE_TOKENS && rows[t1].slot == rows[t0].slot {
-            t1 += 1;
-        }
-        tiles.push(t0..t1);
-        t0 = t1;
-    }
+    let tiles = token_tiles(rows, TILE_TOKENS);
     let threads = rayon::current_num_threads().max(1);
     let per_task = if tiles.len() * s.kv_heads >= 2 * threads {
         group
@@ -137,6 +130,22 @@ pub fn attention(
                 other => unsafe { attend(&AtLevel(other), kv, &job, scratch) },
             });
         });
+}
+
+/// The call's rows cut into runs of consecutive rows of one slot, at most `max` each: the
+/// tokens of one task.
+pub(super) fn token_tiles(rows: &[TokenRow], max: usize) -> Vec<std::ops::Range<usize>> {
+    let mut tiles = Vec::new();
+    let mut t0 = 0;
+    while t0 < rows.len() {
+        let mut t1 = t0 + 1;
+        while t1 < rows.len() && t1 - t0 < max && rows[t1].slot == rows[t0].slot {
+            t1 += 1;
+        }
+        tiles.push(t0..t1);
+        t0 = t1;
+    }
+    tiles
 }
 
 /// Rows per task in prefill: their query heads' scores take `8 · group · positions` floats of
@@ -410,7 +419,7 @@ mod avx512 {
 
     use super::Ops;
     use crate::backend::cpu::simd::x86::{
-        dot_512_lanes, hsum16_finish, hsum16_quarter, softmax_256_body, tail_mask16,
+        dot_512_lanes, hsum16_finish, hsum16_quarter, softmax_512_body, tail_mask16,
     };
 
     pub(super) struct Avx512;
@@ -482,7 +491,7 @@ mod avx512 {
 
         #[inline(always)]
         unsafe fn softmax(&self, scores: &mut [f32]) {
-            softmax_256_body(scores.as_mut_ptr(), scores.len())
+            softmax_512_body(scores.as_mut_ptr(), scores.len())
         }
 
         #[inline(always)]

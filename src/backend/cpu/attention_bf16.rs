@@ -20,13 +20,17 @@
 //! two factors to bf16 (a relative 2⁻⁹ each): the query and key, the probability and value.
 //! How `vdpbf16ps` rounds its two-product sum into the accumulator is the CPU's (see the bf16
 //! panels).
+//!
+//! The packing is paid per sequence and call: a prefill chunk's tokens share it, but a large
+//! batched decode step (one row per sequence) packs each sequence's whole context for one token,
+//! reading its cache a second time.
 
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::attention::AttentionShape;
+use super::attention::{token_tiles, AttentionShape, OutPtr};
 use super::simd::x86::{exp_512, transpose16};
 use crate::backend::TokenRow;
 use crate::kv::{KvCache, KvDtype};
@@ -69,11 +73,6 @@ fn round_up(x: usize) -> usize {
     x.div_ceil(KEYS) * KEYS
 }
 
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
 /// Attends every row of the call (whose keys and values are already in `kv`) into `out`, as
 /// [`super::attention::attention`] does, in bf16 products.
 ///
@@ -110,16 +109,7 @@ pub(super) unsafe fn attention(
         })
         .collect();
     // Tasks: up to TILE_TOKENS consecutive rows of one sequence, times KV heads.
-    let mut tiles: Vec<std::ops::Range<usize>> = Vec::new();
-    let mut t0 = 0;
-    while t0 < rows.len() {
-        let mut t1 = t0 + 1;
-        while t1 < rows.len() && t1 - t0 < TILE_TOKENS && rows[t1].slot == rows[t0].slot {
-            t1 += 1;
-        }
-        tiles.push(t0..t1);
-        t0 = t1;
-    }
+    let tiles = token_tiles(rows, TILE_TOKENS);
     let (out_data, out_stride, out_col) = out;
     let ptr = OutPtr(out_data);
     (0..tiles.len() * s.kv_heads)

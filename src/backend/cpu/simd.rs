@@ -182,13 +182,14 @@ pub fn max_at(l: Level, x: &[f32]) -> f32 {
     by_level!(l, avx512: x86::max_512(x), avx2: x86::max_256(x), scalar: scalar::max(x))
 }
 
-/// `x ← softmax(x)` in place: `exp(x[i] − max)` over the sum of those. AVX2 (and AVX-512 CPUs,
-/// through the same code) evaluate `exp` eight lanes at a time with [`x86::exp_256`] (within
-/// 2 ulp of the correctly rounded value) and sum in eight lanes by position modulo 8; the
+/// `x ← softmax(x)` in place: `exp(x[i] − max)` over the sum of those. AVX2 evaluates `exp`
+/// eight lanes at a time with [`x86::exp_256`] (within 2 ulp of the correctly rounded value) and
+/// sums in eight lanes by position modulo 8; AVX-512 gives the same bits sixteen `exp`s at a
+/// time (`x86::softmax_512`); the
 /// portable path calls `f32::exp` and sums in position order. Either way a row's result depends
 /// on that row alone.
 pub fn softmax_at(l: Level, x: &mut [f32]) {
-    by_level!(l, avx512: x86::softmax_256(x), avx2: x86::softmax_256(x), scalar: scalar::softmax(x))
+    by_level!(l, avx512: x86::softmax_512(x), avx2: x86::softmax_256(x), scalar: scalar::softmax(x))
 }
 
 /// `out[i] = silu(gate[i]) · up[i]` with `silu(x) = x / (1 + e^−x)`. AVX2 evaluates `e^−x`
@@ -771,6 +772,56 @@ pub(crate) mod x86 {
         softmax_256_body(x.as_mut_ptr(), x.len())
     }
 
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub(crate) unsafe fn softmax_512(x: &mut [f32]) {
+        softmax_512_body(x.as_mut_ptr(), x.len())
+    }
+
+    /// [`softmax_256_body`]'s bits, sixteen `exp`s at a time: [`exp_512`] gives `exp_256`'s
+    /// bits per lane, and each 16-lane vector goes into the eight-lane sum as its low half, then
+    /// its high half, the order in which two eight-lane steps add them. The rest (the max, the
+    /// last fewer than 16 values, the division) is `softmax_256_body`'s.
+    #[inline(always)]
+    pub(crate) unsafe fn softmax_512_body(p: *mut f32, n: usize) {
+        let m = max_256(std::slice::from_raw_parts(p, n));
+        let vm = _mm512_set1_ps(m);
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 16 <= n {
+            let e = exp_512(_mm512_sub_ps(_mm512_loadu_ps(p.add(i)), vm));
+            _mm512_storeu_ps(p.add(i), e);
+            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(e)));
+            acc = _mm256_add_ps(_mm256_add_ps(acc, _mm512_castps512_ps256(e)), hi);
+            i += 16;
+        }
+        let vm = _mm256_set1_ps(m);
+        while i + 8 <= n {
+            let e = exp_256(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), vm));
+            _mm256_storeu_ps(p.add(i), e);
+            acc = _mm256_add_ps(acc, e);
+            i += 8;
+        }
+        if i < n {
+            let mut t = [f32::NEG_INFINITY; 8];
+            std::ptr::copy_nonoverlapping(p.add(i), t.as_mut_ptr(), n - i);
+            let e = exp_256(_mm256_sub_ps(_mm256_loadu_ps(t.as_ptr()), vm));
+            _mm256_storeu_ps(t.as_mut_ptr(), e);
+            std::ptr::copy_nonoverlapping(t.as_ptr(), p.add(i), n - i);
+            acc = _mm256_add_ps(acc, e);
+        }
+        let s = hsum256(acc);
+        let sum = _mm512_set1_ps(s);
+        let mut i = 0;
+        while i + 16 <= n {
+            _mm512_storeu_ps(p.add(i), _mm512_div_ps(_mm512_loadu_ps(p.add(i)), sum));
+            i += 16;
+        }
+        while i < n {
+            *p.add(i) /= s;
+            i += 1;
+        }
+    }
+
     /// [`softmax_256`]'s arithmetic, for callers compiled with AVX2 and FMA: the max, then
     /// `exp(x − max)` by [`exp_256`] eight lanes at a time (the tail through a padded vector),
     /// summed in eight lanes (lane `i mod 8` takes position `i`) and reduced once, then each
@@ -1025,6 +1076,45 @@ mod tests {
                     a[i],
                     b[i]
                 );
+            }
+        }
+    }
+
+    /// The AVX-512 softmax gives the AVX2 one's bits: lengths around every vector boundary,
+    /// `-inf` and NaN entries.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn softmax_512_is_softmax_256_bit_for_bit() {
+        if !available_levels().contains(&Level::Avx512) {
+            eprintln!("skipped: this CPU has no AVX-512");
+            return;
+        }
+        for n in 0..=300usize {
+            for spread in [1.0f32, 30.0, 300.0] {
+                let mut x: Vec<f32> = rand_vec(n, n as u64 + 31)
+                    .iter()
+                    .map(|v| v * spread)
+                    .collect();
+                if n > 5 {
+                    x[n / 3] = f32::NEG_INFINITY;
+                }
+                if n == 77 {
+                    x[10] = f32::NAN;
+                }
+                let (mut a, mut b) = (x.clone(), x.clone());
+                // SAFETY: AVX-512 F/BW/VL, AVX2 and FMA are present.
+                unsafe {
+                    x86::softmax_512(&mut a);
+                    x86::softmax_256(&mut b);
+                }
+                for i in 0..n {
+                    assert!(
+                        a[i].to_bits() == b[i].to_bits() || (a[i].is_nan() && b[i].is_nan()),
+                        "n={n} spread={spread} [{i}]: {} vs {}",
+                        a[i],
+                        b[i]
+                    );
+                }
             }
         }
     }
