@@ -3,7 +3,7 @@
 //! of one sequence (one in decode) and the query heads of one KV head, so each cached key and
 //! value (read in place, or decoded once from a narrower storage type) serves every head of its
 //! group and every token of the task while it is in L1; the values of the positions all of a
-//! task's tokens attend are summed for six (token, head) outputs per load. Per (token, head) the
+//! task's tokens attend are summed for four (token, head) outputs per load. Per (token, head) the
 //! arithmetic is fixed whatever the grouping: scores `q·k · scale` by the SIMD level's dot
 //! product, a softmax in f32 (`simd::softmax_at`: vectorised `exp` on AVX2 and AVX-512), and the
 //! values summed in position order with per-lane fused multiply-adds, as `simd::axpy` sums
@@ -426,8 +426,9 @@ mod avx512 {
 
     impl Avx512 {
         /// Scores of `N` (at most 16) consecutive keys: each key's lanes are `dot_512`'s
-        /// before its reduction, and the sixteen reductions are one [`hsum16_512`](crate::backend::cpu::simd::x86::hsum16_512), which sums
-        /// in `_mm512_reduce_add_ps`'s order, so each score is `dot_512`'s bit for bit. The
+        /// before its reduction, and the sixteen reductions are one
+        /// [`hsum16_512`](crate::backend::cpu::simd::x86::hsum16_512), which sums in
+        /// `_mm512_reduce_add_ps`'s order, so each score is `dot_512`'s bit for bit. The
         /// keys go four at a time, those of one [`hsum16_quarter`], each four reduced at once
         /// (the sixteen vectors of lanes had gone through a stack array, a store and a load per
         /// key). Heads of 64 and 128 (the usual sizes) keep the query in registers.
@@ -504,10 +505,13 @@ mod avx512 {
             Self::dots::<16>(q, keys, scale, out)
         }
 
-        /// Six outputs at a time share each value vector's loads: 24 accumulators (64 lanes
-        /// of six outputs) across the positions; lanes past the last 64 go one output at a
+        /// Four outputs at a time share each value vector's loads: 16 accumulators (64 lanes
+        /// of four outputs) across the positions; lanes past the last 64 go one output at a
         /// time, 16 (then masked) at a time. Every lane is `simd::axpy`'s `fma(w, v, acc)` in
-        /// position order.
+        /// position order. (Six outputs' 24 accumulators, four value vectors and six
+        /// broadcasts did not fit the 32 registers: the compiler spilled and shuffled
+        /// accumulators every position; four are 4–6% faster on SmolLM2's pp512 attention
+        /// on a Zen 5.)
         #[inline(always)]
         unsafe fn weighted_sum_multi(
             &self,
@@ -519,17 +523,15 @@ mod avx512 {
         ) {
             assert!(values.len() >= count * d);
             let whole = d - d % 64;
-            for group in pairs.chunks(6) {
+            for group in pairs.chunks(4) {
                 let mut c = 0;
                 while c < whole {
                     let pv = values.as_ptr();
                     match group.len() {
-                        6 => six::<6>(group, skip, count, pv, d, c),
-                        5 => six::<5>(group, skip, count, pv, d, c),
-                        4 => six::<4>(group, skip, count, pv, d, c),
-                        3 => six::<3>(group, skip, count, pv, d, c),
-                        2 => six::<2>(group, skip, count, pv, d, c),
-                        _ => six::<1>(group, skip, count, pv, d, c),
+                        4 => outputs::<4>(group, skip, count, pv, d, c),
+                        3 => outputs::<3>(group, skip, count, pv, d, c),
+                        2 => outputs::<2>(group, skip, count, pv, d, c),
+                        _ => outputs::<1>(group, skip, count, pv, d, c),
                     }
                     c += 64;
                 }
@@ -574,7 +576,7 @@ mod avx512 {
 
     /// Lanes `c..c + 64` of `P` outputs over `count` values (weights from `skip`).
     #[inline(always)]
-    unsafe fn six<const P: usize>(
+    unsafe fn outputs<const P: usize>(
         group: &[(*mut f32, *const f32)],
         skip: usize,
         count: usize,
@@ -710,7 +712,7 @@ unsafe fn sum_values<O: Ops>(
 /// arithmetic whatever the task: its scores one by one (grouped 16 or 8 keys at a time, which
 /// changes no score), its softmax, and its weighted sum as one chain per lane in position order,
 /// which the task splits into the positions before those every token of the task attends, those,
-/// and the ones after (causal: the later tokens' own), summing the shared part for six outputs
+/// and the ones after (causal: the later tokens' own), summing the shared part for four outputs
 /// at a time ([`Ops::weighted_sum_multi`]).
 ///
 /// # Safety
