@@ -20,7 +20,7 @@ use std::cell::RefCell;
 use half::bf16;
 
 use super::avx512_panel::{put, tiles, NR};
-use super::Job;
+use super::{amx, Job};
 use crate::backend::cpu::simd::x86::transpose16;
 
 /// One pair of k positions of a panel: the weights of its 32 outputs as bf16 pairs, two cache
@@ -51,6 +51,10 @@ fn pairs(k: usize) -> usize {
 /// The CPU supports AVX512-BF16 (and F/BW/VL); `x` holds the rows.
 pub(super) unsafe fn round_rows(x: &[f32], ldx: usize, tokens: usize, k: usize) -> Vec<u32> {
     use rayon::prelude::*;
+    if amx::takes(k) {
+        // The AMX tiles' layout instead: row by row.
+        return amx::round_rows(x, ldx, tokens, k);
+    }
     let kp = pairs(k);
     let mut out = vec![0u32; tokens * kp];
     let mut parts: Vec<(usize, usize, &mut [u32])> = Vec::new();
@@ -145,10 +149,16 @@ unsafe fn panels(w: *const bf16, job: &Job, panel: *mut Line) {
     let kp = pairs(job.k);
     assert!(xb.len() >= job.tokens * kp, "bf16 activations too short");
     let end = job.rows.end;
+    let amx = amx::takes(job.k);
     let mut n = job.rows.start;
     while n < end {
         let nr = (end - n).min(NR);
         pack(w, job.k, n, nr, panel);
+        if amx {
+            amx::panel_tokens(panel as *const u32, xb, kp, job, n, nr);
+            n += nr;
+            continue;
+        }
         for (t, width) in tiles(job.tokens) {
             let x = xb.as_ptr().add(t * kp);
             match width {

@@ -72,6 +72,8 @@ use crate::model::quant::{self, BlockFormat, QuantKind};
 use crate::with_format;
 
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx2_i16;

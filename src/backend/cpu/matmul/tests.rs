@@ -839,6 +839,13 @@ fn bf16_activations_match_rounded_reference() {
         println!("skipped: this CPU has no AVX512-BF16");
         return;
     }
+    // With AMX on (`KILN_AMX=1` on an AMX-BF16 CPU), every case whose k is a multiple of 32 runs
+    // the AMX tiles, the others the `vdpbf16ps` panels.
+    #[cfg(target_arch = "x86_64")]
+    println!(
+        "AMX tiles: {}",
+        if super::amx::enabled() { "on" } else { "off" }
+    );
     let rounded = |w: &PackedMatrix| -> Vec<f64> {
         weights_f64(w)
             .into_iter()
