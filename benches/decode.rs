@@ -120,31 +120,70 @@ fn norm(c: &mut Criterion) {
     g.finish();
 }
 
+/// SmolLM2-135M's attention heads: 9 query heads sharing 3 KV heads, 64 wide.
+const SMOLLM2_HEADS: usize = 9;
+const SMOLLM2_KV_HEADS: usize = 3;
+const SMOLLM2_HEAD_DIM: usize = 64;
+
+/// A one-layer cache of `positions` for one sequence, and the attention shape, with SmolLM2's
+/// heads.
+fn smollm2_attention(positions: usize) -> (KvCache, AttentionShape) {
+    let spec = KvSpec {
+        layers: 1,
+        kv_heads: SMOLLM2_KV_HEADS,
+        head_dim: SMOLLM2_HEAD_DIM,
+        state_dim: 0,
+    };
+    let mut kv = KvCache::new(spec, 1, positions).expect("cache");
+    kv.prepare(0, positions).expect("cache blocks");
+    let shape = AttentionShape {
+        layer: 0,
+        heads: SMOLLM2_HEADS,
+        kv_heads: SMOLLM2_KV_HEADS,
+        head_dim: SMOLLM2_HEAD_DIM,
+        scale: 1.0 / (SMOLLM2_HEAD_DIM as f32).sqrt(),
+        window: None,
+    };
+    (kv, shape)
+}
+
+/// One attention call over contiguous rows of `q`, `k`, `v` and `out`; returns an output value
+/// for `black_box`.
+fn attend(
+    numerics: Numerics,
+    shape: &AttentionShape,
+    rows: &[TokenRow],
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    kv: &mut KvCache,
+    out: &mut [f32],
+) -> f32 {
+    let (hd, kd) = (
+        shape.heads * shape.head_dim,
+        shape.kv_heads * shape.head_dim,
+    );
+    attention(
+        numerics,
+        shape,
+        rows,
+        (q, hd, 0),
+        (k, kd, 0),
+        (v, kd, 0),
+        kv,
+        (out, hd, 0),
+    );
+    out[0]
+}
+
 /// One token attending over 512 cached positions with SmolLM2's heads (9 query, 3 KV, 64 wide);
 /// throughput is the K and V bytes read.
 fn attention_decode(c: &mut Criterion) {
-    let (heads, kv_heads, d, ctx) = (9, 3, 64, 512);
-    let spec = KvSpec {
-        layers: 1,
-        kv_heads,
-        head_dim: d,
-        state_dim: 0,
-    };
-    let mut kv = KvCache::new(spec, 1, ctx).expect("cache");
-    kv.prepare(0, ctx).expect("cache blocks");
+    let (heads, kv_heads, d, ctx) = (SMOLLM2_HEADS, SMOLLM2_KV_HEADS, SMOLLM2_HEAD_DIM, 512);
+    let (mut kv, shape) = smollm2_attention(ctx);
     for pos in 0..ctx {
         let k = rand_vec(kv_heads * d, pos as u64 + 1);
         let v = rand_vec(kv_heads * d, pos as u64 + 10_000);
         kv.write(0, 0, pos, &k, &v);
     }
-    let shape = AttentionShape {
-        layer: 0,
-        heads,
-        kv_heads,
-        head_dim: d,
-        scale: 1.0 / (d as f32).sqrt(),
-        window: None,
-    };
     let q = rand_vec(heads * d, 3);
     let k = rand_vec(kv_heads * d, 4);
     let v = rand_vec(kv_heads * d, 5);
@@ -162,17 +201,15 @@ fn attention_decode(c: &mut Criterion) {
         format!("decode_ctx{ctx}_h{heads}_kv{kv_heads}_d{d}"),
         |bench| {
             bench.iter(|| {
-                attention(
+                let qkv = (&q[..], &k[..], &v[..]);
+                black_box(attend(
                     Numerics::Exact,
                     &shape,
                     &rows,
-                    (&q, heads * d, 0),
-                    (&k, kv_heads * d, 0),
-                    (&v, kv_heads * d, 0),
+                    qkv,
                     &mut kv,
-                    (&mut out, heads * d, 0),
-                );
-                black_box(out[0])
+                    &mut out,
+                ))
             })
         },
     );
@@ -182,23 +219,8 @@ fn attention_decode(c: &mut Criterion) {
 /// A 512-token prefill chunk attending causally with SmolLM2's heads, in exact and in bf16
 /// numerics (the latter runs exactly on CPUs without AVX512-BF16); throughput is token rows.
 fn attention_prefill(c: &mut Criterion) {
-    let (heads, kv_heads, d, tokens) = (9, 3, 64, 512);
-    let spec = KvSpec {
-        layers: 1,
-        kv_heads,
-        head_dim: d,
-        state_dim: 0,
-    };
-    let mut kv = KvCache::new(spec, 1, tokens).expect("cache");
-    kv.prepare(0, tokens).expect("cache blocks");
-    let shape = AttentionShape {
-        layer: 0,
-        heads,
-        kv_heads,
-        head_dim: d,
-        scale: 1.0 / (d as f32).sqrt(),
-        window: None,
-    };
+    let (heads, kv_heads, d, tokens) = (SMOLLM2_HEADS, SMOLLM2_KV_HEADS, SMOLLM2_HEAD_DIM, 512);
+    let (mut kv, shape) = smollm2_attention(tokens);
     let q = rand_vec(tokens * heads * d, 3);
     let k = rand_vec(tokens * kv_heads * d, 4);
     let v = rand_vec(tokens * kv_heads * d, 5);
@@ -217,17 +239,8 @@ fn attention_prefill(c: &mut Criterion) {
             ),
             |bench| {
                 bench.iter(|| {
-                    attention(
-                        numerics,
-                        &shape,
-                        &rows,
-                        (&q, heads * d, 0),
-                        (&k, kv_heads * d, 0),
-                        (&v, kv_heads * d, 0),
-                        &mut kv,
-                        (&mut out, heads * d, 0),
-                    );
-                    black_box(out[0])
+                    let qkv = (&q[..], &k[..], &v[..]);
+                    black_box(attend(numerics, &shape, &rows, qkv, &mut kv, &mut out))
                 })
             },
         );

@@ -649,6 +649,22 @@ pub(crate) mod x86 {
         r
     }
 
+    /// The constants of [`exp_256`] and [`exp_512`], one set so that the two give the same
+    /// bits: the clamps, `ln 2` split in two for the reduction, and the polynomial's
+    /// coefficients from the highest degree down.
+    const EXP_UNDER: f32 = -87.336_55;
+    const EXP_OVER: f32 = 88.0;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const EXP_POLY: [f32; 6] = [
+        1.987_569_1e-4,
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ];
+
     /// `e^x` in eight lanes (Cephes' `expf`: `x = n·ln 2 + r` with `|r| ≤ ln 2 / 2`, a degree-6
     /// polynomial in `r`, `2^n` built in the exponent bits), within 2 ulp of the correctly
     /// rounded value for results in the normal range. Below `−87.33` (where `e^x` leaves the
@@ -656,21 +672,19 @@ pub(crate) mod x86 {
     /// the result is `e^88` (the clamp keeps `2^n` a finite f32).
     #[inline(always)]
     pub(crate) unsafe fn exp_256(x: __m256) -> __m256 {
-        let lo = _mm256_set1_ps(-87.336_55);
+        let lo = _mm256_set1_ps(EXP_UNDER);
         let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, lo);
         // `max(lo, x)` and `min(hi, ·)` return their second operand when it is NaN.
-        let x = _mm256_min_ps(_mm256_set1_ps(88.0), _mm256_max_ps(lo, x));
+        let x = _mm256_min_ps(_mm256_set1_ps(EXP_OVER), _mm256_max_ps(lo, x));
         let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
             _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
         );
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm256_set1_ps(1.987_569_1e-4);
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.398_199_9e-3));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.333_452e-3));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166_579_6e-2));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.166_666_65));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+        let mut p = _mm256_set1_ps(EXP_POLY[0]);
+        for &c in &EXP_POLY[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
         let y = _mm256_fmadd_ps(
             p,
             _mm256_mul_ps(r, r),
@@ -688,21 +702,19 @@ pub(crate) mod x86 {
     /// is `exp_256`'s result for it.
     #[inline(always)]
     pub(crate) unsafe fn exp_512(x: __m512) -> __m512 {
-        let lo = _mm512_set1_ps(-87.336_55);
+        let lo = _mm512_set1_ps(EXP_UNDER);
         let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, lo);
         // `max(lo, x)` and `min(hi, ·)` return their second operand when it is NaN.
-        let x = _mm512_min_ps(_mm512_set1_ps(88.0), _mm512_max_ps(lo, x));
+        let x = _mm512_min_ps(_mm512_set1_ps(EXP_OVER), _mm512_max_ps(lo, x));
         let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
             _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
         );
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm512_set1_ps(1.987_569_1e-4);
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.398_199_9e-3));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.333_452e-3));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.166_579_6e-2));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166_666_65));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5));
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+        let mut p = _mm512_set1_ps(EXP_POLY[0]);
+        for &c in &EXP_POLY[1..] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
         let y = _mm512_fmadd_ps(
             p,
             _mm512_mul_ps(r, r),
@@ -772,6 +784,29 @@ pub(crate) mod x86 {
         softmax_256_body(x.as_mut_ptr(), x.len())
     }
 
+    /// `p[i..n] ← exp(p[i..n] − m)` eight lanes at a time (the last fewer than 8 through a
+    /// vector padded with `-inf`), each vector added to `acc` in order: the sum both softmaxes
+    /// reduce.
+    #[inline(always)]
+    unsafe fn exps_256(p: *mut f32, mut i: usize, n: usize, m: f32, mut acc: __m256) -> __m256 {
+        let vm = _mm256_set1_ps(m);
+        while i + 8 <= n {
+            let e = exp_256(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), vm));
+            _mm256_storeu_ps(p.add(i), e);
+            acc = _mm256_add_ps(acc, e);
+            i += 8;
+        }
+        if i < n {
+            let mut t = [f32::NEG_INFINITY; 8];
+            std::ptr::copy_nonoverlapping(p.add(i), t.as_mut_ptr(), n - i);
+            let e = exp_256(_mm256_sub_ps(_mm256_loadu_ps(t.as_ptr()), vm));
+            _mm256_storeu_ps(t.as_mut_ptr(), e);
+            std::ptr::copy_nonoverlapping(t.as_ptr(), p.add(i), n - i);
+            acc = _mm256_add_ps(acc, e);
+        }
+        acc
+    }
+
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
     pub(crate) unsafe fn softmax_512(x: &mut [f32]) {
         softmax_512_body(x.as_mut_ptr(), x.len())
@@ -794,22 +829,7 @@ pub(crate) mod x86 {
             acc = _mm256_add_ps(_mm256_add_ps(acc, _mm512_castps512_ps256(e)), hi);
             i += 16;
         }
-        let vm = _mm256_set1_ps(m);
-        while i + 8 <= n {
-            let e = exp_256(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), vm));
-            _mm256_storeu_ps(p.add(i), e);
-            acc = _mm256_add_ps(acc, e);
-            i += 8;
-        }
-        if i < n {
-            let mut t = [f32::NEG_INFINITY; 8];
-            std::ptr::copy_nonoverlapping(p.add(i), t.as_mut_ptr(), n - i);
-            let e = exp_256(_mm256_sub_ps(_mm256_loadu_ps(t.as_ptr()), vm));
-            _mm256_storeu_ps(t.as_mut_ptr(), e);
-            std::ptr::copy_nonoverlapping(t.as_ptr(), p.add(i), n - i);
-            acc = _mm256_add_ps(acc, e);
-        }
-        let s = hsum256(acc);
+        let s = hsum256(exps_256(p, i, n, m, acc));
         let sum = _mm512_set1_ps(s);
         let mut i = 0;
         while i + 16 <= n {
@@ -829,23 +849,7 @@ pub(crate) mod x86 {
     #[inline(always)]
     pub(crate) unsafe fn softmax_256_body(p: *mut f32, n: usize) {
         let m = max_256(std::slice::from_raw_parts(p, n));
-        let vm = _mm256_set1_ps(m);
-        let mut acc = _mm256_setzero_ps();
-        let mut i = 0;
-        while i + 8 <= n {
-            let e = exp_256(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), vm));
-            _mm256_storeu_ps(p.add(i), e);
-            acc = _mm256_add_ps(acc, e);
-            i += 8;
-        }
-        if i < n {
-            let mut t = [f32::NEG_INFINITY; 8];
-            std::ptr::copy_nonoverlapping(p.add(i), t.as_mut_ptr(), n - i);
-            let e = exp_256(_mm256_sub_ps(_mm256_loadu_ps(t.as_ptr()), vm));
-            _mm256_storeu_ps(t.as_mut_ptr(), e);
-            std::ptr::copy_nonoverlapping(t.as_ptr(), p.add(i), n - i);
-            acc = _mm256_add_ps(acc, e);
-        }
+        let acc = exps_256(p, 0, n, m, _mm256_setzero_ps());
         let sum = _mm256_set1_ps(hsum256(acc));
         let mut i = 0;
         while i + 8 <= n {
