@@ -31,7 +31,7 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 
 use super::attention::{token_tiles, AttentionShape, OutPtr};
-use super::simd::x86::{exp_512, transpose16};
+use super::simd::x86::{bf16_pairs, exp_512, tail_mask16, transpose16};
 use crate::backend::TokenRow;
 use crate::kv::{KvCache, KvDtype};
 
@@ -185,9 +185,7 @@ unsafe fn pack(
         for w0 in (0..dp).step_by(16) {
             let mut r = [_mm512_setzero_si512(); 16];
             for (lane, r) in r.iter_mut().enumerate() {
-                let src = kf.as_ptr().add((c * KEYS + lane) * d + 2 * w0);
-                let b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src.add(16)), _mm512_loadu_ps(src));
-                *r = std::mem::transmute::<__m512bh, __m512i>(b);
+                *r = bf16_pairs(kf.as_ptr().add((c * KEYS + lane) * d + 2 * w0), 32);
             }
             for (j, col) in transpose16(r).iter().enumerate() {
                 let at = ((c * dp + w0 + j) * KEYS) as isize;
@@ -265,14 +263,8 @@ unsafe fn attend(job: &Job, scratch: &mut Scratch, d: usize) {
             let src = job.q.as_ptr().add(i * job.q_stride + h * d);
             let dst = scratch.q.as_mut_ptr().add((i * hc + hh) * dp);
             for w0 in (0..dp).step_by(16) {
-                let b = _mm512_cvtne2ps_pbh(
-                    _mm512_loadu_ps(src.add(2 * w0 + 16)),
-                    _mm512_loadu_ps(src.add(2 * w0)),
-                );
-                _mm512_storeu_si512(
-                    dst.add(w0) as *mut __m512i,
-                    std::mem::transmute::<__m512bh, __m512i>(b),
-                );
+                let b = bf16_pairs(src.add(2 * w0), 32);
+                _mm512_storeu_si512(dst.add(w0) as *mut __m512i, b);
             }
         }
     }
@@ -357,10 +349,8 @@ unsafe fn attend(job: &Job, scratch: &mut Scratch, d: usize) {
 
 /// Lanes `j` of the 16 from `c` with `a ≤ c + j < b`.
 #[inline(always)]
-fn lanes(c: usize, a: usize, b: usize) -> __mmask16 {
-    let lo = a.saturating_sub(c).min(16);
-    let hi = b.saturating_sub(c).min(16);
-    (((1u32 << hi) - 1) & !((1u32 << lo) - 1)) as __mmask16
+unsafe fn lanes(c: usize, a: usize, b: usize) -> __mmask16 {
+    tail_mask16(b.saturating_sub(c).min(16)) & !tail_mask16(a.saturating_sub(c).min(16))
 }
 
 /// The weights of one row of scores (`width` at `row`, its own positions `a..b`):
@@ -395,12 +385,8 @@ unsafe fn exps(row: *const f32, width: usize, a: usize, b: usize, dst: *mut u32)
         );
         sum = _mm512_add_ps(_mm512_add_ps(sum, lo), hi);
         let words: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
-        let n = (wp - w0).min(16) as u32;
-        _mm512_mask_storeu_epi32(
-            dst.add(w0) as *mut i32,
-            ((1u32 << n) - 1) as __mmask16,
-            words,
-        );
+        let n = (wp - w0).min(16);
+        _mm512_mask_storeu_epi32(dst.add(w0) as *mut i32, tail_mask16(n), words);
     }
     _mm512_reduce_add_ps(sum)
 }

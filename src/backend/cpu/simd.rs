@@ -325,6 +325,17 @@ pub(crate) mod x86 {
         ((1u32 << n) - 1) as __mmask16
     }
 
+    /// The first `n` (at most 32) f32 at `p` rounded to bf16 (nearest even, `vcvtne2ps2bf16`) as
+    /// 16 words of two, element `2j` in the low half of word `j`; elements past `n` are zero
+    /// and not read. Needs AVX512-BF16 in the caller.
+    #[inline(always)]
+    pub(crate) unsafe fn bf16_pairs(p: *const f32, n: usize) -> __m512i {
+        let lo = _mm512_maskz_loadu_ps(tail_mask16(n.min(16)), p);
+        let hi = _mm512_maskz_loadu_ps(tail_mask16(n.saturating_sub(16)), p.add(16));
+        // `cvtne2ps` puts its second operand in the low half.
+        std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
+    }
+
     /// 16 bf16 at `p` widened to f32 (zero-extend, shift into the high half).
     #[inline(always)]
     pub(crate) unsafe fn load_bf16_512(p: *const bf16) -> __m512 {

@@ -25,6 +25,7 @@ use std::sync::OnceLock;
 
 use super::avx512_panel::{put, NR};
 use super::Job;
+use crate::backend::cpu::simd::x86::bf16_pairs;
 
 /// Whether the bf16 panels use AMX: asked for (`KILN_AMX=1`), the CPU has AMX-TILE and
 /// AMX-BF16, and the kernel granted the tile state. Decided once per process.
@@ -83,14 +84,7 @@ pub(super) unsafe fn round_rows(x: &[f32], ldx: usize, tokens: usize, k: usize) 
         let src = x.as_ptr().add(t * ldx);
         let dst = out.as_mut_ptr().add(t * kp);
         for c in (0..k).step_by(32) {
-            let b = _mm512_cvtne2ps_pbh(
-                _mm512_loadu_ps(src.add(c + 16)),
-                _mm512_loadu_ps(src.add(c)),
-            );
-            _mm512_storeu_si512(
-                dst.add(c / 2) as *mut __m512i,
-                std::mem::transmute::<__m512bh, __m512i>(b),
-            );
+            _mm512_storeu_si512(dst.add(c / 2) as *mut __m512i, bf16_pairs(src.add(c), 32));
         }
     }
     out

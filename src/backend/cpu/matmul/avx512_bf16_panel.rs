@@ -21,7 +21,7 @@ use half::bf16;
 
 use super::avx512_panel::{put, tiles, NR};
 use super::{amx, Job};
-use crate::backend::cpu::simd::x86::transpose16;
+use crate::backend::cpu::simd::x86::{bf16_pairs, tail_mask16, transpose16};
 
 /// One pair of k positions of a panel: the weights of its 32 outputs as bf16 pairs, two cache
 /// lines.
@@ -78,17 +78,14 @@ pub(super) unsafe fn round_rows(x: &[f32], ldx: usize, tokens: usize, k: usize) 
 unsafe fn round_tile(x: &[f32], ldx: usize, k: usize, w: usize, words: &mut [u32]) {
     assert!(w <= 16 && words.len() >= w * pairs(k) && x.len() >= (w - 1) * ldx + k);
     let kp = pairs(k);
-    let store = ((1u32 << w) - 1) as __mmask16;
+    let store = tail_mask16(w);
     let mut j = 0;
     while j < kp {
         let c = 2 * j;
         let n = (k - c).min(32);
         let mut rows = [_mm512_setzero_si512(); 16];
         for (i, r) in rows.iter_mut().enumerate().take(w) {
-            let src = x.as_ptr().add(i * ldx + c);
-            let lo = _mm512_maskz_loadu_ps(mask16(n.min(16)), src);
-            let hi = _mm512_maskz_loadu_ps(mask16(n.saturating_sub(16)), src.add(16));
-            *r = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+            *r = bf16_pairs(x.as_ptr().add(i * ldx + c), n);
         }
         let cols = transpose16(rows);
         for (jj, col) in cols.iter().enumerate().take((kp - j).min(16)) {
@@ -111,18 +108,10 @@ pub(super) unsafe fn round_weights(src: &[f32], dst: &mut [bf16]) {
     let mut c = 0;
     while c < src.len() {
         let n = (src.len() - c).min(32);
-        let lo = _mm512_maskz_loadu_ps(mask16(n.min(16)), s.add(c));
-        let hi = _mm512_maskz_loadu_ps(mask16(n.saturating_sub(16)), s.add(c + 16));
-        let b: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+        let b = bf16_pairs(s.add(c), n);
         _mm512_mask_storeu_epi16(d.add(c) as *mut i16, ((1u64 << n) - 1) as __mmask32, b);
         c += 32;
     }
-}
-
-/// The first `n` (at most 16) lanes.
-#[inline(always)]
-fn mask16(n: usize) -> __mmask16 {
-    ((1u32 << n) - 1) as __mmask16
 }
 
 /// `job.rows` against the bf16 pairs in `job.xb`, 32 outputs at a time.
