@@ -104,6 +104,8 @@ KILN_OFFSET_IS(MkControl, n_stop, 256);
 KILN_OFFSET_IS(MkControl, stop_ids, 260);
 
 #define SAMPLE_THREADS 256
+// Logits each thread of the greedy pass loads before comparing them (kiln_sample_row).
+#define SAMPLE_LOADS 8
 // Largest bucket sorted in shared memory (a power of two).
 #define SAMPLE_CAP 1024
 // 2^40: the best token's integer weight.
@@ -459,22 +461,35 @@ __device__ __forceinline__ int kiln_sample_row(const float* l, int vocab,
         __syncthreads();
     }
     // One pass: the greedy token, and the top-k question's level-1 histogram (every token, unit
-    // weight).
+    // weight). Each thread loads SAMPLE_LOADS of its logits (one per block-wide stride) before
+    // comparing any: loaded one stride at a time, each load waited on the last, and one block
+    // reading a row was 52 µs of a 1.29 ms SmolLM2-135M megakernel step and 195 µs of a 3.5 ms
+    // Llama-3.2-1B one on an H200 (docs/gpu-results.md, run 11). Every thread still sees its
+    // tokens in the same order and the histogram gets the same calls: the same result.
     SampleBest best;
     best.v = 0.0f;
     best.i = -1;
-    for (int i0 = 0; i0 < vocab; i0 += SAMPLE_THREADS) {
-        const int i = i0 + threadIdx.x;
-        unsigned bin = 0;
-        if (i < vocab) {
-            const float v = l[i];
-            if (v > KILN_NEG_INF && (best.i < 0 || v > best.v)) {
-                best.v = v;
-                best.i = i;
-            }
-            bin = (unsigned)(sample_ck(v, i) >> 56);
+    for (int i0 = 0; i0 < vocab; i0 += SAMPLE_LOADS * SAMPLE_THREADS) {
+        float v[SAMPLE_LOADS];
+#pragma unroll
+        for (int u = 0; u < SAMPLE_LOADS; ++u) {
+            const int i = i0 + u * SAMPLE_THREADS + (int)threadIdx.x;
+            v[u] = i < vocab ? l[i] : KILN_NEG_INF;
         }
-        if (topk) sample_hist_add(s.w.h, i < vocab, bin, 1ull);
+#pragma unroll
+        for (int u = 0; u < SAMPLE_LOADS; ++u) {
+            const int i = i0 + u * SAMPLE_THREADS + (int)threadIdx.x;
+            unsigned bin = 0;
+            if (i < vocab) {
+                if (v[u] > KILN_NEG_INF && (best.i < 0 || v[u] > best.v)) {
+                    best.v = v[u];
+                    best.i = i;
+                }
+                bin = (unsigned)(sample_ck(v[u], i) >> 56);
+            }
+            // Block-uniform: i0 + u * SAMPLE_THREADS < vocab or not for every thread alike.
+            if (topk && i0 + u * SAMPLE_THREADS < vocab) sample_hist_add(s.w.h, i < vocab, bin, 1ull);
+        }
     }
     best = sample_block_best(best);
     const int greedy = best.i < 0 ? 0 : best.i;

@@ -641,6 +641,10 @@ __device__ __noinline__ void mk_stage_tile(int t, const __nv_bfloat16* const* __
     mk_stage_commit();\n\
 }\n\
 #endif\n\
+#if MK_TIMELINE\n\
+// Per tile: timer at the block reaching it, at its wait's end, at its work's end; SM << 32 | block.\n\
+__device__ unsigned long long mk_timeline[4 * MK_TILES];\n\
+#endif\n\
 extern \"C\" __global__ void __launch_bounds__(MK_THREADS)\n\
 kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
                  const float* const* __restrict__ wt_f32, float* act,\n\
@@ -666,6 +670,9 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
     mk_stage_tile(blockIdx.x, wt, 0);\n\
 #endif\n\
     for (int t = blockIdx.x; t < MK_TILES; t += gridDim.x, buf ^= 1) {\n\
+#if MK_TIMELINE\n\
+        if (threadIdx.x == 0) mk_timeline[4 * t] = mk_now();\n\
+#endif\n\
 #if MK_STAGE\n\
         mk_stage_tile(t + gridDim.x, wt, buf ^ 1);\n\
 #endif\n\
@@ -682,6 +689,9 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
         }\n\
 #endif\n\
         mk_wait(counters, mk_waits + 2 * mk_wait_start[t], mk_wait_start[t + 1] - mk_wait_start[t], epoch_sh);\n\
+#if MK_TIMELINE\n\
+        if (threadIdx.x == 0) mk_timeline[4 * t + 1] = mk_now();\n\
+#endif\n\
 #if MK_PRELOAD\n\
         const int lo = pre_tile[2], hi = pre_tile[3];\n\
         const int* g = pre_g;\n\
@@ -749,6 +759,13 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
             break;\n\
         default: break;\n\
         }\n\
+#if MK_TIMELINE\n\
+        __syncthreads();  // the work's end is its last warp's\n\
+        if (threadIdx.x == 0) {\n\
+            mk_timeline[4 * t + 2] = mk_now();\n\
+            mk_timeline[4 * t + 3] = ((unsigned long long)mk_smid() << 32) | blockIdx.x;\n\
+        }\n\
+#endif\n\
         mk_signal(counters, mk_tiles[4 * t], MK_INSTRS + t);\n\
     }\n\
 }\n\

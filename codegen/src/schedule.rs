@@ -42,6 +42,11 @@ pub struct TileConfig {
     /// shared memory is both), 0 for none: a matvec tile holds at most as many rows as fit one
     /// (one at least), so that its weights can be copied into shared memory ahead of it.
     pub stage_bytes: usize,
+    /// Output rows of one LM-head tile (0: [`TileConfig::matvec_rows`]), capped like a
+    /// matvec's by the staging buffer. Its own size because the LM head is the step's one wide
+    /// phase of independent tiles: a block runs many of them back to back, so fewer, larger
+    /// tiles pay the per-tile wait and signal fewer times.
+    pub head_rows: usize,
 }
 
 impl TileConfig {
@@ -55,6 +60,21 @@ impl TileConfig {
         }
         self.matvec_rows.min(self.stage_bytes / per_row).max(1)
     }
+
+    /// Output rows per LM-head tile over `k` columns: [`TileConfig::head_rows`] (or
+    /// `matvec_rows` when 0), fewer where those rows would not fit the staging buffer.
+    pub fn head_rows_for(&self, k: usize) -> usize {
+        let rows = if self.head_rows == 0 {
+            self.matvec_rows
+        } else {
+            self.head_rows
+        };
+        TileConfig {
+            matvec_rows: rows,
+            ..*self
+        }
+        .rows_for(k, 1)
+    }
 }
 
 impl Default for TileConfig {
@@ -63,6 +83,7 @@ impl Default for TileConfig {
             matvec_rows: 32,
             elem_cols: 1024,
             stage_bytes: 0,
+            head_rows: 0,
         }
     }
 }
@@ -339,7 +360,7 @@ fn tiles_of(p: &DecodeProgram, cfg: &TileConfig, i: usize) -> Vec<Tile> {
             out: o,
             ..
         } => {
-            let per_tile = cfg.rows_for(p.weights[*weight].cols, 1);
+            let per_tile = cfg.head_rows_for(p.weights[*weight].cols);
             for (lo, hi) in split(p.weights[*weight].rows, per_tile) {
                 out.push(mk(
                     lo,

@@ -195,6 +195,7 @@ fn elementwise_ops_compute_what_they_name() {
             matvec_rows: 32,
             elem_cols: 24,
             stage_bytes: 0,
+            head_rows: 0,
         },
     );
     let table: Vec<u16> = (0..8 * d)

@@ -25,6 +25,39 @@ fn tile_counts_follow_the_tile_sizes() {
 }
 
 #[test]
+fn head_rows_size_the_lm_head_alone() {
+    let p = small(1);
+    let base = TileConfig::default();
+    let counts = |cfg: TileConfig| -> Vec<usize> {
+        let s = Schedule::build(&p, cfg);
+        (0..p.instrs.len()).map(|i| s.tiles_of_instr(i)).collect()
+    };
+    let default = counts(base);
+    // 0: the matvec size (100 rows / 32 = 4 tiles).
+    assert_eq!(default[15], 4);
+    // 50 rows a tile: the LM head's 100 rows in 2 tiles, every other instruction as before.
+    let wide = counts(TileConfig {
+        head_rows: 50,
+        ..base
+    });
+    let mut want = default.clone();
+    want[15] = 2;
+    assert_eq!(wide, want);
+    // Capped by the staging buffer like a matvec: 16 columns of bf16 are 32 bytes a row.
+    let k = match &p.instrs[15] {
+        Instr::LmHead { weight, .. } => p.weights[*weight].cols,
+        other => panic!("instruction 15 is {}, not the LM head", other.name()),
+    };
+    let capped = TileConfig {
+        head_rows: 50,
+        stage_bytes: 10 * 2 * k,
+        ..base
+    };
+    assert_eq!(capped.head_rows_for(k), 10);
+    assert_eq!(counts(capped)[15], 10);
+}
+
+#[test]
 fn dependencies_are_exactly_the_overlapping_earlier_tiles() {
     for batch in [1, 4] {
         let p = small(batch);

@@ -122,6 +122,31 @@ __device__ __noinline__ const float* mk_stage_x(const float* x, int xs, int k, i
 }
 #endif
 
+// Whether every tile records, in the module's `mk_timeline` (4 words a tile), the global timer
+// when its block reached it, when its dependency wait ended and when its work ended, and the SM
+// and block that ran it. Off unless the host compiles with MK_TIMELINE 1 (KILN_MK_TIMELINE=DIR,
+// which also writes the last step's records to DIR after each graph stop). Why: on an H100 and
+// an H200 a SmolLM2-135M step took ~1.15 ms over ~150 dependent phases and ncu could only say
+// that warps wait (at barriers, on loads); which tiles wait on which, and for how long, is what
+// decides what to change in the schedule. A diagnostic: thread 0 of each block adds three timer
+// reads and four stores per tile. Ran on an H200 (run 11): SmolLM2-135M and Llama-3.2-1B-shape
+// steps of 20,457 and 76,580 tiles recorded, 1,288 µs against 1,214 µs untimed for SmolLM2.
+#ifndef MK_TIMELINE
+#define MK_TIMELINE 0
+#endif
+#if MK_TIMELINE
+__device__ __forceinline__ unsigned long long mk_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ unsigned mk_smid() {
+    unsigned s;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+    return s;
+}
+#endif
+
 // The two staging buffers, MK_STAGE_U4 16-byte words each (dynamic shared memory).
 extern __shared__ __align__(16) uint4 mk_stage[];
 
@@ -570,9 +595,24 @@ __device__ __noinline__ void mk_kv_append(const float* k, const float* v, int ks
     }
 }
 
+// Whether a tile attending at most 32 · MK_WARPS keys gives each warp a contiguous share of
+// them (mk_attention) rather than striping 32-key tiles over the warps, which left every key of
+// a context under 33 positions to warp 0. On an H200 that tile took 13–16 µs of every
+// SmolLM2-135M and Llama-3.2-1B layer's ~37 / ~175 µs (run 11's timeline). Sums over other
+// partitions than the per-op kernel's: equal up to f32 rounding, not bit for bit. The host
+// compiles with MK_ATT_CHUNKS 0 (KILN_MK_ATT_STRIPE=1) to measure against the striped tiles.
+// Ran on an H200 (run 11, second call): every megakernel GPU test passes with it; the tile's
+// work fell from 13.2 to 8.1 µs (SmolLM2-135M) and 12.8 to 7.8 µs (Llama-3.2-1B shape) at 32
+// positions, SmolLM2 batch 1 decoded 947 tokens/s against 842 striped. Not yet run under
+// KILN_MK_FUSE_ATTN.
+#ifndef MK_ATT_CHUNKS
+#define MK_ATT_CHUNKS 1
+#endif
+
 // One query head over keys [max(0, pos - window), pos] of its KV head g of layer `layer`: the
-// block's warps split the keys (warp w takes key tiles w, w + MK_WARPS, ...) and merge their
-// softmax states. Keys are read through batch row b's page table; an inactive row's output is
+// block's warps split the keys (up to 32 · MK_WARPS keys a contiguous share each, see
+// MK_ATT_CHUNKS; beyond, warp w takes key tiles w, w + MK_WARPS, ...) and merge their softmax
+// states. Keys are read through batch row b's page table; an inactive row's output is
 // zeros. With `rope_freq` (not null) the head of q is rotated at the row's position first, as
 // mk_rope does (the program fused its Rope into the attention).
 __device__ __noinline__ void mk_attention(const float* q, int qs, float* out, int os,
@@ -606,7 +646,18 @@ __device__ __noinline__ void mk_attention(const float* q, int qs, float* out, in
         float m = KILN_NEG_INF, l = 0.0f, acc[ATT_PER_LANE];
 #pragma unroll
         for (int i = 0; i < ATT_PER_LANE; ++i) acc[i] = 0.0f;
-        attend_tiles(qsh, kv, head_dim, scale, lo, p + 1, warp, MK_WARPS, m, l, acc);
+        const int n = p + 1 - lo;
+        if (MK_ATT_CHUNKS && n <= 32 * MK_WARPS) {
+            // Up to one 32-key tile per warp: each warp takes a contiguous ceil(n / MK_WARPS)
+            // keys, so every warp works and each makes one round of key loads and one of value
+            // loads. Striped 32-key tiles left a short context's keys all to warp 0, whose value
+            // loop then waited on 32 keys' loads 8 at a time.
+            const int chunk = (n + MK_WARPS - 1) / MK_WARPS;
+            const int a = min(lo + warp * chunk, p + 1), e = min(a + chunk, p + 1);
+            attend_tiles(qsh, kv, head_dim, scale, a, e, 0, 1, m, l, acc);
+        } else {
+            attend_tiles(qsh, kv, head_dim, scale, lo, p + 1, warp, MK_WARPS, m, l, acc);
+        }
         if (lane == 0) {
             wm[warp] = m;
             wl[warp] = l;

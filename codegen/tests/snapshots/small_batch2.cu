@@ -153,6 +153,10 @@ mk_stage_rows(W(g[1]), W(g[2]), mk_tiles[4 * t + 2], mk_tiles[4 * t + 3], g[3], 
 mk_stage_commit();
 }
 #endif
+#if MK_TIMELINE
+// Per tile: timer at the block reaching it, at its wait's end, at its work's end; SM << 32 | block.
+__device__ unsigned long long mk_timeline[4 * MK_TILES];
+#endif
 extern "C" __global__ void __launch_bounds__(MK_THREADS)
 kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,
 const float* const* __restrict__ wt_f32, float* act,
@@ -178,6 +182,9 @@ int buf = 0;
 mk_stage_tile(blockIdx.x, wt, 0);
 #endif
 for (int t = blockIdx.x; t < MK_TILES; t += gridDim.x, buf ^= 1) {
+#if MK_TIMELINE
+if (threadIdx.x == 0) mk_timeline[4 * t] = mk_now();
+#endif
 #if MK_STAGE
 mk_stage_tile(t + gridDim.x, wt, buf ^ 1);
 #endif
@@ -194,6 +201,9 @@ else pre_fa[j - MK_NARGS] = mk_fargs[MK_NFARGS * row + j - MK_NARGS];
 }
 #endif
 mk_wait(counters, mk_waits + 2 * mk_wait_start[t], mk_wait_start[t + 1] - mk_wait_start[t], epoch_sh);
+#if MK_TIMELINE
+if (threadIdx.x == 0) mk_timeline[4 * t + 1] = mk_now();
+#endif
 #if MK_PRELOAD
 const int lo = pre_tile[2], hi = pre_tile[3];
 const int* g = pre_g;
@@ -261,6 +271,13 @@ mk_step_end(pos, tokens, MK_BATCH, ctl, ring, epoch_sh, epoch_ctr);
 break;
 default: break;
 }
+#if MK_TIMELINE
+__syncthreads();  // the work's end is its last warp's
+if (threadIdx.x == 0) {
+mk_timeline[4 * t + 2] = mk_now();
+mk_timeline[4 * t + 3] = ((unsigned long long)mk_smid() << 32) | blockIdx.x;
+}
+#endif
 mk_signal(counters, mk_tiles[4 * t], MK_INSTRS + t);
 }
 }

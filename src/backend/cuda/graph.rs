@@ -49,6 +49,7 @@ use super::graph_host::{
 };
 use super::megakernel::{generate, lower_decode};
 use super::nvrtc;
+use super::timeline::{self, Timeline};
 use super::trace::traced;
 use crate::backend::GraphRow;
 use crate::graph::{Linear, Op};
@@ -102,6 +103,8 @@ pub(super) struct MkModule {
     grid: u32,
     /// Dynamic shared memory per block (the matvec staging buffer).
     shared: u32,
+    /// Where the per-tile records go when the kernel keeps them (`KILN_MK_TIMELINE`).
+    timeline: Option<Timeline>,
 }
 
 /// The backend's megakernel state: weight tables (or why the model does not lower), compiled
@@ -343,7 +346,10 @@ impl CudaBackend {
             tiles,
             THREADS as usize,
         )?;
+        let timeline = timeline::dir()
+            .map(|dir| Timeline::new(module.clone(), dir, &mk.program, &mk.schedule));
         let m = Arc::new(MkModule {
+            timeline,
             func,
             tiles,
             counters: mk.schedule.counters(),
@@ -915,6 +921,13 @@ impl GraphDecoder {
         if self.unsynced {
             self.stream.synchronize().map_err(drv)?;
             self.unsynced = false;
+            if let Some(timeline) = &self.module.timeline {
+                let path = timeline.write(&self.stream, self.bucket)?;
+                eprintln!(
+                    "kiln: the megakernel's last step, tile by tile: {}",
+                    path.display()
+                );
+            }
         }
         self.book.stop();
         Ok(())

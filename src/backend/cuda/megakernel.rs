@@ -55,7 +55,9 @@ pub fn lower_decode(plan: &ExecutionPlan, batch: usize) -> Result<DecodeProgram,
 /// (`tests/megakernel_interp.rs`). On an H200 (docs/gpu-results.md run 10) three megakernel
 /// GPU tests pass under it (256 greedy steps on every fixture, a padding row with stop tokens,
 /// rows joining and leaving) and it decoded 0.4–4% faster on both synthetic shapes at batch 1 to
-/// 8; opt-in until the other GPU tests have run under it. Why: on an H100 a
+/// 8; in run 11 the rest of the megakernel GPU tests passed under it and it was again faster
+/// (849 against 824 tokens/s on SmolLM2-135M at batch 1). Opt-in until its tests have run with
+/// run 11's attention shares (`MK_ATT_CHUNKS`). Why: on an H100 a
 /// SmolLM2-135M step took 1.19 ms over about 150 dependent phases, most of it waiting
 /// (docs/gpu-results.md, runs 8 and 9).
 pub fn fuse_attention() -> bool {
@@ -444,16 +446,35 @@ pub const MATVEC_ROWS: usize = 8;
 /// batch 1, 128 at batch 8 under NVRTC 13.5) allow anyway; one on sm_80's 164 KB.
 pub const STAGE_BYTES: usize = 32 * 1024;
 
+/// Output rows per LM-head tile on the GPU (0: [`MATVEC_ROWS`], the size every measurement so
+/// far ran). A knob, `KILN_MK_HEAD_ROWS`, for the next GPU run: on an H200 the SmolLM2-135M LM
+/// head, 6,144 tiles of 8 rows, took 118 µs of a 1.29 ms step for 57 MB of weights (about 0.5
+/// TB/s; run 11's timeline), each tile ~2.7 µs of work behind its own wait and signal, so
+/// fewer, larger tiles may pay less; capped by [`STAGE_BYTES`] (28 rows of SmolLM2's 576
+/// columns). The one larger-tile measurement so far went the other way: run 11's second call
+/// meant to size the LM head and sized the O and down projections instead (28 and 10 rows),
+/// and SmolLM2 batch 1 fell from 947 to 809 tokens/s.
+pub const HEAD_ROWS: usize = 0;
+
 /// The tile sizes: [`MATVEC_ROWS`] (or `KILN_MK_MATVEC_ROWS` output rows per matvec tile, 1 to
-/// 1024; anything else keeps the default), capped by [`STAGE_BYTES`]. A tuning knob for
-/// measuring the schedule on a GPU: fewer rows per tile spread a small matvec over more blocks,
-/// more rows cost fewer dependency waits.
+/// 1024; anything else keeps the default) and [`HEAD_ROWS`] (or `KILN_MK_HEAD_ROWS`, likewise)
+/// per LM-head tile, capped by [`STAGE_BYTES`]. A tuning knob for measuring the schedule on a
+/// GPU: fewer rows per tile spread a small matvec over more blocks, more rows cost fewer
+/// dependency waits.
 pub fn tile_config() -> TileConfig {
     let mut c = TileConfig {
         matvec_rows: MATVEC_ROWS,
         stage_bytes: STAGE_BYTES,
+        head_rows: HEAD_ROWS,
         ..TileConfig::default()
     };
+    if let Some(rows) = std::env::var("KILN_MK_HEAD_ROWS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|r| (1..=1024).contains(r))
+    {
+        c.head_rows = rows;
+    }
     if let Some(rows) = std::env::var("KILN_MK_MATVEC_ROWS")
         .ok()
         .and_then(|v| v.trim().parse::<usize>().ok())
@@ -474,8 +495,9 @@ pub fn stage_weights() -> bool {
 /// Whether matvec tiles of fewer rows than warps split each row's columns across warps
 /// (`MK_SPLIT` in `cuda/megakernel/tiles.cuh`): off unless `KILN_MK_SPLIT=1`. Opt-in: on an
 /// H100 it cost SmolLM2-135M 9% (no tile of it splits) and its outputs have not been checked on
-/// a GPU; the Llama-3.2-1B shape, whose 2- and 4-row tiles leave warps idle and which it is
-/// meant for, has no figure yet (docs/gpu-results.md, run 9).
+/// a GPU; on the Llama-3.2-1B shape, whose 2- and 4-row tiles leave warps idle and which it is
+/// meant for, it decoded 374 tokens/s at batch 1 against 316 on an H200 (docs/gpu-results.md,
+/// run 11: its down-projection tiles' work fell from 9.0 to 4.3 µs).
 pub fn split_rows() -> bool {
     std::env::var("KILN_MK_SPLIT").is_ok_and(|v| v.trim() == "1")
 }
@@ -495,6 +517,21 @@ pub fn preload_args() -> bool {
 /// GPU run measures it.
 pub fn stage_inputs() -> bool {
     std::env::var("KILN_MK_XSTAGE").is_ok_and(|v| v.trim() == "1")
+}
+
+/// Whether attention tiles stripe 32-key tiles over their warps even for short contexts
+/// (`MK_ATT_CHUNKS 0` in `cuda/megakernel/tiles.cuh`): only when `KILN_MK_ATT_STRIPE=1`, the
+/// switch for measuring the contiguous shares that replaced it in run 11 (SmolLM2-135M batch
+/// 1 on an H200: 947 tokens/s with the shares, 842 striped).
+pub fn stripe_attention() -> bool {
+    std::env::var("KILN_MK_ATT_STRIPE").is_ok_and(|v| v.trim() == "1")
+}
+
+/// Whether every tile records its wait and work times (`MK_TIMELINE` in
+/// `cuda/megakernel/tiles.cuh`; the host's side is `backend::cuda::timeline`): when
+/// `KILN_MK_TIMELINE` names a directory. A diagnostic, off by default.
+pub fn record_timeline() -> bool {
+    std::env::var_os("KILN_MK_TIMELINE").is_some_and(|v| !v.is_empty())
 }
 
 /// Lowers, schedules ([`tile_config`]) and emits ([`generate_with`], the attention fusion as
@@ -524,6 +561,12 @@ pub fn generate_with(
     }
     if stage_inputs() {
         source.insert_str(0, "#define MK_XSTAGE 1\n");
+    }
+    if stripe_attention() {
+        source.insert_str(0, "#define MK_ATT_CHUNKS 0\n");
+    }
+    if record_timeline() {
+        source.insert_str(0, "#define MK_TIMELINE 1\n");
     }
     Ok(Megakernel {
         program,

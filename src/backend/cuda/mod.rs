@@ -19,6 +19,8 @@
 //!   the on-disk cache without a GPU (`kiln-bench --precompile-cuda`), for a device to load.
 //! * `trace` (feature `cuda`): `KILN_TRACE_CUDA=1`, the time of each load and decode-graph
 //!   phase on stderr.
+//! * `timeline` (feature `cuda`): `KILN_MK_TIMELINE=DIR`, every megakernel tile's wait and
+//!   work times of a decode graph's last step, as CSV (ran on an H200, run 11).
 //! * `upload` (feature `cuda`): weight uploads through two pinned staging buffers.
 //! * `device` (feature `cuda`): driver discovery and the [`CudaBackend`] executor.
 //!   Ran on an H200 (docs/gpu-results.md): logits within bf16 tolerance of the CPU on every
@@ -41,6 +43,8 @@ mod graph;
 pub mod nvrtc;
 #[cfg(feature = "cuda")]
 pub mod precompile;
+#[cfg(feature = "cuda")]
+pub mod timeline;
 #[cfg(feature = "cuda")]
 pub mod trace;
 #[cfg(feature = "cuda")]
