@@ -39,7 +39,9 @@
 #             KILN_GPU_TEST_FILTER (a grep -E pattern on "file::test") narrows them and
 #             KILN_GPU_TEST_SKIP (default: the all-fixture megakernel NVRTC gate) leaves some out.
 #             KILN_GPU_TEST_VARIANTS (default "default") runs them once per megakernel variant
-#             (the names of KILN_GPU_MK_ROWS below; stage names then carry "[variant]").
+#             (the names of KILN_GPU_MK_ROWS below; stage names then carry "[variant]"), each
+#             after a stage kernels[variant] that compiles the variant's fixture megakernels on
+#             all cores (those the pack did not carry).
 #  demo       with the demo model present: the demo-model tests (filter `smollm2`) and its
 #             `correct` rows (for a run that only then has the model).
 #  bandwidth  a device-to-device copy of 1 GiB, bytes read + written, median of 20 event-timed
@@ -328,11 +330,31 @@ do_env() {
     fi
 }
 
+# The decode megakernels of every fixture model under the current VENV, compiled on all cores at
+# once into the kernel cache, before tests that would otherwise each compile them inside their
+# time limit (3-5 s a kernel: in run 11 a variant the pack lacked ran its first test out of 60 s).
+# Kernels already cached are read, not compiled. The architecture is the device's
+# (nvidia-smi's compute capability), 90 when that cannot be read.
+precompile_variant() { # TAG
+    local models=() m arch
+    for m in tests/fixtures/*; do
+        [[ -f $m/config.json || $m == *.gguf ]] && models+=(-m "$m")
+    done
+    ((${#models[@]})) || return 0
+    arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .')
+    [[ $arch =~ ^[0-9]+$ ]] || arch=90
+    stage "kernels$1" 300 "${VENV[@]}" bash -c 'bench=$1 arch=$2; shift 2
+        printf "%s\0" "$@" | xargs -0 -n 2 -P "$(nproc)" "$bench" --precompile-cuda "$arch" --batch 1,2,4,8 |
+            awk -F"\t" "\$4 == \"compiled\" {n++} END {print n + 0, \"kernels compiled\"}"' \
+        _ "$BENCH" "$arch" "${models[@]}" || true
+}
+
 run_tests() { # FILTER VARIANT: one process per test function, under the megakernel variant
     local filter=$1 variant=${2:-default} t bin name tag=""
     [[ $variant != default ]] && tag="[$variant]"
     set_venv "$variant" || return 0
     CUR_VARIANT=$variant
+    precompile_variant "$tag"
     for t in $GPU_TESTS lib; do
         bin=$BIN/test-$t
         [[ -x $bin ]] || { echo "(no $bin)"; continue; }
