@@ -104,7 +104,7 @@ KILN_OFFSET_IS(MkControl, n_stop, 256);
 KILN_OFFSET_IS(MkControl, stop_ids, 260);
 
 #define SAMPLE_THREADS 256
-// Logits each thread loads before using any of them, in every pass over a row (sample_each).
+// Logits each thread of the greedy pass loads before comparing them (kiln_sample_row).
 #define SAMPLE_LOADS 8
 // Largest bucket sorted in shared memory (a power of two).
 #define SAMPLE_CAP 1024
@@ -159,45 +159,20 @@ __device__ __forceinline__ SampleBest sample_block_best(SampleBest b) {
     return r;
 }
 
-// Calls f(i, l[i]) for each of this thread's tokens i (threadIdx.x, + SAMPLE_THREADS, ...) in
-// increasing order, SAMPLE_LOADS of them loaded before any is used, and once with i >= vocab
-// (value -inf) for a block-wide stride that starts inside the row but not this thread's entry, so
-// that block-wide calls in f (sample_hist_add) happen once per stride on every thread. Why: a pass
-// that loaded one stride at a time waited on each load before the next, and one block reading a
-// row so took 52 µs of a 1.29 ms SmolLM2-135M megakernel step and 195 µs of a 3.5 ms
-// Llama-3.2-1B one on an H200 (docs/gpu-results.md, run 11; the greedy pass loading this way ran
-// there: 24 and 63 µs). The same order and the same block-wide calls as one stride at a time:
-// the same results.
-template <typename F>
-__device__ __forceinline__ void sample_each(const float* l, int vocab, F&& f) {
-    for (int i0 = 0; i0 < vocab; i0 += SAMPLE_LOADS * SAMPLE_THREADS) {
-        float v[SAMPLE_LOADS];
-#pragma unroll
-        for (int u = 0; u < SAMPLE_LOADS; ++u) {
-            const int i = i0 + u * SAMPLE_THREADS + (int)threadIdx.x;
-            v[u] = i < vocab ? l[i] : KILN_NEG_INF;
-        }
-#pragma unroll
-        for (int u = 0; u < SAMPLE_LOADS; ++u) {
-            if (i0 + u * SAMPLE_THREADS >= vocab) break;  // block-uniform
-            f(i0 + u * SAMPLE_THREADS + (int)threadIdx.x, v[u]);
-        }
-    }
-}
-
 // Greedy: the first index of the largest logit above -inf (NaN never wins); 0 if there is none
-// (as `kiln::sample::argmax`). The whole block (SAMPLE_THREADS) calls it.
+// (as `kiln::sample::argmax`). The whole block calls it.
 __device__ __forceinline__ int kiln_argmax_row(const float* l, int vocab) {
     SampleBest b;
     b.v = 0.0f;
     b.i = -1;
-    sample_each(l, vocab, [&](int i, float v) {
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = l[i];
         // Each thread sees increasing indices: strictly greater keeps the first.
-        if (i < vocab && v > KILN_NEG_INF && (b.i < 0 || v > b.v)) {
+        if (v > KILN_NEG_INF && (b.i < 0 || v > b.v)) {
             b.v = v;
             b.i = i;
         }
-    });
+    }
     b = sample_block_best(b);
     return b.i < 0 ? 0 : b.i;
 }
@@ -320,11 +295,13 @@ __device__ __forceinline__ void sample_hist(const float* l, int vocab, const Sam
         h.mass[b] = 0ull;
     }
     __syncthreads();
-    sample_each(l, vocab, [&](int i, float v) {
+    for (int i0 = 0; i0 < vocab; i0 += SAMPLE_THREADS) {
+        const int i = i0 + threadIdx.x;
         bool take = false;
         unsigned bin = 0;
         u64 W = 0;
         if (i < vocab) {
+            const float v = l[i];
             const u64 ck = sample_ck(v, i);
             if (bits == 0 || (ck >> (64 - bits)) == prefix) {
                 take = sample_kept(c, v, ck, W);
@@ -332,7 +309,7 @@ __device__ __forceinline__ void sample_hist(const float* l, int vocab, const Sam
             }
         }
         sample_hist_add(h, take, bin, W);
-    });
+    }
     __syncthreads();
 }
 
@@ -411,16 +388,15 @@ __device__ __forceinline__ u64 sample_select(const float* l, int vocab, const Sa
     // Gather the bucket (the tokens the histogram counted: at most SAMPLE_CAP).
     if (threadIdx.x == 0) s.n = 0u;
     __syncthreads();
-    // (The bucket is sorted below: the order the atomics hand out slots in does not matter.)
-    sample_each(l, vocab, [&](int i, float v) {
-        if (i >= vocab) return;
+    for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+        const float v = l[i];
         const u64 ck = sample_ck(v, i);
         u64 W;
         if ((ck >> (64 - bits)) == prefix && sample_kept(c, v, ck, W)) {
             const unsigned at = atomicAdd(&s.n, 1u);
             if (at < SAMPLE_CAP) s.w.ck[at] = ck;
         }
-    });
+    }
     __syncthreads();
     const int n = min((int)s.n, SAMPLE_CAP);
     int p = 1;
@@ -485,21 +461,36 @@ __device__ __forceinline__ int kiln_sample_row(const float* l, int vocab,
         __syncthreads();
     }
     // One pass: the greedy token, and the top-k question's level-1 histogram (every token, unit
-    // weight).
+    // weight). Each thread loads SAMPLE_LOADS of its logits (one per block-wide stride) before
+    // comparing any: loaded one stride at a time, each load waited on the last, and one block
+    // reading a row was 52 µs of a 1.29 ms SmolLM2-135M megakernel step and 195 µs of a 3.5 ms
+    // Llama-3.2-1B one on an H200 (docs/gpu-results.md, run 11). Every thread still sees its
+    // tokens in the same order and the histogram gets the same calls: the same result.
     SampleBest best;
     best.v = 0.0f;
     best.i = -1;
-    sample_each(l, vocab, [&](int i, float v) {
-        unsigned bin = 0;
-        if (i < vocab) {
-            if (v > KILN_NEG_INF && (best.i < 0 || v > best.v)) {
-                best.v = v;
-                best.i = i;
-            }
-            bin = (unsigned)(sample_ck(v, i) >> 56);
+    for (int i0 = 0; i0 < vocab; i0 += SAMPLE_LOADS * SAMPLE_THREADS) {
+        float v[SAMPLE_LOADS];
+#pragma unroll
+        for (int u = 0; u < SAMPLE_LOADS; ++u) {
+            const int i = i0 + u * SAMPLE_THREADS + (int)threadIdx.x;
+            v[u] = i < vocab ? l[i] : KILN_NEG_INF;
         }
-        if (topk) sample_hist_add(s.w.h, i < vocab, bin, 1ull);
-    });
+#pragma unroll
+        for (int u = 0; u < SAMPLE_LOADS; ++u) {
+            const int i = i0 + u * SAMPLE_THREADS + (int)threadIdx.x;
+            unsigned bin = 0;
+            if (i < vocab) {
+                if (v[u] > KILN_NEG_INF && (best.i < 0 || v[u] > best.v)) {
+                    best.v = v[u];
+                    best.i = i;
+                }
+                bin = (unsigned)(sample_ck(v[u], i) >> 56);
+            }
+            // Block-uniform: i0 + u * SAMPLE_THREADS < vocab or not for every thread alike.
+            if (topk && i0 + u * SAMPLE_THREADS < vocab) sample_hist_add(s.w.h, i < vocab, bin, 1ull);
+        }
+    }
     best = sample_block_best(best);
     const int greedy = best.i < 0 ? 0 : best.i;
     if (!sampling) return greedy;

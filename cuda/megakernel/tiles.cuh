@@ -646,6 +646,8 @@ __device__ __noinline__ void mk_attention(const float* q, int qs, float* out, in
         float m = KILN_NEG_INF, l = 0.0f, acc[ATT_PER_LANE];
 #pragma unroll
         for (int i = 0; i < ATT_PER_LANE; ++i) acc[i] = 0.0f;
+        // Striped: warp w takes the 32-key tiles w, w + MK_WARPS, ... of [lo, p].
+        int a = lo, e = p + 1, first = warp, step = MK_WARPS;
         const int n = p + 1 - lo;
         if (MK_ATT_CHUNKS && n <= 32 * MK_WARPS) {
             // Up to one 32-key tile per warp: each warp takes a contiguous ceil(n / MK_WARPS)
@@ -653,11 +655,13 @@ __device__ __noinline__ void mk_attention(const float* q, int qs, float* out, in
             // loads. Striped 32-key tiles left a short context's keys all to warp 0, whose value
             // loop then waited on 32 keys' loads 8 at a time.
             const int chunk = (n + MK_WARPS - 1) / MK_WARPS;
-            const int a = min(lo + warp * chunk, p + 1), e = min(a + chunk, p + 1);
-            attend_tiles(qsh, kv, head_dim, scale, a, e, 0, 1, m, l, acc);
-        } else {
-            attend_tiles(qsh, kv, head_dim, scale, lo, p + 1, warp, MK_WARPS, m, l, acc);
+            a = min(lo + warp * chunk, p + 1);
+            e = min(a + chunk, p + 1);
+            first = 0;
+            step = 1;
         }
+        // One call site: attend_tiles inlined twice spilled under NVRTC 13.5.
+        attend_tiles(qsh, kv, head_dim, scale, a, e, first, step, m, l, acc);
         if (lane == 0) {
             wm[warp] = m;
             wl[warp] = l;
