@@ -59,11 +59,11 @@ def main():
     blocks = defaultdict(list)
     for t in tiles:
         blocks[t["block"]].append(t)
-    instr_done = defaultdict(int)
     instr_tiles = defaultdict(list)
     for t in tiles:
-        instr_done[t["instr"]] = max(instr_done[t["instr"]], t["done"])
         instr_tiles[t["instr"]].append(t)
+    # Each instruction's last tile to finish: the one its counter waited for.
+    instr_last = {i: max(v, key=lambda x: x["done"]) for i, v in instr_tiles.items()}
     by_t = {t["t"]: t for t in tiles}
 
     print(f"{a.csv}: {len(tiles)} tiles on {len(blocks)} blocks, {len(instr_tiles)} instructions; step {us(span)} us")
@@ -93,8 +93,7 @@ def main():
         best = None
         for w in t["waits"]:
             if w[0] == "i":
-                i = int(w[1:])
-                cand = max(instr_tiles[i], key=lambda x: x["done"]) if instr_tiles[i] else None
+                cand = instr_last.get(int(w[1:]))
             else:
                 cand = by_t.get(int(w[1:]))
             if cand and (best is None or cand["done"] > best["done"]):

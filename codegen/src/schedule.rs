@@ -54,11 +54,7 @@ impl TileConfig {
     /// gated one): [`TileConfig::matvec_rows`], fewer where those rows would not fit the staging
     /// buffer.
     pub fn rows_for(&self, k: usize, mats: usize) -> usize {
-        let per_row = k.saturating_mul(2).saturating_mul(mats.max(1));
-        if self.stage_bytes == 0 || per_row == 0 {
-            return self.matvec_rows.max(1);
-        }
-        self.matvec_rows.min(self.stage_bytes / per_row).max(1)
+        self.capped(self.matvec_rows, k, mats)
     }
 
     /// Output rows per LM-head tile over `k` columns: [`TileConfig::head_rows`] (or
@@ -69,11 +65,16 @@ impl TileConfig {
         } else {
             self.head_rows
         };
-        TileConfig {
-            matvec_rows: rows,
-            ..*self
+        self.capped(rows, k, 1)
+    }
+
+    /// `rows`, fewer where they would not fit the staging buffer (one at least).
+    fn capped(&self, rows: usize, k: usize, mats: usize) -> usize {
+        let per_row = k.saturating_mul(2).saturating_mul(mats.max(1));
+        if self.stage_bytes == 0 || per_row == 0 {
+            return rows.max(1);
         }
-        .rows_for(k, 1)
+        rows.min(self.stage_bytes / per_row).max(1)
     }
 }
 

@@ -47,9 +47,9 @@ use super::graph_host::{
     row_mask, row_words, sampling_control, wait_epoch, GraphError, RingBook, StreamState,
     WaitError, CONTROL_WORDS, NO_TOKEN,
 };
-use super::megakernel::{generate, lower_decode};
+use super::megakernel::{generate, lower_decode, timeline_dir};
 use super::nvrtc;
-use super::timeline::{self, Timeline};
+use super::timeline::Timeline;
 use super::trace::traced;
 use crate::backend::GraphRow;
 use crate::graph::{Linear, Op};
@@ -346,8 +346,8 @@ impl CudaBackend {
             tiles,
             THREADS as usize,
         )?;
-        let timeline = timeline::dir()
-            .map(|dir| Timeline::new(module.clone(), dir, &mk.program, &mk.schedule));
+        let timeline =
+            timeline_dir().map(|dir| Timeline::new(module.clone(), dir, &mk.program, &mk.schedule));
         let m = Arc::new(MkModule {
             timeline,
             func,

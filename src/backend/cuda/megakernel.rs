@@ -468,21 +468,21 @@ pub fn tile_config() -> TileConfig {
         head_rows: HEAD_ROWS,
         ..TileConfig::default()
     };
-    if let Some(rows) = std::env::var("KILN_MK_HEAD_ROWS")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|r| (1..=1024).contains(r))
-    {
+    if let Some(rows) = env_rows("KILN_MK_HEAD_ROWS") {
         c.head_rows = rows;
     }
-    if let Some(rows) = std::env::var("KILN_MK_MATVEC_ROWS")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|r| (1..=1024).contains(r))
-    {
+    if let Some(rows) = env_rows("KILN_MK_MATVEC_ROWS") {
         c.matvec_rows = rows;
     }
     c
+}
+
+/// A rows-per-tile setting from the environment: 1 to 1024, anything else `None`.
+fn env_rows(var: &str) -> Option<usize> {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|r| (1..=1024).contains(r))
 }
 
 /// Whether matvec tiles copy their weights into shared memory before waiting on their inputs
@@ -527,11 +527,13 @@ pub fn stripe_attention() -> bool {
     std::env::var("KILN_MK_ATT_STRIPE").is_ok_and(|v| v.trim() == "1")
 }
 
-/// Whether every tile records its wait and work times (`MK_TIMELINE` in
-/// `cuda/megakernel/tiles.cuh`; the host's side is `backend::cuda::timeline`): when
-/// `KILN_MK_TIMELINE` names a directory. A diagnostic, off by default.
-pub fn record_timeline() -> bool {
-    std::env::var_os("KILN_MK_TIMELINE").is_some_and(|v| !v.is_empty())
+/// Where every tile's wait and work times go (`MK_TIMELINE` in `cuda/megakernel/tiles.cuh`;
+/// the host's side is `backend::cuda::timeline`): the directory `KILN_MK_TIMELINE` names, if
+/// set and not empty. A diagnostic, off by default.
+pub fn timeline_dir() -> Option<std::path::PathBuf> {
+    std::env::var_os("KILN_MK_TIMELINE")
+        .filter(|v| !v.is_empty())
+        .map(std::path::PathBuf::from)
 }
 
 /// Lowers, schedules ([`tile_config`]) and emits ([`generate_with`], the attention fusion as
@@ -565,7 +567,7 @@ pub fn generate_with(
     if stripe_attention() {
         source.insert_str(0, "#define MK_ATT_CHUNKS 0\n");
     }
-    if record_timeline() {
+    if timeline_dir().is_some() {
         source.insert_str(0, "#define MK_TIMELINE 1\n");
     }
     Ok(Megakernel {

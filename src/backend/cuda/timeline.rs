@@ -13,20 +13,13 @@
 //! SmolLM2 batch-1 step about 6% longer (1,288 µs against 1,214 µs untimed).
 
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaModule, CudaStream};
 use kiln_codegen::{DecodeProgram, Schedule};
 
 use super::device::{drv, CudaError};
-
-/// The directory `KILN_MK_TIMELINE` names, if set and not empty.
-pub fn dir() -> Option<PathBuf> {
-    std::env::var_os("KILN_MK_TIMELINE")
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-}
 
 /// What a compiled module needs to write its timeline: the module (whose `mk_timeline` global
 /// holds the records), the directory, and each tile's description.
@@ -70,14 +63,10 @@ impl Timeline {
         std::fs::create_dir_all(&self.dir)
             .map_err(|e| CudaError::Driver(format!("creating {}: {e}", self.dir.display())))?;
         let path = self.dir.join(format!("mk-timeline-b{bucket}.csv"));
-        write_file(&path, &csv)?;
+        std::fs::write(&path, &csv)
+            .map_err(|e| CudaError::Driver(format!("writing {}: {e}", path.display())))?;
         Ok(path)
     }
-}
-
-fn write_file(path: &Path, text: &str) -> Result<(), CudaError> {
-    std::fs::write(path, text)
-        .map_err(|e| CudaError::Driver(format!("writing {}: {e}", path.display())))
 }
 
 /// The CSV header: the tile's description, then its record (ns from the step's first record).
