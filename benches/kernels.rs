@@ -29,7 +29,7 @@ fn matrix(rows: usize, cols: usize, bf: bool) -> PackedMatrix {
     let data = if bf {
         WeightData::BF16(v.iter().map(|&x| bf16::from_f32(x)).collect())
     } else {
-        WeightData::F32(v)
+        WeightData::F32(v.into())
     };
     PackedMatrix {
         rows,
@@ -57,7 +57,10 @@ fn quant_matrix(rows: usize, cols: usize, kind: QuantKind) -> PackedMatrix {
     PackedMatrix {
         rows,
         cols,
-        data: WeightData::Quant { kind, blocks },
+        data: WeightData::Quant {
+            kind,
+            blocks: blocks.into(),
+        },
         bias: None,
     }
 }

@@ -11,6 +11,7 @@ mod elementwise;
 mod exec;
 pub mod matmul;
 pub mod norm;
+mod pages;
 mod rope;
 pub mod simd;
 #[cfg(test)]
@@ -27,7 +28,7 @@ use crate::kv::{KvBudget, KvCache, KvDtype, KvError, KvOptions};
 use crate::model::{DType, LoadError, ModelConfig, Tensor, Weights};
 use crate::plan::{compile_graph, ExecutionPlan, Phase, PlanKind};
 pub use matmul::Numerics;
-use matmul::{MatrixPart, PackedMatrix, WeightData};
+use matmul::{MatrixPart, PackedMatrix, WeightArena, WeightData};
 
 /// How linear weights are held in memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -141,6 +142,8 @@ impl CpuBackend {
                 m
             }
         };
+        // Every matrix on huge pages, the small ones sharing them (see `pages`).
+        let mut arena = WeightArena::new();
         let mut matrices: Vec<PackedMatrix> = Vec::new();
         let mut index: HashMap<String, usize> = HashMap::new();
         let mut vectors = HashMap::new();
@@ -156,7 +159,13 @@ impl CpuBackend {
                         let rows = stored.min(config.vocab_size);
                         Some(intern(&mut matrices, &mut index, table.clone(), || {
                             // A tied LM head is this matrix: regrouped like the others.
-                            pack(weights, &[(table.clone(), None, rows)], opts.weights).map(regroup)
+                            pack(
+                                weights,
+                                &[(table.clone(), None, rows)],
+                                opts.weights,
+                                &mut arena,
+                            )
+                            .map(regroup)
                         })?)
                     }
                     Op::GatedValueAdd { gate, .. } | Op::Smear { gate, .. } => {
@@ -176,7 +185,7 @@ impl CpuBackend {
                                     .iter()
                                     .map(|l| (l.weight.clone(), l.bias.clone(), l.out))
                                     .collect();
-                                pack(weights, &parts, opts.weights).map(regroup)
+                                pack(weights, &parts, opts.weights, &mut arena).map(regroup)
                             },
                         )?)
                     }
@@ -338,6 +347,7 @@ fn pack(
     weights: &Weights,
     parts: &[(String, Option<String>, usize)],
     format: WeightFormat,
+    arena: &mut WeightArena,
 ) -> Result<PackedMatrix, LoadError> {
     let tensors = parts
         .iter()
@@ -375,14 +385,14 @@ fn pack(
             .map(|(t, p)| {
                 Ok(MatrixPart {
                     rows: p.2,
-                    data: pack_data(weights, &[(*t, p.2)], cols, format)?,
+                    data: pack_data(weights, &[(*t, p.2)], cols, format, arena)?,
                 })
             })
             .collect::<Result<Vec<_>, LoadError>>()?;
         WeightData::Parts(parts)
     } else {
         let rows_of: Vec<_> = tensors.iter().zip(parts).map(|(&t, p)| (t, p.2)).collect();
-        pack_data(weights, &rows_of, cols, format)?
+        pack_data(weights, &rows_of, cols, format, arena)?
     };
     data.check_shape(rows, cols)
         .map_err(|e| LoadError::tensor(&weights.source, &tensors[0].name, e))?;
@@ -414,6 +424,7 @@ fn pack_data(
     tensors: &[(&Tensor, usize)],
     cols: usize,
     format: WeightFormat,
+    arena: &mut WeightArena,
 ) -> Result<WeightData, LoadError> {
     let first = tensors[0].0;
     let shared = tensors.iter().all(|(t, _)| t.dtype == first.dtype);
@@ -428,7 +439,7 @@ fn pack_data(
     };
     Ok(if let Some(kind) = quant {
         let row_bytes = first.dtype.row_bytes(cols);
-        let mut blocks = Vec::new();
+        let mut rows = Vec::with_capacity(tensors.len());
         for (t, r) in tensors {
             let raw = t.raw();
             let want = r.checked_mul(row_bytes).filter(|&w| w <= raw.len());
@@ -439,22 +450,23 @@ fn pack_data(
                     format!("{} bytes stored, {r} rows of {row_bytes} needed", raw.len()),
                 ));
             };
-            blocks.extend_from_slice(&raw[..want]);
+            rows.push(&raw[..want]);
         }
-        WeightData::Quant { kind, blocks }
+        WeightData::Quant {
+            kind,
+            blocks: arena.copy(&rows),
+        }
     } else if use_bf16 {
-        WeightData::BF16(
-            tensors
-                .iter()
-                .flat_map(|(t, r)| t.to_bf16_vec().into_iter().take(r * cols))
-                .collect(),
-        )
+        let widened: Vec<Vec<_>> = tensors
+            .iter()
+            .map(|(t, r)| t.to_bf16_vec().into_iter().take(r * cols).collect())
+            .collect();
+        WeightData::BF16(arena.copy(&widened.iter().map(Vec::as_slice).collect::<Vec<_>>()))
     } else {
-        WeightData::F32(
-            tensors
-                .iter()
-                .flat_map(|(t, r)| t.to_f32_vec().into_iter().take(r * cols))
-                .collect(),
-        )
+        let widened: Vec<Vec<_>> = tensors
+            .iter()
+            .map(|(t, r)| t.to_f32_vec().into_iter().take(r * cols).collect())
+            .collect();
+        WeightData::F32(arena.copy(&widened.iter().map(Vec::as_slice).collect::<Vec<_>>()))
     })
 }

@@ -67,6 +67,7 @@ use std::ops::Range;
 use half::bf16;
 use rayon::prelude::*;
 
+pub use super::pages::{Pages, WeightArena};
 use super::simd::{self, Level};
 use crate::model::quant::{self, BlockFormat, QuantKind};
 use crate::with_format;
@@ -195,16 +196,17 @@ pub fn int8_kernels() -> bool {
 /// Weight storage the kernels read directly (bf16 is never widened in memory, quantized blocks
 /// are never dequantized in memory).
 pub enum WeightData {
-    F32(Vec<f32>),
-    BF16(Vec<bf16>),
+    F32(Pages<f32>),
+    BF16(Pages<bf16>),
     /// ggml blocks, rows concatenated: row `n` is `blocks[n·row_bytes..(n+1)·row_bytes]` with
     /// `row_bytes = cols / kind.block_elems() · kind.block_bytes()`. An owned copy rather than a
     /// borrow of the file mapping: merged linears (qkv, gate|up) must be concatenated anyway, the
     /// 34/18/20-byte blocks make every load unaligned whatever the base, and an owned buffer keeps
-    /// the packed matrix independent of the file (one extra copy of ~the file size at load).
+    /// the packed matrix independent of the file (one extra copy of ~the file size at load),
+    /// on huge pages ([`Pages`]).
     Quant {
         kind: QuantKind,
-        blocks: Vec<u8>,
+        blocks: Pages<u8>,
     },
     /// Consecutive row ranges held in different formats: a merged linear whose parts were stored
     /// differently (Qwen2.5-Coder's Q4_K_M file has q and k in Q5_0 beside a Q8_0 v in half its

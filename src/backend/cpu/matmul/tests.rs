@@ -82,7 +82,7 @@ fn quant_matrix(kind: QuantKind, rows: usize, cols: usize, bias: bool, seed: u64
         cols,
         data: WeightData::Quant {
             kind,
-            blocks: rand_blocks(kind, rows, cols, seed),
+            blocks: rand_blocks(kind, rows, cols, seed).into(),
         },
         bias: bias.then(|| rand_vec(rows, seed + 1)),
     }
@@ -103,9 +103,14 @@ fn check(
     let seed = (rows * 1000 + cols * 10 + tokens) as u64;
     let wv = rand_vec(rows * cols, seed);
     let data = if bf {
-        WeightData::BF16(wv.iter().map(|&v| bf16::from_f32(v)).collect())
+        WeightData::BF16(
+            wv.iter()
+                .map(|&v| bf16::from_f32(v))
+                .collect::<Vec<_>>()
+                .into(),
+        )
     } else {
-        WeightData::F32(wv)
+        WeightData::F32(wv.into())
     };
     let w = PackedMatrix {
         rows,
@@ -309,12 +314,14 @@ fn quantized_tiles_dequantize_bit_exactly() {
 fn quantized_shapes_are_checked() {
     let w = WeightData::Quant {
         kind: QuantKind::Q4_1,
-        blocks: vec![0; 2 * 20],
+        blocks: vec![0; 2 * 20].into(),
     };
     assert!(w.check_shape(2, 32).is_ok());
     assert!(w.check_shape(3, 32).is_err(), "byte count must match rows");
     assert!(w.check_shape(2, 16).unwrap_err().contains("not whole"));
-    assert!(WeightData::F32(vec![0.0; 3]).check_shape(1, 3).is_ok());
+    assert!(WeightData::F32(vec![0.0; 3].into())
+        .check_shape(1, 3)
+        .is_ok());
 }
 
 #[test]
@@ -329,13 +336,13 @@ fn comparison_catches_a_dropped_tail() {
     let good = PackedMatrix {
         rows,
         cols,
-        data: WeightData::F32(wv),
+        data: WeightData::F32(wv.into()),
         bias: None,
     };
     let bad = PackedMatrix {
         rows,
         cols,
-        data: WeightData::F32(dropped),
+        data: WeightData::F32(dropped.into()),
         bias: None,
     };
     let x = rand_vec(tokens * cols, 10);
@@ -362,7 +369,7 @@ fn short_input_is_rejected() {
     let w = PackedMatrix {
         rows: 1,
         cols: 17,
-        data: WeightData::F32(vec![1.0; 17]),
+        data: WeightData::F32(vec![1.0; 17].into()),
         bias: None,
     };
     let mut out = vec![0.0f32; 1];
@@ -384,7 +391,7 @@ fn tile_widths_round_like_the_narrowest_tile() {
     let w = PackedMatrix {
         rows,
         cols,
-        data: WeightData::F32(rand_vec(rows * cols, 11)),
+        data: WeightData::F32(rand_vec(rows * cols, 11).into()),
         bias: None,
     };
     for level in simd::available_levels() {
@@ -450,13 +457,19 @@ fn avx512_panels_round_like_avx2_panels() {
         PackedMatrix {
             rows,
             cols,
-            data: WeightData::F32(f32_rows.clone()),
+            data: WeightData::F32(f32_rows.clone().into()),
             bias: Some(rand_vec(rows, 22)),
         },
         PackedMatrix {
             rows,
             cols,
-            data: WeightData::BF16(f32_rows.iter().map(|&v| bf16::from_f32(v)).collect()),
+            data: WeightData::BF16(
+                f32_rows
+                    .iter()
+                    .map(|&v| bf16::from_f32(v))
+                    .collect::<Vec<_>>()
+                    .into(),
+            ),
             bias: None,
         },
         quant_matrix(QuantKind::Q4_1, rows, cols, true, 23),
@@ -752,7 +765,7 @@ fn parts_multiply_as_each_part_alone() {
             None => PackedMatrix {
                 rows,
                 cols,
-                data: WeightData::F32(rand_vec(rows * cols, 60)),
+                data: WeightData::F32(rand_vec(rows * cols, 60).into()),
                 bias: Some(rand_vec(rows, 61)),
             },
         })
@@ -860,7 +873,8 @@ fn bf16_activations_match_rounded_reference() {
                 rand_vec(rows * cols, cols as u64)
                     .iter()
                     .map(|&v| bf16::from_f32(v))
-                    .collect(),
+                    .collect::<Vec<_>>()
+                    .into(),
             ),
             bias: Some(rand_vec(rows, 5)),
         };
@@ -869,7 +883,7 @@ fn bf16_activations_match_rounded_reference() {
         let f = PackedMatrix {
             rows,
             cols,
-            data: WeightData::F32(rand_vec(rows * cols, 9)),
+            data: WeightData::F32(rand_vec(rows * cols, 9).into()),
             bias: None,
         };
         for (i, (m, tokens)) in [(&w, 16), (&w, 1), (&f, 24)].into_iter().enumerate() {
@@ -913,7 +927,7 @@ fn bf16_activations_match_rounded_reference() {
     let with_f32 = parts(PackedMatrix {
         rows: 8,
         cols: 128,
-        data: WeightData::F32(rand_vec(8 * 128, 12)),
+        data: WeightData::F32(rand_vec(8 * 128, 12).into()),
         bias: None,
     });
     // Its f32 part runs exactly (activations unrounded), its Q5_0 part rounded.
