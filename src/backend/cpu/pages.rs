@@ -40,24 +40,35 @@ unsafe impl Send for Chunk {}
 unsafe impl Sync for Chunk {}
 
 impl Chunk {
-    /// A chunk of at least `bytes` bytes (rounded up to whole huge pages). Panics, as `Vec`
-    /// does, if the allocation fails.
-    fn new(bytes: usize) -> Chunk {
+    /// A chunk of at least `bytes` bytes for huge pages: aligned to [`HUGE_PAGE`], rounded up
+    /// to whole ones and advised. Panics, as `Vec` does, if the allocation fails.
+    fn huge(bytes: usize) -> Chunk {
         let size = bytes.max(1).next_multiple_of(HUGE_PAGE);
-        let layout = Layout::from_size_align(size, HUGE_PAGE).expect("chunk size overflows");
+        let chunk = Chunk::alloc(Layout::from_size_align(size, HUGE_PAGE));
+        advise_huge_pages(chunk.ptr.as_ptr(), size);
+        chunk
+    }
+
+    /// A chunk of exactly `bytes` bytes (at least one), cache-line aligned: for a buffer too
+    /// small for a huge page of its own.
+    fn small(bytes: usize) -> Chunk {
+        Chunk::alloc(Layout::from_size_align(bytes.max(1), ALIGN))
+    }
+
+    fn alloc(layout: Result<Layout, std::alloc::LayoutError>) -> Chunk {
+        let layout = layout.expect("weight buffer size overflows");
         // SAFETY: `layout` has a non-zero size.
         let ptr = unsafe { alloc::alloc(layout) };
         let Some(ptr) = NonNull::new(ptr) else {
             alloc::handle_alloc_error(layout)
         };
-        advise_huge_pages(ptr.as_ptr(), size);
         Chunk { ptr, layout }
     }
 }
 
 impl Drop for Chunk {
     fn drop(&mut self) {
-        // SAFETY: allocated in `Chunk::new` with this layout.
+        // SAFETY: allocated in `Chunk::alloc` with this layout.
         unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
     }
 }
@@ -120,9 +131,45 @@ impl<T: Pod + std::fmt::Debug> std::fmt::Debug for Pages<T> {
 }
 
 impl<T: Pod> From<Vec<T>> for Pages<T> {
-    /// A copy of `v` in a chunk of its own (tests, benchmarks, one-off matrices).
+    /// A copy of `v` in an allocation of its own (tests, benchmarks, one-off matrices): on huge
+    /// pages from 2 MiB up.
     fn from(v: Vec<T>) -> Pages<T> {
-        WeightArena::new().copy(&[&v])
+        let bytes = std::mem::size_of_val(v.as_slice());
+        let chunk = if bytes >= HUGE_PAGE {
+            Chunk::huge(bytes)
+        } else {
+            Chunk::small(bytes)
+        };
+        Pages::write(Arc::new(chunk), 0, &[&v])
+    }
+}
+
+impl<T: Pod> Pages<T> {
+    /// The concatenation of `parts`, written at `offset` of `chunk`, which must have the room,
+    /// unwritten and given to this buffer alone.
+    fn write(chunk: Arc<Chunk>, offset: usize, parts: &[&[T]]) -> Pages<T> {
+        const { assert!(std::mem::align_of::<T>() <= ALIGN) };
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        let mut at = offset;
+        for part in parts {
+            let src: &[u8] = bytemuck::cast_slice(part);
+            assert!(
+                at + src.len() <= chunk.layout.size(),
+                "weight chunk overrun"
+            );
+            // SAFETY: in bounds (checked); this range of the chunk belongs to this buffer
+            // alone and is not yet visible through any `Pages`; `src` is another allocation.
+            unsafe {
+                std::ptr::copy_nonoverlapping(src.as_ptr(), chunk.ptr.as_ptr().add(at), src.len());
+            }
+            at += src.len();
+        }
+        Pages {
+            chunk,
+            offset,
+            len,
+            _elem: PhantomData,
+        }
     }
 }
 
@@ -147,21 +194,29 @@ impl WeightArena {
 
     /// The concatenation of `parts` as one buffer.
     pub fn copy<T: Pod>(&mut self, parts: &[&[T]]) -> Pages<T> {
+        let bytes = parts
+            .iter()
+            .try_fold(0usize, |n, p| n.checked_add(std::mem::size_of_val(*p)))
+            .expect("weight buffer size overflows");
+        let (chunk, offset) = self.reserve(bytes);
+        Pages::write(chunk, offset, parts)
+    }
+
+    /// A buffer of `len` elements written by `fill` in place (zeroed first), for data built
+    /// rather than copied: no second, ordinary copy of it is ever held.
+    pub fn filled<T: Pod>(&mut self, len: usize, fill: impl FnOnce(&mut [T])) -> Pages<T> {
         const { assert!(std::mem::align_of::<T>() <= ALIGN) };
-        let len: usize = parts.iter().map(|p| p.len()).sum();
         let bytes = len
             .checked_mul(std::mem::size_of::<T>())
             .expect("weight buffer size overflows");
         let (chunk, offset) = self.reserve(bytes);
-        let mut at = offset;
-        for part in parts {
-            let src: &[u8] = bytemuck::cast_slice(part);
-            // SAFETY: `reserve` gave this range of the chunk to this buffer alone, unwritten
-            // and not yet visible through any `Pages`; `src` is another allocation.
-            unsafe {
-                std::ptr::copy_nonoverlapping(src.as_ptr(), chunk.ptr.as_ptr().add(at), src.len());
-            }
-            at += src.len();
+        // SAFETY: `reserve` gave `offset..offset + bytes` of the chunk (in bounds, aligned for
+        // T) to this buffer alone, not yet visible through any `Pages`; zeroed, it holds valid
+        // T (Pod), and the one `&mut` to it ends before the buffer is made.
+        unsafe {
+            let at = chunk.ptr.as_ptr().add(offset);
+            std::ptr::write_bytes(at, 0, bytes);
+            fill(std::slice::from_raw_parts_mut(at.cast::<T>(), len));
         }
         Pages {
             chunk,
@@ -175,7 +230,7 @@ impl WeightArena {
     /// a new shared one otherwise, or one of its own for a buffer of at least [`CHUNK`] bytes.
     fn reserve(&mut self, bytes: usize) -> (Arc<Chunk>, usize) {
         if bytes >= CHUNK {
-            return (Arc::new(Chunk::new(bytes)), 0);
+            return (Arc::new(Chunk::huge(bytes)), 0);
         }
         if let Some((chunk, used)) = &mut self.current {
             let offset = used.next_multiple_of(ALIGN);
@@ -184,7 +239,7 @@ impl WeightArena {
                 return (Arc::clone(chunk), offset);
             }
         }
-        let chunk = Arc::new(Chunk::new(CHUNK));
+        let chunk = Arc::new(Chunk::huge(CHUNK));
         self.current = Some((Arc::clone(&chunk), bytes));
         (chunk, 0)
     }
@@ -205,6 +260,11 @@ mod tests {
         assert!(empty.is_empty());
         // Small buffers share a chunk, each aligned to a cache line.
         assert!(Arc::ptr_eq(&a.chunk, &b.chunk));
+        let built = arena.filled::<u32>(5, |v| {
+            v.iter_mut().enumerate().for_each(|(i, x)| *x = i as u32)
+        });
+        assert_eq!(&*built, &[0, 1, 2, 3, 4]);
+        assert_eq!(&*a, &[1, 2, 3, 4]);
         assert_eq!(b.as_ptr() as usize % ALIGN, 0);
         assert_eq!(a.chunk.ptr.as_ptr() as usize % HUGE_PAGE, 0);
     }
@@ -230,5 +290,10 @@ mod tests {
         assert_eq!(second.len(), 200);
         let from_vec = Pages::from(vec![1.5f32; 3]);
         assert_eq!(&*from_vec.clone(), &[1.5, 1.5, 1.5]);
+        assert_eq!(from_vec.chunk.layout.size(), 12);
+        let large = Pages::from(vec![3u8; HUGE_PAGE + 1]);
+        assert_eq!(large.chunk.layout.size(), 2 * HUGE_PAGE);
+        assert_eq!(large.as_ptr() as usize % HUGE_PAGE, 0);
+        assert!(large.iter().all(|&b| b == 3));
     }
 }

@@ -36,7 +36,7 @@
 
 use half::f16;
 
-use super::Job;
+use super::{Job, Pages, WeightArena};
 use crate::model::quant::{self, QuantKind};
 
 /// Elements per activation block (one scale each): every interleaved format's block.
@@ -134,7 +134,7 @@ pub struct Interleaved {
     /// Rows of the matrix (the last group is padded to [`GROUP`] rows with zero blocks).
     pub rows: usize,
     pub cols: usize,
-    pub bytes: Vec<u8>,
+    pub bytes: Pages<u8>,
 }
 
 /// Bytes of one interleaved block of a group: scales, mins, fifth-bit masks, quants.
@@ -207,42 +207,50 @@ pub fn interleavable(kind: QuantKind) -> bool {
 
 impl Interleaved {
     /// Regroups `rows` rows of `cols` columns of ggml blocks (`kind` must be
-    /// [`interleavable`]; the shape checked by the caller).
-    pub fn new(kind: QuantKind, rows: usize, cols: usize, blocks: &[u8]) -> Interleaved {
+    /// [`interleavable`]; the shape checked by the caller), into `arena`.
+    pub fn new(
+        kind: QuantKind,
+        rows: usize,
+        cols: usize,
+        blocks: &[u8],
+        arena: &mut WeightArena,
+    ) -> Interleaved {
         assert!(interleavable(kind), "{} cannot be interleaved", kind.name());
         let nb = cols / BLOCK;
         let (gb, bb) = (kind.block_bytes(), group_block_bytes(kind));
         let groups = rows.div_ceil(GROUP);
-        let mut bytes = vec![0u8; groups * nb * bb];
-        let (qa, ga) = (ggml_quants_at(kind), group_quants_at(kind));
-        for n in 0..rows {
-            let (g, r) = (n / GROUP, n % GROUP);
-            for b in 0..nb {
-                let src = &blocks[(n * nb + b) * gb..(n * nb + b + 1) * gb];
-                let dst = &mut bytes[(g * nb + b) * bb..(g * nb + b + 1) * bb];
-                dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
-                if has_min(kind) {
-                    dst[2 * GROUP + 2 * r..2 * GROUP + 2 * r + 2].copy_from_slice(&src[2..4]);
-                }
-                if has_fifth_bit(kind) {
-                    let fa = ggml_fifth_at(kind);
-                    let qh = u32::from_le_bytes([src[fa], src[fa + 1], src[fa + 2], src[fa + 3]]);
-                    let masks = group_masks_at(kind);
-                    for e in (0..BLOCK).filter(|e| qh >> e & 1 == 1) {
-                        let bit = 4 * r + e % 4;
-                        dst[masks + 8 * (e / 4) + bit / 8] |= 1 << (bit % 8);
+        let bytes = arena.filled::<u8>(groups * nb * bb, |bytes| {
+            let (qa, ga) = (ggml_quants_at(kind), group_quants_at(kind));
+            for n in 0..rows {
+                let (g, r) = (n / GROUP, n % GROUP);
+                for b in 0..nb {
+                    let src = &blocks[(n * nb + b) * gb..(n * nb + b + 1) * gb];
+                    let dst = &mut bytes[(g * nb + b) * bb..(g * nb + b + 1) * bb];
+                    dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
+                    if has_min(kind) {
+                        dst[2 * GROUP + 2 * r..2 * GROUP + 2 * r + 2].copy_from_slice(&src[2..4]);
                     }
-                }
-                let q = &src[qa..];
-                // Vector `j` holds bytes 4j..4j+4 of every row's quants, row r at lane r.
-                for (j, word) in q.chunks_exact(4).enumerate() {
-                    let at = ga + j * 4 * GROUP + 4 * r;
-                    for (i, &v) in word.iter().enumerate() {
-                        dst[at + i] = if kind == QuantKind::Q8_0 { v ^ 0x80 } else { v };
+                    if has_fifth_bit(kind) {
+                        let fa = ggml_fifth_at(kind);
+                        let qh =
+                            u32::from_le_bytes([src[fa], src[fa + 1], src[fa + 2], src[fa + 3]]);
+                        let masks = group_masks_at(kind);
+                        for e in (0..BLOCK).filter(|e| qh >> e & 1 == 1) {
+                            let bit = 4 * r + e % 4;
+                            dst[masks + 8 * (e / 4) + bit / 8] |= 1 << (bit % 8);
+                        }
+                    }
+                    let q = &src[qa..];
+                    // Vector `j` holds bytes 4j..4j+4 of every row's quants, row r at lane r.
+                    for (j, word) in q.chunks_exact(4).enumerate() {
+                        let at = ga + j * 4 * GROUP + 4 * r;
+                        for (i, &v) in word.iter().enumerate() {
+                            dst[at + i] = if kind == QuantKind::Q8_0 { v ^ 0x80 } else { v };
+                        }
                     }
                 }
             }
-        }
+        });
         Interleaved {
             kind,
             rows,

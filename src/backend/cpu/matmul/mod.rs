@@ -224,25 +224,33 @@ pub struct MatrixPart {
     pub data: WeightData,
 }
 
+/// Checks `bytes` bytes of `kind` blocks against a `rows × cols` shape.
+pub fn check_blocks(kind: QuantKind, bytes: usize, rows: usize, cols: usize) -> Result<(), String> {
+    let n = kind.block_elems();
+    if !cols.is_multiple_of(n) {
+        return Err(format!(
+            "{} rows of {cols} columns are not whole {n}-element blocks",
+            kind.name()
+        ));
+    }
+    let want = rows
+        .checked_mul(cols / n)
+        .and_then(|b| b.checked_mul(kind.block_bytes()));
+    if want != Some(bytes) {
+        return Err(format!(
+            "{bytes} bytes of {} blocks for a {rows}x{cols} matrix, expected {}",
+            kind.name(),
+            want.map_or_else(|| "more than memory holds".to_string(), |w| w.to_string())
+        ));
+    }
+    Ok(())
+}
+
 impl WeightData {
     /// Checks quantized blocks against a `rows × cols` shape (other formats always pass).
     pub fn check_shape(&self, rows: usize, cols: usize) -> Result<(), String> {
         if let WeightData::Quant { kind, blocks } = self {
-            let n = kind.block_elems();
-            if !cols.is_multiple_of(n) {
-                return Err(format!(
-                    "{} rows of {cols} columns are not whole {n}-element blocks",
-                    kind.name()
-                ));
-            }
-            let want = rows * (cols / n) * kind.block_bytes();
-            if blocks.len() != want {
-                return Err(format!(
-                    "{} bytes of {} blocks for a {rows}x{cols} matrix, expected {want}",
-                    blocks.len(),
-                    kind.name()
-                ));
-            }
+            check_blocks(*kind, blocks.len(), rows, cols)?;
         }
         if let WeightData::Interleaved(m) = self {
             if (m.rows, m.cols) != (rows, cols) {
@@ -341,16 +349,21 @@ impl WeightData {
     /// These weights regrouped for [`Numerics::Int8`]: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks
     /// (parts of other formats, and other data, unchanged).
     pub fn interleaved(self, rows: usize, cols: usize) -> WeightData {
+        self.interleaved_in(rows, cols, &mut WeightArena::new())
+    }
+
+    /// [`WeightData::interleaved`], the regrouped bytes placed in `arena`.
+    pub fn interleaved_in(self, rows: usize, cols: usize, arena: &mut WeightArena) -> WeightData {
         match self {
             WeightData::Quant { kind, blocks } if interleavable(kind) => {
-                WeightData::Interleaved(Interleaved::new(kind, rows, cols, &blocks))
+                WeightData::Interleaved(Interleaved::new(kind, rows, cols, &blocks, arena))
             }
             WeightData::Parts(parts) => WeightData::Parts(
                 parts
                     .into_iter()
                     .map(|p| MatrixPart {
                         rows: p.rows,
-                        data: p.data.interleaved(p.rows, cols),
+                        data: p.data.interleaved_in(p.rows, cols, arena),
                     })
                     .collect(),
             ),
