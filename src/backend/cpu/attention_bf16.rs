@@ -27,6 +27,7 @@
 
 use std::arch::x86_64::*;
 use std::cell::RefCell;
+use std::collections::HashMap;
 
 use rayon::prelude::*;
 
@@ -88,17 +89,21 @@ pub(super) unsafe fn attention(
 ) {
     let d = s.head_dim;
     let group = s.heads / s.kv_heads;
-    // The call's sequences in order of first appearance, each with the positions it needs.
+    // The call's sequences in order of first appearance, each with the positions it needs, and
+    // each row's index among them (a batched step has one row per sequence: no linear search).
     let mut seqs: Vec<(usize, usize, usize)> = Vec::new();
+    let mut seq_of_slot: HashMap<usize, usize> = HashMap::new();
+    let mut row_seq = Vec::with_capacity(rows.len());
     for r in rows {
         let (lo, n) = span(s, r);
-        match seqs.iter_mut().find(|x| x.0 == r.slot) {
-            Some(x) => {
-                x.1 = x.1.min(lo);
-                x.2 = x.2.max(n);
-            }
-            None => seqs.push((r.slot, lo, n)),
-        }
+        let i = *seq_of_slot.entry(r.slot).or_insert_with(|| {
+            seqs.push((r.slot, lo, n));
+            seqs.len() - 1
+        });
+        let x = &mut seqs[i];
+        x.1 = x.1.min(lo);
+        x.2 = x.2.max(n);
+        row_seq.push(i);
     }
     let packed: Vec<Packed> = (0..seqs.len() * s.kv_heads)
         .into_par_iter()
@@ -117,10 +122,7 @@ pub(super) unsafe fn attention(
         .for_each(|task| {
             let tile = tiles[task / s.kv_heads].clone();
             let g = task % s.kv_heads;
-            let seq = seqs
-                .iter()
-                .position(|x| x.0 == rows[tile.start].slot)
-                .expect("every row's sequence is listed");
+            let seq = row_seq[tile.start];
             let p = ptr;
             let job = Job {
                 s,
