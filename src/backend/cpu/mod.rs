@@ -28,7 +28,7 @@ use crate::kv::{KvBudget, KvCache, KvDtype, KvError, KvOptions};
 use crate::model::{DType, LoadError, ModelConfig, Tensor, Weights};
 use crate::plan::{compile_graph, ExecutionPlan, Phase, PlanKind};
 pub use matmul::Numerics;
-use matmul::{Interleaved, MatrixPart, PackedMatrix, WeightArena, WeightData};
+use matmul::{Interleaved, MatrixPart, PackedMatrix, Pages, WeightArena, WeightData};
 
 /// How linear weights are held in memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -469,18 +469,28 @@ fn pack_data(
             }
         }
     } else if use_bf16 {
-        let widened: Vec<Vec<_>> = tensors
-            .iter()
-            .map(|(t, r)| t.to_bf16_vec().into_iter().take(r * cols).collect())
-            .collect();
-        WeightData::BF16(arena.copy(&widened.iter().map(Vec::as_slice).collect::<Vec<_>>()))
+        WeightData::BF16(widened(arena, tensors, cols, Tensor::to_bf16_vec))
     } else {
-        let widened: Vec<Vec<_>> = tensors
-            .iter()
-            .map(|(t, r)| t.to_f32_vec().into_iter().take(r * cols).collect())
-            .collect();
-        WeightData::F32(arena.copy(&widened.iter().map(Vec::as_slice).collect::<Vec<_>>()))
+        WeightData::F32(widened(arena, tensors, cols, Tensor::to_f32_vec))
     })
+}
+
+/// The first `rows` rows of each tensor converted by `convert`, concatenated in `arena`.
+fn widened<T: bytemuck::Pod>(
+    arena: &mut WeightArena,
+    tensors: &[(&Tensor, usize)],
+    cols: usize,
+    convert: impl Fn(&Tensor) -> Vec<T>,
+) -> Pages<T> {
+    let parts: Vec<Vec<T>> = tensors
+        .iter()
+        .map(|(t, r)| {
+            let mut v = convert(t);
+            v.truncate(r.saturating_mul(cols));
+            v
+        })
+        .collect();
+    arena.copy(&parts.iter().map(Vec::as_slice).collect::<Vec<_>>())
 }
 
 /// Hands the heap memory freed while packing (widened copies, staging buffers) back to the

@@ -103,12 +103,7 @@ fn check(
     let seed = (rows * 1000 + cols * 10 + tokens) as u64;
     let wv = rand_vec(rows * cols, seed);
     let data = if bf {
-        WeightData::BF16(
-            wv.iter()
-                .map(|&v| bf16::from_f32(v))
-                .collect::<Vec<_>>()
-                .into(),
-        )
+        WeightData::BF16(wv.iter().map(|&v| bf16::from_f32(v)).collect())
     } else {
         WeightData::F32(wv.into())
     };
@@ -463,13 +458,7 @@ fn avx512_panels_round_like_avx2_panels() {
         PackedMatrix {
             rows,
             cols,
-            data: WeightData::BF16(
-                f32_rows
-                    .iter()
-                    .map(|&v| bf16::from_f32(v))
-                    .collect::<Vec<_>>()
-                    .into(),
-            ),
+            data: WeightData::BF16(f32_rows.iter().map(|&v| bf16::from_f32(v)).collect()),
             bias: None,
         },
         quant_matrix(QuantKind::Q4_1, rows, cols, true, 23),
@@ -873,8 +862,7 @@ fn bf16_activations_match_rounded_reference() {
                 rand_vec(rows * cols, cols as u64)
                     .iter()
                     .map(|&v| bf16::from_f32(v))
-                    .collect::<Vec<_>>()
-                    .into(),
+                    .collect(),
             ),
             bias: Some(rand_vec(rows, 5)),
         };
