@@ -8,6 +8,7 @@
 #   preload   KILN_MK_PRELOAD=1   tile arguments loaded before the dependency wait
 #   xstage    KILN_MK_XSTAGE=1    matvec input rows copied into shared memory once per tile
 #   fuse      KILN_MK_FUSE_ATTN=1 query RoPE and KV append folded into the attention tiles
+#   scfence   KILN_MK_SC_FENCE=1  tiles publish with __threadfence + release reds (the old way)
 #   timeline  KILN_MK_TIMELINE=mk-timeline  per-tile wait/work times of each graph's last step,
 #             written to ./mk-timeline/mk-timeline-bB.csv at each stop (a diagnostic)
 #   N         KILN_MK_MATVEC_ROWS=N   matvec output rows per tile
@@ -24,6 +25,7 @@ for p in "${parts[@]}"; do
     preload) echo KILN_MK_PRELOAD=1 ;;
     xstage) echo KILN_MK_XSTAGE=1 ;;
     fuse) echo KILN_MK_FUSE_ATTN=1 ;;
+    scfence) echo KILN_MK_SC_FENCE=1 ;;
     timeline) echo KILN_MK_TIMELINE=mk-timeline ;;
     *[!0-9]* | "") echo "mk-variant: unknown megakernel variant '$p' in '$1'" >&2 && exit 1 ;;
     *) echo "KILN_MK_MATVEC_ROWS=$p" ;;

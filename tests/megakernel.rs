@@ -390,8 +390,9 @@ fn megakernel_without_weight_staging_compiles() {
 /// The opt-in variants compile without spills at batch 1 and 8: the split-row matvec
 /// (`KILN_MK_SPLIT=1` puts `#define MK_SPLIT 1` ahead of the source), the argument preload
 /// (`KILN_MK_PRELOAD=1`, `#define MK_PRELOAD 1`), the input staging (`KILN_MK_XSTAGE=1`,
-/// `#define MK_XSTAGE 1`), split rows with input staging, and the attention fusion's program
-/// (`KILN_MK_FUSE_ATTN=1`) alone and with input staging. None is in the default source.
+/// `#define MK_XSTAGE 1`), split rows with input staging, the sequentially consistent signal
+/// fence of runs 1–11 (`KILN_MK_SC_FENCE=1`), and the attention fusion's program
+/// (`KILN_MK_FUSE_ATTN=1`) alone, with input staging and with the preload. None is in the default source.
 /// (Split and preload at once spill 12 bytes at batch 1 under NVRTC 13.5: measure them one at a
 /// time.)
 #[cfg(feature = "cuda")]
@@ -417,6 +418,7 @@ fn megakernel_experimental_variants_compile() {
             ("preload", "#define MK_PRELOAD 1\n"),
             ("xstage", "#define MK_XSTAGE 1\n"),
             ("split_xstage", "#define MK_SPLIT 1\n#define MK_XSTAGE 1\n"),
+            ("scfence", "#define MK_SC_FENCE 1\n"),
         ] {
             compile_without_spills(
                 format!("megakernel_llama_tied_{name}_b{batch}.cu"),
@@ -428,7 +430,11 @@ fn megakernel_experimental_variants_compile() {
         // the input staging.
         let fused = generate_with(&plan("tests/fixtures/llama_tied"), batch, true).unwrap();
         assert!(fused.program.instrs.len() < k.program.instrs.len());
-        for (name, defines) in [("fuse", ""), ("fuse_xstage", "#define MK_XSTAGE 1\n")] {
+        for (name, defines) in [
+            ("fuse", ""),
+            ("fuse_xstage", "#define MK_XSTAGE 1\n"),
+            ("fuse_preload", "#define MK_PRELOAD 1\n"),
+        ] {
             compile_without_spills(
                 format!("megakernel_llama_tied_{name}_b{batch}.cu"),
                 format!("{defines}{}", fused.source),

@@ -654,12 +654,19 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
                  unsigned* counters, unsigned* epoch_ctr,\n\
                  const MkControl* __restrict__ ctl, unsigned* ring) {\n\
     __shared__ unsigned epoch_sh;\n\
+    // The last counter and target thread 0 saw reached (mk_wait); no counter is -1.\n\
+    __shared__ unsigned wait_seen[2];\n\
 #if MK_PRELOAD\n\
     __shared__ int pre_tile[4];\n\
     __shared__ int pre_g[MK_NARGS];\n\
     __shared__ float pre_fa[MK_NFARGS];\n\
+    __shared__ const void* pre_mv[4];\n\
 #endif\n\
-    if (threadIdx.x == 0) epoch_sh = mk_ld_acquire(epoch_ctr) + 1u;\n\
+    if (threadIdx.x == 0) {\n\
+        epoch_sh = mk_ld_acquire(epoch_ctr) + 1u;\n\
+        wait_seen[0] = 0xffffffffu;\n\
+        wait_seen[1] = 0u;\n\
+    }\n\
     __syncthreads();\n\
     // Only `t` and `buf` live across the tile calls: the epoch stays in shared memory, the instruction is\n\
     // reloaded for the signal (fewer callee-saved registers).\n\
@@ -686,9 +693,21 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
             const int j = threadIdx.x - 4, row = mk_arg_row[mk_tiles[4 * t]] + mk_tiles[4 * t + 1];\n\
             if (j < MK_NARGS) pre_g[j] = mk_args[MK_NARGS * row + j];\n\
             else pre_fa[j - MK_NARGS] = mk_fargs[MK_NFARGS * row + j - MK_NARGS];\n\
+        } else if (threadIdx.x >= 64 && threadIdx.x < 68) {\n\
+            // A matvec's weight, up, norm-weight and bias pointers (the weight tables are\n\
+            // global memory too): W, up, nw, bias from argument slots 1, 2, 6, 14.\n\
+            const int j = threadIdx.x - 64, row = mk_arg_row[mk_tiles[4 * t]] + mk_tiles[4 * t + 1];\n\
+            const int* gr = mk_args + MK_NARGS * row;\n\
+            const void* p = nullptr;\n\
+            if (gr[0] == MK_K_MATVEC) {\n\
+                const int id = gr[j == 0 ? 1 : (j == 1 ? 2 : (j == 2 ? 6 : 14))];\n\
+                p = j < 2 ? (const void*)W(id) : (const void*)WF(id);\n\
+            }\n\
+            pre_mv[j] = p;\n\
         }\n\
 #endif\n\
-        mk_wait(counters, mk_waits + 2 * mk_wait_start[t], mk_wait_start[t + 1] - mk_wait_start[t], epoch_sh);\n\
+        mk_wait(counters, mk_waits + 2 * mk_wait_start[t], mk_wait_start[t + 1] - mk_wait_start[t], epoch_sh,\n\
+                wait_seen);\n\
 #if MK_TIMELINE\n\
         if (threadIdx.x == 0) mk_timeline[4 * t + 1] = mk_now();\n\
 #endif\n\
@@ -710,10 +729,20 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
         case MK_K_RMS_NORM:\n\
             mk_rms_norm(A(g[1]), g[2], g[3], MK_BATCH, WF(g[4]), fa[0], A(g[5]), g[6]);\n\
             break;\n\
-        case MK_K_MATVEC:\n\
-            mk_matvec<MK_BATCH>(W(g[1]), W(g[2]), lo, hi, g[3], A(g[4]), g[5], MK_BATCH, WF(g[6]), g[7],\n\
-                      fa[0], A(g[8]), g[9], A(g[10]), g[11], g[12], g[13], fa[1], WF(g[14]), buf);\n\
+        case MK_K_MATVEC: {\n\
+#if MK_PRELOAD\n\
+            const __nv_bfloat16* mw = (const __nv_bfloat16*)pre_mv[0];\n\
+            const __nv_bfloat16* mu = (const __nv_bfloat16*)pre_mv[1];\n\
+            const float* mnw = (const float*)pre_mv[2];\n\
+            const float* mbias = (const float*)pre_mv[3];\n\
+#else\n\
+            const __nv_bfloat16 *mw = W(g[1]), *mu = W(g[2]);\n\
+            const float *mnw = WF(g[6]), *mbias = WF(g[14]);\n\
+#endif\n\
+            mk_matvec<MK_BATCH>(mw, mu, lo, hi, g[3], A(g[4]), g[5], MK_BATCH, mnw, g[7],\n\
+                      fa[0], A(g[8]), g[9], A(g[10]), g[11], g[12], g[13], fa[1], mbias, buf);\n\
             break;\n\
+        }\n\
         case MK_K_EWISE:\n\
             mk_ewise(g[1], g[2], A(g[3]), g[4], A(g[5]), g[6], A(g[7]), g[8], lo, hi, fa[0], fa[1],\n\
                      MK_BATCH);\n\
@@ -766,7 +795,11 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
             mk_timeline[4 * t + 3] = ((unsigned long long)mk_smid() << 32) | blockIdx.x;\n\
         }\n\
 #endif\n\
+#if MK_PRELOAD\n\
+        mk_signal(counters, pre_tile[0], MK_INSTRS + t);\n\
+#else\n\
         mk_signal(counters, mk_tiles[4 * t], MK_INSTRS + t);\n\
+#endif\n\
     }\n\
 }\n\
 #undef W\n\

@@ -18,7 +18,7 @@
 // kiln-codegen's interp.rs mirrors every tile function here (its CPU verification): a change
 // here needs the same change there.
 // Dependency counters: a waiting block polls with ld.acquire.gpu, a finished tile publishes
-// with __threadfence + red.release.gpu.
+// with one fence.acq_rel.gpu and relaxed reds (mk_signal).
 // Ran on an H200 (2026-11-26, docs/gpu-results.md): 256 greedy steps equal to the per-op path
 // up to near ties on every fixture that lowers and the demo model; compute-sanitizer clean. The
 // staged matvec (two cp.async buffers) ran there too: fixtures equal for 256 steps, padding
@@ -44,12 +44,24 @@ __device__ __forceinline__ void mk_red_release(unsigned* p, unsigned v) {
 }
 
 // Waits for `n` (counter, per_step) pairs: counters[c] reaches epoch * per_step (wrap-safe).
+// `seen` (shared, thread 0's alone) is the first pair's counter and target the last time thread
+// 0 saw it reached in this launch: a block that runs several tiles of one phase in a row (the
+// LM head's 23 tiles a block on SmolLM2-135M) waits on the same instruction counter for each,
+// and once reached a counter stays reached for the launch (counters only grow), while that
+// earlier acquire and the barrier after it already order the block's later reads after the
+// producers' writes. So the repeat costs no global round trip. The kernel starts `seen` at
+// counter -1.
 __device__ __forceinline__ void mk_wait(const unsigned* counters, const int* waits, int n,
-                                        unsigned epoch) {
+                                        unsigned epoch, unsigned* seen) {
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const unsigned* c = counters + waits[2 * i];
         const unsigned target = epoch * (unsigned)waits[2 * i + 1];
+        if (i == 0 && seen[0] == (unsigned)waits[0] && seen[1] == target) continue;
         while ((int)(mk_ld_acquire(c) - target) < 0) __nanosleep(64);
+        if (i == 0) {
+            seen[0] = (unsigned)waits[0];
+            seen[1] = target;
+        }
     }
     __syncthreads();
 }
@@ -195,13 +207,37 @@ __device__ __forceinline__ void mk_stage_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
+__device__ __forceinline__ void mk_red_relaxed(unsigned* p, unsigned v) {
+    asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Whether mk_signal publishes with the sequentially consistent __threadfence (fence.sc.gpu) and
+// two release reds, as every run up to run 11 did, instead of one fence.acq_rel.gpu and two
+// relaxed reds. Off unless the host compiles with MK_SC_FENCE 1 (KILN_MK_SC_FENCE=1), to measure
+// the two against each other. Why the change: the block barrier orders every thread's writes of
+// the tile before thread 0's fence (PTX causality order is cumulative through bar.sync), and a
+// release fence followed by a relaxed write is a release pattern, so one acq_rel fence publishes
+// the tile to a consumer's ld.acquire; the sc fence and the second and third release orderings
+// add latency to every hand-off, which run 11 measured at 1.25 µs (median) on the critical path.
+// CUTLASS's inter-block barrier publishes the same way (fence.acq_rel + red.relaxed).
+// UNVERIFIED on a GPU until the next run (its tests and its speed against MK_SC_FENCE 1).
+#ifndef MK_SC_FENCE
+#define MK_SC_FENCE 0
+#endif
+
 // Publishes a finished tile on its instruction counter and its own tile counter.
 __device__ __forceinline__ void mk_signal(unsigned* counters, int instr_ctr, int tile_ctr) {
     __syncthreads();
     if (threadIdx.x == 0) {
+#if MK_SC_FENCE
         __threadfence();
         mk_red_release(counters + instr_ctr, 1u);
         mk_red_release(counters + tile_ctr, 1u);
+#else
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        mk_red_relaxed(counters + instr_ctr, 1u);
+        mk_red_relaxed(counters + tile_ctr, 1u);
+#endif
     }
 }
 

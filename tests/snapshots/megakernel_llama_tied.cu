@@ -223,12 +223,19 @@ int* pos, int* tokens, const float* __restrict__ inv_freq,
 unsigned* counters, unsigned* epoch_ctr,
 const MkControl* __restrict__ ctl, unsigned* ring) {
 __shared__ unsigned epoch_sh;
+// The last counter and target thread 0 saw reached (mk_wait); no counter is -1.
+__shared__ unsigned wait_seen[2];
 #if MK_PRELOAD
 __shared__ int pre_tile[4];
 __shared__ int pre_g[MK_NARGS];
 __shared__ float pre_fa[MK_NFARGS];
+__shared__ const void* pre_mv[4];
 #endif
-if (threadIdx.x == 0) epoch_sh = mk_ld_acquire(epoch_ctr) + 1u;
+if (threadIdx.x == 0) {
+epoch_sh = mk_ld_acquire(epoch_ctr) + 1u;
+wait_seen[0] = 0xffffffffu;
+wait_seen[1] = 0u;
+}
 __syncthreads();
 // Only `t` and `buf` live across the tile calls: the epoch stays in shared memory, the instruction is
 // reloaded for the signal (fewer callee-saved registers).
@@ -255,9 +262,21 @@ pre_tile[threadIdx.x] = mk_tiles[4 * t + threadIdx.x];
 const int j = threadIdx.x - 4, row = mk_arg_row[mk_tiles[4 * t]] + mk_tiles[4 * t + 1];
 if (j < MK_NARGS) pre_g[j] = mk_args[MK_NARGS * row + j];
 else pre_fa[j - MK_NARGS] = mk_fargs[MK_NFARGS * row + j - MK_NARGS];
+} else if (threadIdx.x >= 64 && threadIdx.x < 68) {
+// A matvec's weight, up, norm-weight and bias pointers (the weight tables are
+// global memory too): W, up, nw, bias from argument slots 1, 2, 6, 14.
+const int j = threadIdx.x - 64, row = mk_arg_row[mk_tiles[4 * t]] + mk_tiles[4 * t + 1];
+const int* gr = mk_args + MK_NARGS * row;
+const void* p = nullptr;
+if (gr[0] == MK_K_MATVEC) {
+const int id = gr[j == 0 ? 1 : (j == 1 ? 2 : (j == 2 ? 6 : 14))];
+p = j < 2 ? (const void*)W(id) : (const void*)WF(id);
+}
+pre_mv[j] = p;
 }
 #endif
-mk_wait(counters, mk_waits + 2 * mk_wait_start[t], mk_wait_start[t + 1] - mk_wait_start[t], epoch_sh);
+mk_wait(counters, mk_waits + 2 * mk_wait_start[t], mk_wait_start[t + 1] - mk_wait_start[t], epoch_sh,
+wait_seen);
 #if MK_TIMELINE
 if (threadIdx.x == 0) mk_timeline[4 * t + 1] = mk_now();
 #endif
@@ -279,10 +298,20 @@ break;
 case MK_K_RMS_NORM:
 mk_rms_norm(A(g[1]), g[2], g[3], MK_BATCH, WF(g[4]), fa[0], A(g[5]), g[6]);
 break;
-case MK_K_MATVEC:
-mk_matvec<MK_BATCH>(W(g[1]), W(g[2]), lo, hi, g[3], A(g[4]), g[5], MK_BATCH, WF(g[6]), g[7],
-fa[0], A(g[8]), g[9], A(g[10]), g[11], g[12], g[13], fa[1], WF(g[14]), buf);
+case MK_K_MATVEC: {
+#if MK_PRELOAD
+const __nv_bfloat16* mw = (const __nv_bfloat16*)pre_mv[0];
+const __nv_bfloat16* mu = (const __nv_bfloat16*)pre_mv[1];
+const float* mnw = (const float*)pre_mv[2];
+const float* mbias = (const float*)pre_mv[3];
+#else
+const __nv_bfloat16 *mw = W(g[1]), *mu = W(g[2]);
+const float *mnw = WF(g[6]), *mbias = WF(g[14]);
+#endif
+mk_matvec<MK_BATCH>(mw, mu, lo, hi, g[3], A(g[4]), g[5], MK_BATCH, mnw, g[7],
+fa[0], A(g[8]), g[9], A(g[10]), g[11], g[12], g[13], fa[1], mbias, buf);
 break;
+}
 case MK_K_EWISE:
 mk_ewise(g[1], g[2], A(g[3]), g[4], A(g[5]), g[6], A(g[7]), g[8], lo, hi, fa[0], fa[1],
 MK_BATCH);
@@ -335,7 +364,11 @@ mk_timeline[4 * t + 2] = mk_now();
 mk_timeline[4 * t + 3] = ((unsigned long long)mk_smid() << 32) | blockIdx.x;
 }
 #endif
+#if MK_PRELOAD
+mk_signal(counters, pre_tile[0], MK_INSTRS + t);
+#else
 mk_signal(counters, mk_tiles[4 * t], MK_INSTRS + t);
+#endif
 }
 }
 #undef W

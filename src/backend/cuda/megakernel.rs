@@ -509,6 +509,14 @@ pub fn preload_args() -> bool {
     std::env::var("KILN_MK_PRELOAD").is_ok_and(|v| v.trim() == "1")
 }
 
+/// Whether finished tiles publish with the sequentially consistent `__threadfence` and release
+/// reds of every run up to run 11 (`MK_SC_FENCE` in `cuda/megakernel/tiles.cuh`) instead of one
+/// `fence.acq_rel.gpu` and relaxed reds: only when `KILN_MK_SC_FENCE=1`, the switch for
+/// measuring the change.
+pub fn sc_fence() -> bool {
+    std::env::var("KILN_MK_SC_FENCE").is_ok_and(|v| v.trim() == "1")
+}
+
 /// Whether matvec tiles copy their input rows into shared memory once before reading them
 /// (`MK_XSTAGE` in `cuda/megakernel/tiles.cuh`; same values, same bits): off unless
 /// `KILN_MK_XSTAGE=1`. On an H200 (docs/gpu-results.md run 10) its megakernel tests pass; it
@@ -563,6 +571,9 @@ pub fn generate_with(
     }
     if stage_inputs() {
         source.insert_str(0, "#define MK_XSTAGE 1\n");
+    }
+    if sc_fence() {
+        source.insert_str(0, "#define MK_SC_FENCE 1\n");
     }
     if stripe_attention() {
         source.insert_str(0, "#define MK_ATT_CHUNKS 0\n");
