@@ -49,19 +49,16 @@ pub fn lower_decode(plan: &ExecutionPlan, batch: usize) -> Result<DecodeProgram,
 }
 
 /// Whether the decode program folds each layer's query RoPE and KV append into its attention
-/// tiles (`KILN_MK_FUSE_ATTN=1`): one dependent phase per layer fewer (four instead of five on a
-/// Llama-style layer), paid for with each query head of a group rotating and writing its KV
-/// head's new k and v itself. Same values, same bits on the CPU interpreter
-/// (`tests/megakernel_interp.rs`). On an H200 (docs/gpu-results.md run 10) three megakernel
-/// GPU tests pass under it (256 greedy steps on every fixture, a padding row with stop tokens,
-/// rows joining and leaving) and it decoded 0.4–4% faster on both synthetic shapes at batch 1 to
-/// 8; in run 11 the rest of the megakernel GPU tests passed under it and it was again faster
-/// (849 against 824 tokens/s on SmolLM2-135M at batch 1). Opt-in until its tests have run with
-/// run 11's attention shares (`MK_ATT_CHUNKS`). Why: on an H100 a
-/// SmolLM2-135M step took 1.19 ms over about 150 dependent phases, most of it waiting
-/// (docs/gpu-results.md, runs 8 and 9).
+/// tiles: on unless `KILN_MK_FUSE_ATTN=0`. One dependent phase per layer fewer (four instead of
+/// five on a Llama-style layer), paid for with each query head of a group rotating and writing
+/// its KV head's new k and v itself. Same values, same bits on the CPU interpreter
+/// (`tests/megakernel_interp.rs`). Every megakernel GPU test passes under it (runs 10 and 11 on
+/// an H200; run 12 on an H100, with the preload and run 11's attention shares); on an H100 (run
+/// 12) SmolLM2-135M with it and the preload decoded 1,143 tokens/s at batch 1 and 4,753 at
+/// batch 8, against 1,144 and 4,643 with the preload alone (docs/gpu-results.md). Why: a
+/// SmolLM2-135M step was a chain of about 150 dependent phases, most of it waiting (runs 8–11).
 pub fn fuse_attention() -> bool {
-    std::env::var("KILN_MK_FUSE_ATTN").is_ok_and(|v| v.trim() == "1")
+    std::env::var("KILN_MK_FUSE_ATTN").map_or(true, |v| v.trim() != "0")
 }
 
 /// Lowers a decode plan to a program for `batch` sequences, with or without the attention
@@ -446,15 +443,14 @@ pub const MATVEC_ROWS: usize = 8;
 /// batch 1, 128 at batch 8 under NVRTC 13.5) allow anyway; one on sm_80's 164 KB.
 pub const STAGE_BYTES: usize = 32 * 1024;
 
-/// Output rows per LM-head tile on the GPU (0: [`MATVEC_ROWS`], the size every measurement so
-/// far ran). A knob, `KILN_MK_HEAD_ROWS`, for the next GPU run: on an H200 the SmolLM2-135M LM
-/// head, 6,144 tiles of 8 rows, took 118 µs of a 1.29 ms step for 57 MB of weights (about 0.5
-/// TB/s; run 11's timeline), each tile ~2.7 µs of work behind its own wait and signal, so
-/// fewer, larger tiles may pay less; capped by [`STAGE_BYTES`] (28 rows of SmolLM2's 576
-/// columns). The one larger-tile measurement so far went the other way: run 11's second call
-/// meant to size the LM head and sized the O and down projections instead (28 and 10 rows),
-/// and SmolLM2 batch 1 fell from 947 to 809 tokens/s.
-pub const HEAD_ROWS: usize = 0;
+/// Output rows per LM-head tile on the GPU: as many as the staging buffer holds ([`STAGE_BYTES`]
+/// caps it: 28 rows of SmolLM2's 576 columns, 8 of the Llama-3.2-1B shape's 2,048).
+/// `KILN_MK_HEAD_ROWS` overrides it. The LM head is the step's one wide phase of independent
+/// tiles, so a block runs many of them back to back and fewer, larger tiles pay the per-tile
+/// wait and signal fewer times: on an H100 (run 12, with the attention fusion and the preload)
+/// SmolLM2-135M decoded 1,143 tokens/s at batch 1 with 8-row LM-head tiles, 1,193 with 16 and
+/// 1,212 with 28.
+pub const HEAD_ROWS: usize = 1024;
 
 /// The tile sizes: [`MATVEC_ROWS`] (or `KILN_MK_MATVEC_ROWS` output rows per matvec tile, 1 to
 /// 1024; anything else keeps the default) and [`HEAD_ROWS`] (or `KILN_MK_HEAD_ROWS`, likewise)
@@ -493,20 +489,48 @@ pub fn stage_weights() -> bool {
 }
 
 /// Whether matvec tiles of fewer rows than warps split each row's columns across warps
-/// (`MK_SPLIT` in `cuda/megakernel/tiles.cuh`): off unless `KILN_MK_SPLIT=1`. Opt-in: on an
-/// H100 it cost SmolLM2-135M 9% (no tile of it splits) and its outputs have not been checked on
-/// a GPU; on the Llama-3.2-1B shape, whose 2- and 4-row tiles leave warps idle and which it is
-/// meant for, it decoded 374 tokens/s at batch 1 against 316 on an H200 (docs/gpu-results.md,
-/// run 11: its down-projection tiles' work fell from 9.0 to 4.3 µs).
-pub fn split_rows() -> bool {
-    std::env::var("KILN_MK_SPLIT").is_ok_and(|v| v.trim() == "1")
+/// (`MK_SPLIT` in `cuda/megakernel/tiles.cuh`), as `KILN_MK_SPLIT` says: `1` always, `0` never,
+/// unset or anything else `None`, which [`generate_with`] reads as "where the schedule has such
+/// a tile". Those are the Llama-3.2-1B shape's 4-row gate/up and 2-row down tiles, where all but
+/// one or two of the eight warps sat idle: on an H100 (run 12, with the fusion) it decoded that
+/// shape at 377 tokens/s at batch 1 against 335 without, 395 with the preload too. SmolLM2-135M
+/// has no such tile, and compiled in anyway it cost 9% (run 9). Every megakernel GPU test passes
+/// with it, the preload and the fusion, at 4-row tiles so that the fixtures' tiles split (run
+/// 12).
+pub fn split_rows() -> Option<bool> {
+    match std::env::var("KILN_MK_SPLIT").as_deref().map(str::trim) {
+        Ok("1") => Some(true),
+        Ok("0") => Some(false),
+        _ => None,
+    }
 }
 
-/// Whether the kernel loads each tile's arguments into shared memory before its dependency wait
-/// (`MK_PRELOAD` in `cuda/megakernel/tiles.cuh`): off unless `KILN_MK_PRELOAD=1`. Its steps
-/// complete on an H100 (run 9) but its outputs and speed are UNVERIFIED, hence opt-in.
+/// Whether a schedule sizes some matvec's tiles below the kernel's warps (`MK_WARPS`, 8 output
+/// rows), the tiles [`split_rows`] is for: judged by each matvec's first tile, so that a short
+/// last tile (a remainder of rows) does not turn the split on for a whole kernel.
+pub fn has_small_matvec_tiles(p: &DecodeProgram, s: &Schedule) -> bool {
+    s.tiles.iter().any(|t| {
+        t.index == 0
+            && matches!(
+                p.instrs[t.instr],
+                Instr::NormMatvec { .. }
+                    | Instr::MatvecResidual { .. }
+                    | Instr::GatedMlp { .. }
+                    | Instr::LmHead { .. }
+            )
+            && t.hi - t.lo < 8
+    })
+}
+
+/// Whether the kernel loads each tile's arguments, and a matvec's weight pointers, into shared
+/// memory before its dependency wait (`MK_PRELOAD` in `cuda/megakernel/tiles.cuh`): on unless
+/// `KILN_MK_PRELOAD=0`. Every megakernel GPU test passes under it (run 12, H100); there it took
+/// SmolLM2-135M from 1,009 to 1,144 tokens/s at batch 1 and the Llama-3.2-1B shape (with the
+/// fusion) from 319 to 335, while the 1B shape at batch 8 fell from 1,286 to 1,194 with the
+/// fusion and the preload together. Why: every wait acquires, which leaves the SM's L1 cold, and
+/// without it a tile's first work was four dependent table loads from L2.
 pub fn preload_args() -> bool {
-    std::env::var("KILN_MK_PRELOAD").is_ok_and(|v| v.trim() == "1")
+    std::env::var("KILN_MK_PRELOAD").map_or(true, |v| v.trim() != "0")
 }
 
 /// Whether finished tiles publish with the sequentially consistent `__threadfence` and release
@@ -563,11 +587,11 @@ pub fn generate_with(
     if !staged {
         source.insert_str(0, "#define MK_STAGE 0\n");
     }
-    if split_rows() {
+    if split_rows().unwrap_or_else(|| has_small_matvec_tiles(&program, &schedule)) {
         source.insert_str(0, "#define MK_SPLIT 1\n");
     }
-    if preload_args() {
-        source.insert_str(0, "#define MK_PRELOAD 1\n");
+    if !preload_args() {
+        source.insert_str(0, "#define MK_PRELOAD 0\n");
     }
     if stage_inputs() {
         source.insert_str(0, "#define MK_XSTAGE 1\n");
