@@ -46,22 +46,37 @@ __device__ __forceinline__ size_t att_row(const AttKv& kv, int j, int head_dim) 
 // one column at a time: the results are the same bits. On an H200 the per-op decode (which
 // changed in nothing else) went from 437 to 510 tokens/s on the SmolLM2-135M shape and from 449
 // to 501 on the Llama-3.2-1B shape at batch 1, tg64 (docs/gpu-results.md).
-__device__ __forceinline__ void attend_tiles(const float* qs, const AttKv& kv, int head_dim,
-                                             float scale, int lo, int hi, int first, int step,
-                                             float& m, float& l, float acc[ATT_PER_LANE]) {
+// attend_tiles where keys [slo, shi) (a subset of the range, possibly empty) are read from `sk`
+// and `sv` instead of the cache: their K and V rows, `head_dim` elements each, key slo first --
+// a copy of those rows in shared memory (the megakernel stages a tile's earlier keys there
+// before the tile's wait, mk_stage_attention). The same values, so the same bits. Each lane
+// shuffles its key's V row pointer rather than its row offset, so one loop serves both.
+__device__ __forceinline__ void attend_tiles_from(const float* qs, const AttKv& kv, int head_dim,
+                                                  float scale, int lo, int hi, int first,
+                                                  int step, float& m, float& l,
+                                                  float acc[ATT_PER_LANE],
+                                                  const unsigned short* sk,
+                                                  const unsigned short* sv, int slo, int shi) {
     const int lane = threadIdx.x & 31;
     const bool wide = (head_dim & 7) == 0;
     for (int j0 = lo + first * 32; j0 < hi; j0 += step * 32) {
         const int j = j0 + lane;
         float s = KILN_NEG_INF;
-        unsigned long long row = 0;
+        const unsigned short* vr = nullptr;
         if (j < hi) {
-            row = att_row(kv, j, head_dim);
-            const unsigned short* kr = kv.k + row;
+            const unsigned short* kr;
+            if (j >= slo && j < shi) {
+                kr = sk + (size_t)(j - slo) * head_dim;
+                vr = sv + (size_t)(j - slo) * head_dim;
+            } else {
+                const size_t row = att_row(kv, j, head_dim);
+                kr = kv.k + row;
+                vr = kv.v + row;
+            }
             float d = 0.0f;
             if (wide) {
                 // Rows are 16-byte aligned: head_dim % 8 == 0 and every run starts at a
-                // multiple of head_dim elements of an aligned allocation.
+                // multiple of head_dim elements of an aligned allocation (or buffer).
                 const uint4* k8 = reinterpret_cast<const uint4*>(kr);
 #pragma unroll 4
                 for (int c8 = 0; c8 < (head_dim >> 3); ++c8) {
@@ -84,6 +99,7 @@ __device__ __forceinline__ void attend_tiles(const float* qs, const AttKv& kv, i
         const float p = (j < hi) ? expf(s - new_m) : 0.0f;
         l = l * corr + warp_sum(p);
         const int n = min(32, hi - j0);
+        const unsigned long long vbits = reinterpret_cast<unsigned long long>(vr);
 #pragma unroll
         for (int i = 0; i < ATT_PER_LANE; ++i) {
             acc[i] *= corr;
@@ -93,12 +109,21 @@ __device__ __forceinline__ void attend_tiles(const float* qs, const AttKv& kv, i
 #pragma unroll 8
                 for (int jj = 0; jj < n; ++jj) {
                     const float pj = __shfl_sync(KILN_FULL_MASK, p, jj);
-                    const unsigned long long rj = __shfl_sync(KILN_FULL_MASK, row, jj);
-                    if (c < head_dim) a = fmaf(pj, kv_bf16_to_f32(kv.v[rj + c]), a);
+                    const unsigned short* vj = reinterpret_cast<const unsigned short*>(
+                        __shfl_sync(KILN_FULL_MASK, vbits, jj));
+                    if (c < head_dim) a = fmaf(pj, kv_bf16_to_f32(vj[c]), a);
                 }
                 acc[i] = a;
             }
         }
         m = new_m;
     }
+}
+
+// Every key from the cache.
+__device__ __forceinline__ void attend_tiles(const float* qs, const AttKv& kv, int head_dim,
+                                             float scale, int lo, int hi, int first, int step,
+                                             float& m, float& l, float acc[ATT_PER_LANE]) {
+    attend_tiles_from(qs, kv, head_dim, scale, lo, hi, first, step, m, l, acc, nullptr, nullptr,
+                      0, 0);
 }

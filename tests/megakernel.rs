@@ -371,9 +371,7 @@ fn generated_megakernel_compiles_for_sm90_and_sm80_without_spills() {
 #[test]
 fn megakernel_without_weight_staging_compiles() {
     let k = generate(&plan("tests/fixtures/llama_tied"), 1).unwrap();
-    assert!(k
-        .source
-        .contains("mk_stage_tile(t + gridDim.x, wt, buf ^ 1);"));
+    assert!(k.source.contains("mk_stage_tile(t + gridDim.x, wt, "));
     assert!(k
         .source
         .contains(&format!("#define MK_STAGE_BYTES {STAGE_BYTES}\n")));
@@ -384,7 +382,8 @@ fn megakernel_without_weight_staging_compiles() {
     let off = Megakernel {
         program: k.program.clone(),
         schedule: k.schedule.clone(),
-        source: format!("#define MK_STAGE 0\n{}", k.source),
+        // As the host emits it: without the preload, which spills beside it.
+        source: format!("#define MK_STAGE 0\n#define MK_PRELOAD 0\n{}", k.source),
         staged: false,
     };
     assert_eq!(off.shared_bytes(), 0);
@@ -430,9 +429,14 @@ fn megakernel_variants_compile_without_spills() {
         assert!(!k.source.contains("#define MK_PRELOAD 0"));
         assert!(!k.source.contains("#define MK_XSTAGE 1"));
         for (name, defines) in [
-            ("split", "#define MK_SPLIT 1\n"),
+            // Split rows come without the preload: together they spill (68 bytes at batch 1
+            // under NVRTC 13.5), so the host leaves the preload out where it splits.
+            ("split", "#define MK_SPLIT 1\n#define MK_PRELOAD 0\n"),
             ("xstage", "#define MK_XSTAGE 1\n"),
-            ("split_xstage", "#define MK_SPLIT 1\n#define MK_XSTAGE 1\n"),
+            (
+                "split_xstage",
+                "#define MK_SPLIT 1\n#define MK_PRELOAD 0\n#define MK_XSTAGE 1\n",
+            ),
             ("scfence", "#define MK_SC_FENCE 1\n"),
             ("nopreload", "#define MK_PRELOAD 0\n"),
         ] {

@@ -632,11 +632,21 @@ pub fn emit_kernel(p: &DecodeProgram, s: &Schedule) -> String {
 // buffer `buf` while the block's previous tile waits and computes (mk_stage_rows). Commits one\n\
 // copy group, empty for a tile past the end or of another kind. Out of line, so that the\n\
 // kernel's loop keeps its registers.\n\
-__device__ __noinline__ void mk_stage_tile(int t, const __nv_bfloat16* const* __restrict__ wt, int buf) {\n\
+// An attention tile's earlier keys are copied likewise (mk_stage_attention).\n\
+__device__ __noinline__ void mk_stage_tile(int t, const __nv_bfloat16* const* __restrict__ wt,\n\
+                                           const unsigned short* k_cache, const unsigned short* v_cache,\n\
+                                           const int* page_tables, int max_blocks, int block_size,\n\
+                                           const int* pos, int buf) {\n\
     if (t < MK_TILES) {\n\
         const int* g = mk_args + MK_NARGS * (mk_arg_row[mk_tiles[4 * t]] + mk_tiles[4 * t + 1]);\n\
-        if (g[0] == MK_K_MATVEC)\n\
+        if (g[0] == MK_K_MATVEC) {\n\
             mk_stage_rows(W(g[1]), W(g[2]), mk_tiles[4 * t + 2], mk_tiles[4 * t + 3], g[3], buf);\n\
+        } else if (g[0] == MK_K_ATTENTION) {  // as the kernel's case: lo = row * heads + head\n\
+            const int heads = g[6] * g[7], lo = mk_tiles[4 * t + 2];\n\
+            const int h = lo % heads, b = lo / heads;\n\
+            mk_stage_attention(k_cache, v_cache, MK_LAYERS, g[5], h / g[6], g[7], g[8], block_size,\n\
+                               g[9], page_tables + b * max_blocks, pos + b, buf);\n\
+        }\n\
     }\n\
     mk_stage_commit();\n\
 }\n\
@@ -674,14 +684,15 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
     // other.\n\
     int buf = 0;\n\
 #if MK_STAGE\n\
-    mk_stage_tile(blockIdx.x, wt, 0);\n\
+    mk_stage_tile(blockIdx.x, wt, k_cache, v_cache, page_tables, max_blocks, block_size, pos, 0);\n\
 #endif\n\
     for (int t = blockIdx.x; t < MK_TILES; t += gridDim.x, buf ^= 1) {\n\
 #if MK_TIMELINE\n\
         if (threadIdx.x == 0) mk_timeline[4 * t] = mk_now();\n\
 #endif\n\
 #if MK_STAGE\n\
-        mk_stage_tile(t + gridDim.x, wt, buf ^ 1);\n\
+        mk_stage_tile(t + gridDim.x, wt, k_cache, v_cache, page_tables, max_blocks, block_size, pos,\n\
+                      buf ^ 1);\n\
 #endif\n\
 #if MK_PRELOAD\n\
         // The tile's header and argument row depend on nothing in the step: into shared memory\n\
@@ -777,7 +788,7 @@ kiln_decode_step(const __nv_bfloat16* const* __restrict__ wt,\n\
             mk_attention(A(g[1]) + b * g[2] + h * g[8], g[2], A(g[3]) + b * g[4] + h * g[8], g[4], k_cache,\n\
                          v_cache, MK_LAYERS, g[5], kvh, g[7], g[8], block_size, fa[0], g[9],\n\
                          page_tables + b * max_blocks, max_blocks, pos + b, (g[10] & 1) ? inv_freq : nullptr,\n\
-                         MK_ROPE_STYLE, 1);\n\
+                         MK_ROPE_STYLE, 1, buf);\n\
             break;\n\
         }\n\
         case MK_K_SAMPLE:\n\

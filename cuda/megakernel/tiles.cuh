@@ -93,7 +93,8 @@ __device__ __forceinline__ void mk_wait(const unsigned* counters, const int* wai
 #endif
 // Whether the kernel loads each tile's header, argument row and (for a matvec) weight pointers
 // into shared memory before its dependency wait instead of after (the generated loop's
-// MK_PRELOAD blocks). On unless the host compiles with MK_PRELOAD 0 (KILN_MK_PRELOAD=0). Why:
+// MK_PRELOAD blocks). On unless the host compiles with MK_PRELOAD 0 (KILN_MK_PRELOAD=0, and where
+// rows split: MK_SPLIT with it spills at batch 1 under NVRTC 13.5). Why:
 // each wait acquires (leaving L1 cold), and without the preload it was followed by four
 // dependent table loads from L2 before the tile could start. On an H100 (run 12) every
 // megakernel GPU test passes with it and SmolLM2-135M decodes 13% faster at batch 1.
@@ -647,12 +648,62 @@ __device__ __noinline__ void mk_kv_append(const float* k, const float* v, int ks
 #define MK_ATT_CHUNKS 1
 #endif
 
+// Whether an attention tile's earlier keys are copied into shared memory ahead of it (like a
+// matvec's weights, mk_stage_rows): keys [lo, pos) of its KV head were written by earlier
+// steps, so they depend on nothing in this one, and the block copies them into the staging
+// buffer while its previous tile waits and computes; after its own wait the tile reads them
+// from shared memory, and only the new key from the cache. On unless the host compiles with
+// MK_ATT_STAGE 0 (KILN_MK_ATT_STAGE=0). Why: on an H100 (run 12's timeline) the attention
+// tile, a chain of dependent L2 round trips (page table, keys, values) after the KV append and
+// the query's RoPE, took 9.5 µs of each SmolLM2-135M layer's ~24.5 µs at 32 positions.
+// UNVERIFIED on a GPU until the next run.
+#ifndef MK_ATT_STAGE
+#define MK_ATT_STAGE 1
+#endif
+
+// Keys of [lo, p) an attention tile finds staged: as many as one staging buffer holds (K rows,
+// then V rows, bf16), the first ones; none without staging or with rows not 16-byte multiples.
+__device__ __forceinline__ int mk_att_staged(int lo, int p, int head_dim) {
+    if (!MK_STAGE || !MK_ATT_STAGE || (head_dim & 7) != 0 || head_dim <= 0) return 0;
+    const int cap = MK_STAGE_BYTES / (head_dim * 4);
+    return min(max(p - lo, 0), cap);
+}
+
+// Copies the staged keys (mk_att_staged) of one row's attention tile -- KV head g of layer
+// `layer`, the row's page table `table` and position `*pos` -- into staging buffer `buf`: K
+// rows of keys lo, lo + 1, ..., then their V rows, with cp.async. Nothing for an inactive row.
+// The caller commits the group.
+__device__ __forceinline__ void mk_stage_attention(const unsigned short* k_cache,
+                                                   const unsigned short* v_cache, int layers,
+                                                   int layer, int g, int kv_heads, int head_dim,
+                                                   int block_size, int window, const int* table,
+                                                   const int* pos, int buf) {
+    const int p = *pos;
+    if (p < 0) return;
+    const int lo = window >= 0 ? max(0, p - window) : 0;
+    const int n = mk_att_staged(lo, p, head_dim);
+    const int per = head_dim >> 3;  // 16-byte pieces of a row
+    uint4* dst = mk_stage + (size_t)buf * MK_STAGE_U4;
+    for (int i = threadIdx.x; i < n * per; i += blockDim.x) {
+        const int j = lo + i / per, c = i - (i / per) * per;
+        const size_t row =
+            kv_pos_row(table, layers, kv_heads, block_size, head_dim, layer, g, j);
+        const uint4* k = reinterpret_cast<const uint4*>(k_cache + row) + c;
+        const uint4* v = reinterpret_cast<const uint4*>(v_cache + row) + c;
+        const unsigned sk = (unsigned)__cvta_generic_to_shared(dst + i);
+        const unsigned sv = (unsigned)__cvta_generic_to_shared(dst + (size_t)n * per + i);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sk), "l"(k) : "memory");
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sv), "l"(v) : "memory");
+    }
+}
+
 // One query head over keys [max(0, pos - window), pos] of its KV head g of layer `layer`: the
 // block's warps split the keys (up to 32 · MK_WARPS keys a contiguous share each, see
 // MK_ATT_CHUNKS; beyond, warp w takes key tiles w, w + MK_WARPS, ...) and merge their softmax
 // states. Keys are read through batch row b's page table; an inactive row's output is
 // zeros. With `rope_freq` (not null) the head of q is rotated at the row's position first, as
-// mk_rope does (the program fused its Rope into the attention).
+// mk_rope does (the program fused its Rope into the attention). With batch 1, the keys
+// mk_stage_attention staged for this tile are read from staging buffer `buf`.
 __device__ __noinline__ void mk_attention(const float* q, int qs, float* out, int os,
                                           const unsigned short* k_cache,
                                           const unsigned short* v_cache, int layers, int layer,
@@ -660,11 +711,16 @@ __device__ __noinline__ void mk_attention(const float* q, int qs, float* out, in
                                           float scale, int window, const int* tables,
                                           int max_blocks, const int* pos,
                                           const float* __restrict__ rope_freq, int style,
-                                          int batch) {
+                                          int batch, int buf) {
     __shared__ float qsh[ATT_MAX_D];
     __shared__ float wm[MK_WARPS], wl[MK_WARPS];
     __shared__ float wacc[MK_WARPS][ATT_MAX_D];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#if MK_STAGE
+    // This tile's copy group is every one but the newest (the block's next tile's); the
+    // barrier after the query below publishes every thread's copies.
+    if (batch == 1) asm volatile("cp.async.wait_group 1;" ::: "memory");
+#endif
     for (int b = 0; b < batch; ++b) {
         if (rope_freq) {
             mk_rope_head(q + (size_t)b * qs, qs, qsh, 0, head_dim, pos + b, rope_freq, style, 1);
@@ -698,8 +754,13 @@ __device__ __noinline__ void mk_attention(const float* q, int qs, float* out, in
             first = 0;
             step = 1;
         }
+        // Keys [lo, lo + staged) are in staging buffer `buf` (K rows, then V rows).
+        const int staged = batch == 1 ? mk_att_staged(lo, p, head_dim) : 0;
+        const unsigned short* sk =
+            reinterpret_cast<const unsigned short*>(mk_stage + (size_t)buf * MK_STAGE_U4);
         // One call site: attend_tiles inlined twice spilled under NVRTC 13.5.
-        attend_tiles(qsh, kv, head_dim, scale, a, e, first, step, m, l, acc);
+        attend_tiles_from(qsh, kv, head_dim, scale, a, e, first, step, m, l, acc, sk,
+                          sk + (size_t)staged * head_dim, lo, lo + staged);
         if (lane == 0) {
             wm[warp] = m;
             wl[warp] = l;

@@ -144,11 +144,21 @@ __device__ const float mk_fargs[46] = {
 // buffer `buf` while the block's previous tile waits and computes (mk_stage_rows). Commits one
 // copy group, empty for a tile past the end or of another kind. Out of line, so that the
 // kernel's loop keeps its registers.
-__device__ __noinline__ void mk_stage_tile(int t, const __nv_bfloat16* const* __restrict__ wt, int buf) {
+// An attention tile's earlier keys are copied likewise (mk_stage_attention).
+__device__ __noinline__ void mk_stage_tile(int t, const __nv_bfloat16* const* __restrict__ wt,
+const unsigned short* k_cache, const unsigned short* v_cache,
+const int* page_tables, int max_blocks, int block_size,
+const int* pos, int buf) {
 if (t < MK_TILES) {
 const int* g = mk_args + MK_NARGS * (mk_arg_row[mk_tiles[4 * t]] + mk_tiles[4 * t + 1]);
-if (g[0] == MK_K_MATVEC)
+if (g[0] == MK_K_MATVEC) {
 mk_stage_rows(W(g[1]), W(g[2]), mk_tiles[4 * t + 2], mk_tiles[4 * t + 3], g[3], buf);
+} else if (g[0] == MK_K_ATTENTION) {  // as the kernel's case: lo = row * heads + head
+const int heads = g[6] * g[7], lo = mk_tiles[4 * t + 2];
+const int h = lo % heads, b = lo / heads;
+mk_stage_attention(k_cache, v_cache, MK_LAYERS, g[5], h / g[6], g[7], g[8], block_size,
+g[9], page_tables + b * max_blocks, pos + b, buf);
+}
 }
 mk_stage_commit();
 }
@@ -186,14 +196,15 @@ __syncthreads();
 // other.
 int buf = 0;
 #if MK_STAGE
-mk_stage_tile(blockIdx.x, wt, 0);
+mk_stage_tile(blockIdx.x, wt, k_cache, v_cache, page_tables, max_blocks, block_size, pos, 0);
 #endif
 for (int t = blockIdx.x; t < MK_TILES; t += gridDim.x, buf ^= 1) {
 #if MK_TIMELINE
 if (threadIdx.x == 0) mk_timeline[4 * t] = mk_now();
 #endif
 #if MK_STAGE
-mk_stage_tile(t + gridDim.x, wt, buf ^ 1);
+mk_stage_tile(t + gridDim.x, wt, k_cache, v_cache, page_tables, max_blocks, block_size, pos,
+buf ^ 1);
 #endif
 #if MK_PRELOAD
 // The tile's header and argument row depend on nothing in the step: into shared memory
@@ -289,7 +300,7 @@ __syncthreads();
 mk_attention(A(g[1]) + b * g[2] + h * g[8], g[2], A(g[3]) + b * g[4] + h * g[8], g[4], k_cache,
 v_cache, MK_LAYERS, g[5], kvh, g[7], g[8], block_size, fa[0], g[9],
 page_tables + b * max_blocks, max_blocks, pos + b, (g[10] & 1) ? inv_freq : nullptr,
-MK_ROPE_STYLE, 1);
+MK_ROPE_STYLE, 1, buf);
 break;
 }
 case MK_K_SAMPLE:

@@ -470,7 +470,22 @@ pub fn tile_config() -> TileConfig {
     if let Some(rows) = env_rows("KILN_MK_MATVEC_ROWS") {
         c.matvec_rows = rows;
     }
+    if let Some(bytes) = env_stage_bytes() {
+        c.stage_bytes = bytes;
+    }
     c
+}
+
+/// `KILN_MK_STAGE_BYTES`: one staging buffer's bytes instead of [`STAGE_BYTES`], a multiple of
+/// 16 from 1 KiB to 64 KiB (anything else keeps the default). For tests more than speed: a
+/// small buffer makes the fixtures' attention tiles stage only part of their keys and reads the
+/// rest from the cache, and caps their matvec tiles below the warps, so both paths run on
+/// models this small.
+fn env_stage_bytes() -> Option<usize> {
+    std::env::var("KILN_MK_STAGE_BYTES")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|b| (1024..=65536).contains(b) && b % 16 == 0)
 }
 
 /// A rows-per-tile setting from the environment: 1 to 1024, anything else `None`.
@@ -523,14 +538,30 @@ pub fn has_small_matvec_tiles(p: &DecodeProgram, s: &Schedule) -> bool {
 }
 
 /// Whether the kernel loads each tile's arguments, and a matvec's weight pointers, into shared
-/// memory before its dependency wait (`MK_PRELOAD` in `cuda/megakernel/tiles.cuh`): on unless
-/// `KILN_MK_PRELOAD=0`. Every megakernel GPU test passes under it (run 12, H100); there it took
-/// SmolLM2-135M from 1,009 to 1,144 tokens/s at batch 1 and the Llama-3.2-1B shape (with the
-/// fusion) from 319 to 335, while the 1B shape at batch 8 fell from 1,286 to 1,194 with the
-/// fusion and the preload together. Why: every wait acquires, which leaves the SM's L1 cold, and
-/// without it a tile's first work was four dependent table loads from L2.
-pub fn preload_args() -> bool {
-    std::env::var("KILN_MK_PRELOAD").map_or(true, |v| v.trim() != "0")
+/// memory before its dependency wait (`MK_PRELOAD` in `cuda/megakernel/tiles.cuh`), as
+/// `KILN_MK_PRELOAD` says: `1` always, `0` never, unset or anything else `None`, which
+/// [`generate_with`] reads as "unless the rows split ([`split_rows`]) or the weights are not
+/// staged ([`stage_weights`])": with either it spills at batch 1 under NVRTC 13.5 (68 and 60
+/// bytes), though on an H100 (run 12) the Llama-3.2-1B shape
+/// decoded 395 tokens/s with both against 377 with split rows alone. Every megakernel GPU test
+/// passes under it (run 12, H100); there it took SmolLM2-135M from 1,009 to 1,144 tokens/s at
+/// batch 1 and the Llama-3.2-1B shape (with the fusion) from 319 to 335, while the 1B shape at
+/// batch 8 fell from 1,286 to 1,194 with the fusion and the preload together. Why: every wait
+/// acquires, which leaves the SM's L1 cold, and without it a tile's first work was four
+/// dependent table loads from L2.
+pub fn preload_args() -> Option<bool> {
+    match std::env::var("KILN_MK_PRELOAD").as_deref().map(str::trim) {
+        Ok("1") => Some(true),
+        Ok("0") => Some(false),
+        _ => None,
+    }
+}
+
+/// Whether attention tiles read their earlier keys from a copy the block made in shared memory
+/// before their wait (`MK_ATT_STAGE` in `cuda/megakernel/tiles.cuh`): on unless
+/// `KILN_MK_ATT_STAGE=0`, the switch for measuring it.
+pub fn stage_attention() -> bool {
+    std::env::var("KILN_MK_ATT_STAGE").map_or(true, |v| v.trim() != "0")
 }
 
 /// Whether finished tiles publish with the sequentially consistent `__threadfence` and release
@@ -587,14 +618,18 @@ pub fn generate_with(
     if !staged {
         source.insert_str(0, "#define MK_STAGE 0\n");
     }
-    if split_rows().unwrap_or_else(|| has_small_matvec_tiles(&program, &schedule)) {
+    let split = split_rows().unwrap_or_else(|| has_small_matvec_tiles(&program, &schedule));
+    if split {
         source.insert_str(0, "#define MK_SPLIT 1\n");
     }
-    if !preload_args() {
+    if !preload_args().unwrap_or(!split && staged) {
         source.insert_str(0, "#define MK_PRELOAD 0\n");
     }
     if stage_inputs() {
         source.insert_str(0, "#define MK_XSTAGE 1\n");
+    }
+    if !stage_attention() {
+        source.insert_str(0, "#define MK_ATT_STAGE 0\n");
     }
     if sc_fence() {
         source.insert_str(0, "#define MK_SC_FENCE 1\n");
