@@ -4,8 +4,10 @@
 //!
 //! Why: on an H200 uploading the Llama-3.2-1B shape's 2.4 GB of bf16 matrices took 5.8 s
 //! (`KILN_TRACE_CUDA=1`, docs/gpu-results.md run 10) when every matrix was first converted into a
-//! new host vector and copied from pageable memory. This path has not run on a GPU yet
-//! (UNVERIFIED): the next run's `KILN_TRACE_CUDA=1` line for the upload says what it buys.
+//! new host vector and copied from pageable memory. Through this path (`KILN_TRACE_CUDA=1`,
+//! docs/gpu-results.md): the same 65 matrices and 33 vectors in 356 ms on an H200 (run 11),
+//! SmolLM2-135M's 121 matrices and 61 vectors in 85 ms on an H100 (run 12); every GPU test
+//! uploads its weights through it.
 
 use std::sync::Arc;
 
