@@ -489,3 +489,19 @@ fn matvec_tiles_fit_the_staging_buffer() {
 fn smollm2_megakernel_compiles_without_spills() {
     nvrtc_gate(true);
 }
+
+/// The host's mirror of the kernel's warps per block ([`MK_WARPS`], which decides where rows
+/// split) is the header's `MK_THREADS / 32`.
+#[test]
+fn mk_warps_mirrors_the_header() {
+    use kiln::backend::cuda::megakernel::MK_WARPS;
+    let header = include_str!("../cuda/megakernel/tiles.cuh");
+    let threads: usize = header
+        .lines()
+        .find_map(|l| l.strip_prefix("#define MK_THREADS "))
+        .expect("MK_THREADS in tiles.cuh")
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(MK_WARPS, threads / 32);
+}

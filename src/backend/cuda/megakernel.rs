@@ -514,14 +514,24 @@ pub fn stage_weights() -> bool {
 /// and compiled in anyway it cost 9% (run 9). Every megakernel GPU test passes with it (at 4-row
 /// tiles, or 2 KiB staging buffers, so that the fixtures' tiles split; run 12).
 pub fn split_rows() -> Option<bool> {
-    match std::env::var("KILN_MK_SPLIT").as_deref().map(str::trim) {
+    env_switch("KILN_MK_SPLIT")
+}
+
+/// A three-way switch from the environment: `1` on, `0` off, unset or anything else `None` (the
+/// kernel's own choice).
+fn env_switch(var: &str) -> Option<bool> {
+    match std::env::var(var).as_deref().map(str::trim) {
         Ok("1") => Some(true),
         Ok("0") => Some(false),
         _ => None,
     }
 }
 
-/// Whether a schedule sizes some matvec's tiles below the kernel's warps (`MK_WARPS`, 8 output
+/// Warps of a megakernel block (`MK_WARPS` in `cuda/megakernel/tiles.cuh`): a matvec tile of
+/// fewer output rows leaves warps without a row unless its rows split.
+pub const MK_WARPS: usize = 8;
+
+/// Whether a schedule sizes some matvec's tiles below the kernel's warps ([`MK_WARPS`] output
 /// rows), the tiles [`split_rows`] is for: judged by each matvec's first tile, so that a short
 /// last tile (a remainder of rows) does not turn the split on for a whole kernel.
 pub fn has_small_matvec_tiles(p: &DecodeProgram, s: &Schedule) -> bool {
@@ -534,7 +544,7 @@ pub fn has_small_matvec_tiles(p: &DecodeProgram, s: &Schedule) -> bool {
                     | Instr::GatedMlp { .. }
                     | Instr::LmHead { .. }
             )
-            && t.hi - t.lo < 8
+            && t.hi - t.lo < MK_WARPS
     })
 }
 
@@ -551,11 +561,7 @@ pub fn has_small_matvec_tiles(p: &DecodeProgram, s: &Schedule) -> bool {
 /// acquires, which leaves the SM's L1 cold, and without it a tile's first work was four
 /// dependent table loads from L2.
 pub fn preload_args() -> Option<bool> {
-    match std::env::var("KILN_MK_PRELOAD").as_deref().map(str::trim) {
-        Ok("1") => Some(true),
-        Ok("0") => Some(false),
-        _ => None,
-    }
+    env_switch("KILN_MK_PRELOAD")
 }
 
 /// Whether attention tiles read their earlier keys from a copy the block made in shared memory
