@@ -108,7 +108,8 @@ impl Backend for CudaDevice {
 /// On an H200 (docs/gpu-results.md run 10) the scheduler's GPU test passed over it, per-op and
 /// through the megakernel (prefix hits, preemptions, n-gram and draft speculation, graph phases
 /// with blocks taken as rows advance). A graph start that found the pool short failed a run
-/// there; `pool_refusal` answers it since, not yet run on a GPU. The same scheduler phases run
+/// there; `pool_refusal` answers it since (`tests/gpu_engine.rs::serving_bench_in_an_exactly_sized_pool_completes_on_the_gpu`
+/// passed on an H200 in run 11 and an H100 in run 12). The same scheduler phases run
 /// on the CPU through `cpu_pool.rs`'s stand-in.
 ///
 /// Fields drop in order: the graphs (whose drop waits for replays in flight) before the cache
