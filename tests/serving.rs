@@ -797,6 +797,66 @@ fn kv_storage_types_greedy_agreement_on_the_demo_model() {
     }
 }
 
+/// A request joining a running graph phase ends it, but the replays already in flight are
+/// taken, not dropped (a stop waits for them anyway; on an H100 a batch-8 stop that dropped
+/// them took 11 ms): with a pool that never runs short no replay is dropped, and every row
+/// still equals its request alone.
+#[test]
+fn a_join_takes_the_replays_in_flight_before_the_graph_stops() {
+    let plain = engine("llama_tied");
+    let model = Model::load(fixtures().join("llama_tied")).unwrap();
+    let graph = Arc::new(
+        Engine::emulating_graph_decode_on_cpu(
+            model,
+            CpuOptions {
+                threads: 2,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let vocab = plain.config().vocab_size as u32;
+    let reqs: Vec<Request> = (0..4u32)
+        .map(|i| Request {
+            prompt: (0..5 + i)
+                .map(|j| 3 + (j * 13 + i * 7) % (vocab - 3))
+                .collect(),
+            options: if i == 2 {
+                sampled(30, 9, 1)
+            } else {
+                greedy(30)
+            },
+            spec: None,
+        })
+        .collect();
+    let mut s = Scheduler::new(Arc::clone(&graph), ServeOptions::default()).unwrap();
+    let stores: Vec<Arc<Mutex<Collected>>> = (0..reqs.len())
+        .map(|_| Arc::new(Mutex::new(Collected::default())))
+        .collect();
+    let joins = [0, 0, 10, 20];
+    let (mut submitted, mut steps) = (0, 0);
+    while submitted < reqs.len() || !s.is_idle() {
+        while submitted < reqs.len() && joins[submitted] <= steps {
+            s.submit(
+                submitted as u64,
+                reqs[submitted].clone(),
+                sink(&stores[submitted]),
+            )
+            .unwrap();
+            submitted += 1;
+        }
+        s.step().unwrap();
+        s.cache().check_invariants().unwrap();
+        steps += 1;
+        assert!(steps < 10_000, "the scheduler does not finish");
+    }
+    let stats = s.stats();
+    assert!(stats.graph_starts > 1, "no join stopped a graph: {stats:?}");
+    assert_eq!(stats.preemptions, 0, "{stats:?}");
+    assert_eq!(stats.graph_dropped, 0, "replays dropped: {stats:?}");
+    assert_each_equals_its_run_alone(&plain, &reqs, &stores);
+}
+
 /// Graph phases (on an engine decoding through the CPU stand-in of the device's decode graph):
 /// requests join in waves, so the scheduler switches between kernel-by-kernel steps and graph
 /// phases (started, rows leaving as they finish, stopped when a request joins or the pool runs
