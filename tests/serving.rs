@@ -797,15 +797,11 @@ fn kv_storage_types_greedy_agreement_on_the_demo_model() {
     }
 }
 
-/// A request joining a running graph phase ends it, but the replays already in flight are
-/// taken, not dropped (a stop waits for them anyway; on an H100 a batch-8 stop that dropped
-/// them took 11 ms): with a pool that never runs short no replay is dropped, and every row
-/// still equals its request alone.
-#[test]
-fn a_join_takes_the_replays_in_flight_before_the_graph_stops() {
-    let plain = engine("llama_tied");
-    let model = Model::load(fixtures().join("llama_tied")).unwrap();
-    let graph = Arc::new(
+/// An engine on fixture `name` decoding through the CPU stand-in of the device's decode graph,
+/// on two threads.
+fn graph_engine(name: &str) -> Arc<Engine> {
+    let model = Model::load(fixtures().join(name)).unwrap();
+    Arc::new(
         Engine::emulating_graph_decode_on_cpu(
             model,
             CpuOptions {
@@ -814,26 +810,19 @@ fn a_join_takes_the_replays_in_flight_before_the_graph_stops() {
             },
         )
         .unwrap(),
-    );
-    let vocab = plain.config().vocab_size as u32;
-    let reqs: Vec<Request> = (0..4u32)
-        .map(|i| Request {
-            prompt: (0..5 + i)
-                .map(|j| 3 + (j * 13 + i * 7) % (vocab - 3))
-                .collect(),
-            options: if i == 2 {
-                sampled(30, 9, 1)
-            } else {
-                greedy(30)
-            },
-            spec: None,
-        })
-        .collect();
-    let mut s = Scheduler::new(Arc::clone(&graph), ServeOptions::default()).unwrap();
+    )
+}
+
+/// Steps `s` until it is idle, submitting request `i` once `joins[i]` steps have run and
+/// checking the cache's invariants after every step; returns what each request streamed.
+fn run_with_joins(
+    s: &mut Scheduler,
+    reqs: &[Request],
+    joins: &[usize],
+) -> Vec<Arc<Mutex<Collected>>> {
     let stores: Vec<Arc<Mutex<Collected>>> = (0..reqs.len())
         .map(|_| Arc::new(Mutex::new(Collected::default())))
         .collect();
-    let joins = [0, 0, 10, 20];
     let (mut submitted, mut steps) = (0, 0);
     while submitted < reqs.len() || !s.is_idle() {
         while submitted < reqs.len() && joins[submitted] <= steps {
@@ -850,6 +839,33 @@ fn a_join_takes_the_replays_in_flight_before_the_graph_stops() {
         steps += 1;
         assert!(steps < 10_000, "the scheduler does not finish");
     }
+    stores
+}
+
+/// A request joining a running graph phase ends it, but the replays already in flight are
+/// taken, not dropped (a stop waits for them anyway; on an H100 a batch-8 stop that dropped
+/// them took 11 ms): with a pool that never runs short no replay is dropped, and every row
+/// still equals its request alone.
+#[test]
+fn a_join_takes_the_replays_in_flight_before_the_graph_stops() {
+    let plain = engine("llama_tied");
+    let graph = graph_engine("llama_tied");
+    let vocab = plain.config().vocab_size as u32;
+    let reqs: Vec<Request> = (0..4u32)
+        .map(|i| Request {
+            prompt: (0..5 + i)
+                .map(|j| 3 + (j * 13 + i * 7) % (vocab - 3))
+                .collect(),
+            options: if i == 2 {
+                sampled(30, 9, 1)
+            } else {
+                greedy(30)
+            },
+            spec: None,
+        })
+        .collect();
+    let mut s = Scheduler::new(Arc::clone(&graph), ServeOptions::default()).unwrap();
+    let stores = run_with_joins(&mut s, &reqs, &[0, 0, 10, 20]);
     let stats = s.stats();
     assert!(stats.graph_starts > 1, "no join stopped a graph: {stats:?}");
     assert_eq!(stats.preemptions, 0, "{stats:?}");
@@ -866,17 +882,7 @@ fn a_join_takes_the_replays_in_flight_before_the_graph_stops() {
 #[test]
 fn graph_phases_equal_each_request_alone() {
     let plain = engine("llama_tied");
-    let model = Model::load(fixtures().join("llama_tied")).unwrap();
-    let graph = Arc::new(
-        Engine::emulating_graph_decode_on_cpu(
-            model,
-            CpuOptions {
-                threads: 2,
-                ..Default::default()
-            },
-        )
-        .unwrap(),
-    );
+    let graph = graph_engine("llama_tied");
     let vocab = plain.config().vocab_size as u32;
     let reqs: Vec<Request> = (0..14u32)
         .map(|i| {
@@ -913,27 +919,9 @@ fn graph_phases_equal_each_request_alone() {
         },
     )
     .unwrap();
-    let stores: Vec<Arc<Mutex<Collected>>> = (0..reqs.len())
-        .map(|_| Arc::new(Mutex::new(Collected::default())))
-        .collect();
     // Waves: 3 at once, then one at a time at later steps, then 4 more.
     let joins = [0, 0, 0, 6, 15, 30, 31, 32, 45, 70, 70, 70, 70, 90];
-    let (mut submitted, mut steps) = (0, 0);
-    while submitted < reqs.len() || !s.is_idle() {
-        while submitted < reqs.len() && joins[submitted] <= steps {
-            s.submit(
-                submitted as u64,
-                reqs[submitted].clone(),
-                sink(&stores[submitted]),
-            )
-            .unwrap();
-            submitted += 1;
-        }
-        s.step().unwrap();
-        s.cache().check_invariants().unwrap();
-        steps += 1;
-        assert!(steps < 10_000, "the scheduler does not finish");
-    }
+    let stores = run_with_joins(&mut s, &reqs, &joins);
     let stats = s.stats();
     println!("{stats:?}");
     assert!(stats.graph_steps > 0, "no graph phase ran: {stats:?}");
