@@ -229,6 +229,64 @@ pub(super) unsafe fn dense_rows<W: Load>(w: *const W, job: &Job) {
 /// A legacy block's 32 integer quants as f32 (Q4_0's −8 applied), elements 0..16 and 16..32.
 pub(super) trait Quants512: Legacy {
     unsafe fn q512(p: *const u8) -> (__m512, __m512);
+
+    /// Whether [`Quants512::lanes512`] returns the quants in [`LANE_ORDER`] rather than in
+    /// element order; the GEMVs then multiply them with activations permuted the same way
+    /// ([`permute_blocks`]).
+    const PERMUTED: bool = false;
+
+    /// The quants as the GEMVs take them: elements `LANE_ORDER[i]` and `16 + LANE_ORDER[i]` in
+    /// lane `i` where [`Quants512::PERMUTED`], else as [`Quants512::q512`].
+    #[inline(always)]
+    unsafe fn lanes512(p: *const u8) -> (__m512, __m512) {
+        Self::q512(p)
+    }
+}
+
+/// The element each lane of a 16-element half block holds in the permuted quants of the 4-bit
+/// formats: `4·(i mod 4) + i / 4`, a 4 × 4 transpose (its own inverse). That is the order in
+/// which one 16-byte broadcast (a load, no shuffle) and one per-lane shift put quant byte
+/// `LANE_ORDER[i]` at the bottom of lane `i`: lane `i` holds bytes `4·(i mod 4)..+4` of the
+/// copy in its 128-bit quarter `i / 4` and shifts right by `8·(i / 4)`. The 5-bit formats keep
+/// element order: there the same broadcast measured slower (`cargo bench --bench kernels --
+/// gemv/Q5_0`, one core of an Intel Xeon with AVX-512 FP16: 8.8 → 8.4 GiB/s), their fifth bits
+/// already keeping the shift port busy.
+const LANE_ORDER: [u32; 16] = {
+    let mut o = [0u32; 16];
+    let mut i = 0;
+    while i < 16 {
+        o[i] = (4 * (i % 4) + i / 4) as u32;
+        i += 1;
+    }
+    o
+};
+
+/// Per lane `i`, the right shift that brings quant byte `LANE_ORDER[i]` of a broadcast 16-byte
+/// copy to bits 0..8: `8·(i / 4)`; its high nibble needs 4 more.
+#[inline(always)]
+unsafe fn lane_byte_shift() -> __m512i {
+    _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24)
+}
+
+/// The 16 bytes at `qs` in each 128-bit quarter (one load, no shuffle).
+#[inline(always)]
+unsafe fn broadcast_quant_bytes(qs: *const u8) -> __m512i {
+    _mm512_broadcast_i32x4(_mm_loadu_si128(qs as *const __m128i))
+}
+
+/// `x`'s `nb` blocks of 32 with each 16-element half permuted as the lanes of
+/// [`Quants512::lanes512`]: element `LANE_ORDER[i]` of a half at position `i`.
+#[inline(always)]
+pub(super) unsafe fn permute_blocks(x: *const f32, nb: usize, out: &mut Vec<f32>) {
+    let idx = _mm512_loadu_si512(LANE_ORDER.as_ptr().cast());
+    out.reserve(nb * 32);
+    let base = out.len();
+    let dst = out.as_mut_ptr().add(base);
+    for h in 0..2 * nb {
+        let v = _mm512_loadu_ps(x.add(16 * h));
+        _mm512_storeu_ps(dst.add(16 * h), _mm512_permutexvar_ps(idx, v));
+    }
+    out.set_len(base + nb * 32);
 }
 
 /// The 16 quant bytes of a Q4 block at `qs` as 32 f32 values `table[nibble]`: low nibbles
@@ -240,6 +298,24 @@ unsafe fn nibbles_512(qs: *const u8, table: __m512) -> (__m512, __m512) {
     (
         _mm512_permutexvar_ps(v, table),
         _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), table),
+    )
+}
+
+/// As [`nibbles_512`], in [`LANE_ORDER`]: lane `i` holds elements `LANE_ORDER[i]` (low) and
+/// `16 + LANE_ORDER[i]` (high), from one broadcast and two per-lane shifts (by
+/// [`lane_byte_shift`], and 4 more for the high nibbles) instead of a byte-to-dword widening and
+/// a shift. The widening takes the one shuffle port of Intel cores that the two table lookups and
+/// half the FMAs also need; the shifts take port 0. `cargo bench --bench kernels -- gemv/Q4_1`,
+/// one core of an Intel Xeon with AVX-512 FP16, builds alternating: 9.7–9.8 → 10.4–10.5 GiB/s
+/// on SmolLM2's 1536 × 576, 10.4–10.5 → 11.1–11.2 on 4864 × 896.
+#[inline(always)]
+unsafe fn nibble_lanes_512(qs: *const u8, table: __m512) -> (__m512, __m512) {
+    let v = broadcast_quant_bytes(qs);
+    let lo = lane_byte_shift();
+    let hi = _mm512_add_epi32(lo, _mm512_set1_epi32(4));
+    (
+        _mm512_permutexvar_ps(_mm512_srlv_epi32(v, lo), table),
+        _mm512_permutexvar_ps(_mm512_srlv_epi32(v, hi), table),
     )
 }
 
@@ -277,31 +353,27 @@ unsafe fn five_bits_512(qh: *const u8, qs: *const u8, lo: __m512, hi: __m512) ->
     )
 }
 
+/// The 16 f32 values `start, start + 1, …, start + 15`: the quant-to-value tables of the 4- and
+/// 5-bit formats (constants after inlining).
+#[inline(always)]
+unsafe fn iota_from(start: f32) -> __m512 {
+    let iota = _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    );
+    _mm512_add_ps(iota, _mm512_set1_ps(start))
+}
+
 impl Quants512 for Q5_0 {
     #[inline(always)]
     unsafe fn q512(p: *const u8) -> (__m512, __m512) {
-        let lo = _mm512_setr_ps(
-            -16.0, -15.0, -14.0, -13.0, -12.0, -11.0, -10.0, -9.0, -8.0, -7.0, -6.0, -5.0, -4.0,
-            -3.0, -2.0, -1.0,
-        );
-        let hi = _mm512_setr_ps(
-            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
-        );
-        five_bits_512(p.add(2), p.add(6), lo, hi)
+        five_bits_512(p.add(2), p.add(6), iota_from(-16.0), iota_from(0.0))
     }
 }
 
 impl Quants512 for Q5_1 {
     #[inline(always)]
     unsafe fn q512(p: *const u8) -> (__m512, __m512) {
-        let lo = _mm512_setr_ps(
-            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
-        );
-        let hi = _mm512_setr_ps(
-            16.0, 17.0, 18.0, 19.0, 20.0, 21.0, 22.0, 23.0, 24.0, 25.0, 26.0, 27.0, 28.0, 29.0,
-            30.0, 31.0,
-        );
-        five_bits_512(p.add(4), p.add(8), lo, hi)
+        five_bits_512(p.add(4), p.add(8), iota_from(0.0), iota_from(16.0))
     }
 }
 
@@ -317,20 +389,28 @@ impl Quants512 for Q8_0 {
 impl Quants512 for Q4_0 {
     #[inline(always)]
     unsafe fn q512(p: *const u8) -> (__m512, __m512) {
-        let t = _mm512_setr_ps(
-            -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0,
-        );
-        nibbles_512(p.add(2), t)
+        nibbles_512(p.add(2), iota_from(-8.0))
+    }
+
+    const PERMUTED: bool = true;
+
+    #[inline(always)]
+    unsafe fn lanes512(p: *const u8) -> (__m512, __m512) {
+        nibble_lanes_512(p.add(2), iota_from(-8.0))
     }
 }
 
 impl Quants512 for Q4_1 {
     #[inline(always)]
     unsafe fn q512(p: *const u8) -> (__m512, __m512) {
-        let t = _mm512_setr_ps(
-            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
-        );
-        nibbles_512(p.add(4), t)
+        nibbles_512(p.add(4), iota_from(0.0))
+    }
+
+    const PERMUTED: bool = true;
+
+    #[inline(always)]
+    unsafe fn lanes512(p: *const u8) -> (__m512, __m512) {
+        nibble_lanes_512(p.add(4), iota_from(0.0))
     }
 }
 
@@ -347,7 +427,11 @@ impl<Q: Quants512> BlockGemv for Legacy512<Q> {
 
     #[inline(always)]
     unsafe fn prepare(x: *const f32, nb: usize) -> Vec<f32> {
-        block_sums::<Q>(x, nb)
+        let mut prep = block_sums::<Q>(x, nb);
+        if Q::PERMUTED {
+            permute_blocks(x, nb, &mut prep);
+        }
+        prep
     }
 
     #[inline(always)]
@@ -358,48 +442,72 @@ impl<Q: Quants512> BlockGemv for Legacy512<Q> {
         nb: usize,
         pf: usize,
     ) -> [f32; R] {
-        qgemv_512::<Q, R>(w, x, prep.as_ptr(), nb, pf)
+        qgemv_512::<Q, R>(w, lane_x::<Q>(x, prep.as_ptr(), nb), prep.as_ptr(), nb, pf)
     }
 }
 
-/// The first 32-bit word of each of the `n` (at most 16) blocks from `p` — `d | m << 16` —
-/// lane `i` for block `i`, lanes past `n` zero. The group's bytes are read in windows of 128
-/// (two 64-byte loads, masked to the `n` blocks so nothing past them is touched) and one
-/// `vpermt2w` per window picks the two words of each block in it: three windows for the 18- to
-/// 24-byte formats, five for Q8_0. This replaced sixteen scalar loads and their inserts (~30
-/// instructions per group and row), which had replaced a `vpgatherdd` that held about half of the
-/// Q4_1/Q8_0 GEMV's samples on a Zen 5.
+/// The activations a legacy GEMV multiplies the quants of [`Quants512::lanes512`] with: `x`, or
+/// where the quants come permuted, the permuted copy that [`BlockGemv::prepare`] put after the
+/// block sums (`prep` from `Legacy512::prepare` for `nb` blocks).
 #[inline(always)]
-pub(super) unsafe fn group_words<Q: BlockFormat>(p: *const u8, n: usize) -> __m512i {
-    let windows = const { group_windows(Q::BYTES) };
-    let idx = const { window_index(Q::BYTES) };
-    let lanes = const { window_lanes(Q::BYTES) };
-    let mut r = _mm512_setzero_si512();
-    for c in 0..windows {
-        // Spelled out for a whole group, so that its masks are constants.
-        let (a, b) = if n == 16 {
-            window_bytes(p, 16 * Q::BYTES, 128 * c)
-        } else {
-            window_bytes(p, n * Q::BYTES, 128 * c)
-        };
-        let v = _mm512_permutex2var_epi16(a, _mm512_loadu_si512(idx[c].as_ptr().cast()), b);
-        r = _mm512_mask_mov_epi16(r, lanes[c], v);
+unsafe fn lane_x<Q: Quants512>(x: *const f32, prep: *const f32, nb: usize) -> *const f32 {
+    if Q::PERMUTED {
+        prep.add(if Q::HAS_MIN { nb } else { 0 })
+    } else {
+        x
     }
+}
+
+/// The scale words of the `n` (at most 16) blocks from `p`: word `i` is block `i`'s `d` (its
+/// first little-endian 16 bits), word `16 + i` its `m` (the next 16) where the format has a
+/// min (else zero), words of blocks past `n` zero. The group's bytes are read in windows of 128
+/// (two 64-byte loads, masked to the `n` blocks so nothing past them is touched) and one
+/// `vpermt2w` per window picks the words of each block in it: three windows for the 18- to
+/// 24-byte formats, four for Q8_0. This replaced sixteen scalar loads and their inserts (~30
+/// instructions per group and row), which had replaced a `vpgatherdd` that held about half of the
+/// Q4_1/Q8_0 GEMV's samples on a Zen 5. The `d`s and `m`s in separate halves (rather than each
+/// block's `d | m << 16` dword, which took two 2-uop narrowings more per group and row) are each
+/// one conversion from f16 away ([`group_scales`]), a format without a min reads only the windows
+/// its `d`s reach (Q8_0's four, not five), and a row's last, partial group only the windows its
+/// blocks reach. Together, on one core of an Intel Xeon with AVX-512 FP16 (`cargo bench --bench
+/// kernels -- gemv`): Q4_1 1536 × 576 8.8 → 10.4 GiB/s (with the nibble lanes), Q8_0 14.9 → 16.8;
+/// the group scales had been about a quarter of the Q4_1 GEMV's time (12.8 GiB/s without them).
+#[inline(always)]
+pub(super) unsafe fn group_words<Q: Legacy>(p: *const u8, n: usize) -> __m512i {
+    let windows = const { group_windows(Q::BYTES, Q::HAS_MIN) };
+    let idx = const { window_index(Q::BYTES, Q::HAS_MIN) };
+    let lanes = const { window_lanes(Q::BYTES, Q::HAS_MIN) };
+    let mut r = _mm512_setzero_si512();
     if n == 16 {
+        // Spelled out for a whole group, so that its masks are constants.
+        for c in 0..windows {
+            let (a, b) = window_bytes(p, 16 * Q::BYTES, 128 * c);
+            let v = _mm512_permutex2var_epi16(a, _mm512_loadu_si512(idx[c].as_ptr().cast()), b);
+            r = _mm512_mask_mov_epi16(r, lanes[c], v);
+        }
         r
     } else {
-        _mm512_maskz_mov_epi16(((1u64 << (2 * n)) - 1) as __mmask32, r)
+        // A row's last, partial group reads only the windows its blocks reach (one for the
+        // two blocks that SmolLM2's 576-column rows leave after a whole group).
+        let reached = group_word(Q::BYTES, (n - 1) + 16 * usize::from(Q::HAS_MIN)) / 64 + 1;
+        for c in 0..reached {
+            let (a, b) = window_bytes(p, n * Q::BYTES, 128 * c);
+            let v = _mm512_permutex2var_epi16(a, _mm512_loadu_si512(idx[c].as_ptr().cast()), b);
+            r = _mm512_mask_mov_epi16(r, lanes[c], v);
+        }
+        let blocks = (1u32 << n) - 1;
+        _mm512_maskz_mov_epi16(blocks | blocks << 16, r)
     }
 }
 
-/// [`group_words`] widened: each block's `d` and `m` (meaningless for the formats without a
-/// min) as f32, lane `i` for block `i`.
+/// [`group_words`] widened: each block's `d` and `m` (zero for the formats without a min) as
+/// f32, lane `i` for block `i`.
 #[inline(always)]
-pub(super) unsafe fn group_scales<Q: BlockFormat>(p: *const u8, n: usize) -> (__m512, __m512) {
+pub(super) unsafe fn group_scales<Q: Legacy>(p: *const u8, n: usize) -> (__m512, __m512) {
     let g = group_words::<Q>(p, n);
     (
-        _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)),
-        _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(g))),
+        _mm512_cvtph_ps(_mm512_castsi512_si256(g)),
+        _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(g)),
     )
 }
 
@@ -425,25 +533,35 @@ fn byte_mask(limit: usize, base: usize) -> __mmask64 {
     }
 }
 
-/// Windows of 64 words that [`group_words`] reads for blocks of `bytes` bytes: enough to reach
-/// the second word of the sixteenth block.
-const fn group_windows(bytes: usize) -> usize {
-    (15 * (bytes / 2) + 1) / 64 + 1
+/// Output words of [`group_words`] that come from the blocks: the 16 `d`s, and the 16 `m`s
+/// where the format has a min.
+const fn group_outputs(has_min: bool) -> usize {
+    if has_min {
+        32
+    } else {
+        16
+    }
 }
 
-/// The most windows of any format (Q8_0's five).
-const MAX_WINDOWS: usize = 5;
+/// Windows of 64 words that [`group_words`] reads for blocks of `bytes` bytes: enough to reach
+/// the last word it takes (the sixteenth block's `m`, or its `d` without a min).
+const fn group_windows(bytes: usize, has_min: bool) -> usize {
+    group_word(bytes, group_outputs(has_min) - 1) / 64 + 1
+}
 
-/// The group's word that output word `l` takes: word `l % 2` of block `l / 2`.
+/// The most windows of any format (Q8_0's four).
+const MAX_WINDOWS: usize = 4;
+
+/// The group's word that output word `l` takes: word `l / 16` (`d`, then `m`) of block `l % 16`.
 const fn group_word(bytes: usize, l: usize) -> usize {
-    (l / 2) * (bytes / 2) + l % 2
+    (l % 16) * (bytes / 2) + l / 16
 }
 
 /// Per window, the `vpermt2w` index of each output word ([`group_word`] `% 64` in its window).
-const fn window_index(bytes: usize) -> [[i16; 32]; MAX_WINDOWS] {
+const fn window_index(bytes: usize, has_min: bool) -> [[i16; 32]; MAX_WINDOWS] {
     let mut idx = [[0i16; 32]; MAX_WINDOWS];
     let mut l = 0;
-    while l < 32 {
+    while l < group_outputs(has_min) {
         let w = group_word(bytes, l);
         idx[w / 64][l] = (w % 64) as i16;
         l += 1;
@@ -452,10 +570,10 @@ const fn window_index(bytes: usize) -> [[i16; 32]; MAX_WINDOWS] {
 }
 
 /// Per window, the output words it supplies.
-const fn window_lanes(bytes: usize) -> [__mmask32; MAX_WINDOWS] {
+const fn window_lanes(bytes: usize, has_min: bool) -> [__mmask32; MAX_WINDOWS] {
     let mut lanes = [0; MAX_WINDOWS];
     let mut l = 0;
-    while l < 32 {
+    while l < group_outputs(has_min) {
         lanes[group_word(bytes, l) / 64] |= 1 << l;
         l += 1;
     }
@@ -497,7 +615,7 @@ unsafe fn qgemv_512<Q: Quants512, const R: usize>(
                 if PREFETCH {
                     _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pf) as *const i8);
                 }
-                let (q0, q1) = Q::q512(p);
+                let (q0, q1) = Q::lanes512(p);
                 let s = _mm512_fmadd_ps(q1, x1, _mm512_mul_ps(q0, x0));
                 acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d[r][j]), s, acc[r]);
             }
@@ -565,6 +683,7 @@ impl<Q: Quants512> RowTokens for Legacy512<Q> {
         pf: usize,
     ) -> [f32; T] {
         const QK: usize = 32;
+        let x: [*const f32; T] = std::array::from_fn(|t| lane_x::<Q>(x[t], xs[t], nb));
         let mut acc = [_mm512_setzero_ps(); T];
         let mut macc = [_mm512_setzero_ps(); T];
         let mut d = [0f32; 16];
@@ -586,7 +705,7 @@ impl<Q: Quants512> RowTokens for Legacy512<Q> {
                 if PREFETCH {
                     _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pf) as *const i8);
                 }
-                let (q0, q1) = Q::q512(p);
+                let (q0, q1) = Q::lanes512(p);
                 let db = _mm512_set1_ps(d[j]);
                 for t in 0..T {
                     let x0 = _mm512_loadu_ps(x[t].add(b * QK));

@@ -1030,35 +1030,37 @@ fn check_bf16_is_exact(m: &PackedMatrix, tokens: usize, what: &str) {
     );
 }
 
-/// `avx512::group_words` gives lane `i` the first little-endian dword of block `i` for every
-/// legacy format and every group size, zeros past the group, reading only the group's bytes
-/// (the buffer ends with the group).
+/// `avx512::group_words` gives word `i` the `d` (first little-endian 16 bits) of block `i` and
+/// word `16 + i` its `m` (the next 16; zero for the formats without a min) for every legacy
+/// format and every group size, zeros past the group, reading only the group's bytes (the
+/// buffer ends with the group).
 #[cfg(target_arch = "x86_64")]
 #[test]
-fn group_words_gather_each_blocks_first_dword() {
+fn group_words_gather_each_blocks_scales() {
     if simd::detected() < Level::Avx512 {
         println!("SKIPPED: this CPU has no AVX-512");
         return;
     }
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-    unsafe fn words<Q: quant::BlockFormat>(p: &[u8], n: usize) -> [u32; 16] {
+    unsafe fn words<Q: x86::Legacy>(p: &[u8], n: usize) -> [u16; 32] {
         std::mem::transmute(avx512::group_words::<Q>(p.as_ptr(), n))
     }
-    fn check<Q: quant::BlockFormat>() {
+    fn check<Q: x86::Legacy>() {
         for n in 1..=16 {
             let bytes: Vec<u8> = (0..n * Q::BYTES)
                 .map(|i| (i as u32).wrapping_mul(2_654_435_761).rotate_right(13) as u8)
                 .collect();
             // SAFETY: the CPU has AVX-512 (checked above); `bytes` holds `n` blocks.
             let got = unsafe { words::<Q>(&bytes, n) };
-            for (i, &g) in got.iter().enumerate() {
-                let want = if i < n {
-                    let b = &bytes[i * Q::BYTES..];
-                    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+            for (l, &g) in got.iter().enumerate() {
+                let (block, word) = (l % 16, l / 16);
+                let want = if block < n && (word == 0 || Q::HAS_MIN) {
+                    let b = &bytes[block * Q::BYTES + 2 * word..];
+                    u16::from_le_bytes([b[0], b[1]])
                 } else {
                     0
                 };
-                assert_eq!(g, want, "{} bytes per block, n {n}, lane {i}", Q::BYTES);
+                assert_eq!(g, want, "{} bytes per block, n {n}, word {l}", Q::BYTES);
             }
         }
     }
