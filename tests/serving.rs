@@ -813,33 +813,22 @@ fn graph_engine(name: &str) -> Arc<Engine> {
     )
 }
 
-/// Steps `s` until it is idle, submitting request `i` once `joins[i]` steps have run and
-/// checking the cache's invariants after every step; returns what each request streamed.
+/// Steps `s` until it is idle, submitting request `i` once `joins[i]` steps have run (in order:
+/// a request waits for the ones before it) and checking the cache's invariants after every
+/// step; returns what each request streamed.
 fn run_with_joins(
     s: &mut Scheduler,
     reqs: &[Request],
     joins: &[usize],
 ) -> Vec<Arc<Mutex<Collected>>> {
-    let stores: Vec<Arc<Mutex<Collected>>> = (0..reqs.len())
-        .map(|_| Arc::new(Mutex::new(Collected::default())))
-        .collect();
-    let (mut submitted, mut steps) = (0, 0);
-    while submitted < reqs.len() || !s.is_idle() {
-        while submitted < reqs.len() && joins[submitted] <= steps {
-            s.submit(
-                submitted as u64,
-                reqs[submitted].clone(),
-                sink(&stores[submitted]),
-            )
-            .unwrap();
-            submitted += 1;
-        }
-        s.step().unwrap();
-        s.cache().check_invariants().unwrap();
-        steps += 1;
-        assert!(steps < 10_000, "the scheduler does not finish");
-    }
-    stores
+    // Requests ready by step `t`: the leading ones whose join step has come.
+    let ready = |t: usize| joins.iter().take_while(|&&j| j <= t).count();
+    serve_joining(
+        s,
+        reqs,
+        |t| ready(t) - t.checked_sub(1).map_or(0, ready),
+        |s| s.cache().check_invariants().unwrap(),
+    )
 }
 
 /// A request joining a running graph phase ends it, but the replays already in flight are
