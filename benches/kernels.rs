@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use half::{bf16, f16};
-use kiln::backend::cpu::matmul::{matmul_rows_with, Numerics, PackedMatrix, WeightData};
+use kiln::backend::cpu::matmul::{groupable, matmul_rows_with, Numerics, PackedMatrix, WeightData};
 use kiln::backend::cpu::simd::{self, Level};
 use kiln::model::quant::QuantKind;
 
@@ -164,6 +164,19 @@ fn gemv(c: &mut Criterion) {
                         b.iter(|| run_with(level, numerics, &w, black_box(&x), 1, &mut out))
                     });
                 }
+            }
+            // The same blocks regrouped sixteen rows to a group for the exact AVX-512 kernels
+            // (what engines hold on AVX-512 CPUs).
+            if groupable(kind) && simd::level() >= Level::Avx512 {
+                let grouped = PackedMatrix {
+                    data: quant_matrix(rows, cols, kind).data.grouped(rows, cols),
+                    ..quant_matrix(rows, cols, kind)
+                };
+                let id =
+                    BenchmarkId::new(format!("{}-grouped/{rows}x{cols}", kind.name()), "avx512");
+                g.bench_function(id, |b| {
+                    b.iter(|| run(simd::level(), &grouped, black_box(&x), 1, &mut out))
+                });
             }
         }
     }

@@ -28,7 +28,7 @@ use crate::kv::{KvBudget, KvCache, KvDtype, KvError, KvOptions};
 use crate::model::{DType, LoadError, ModelConfig, Tensor, Weights};
 use crate::plan::{compile_graph, ExecutionPlan, Phase, PlanKind};
 pub use matmul::Numerics;
-use matmul::{Interleaved, MatrixPart, PackedMatrix, Pages, WeightArena, WeightData};
+use matmul::{Grouped, Interleaved, MatrixPart, PackedMatrix, Pages, WeightArena, WeightData};
 
 /// How linear weights are held in memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -130,11 +130,17 @@ impl CpuBackend {
         // Pack every distinct weight once; each plan instruction then names its matrix by index, so
         // a step never builds a key or hashes a name to find its weights. `Numerics::Int8` regroups
         // the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks for its kernels, where the CPU has them (elsewhere
-        // those weights stay as stored and run exact).
+        // those weights run exact); on AVX-512 CPUs everything that runs exact decode (exact and
+        // bf16 numerics, int8 without VNNI) regroups the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks for the
+        // exact grouped kernels (`matmul::grouped`). `Numerics::Int16` keeps the blocks as
+        // stored, which its kernels read.
         // Every matrix on huge pages, the small ones sharing them (see `pages`).
         let mut packer = Packer {
             format: opts.weights,
             interleave: opts.numerics == Numerics::Int8 && matmul::int8_kernels(),
+            group: opts.numerics != Numerics::Int16
+                && !(opts.numerics == Numerics::Int8 && matmul::int8_kernels())
+                && simd::level() >= simd::Level::Avx512,
             arena: WeightArena::new(),
         };
         let mut matrices: Vec<PackedMatrix> = Vec::new();
@@ -333,6 +339,8 @@ struct Packer {
     format: WeightFormat,
     /// Regroup the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks for `Numerics::Int8`'s kernels.
     interleave: bool,
+    /// Regroup the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks for the exact AVX-512 kernels.
+    group: bool,
     arena: WeightArena,
 }
 
@@ -448,7 +456,9 @@ fn pack_data(
             };
             rows.push(&raw[..want]);
         }
-        if packer.interleave && matmul::interleavable(kind) {
+        let regroup = (packer.interleave && matmul::interleavable(kind))
+            || (packer.group && matmul::groupable(kind));
+        if regroup {
             // Regrouped straight from the file's blocks: the arena never holds them as stored.
             let joined;
             let blocks: &[u8] = match rows.as_slice() {
@@ -461,7 +471,11 @@ fn pack_data(
             let n: usize = tensors.iter().map(|(_, r)| r).sum();
             matmul::check_blocks(kind, blocks.len(), n, cols)
                 .map_err(|e| LoadError::tensor(&weights.source, &first.name, e))?;
-            WeightData::Interleaved(Interleaved::new(kind, n, cols, blocks, arena))
+            if packer.interleave {
+                WeightData::Interleaved(Interleaved::new(kind, n, cols, blocks, arena))
+            } else {
+                WeightData::Grouped(Grouped::new(kind, n, cols, blocks, arena))
+            }
         } else {
             WeightData::Quant {
                 kind,

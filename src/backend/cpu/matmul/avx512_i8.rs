@@ -230,7 +230,7 @@ unsafe fn chunk<const F: u8, const N: usize>(
 /// Writes token `t0 + t`'s outputs `n0 + lane` for the lanes set, as [`Job::put`] does:
 /// `(out + d) + bias` when accumulating, else `d + bias`.
 #[inline(always)]
-unsafe fn store<const N: usize>(
+pub(super) unsafe fn store<const N: usize>(
     job: &Job,
     t0: usize,
     n0: usize,

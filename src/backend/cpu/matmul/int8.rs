@@ -179,7 +179,7 @@ pub(crate) const fn stored_offset(kind: QuantKind) -> i32 {
 }
 
 /// Offset of `qh` in a Q5 ggml block (after its f16 scale, and Q5_1's f16 min).
-const fn ggml_fifth_at(kind: QuantKind) -> usize {
+pub(crate) const fn ggml_fifth_at(kind: QuantKind) -> usize {
     if has_min(kind) {
         4
     } else {
@@ -188,7 +188,7 @@ const fn ggml_fifth_at(kind: QuantKind) -> usize {
 }
 
 /// Offset of the quants in a ggml block (after its f16 scale, its f16 min, its `qh`).
-const fn ggml_quants_at(kind: QuantKind) -> usize {
+pub(crate) const fn ggml_quants_at(kind: QuantKind) -> usize {
     ggml_fifth_at(kind) + if has_fifth_bit(kind) { 4 } else { 0 }
 }
 

@@ -33,6 +33,14 @@ fn data_f64(data: &WeightData, rows: usize, cols: usize) -> Vec<f64> {
             .iter()
             .flat_map(|p| data_f64(&p.data, p.rows, cols))
             .collect(),
+        WeightData::Grouped(m) => (0..rows)
+            .flat_map(|n| {
+                let mut f = vec![0f32; cols];
+                m.row_f32(n, &mut f);
+                f
+            })
+            .map(|x| x as f64)
+            .collect(),
         WeightData::Interleaved(m) => (0..rows)
             .flat_map(|n| {
                 let mut f = vec![0f32; cols];
@@ -262,6 +270,19 @@ fn quantized_every_level_matches_f64_reference() {
                         {
                             panic!("{level:?} {kind:?} {rows}x{cols} tokens={tokens}: {e}");
                         }
+                        if groupable(kind) {
+                            let g = PackedMatrix {
+                                data: w.data.grouped(rows, cols),
+                                ..w
+                            };
+                            if let Err(e) =
+                                run_and_compare(level, &g, tokens, v % 3 != 0, false, seed)
+                            {
+                                panic!(
+                                    "{level:?} grouped {kind:?} {rows}x{cols} tokens={tokens}: {e}"
+                                );
+                            }
+                        }
                     }
                 }
             }
@@ -279,6 +300,15 @@ fn quantized_parallel_split_matches_reference() {
                     let w = quant_matrix(kind, rows, cols, bias, rows as u64);
                     if let Err(e) = run_and_compare(level, &w, tokens, acc, true, 3) {
                         panic!("{level:?} {kind:?} {rows}x{cols} tokens={tokens}: {e}");
+                    }
+                    if groupable(kind) {
+                        let g = PackedMatrix {
+                            data: w.data.grouped(rows, cols),
+                            ..w
+                        };
+                        if let Err(e) = run_and_compare(level, &g, tokens, acc, true, 3) {
+                            panic!("{level:?} grouped {kind:?} {rows}x{cols} tokens={tokens}: {e}");
+                        }
                     }
                 }
             }
@@ -1379,6 +1409,174 @@ fn int8_kernels_match_the_reference() {
                     assert_eq!(
                         one,
                         &all[t * rows..(t + 1) * rows],
+                        "{kind:?} token {t} alone"
+                    );
+                }
+            }
+        }
+    }
+}
+
+const GROUPED_KINDS: [QuantKind; 5] = [
+    QuantKind::Q4_0,
+    QuantKind::Q4_1,
+    QuantKind::Q5_0,
+    QuantKind::Q5_1,
+    QuantKind::Q8_0,
+];
+
+/// Grouping keeps every weight: each row dequantizes exactly as its ggml blocks do (through
+/// the rebuilt blocks, and through the AVX-512 tile dequantization over row ranges that cut
+/// groups), the shape is checked, the bytes are the ggml blocks' (plus a last group's
+/// padding), and a merged linear of two formats groups only its groupable part.
+#[test]
+fn grouping_keeps_every_row() {
+    for kind in GROUPED_KINDS {
+        for rows in [1, 15, 16, 17, 40] {
+            let cols = 96;
+            let w = quant_matrix(kind, rows, cols, false, rows as u64);
+            let want = weights_f64(&w);
+            let data = w.data.grouped(rows, cols);
+            let WeightData::Grouped(m) = &data else {
+                panic!("{kind:?} not grouped")
+            };
+            data.check_shape(rows, cols).unwrap();
+            assert!(data.check_shape(rows + 16, cols).is_err());
+            assert_eq!(data_f64(&data, rows, cols), want, "{kind:?} {rows} rows");
+            let padded = rows.div_ceil(16) * 16 * cols / 32 * kind.block_bytes();
+            assert_eq!(data.bytes(), padded, "{kind:?} {rows} rows");
+            if simd::level() >= Level::Avx512 {
+                for r in [0..rows, rows / 3..rows, 1.min(rows)..rows.min(18)] {
+                    let mut got = vec![f32::NAN; r.len() * cols];
+                    unsafe { avx512_grouped::dequantize(m, r.clone(), &mut got) };
+                    let same = got
+                        .iter()
+                        .zip(&want[r.start * cols..r.end * cols])
+                        .all(|(&g, &w)| g as f64 == w && g.to_bits() == (w as f32).to_bits());
+                    assert!(same, "{kind:?} rows {r:?}: tile dequantization");
+                }
+            } else {
+                println!("SKIPPED (tile dequantization): this CPU has no AVX-512");
+            }
+        }
+    }
+    let other = quant_matrix(QuantKind::Q6_K, 4, 256, false, 1);
+    assert!(matches!(
+        other.data.grouped(4, 256),
+        WeightData::Quant { .. }
+    ));
+    let (q5, q6) = (
+        quant_matrix(QuantKind::Q5_0, 20, 256, false, 2),
+        quant_matrix(QuantKind::Q6_K, 7, 256, false, 3),
+    );
+    let parts = WeightData::Parts(vec![
+        MatrixPart {
+            rows: 20,
+            data: q5.data,
+        },
+        MatrixPart {
+            rows: 7,
+            data: q6.data,
+        },
+    ])
+    .grouped(27, 256);
+    let WeightData::Parts(p) = &parts else {
+        panic!("parts stay parts")
+    };
+    assert!(matches!(p[0].data, WeightData::Grouped(_)));
+    assert!(matches!(p[1].data, WeightData::Quant { .. }));
+}
+
+/// Grouped weights: the AVX-512 kernel equals the scalar reference bit for bit (row ranges that
+/// cut groups, bias, accumulation, 1 to 16 tokens: chunks of 4 and rests), the reference equals
+/// the f64 product of the dequantized weights within f32 rounding of the sums, and a token's
+/// outputs are the same bits in every call of up to 16 tokens it is part of.
+#[test]
+fn grouped_kernels_match_the_reference() {
+    if simd::level() < Level::Avx512 {
+        println!("SKIPPED: this CPU has no AVX-512 (engines group weights only where it does)");
+        return;
+    }
+    for kind in GROUPED_KINDS {
+        for (rows, cols, tokens) in [
+            (1, 32, 1),
+            (16, 64, 3),
+            (37, 96, 1),
+            (40, 160, 5),
+            (70, 64, 8),
+            (33, 576, 2),
+            (20, 96, 13),
+            (48, 64, 16),
+        ] {
+            let seed = (rows * 100 + cols + tokens) as u64;
+            let w = quant_matrix(kind, rows, cols, true, seed);
+            let w = PackedMatrix {
+                data: w.data.grouped(rows, cols),
+                ..w
+            };
+            let WeightData::Grouped(m) = &w.data else {
+                unreachable!()
+            };
+            let ldx = cols + 3;
+            let x = rand_vec((tokens - 1) * ldx + cols, seed + 2);
+            let out0 = rand_vec(tokens * rows, seed + 3);
+            for acc in [false, true] {
+                let mut reference = out0.clone();
+                let mut vector = out0.clone();
+                // Rows cut at 5 and 21: groups entered and left in the middle.
+                for rg in [
+                    0..rows.min(5),
+                    rows.min(5)..rows.min(21),
+                    rows.min(21)..rows,
+                ] {
+                    for (out, simd) in [(&mut reference, false), (&mut vector, true)] {
+                        let job = Job {
+                            k: cols,
+                            bias: w.bias.as_deref(),
+                            x: x.as_ptr(),
+                            ldx,
+                            tokens,
+                            rows: rg.clone(),
+                            out: out.as_mut_ptr(),
+                            ldo: rows,
+                            accumulate: acc,
+                            xq: None,
+                            xb: None,
+                            x8: None,
+                        };
+                        unsafe {
+                            if simd {
+                                avx512_grouped::rows(m, &job)
+                            } else {
+                                grouped::rows_ref(m, &job)
+                            }
+                        }
+                    }
+                }
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&vector),
+                    bits(&reference),
+                    "{kind:?} {rows}x{cols} x{tokens}"
+                );
+                if let Err(e) = compare(&w, &x, ldx, tokens, &out0, &reference, rows, acc) {
+                    panic!("{kind:?} {rows}x{cols} x{tokens} reference: {e}");
+                }
+                // Through the entry point, each token alone gives the same bits.
+                let mut all = out0.clone();
+                matmul(Numerics::Exact, &w, &x, ldx, tokens, &mut all, rows, acc);
+                assert_eq!(
+                    bits(&all),
+                    bits(&reference),
+                    "{kind:?} {rows}x{cols} x{tokens}: entry point"
+                );
+                for t in 0..tokens {
+                    let mut one = out0[t * rows..(t + 1) * rows].to_vec();
+                    let xt = &x[t * ldx..t * ldx + cols];
+                    matmul(Numerics::Exact, &w, xt, cols, 1, &mut one, rows, acc);
+                    assert_eq!(
+                        bits(&one),
+                        bits(&all[t * rows..(t + 1) * rows]),
                         "{kind:?} token {t} alone"
                     );
                 }

@@ -1,0 +1,451 @@
+//! The AVX-512 kernels of [`super::grouped`]: up to [`MAX_TOKENS`] tokens against Q4_0, Q4_1,
+//! Q5_0, Q5_1 and Q8_0 weights regrouped sixteen rows to a group, the 16 output rows in the 16 lanes of
+//! every vector, each (row, token) the chain of [`super::grouped::rows_ref`] bit for bit; and
+//! the exact dequantization of grouped rows into prefill tiles.
+//!
+//! Per group, block and element: one shift (an immediate; none for the first field of a word,
+//! an OR of two for the four Q5 fields that cross words), one table lookup that both drops the
+//! bits above the field and converts the quant to f32 with its offset (`vpermps` for 4 bits,
+//! `vpermi2ps` over two tables for 5), and one FMA per token with the broadcast activation;
+//! for Q8_0, one sign-extending load and one conversion.
+//! Per group and block: one or two `vcvtph2ps` (scales, mins) and an FMA or two per token.
+
+use std::arch::x86_64::*;
+
+use super::avx512_i8::store;
+use super::grouped::{
+    block_sums, group_block_bytes, quants_at, value_offset, Grouped, BLOCK, GROUP, MAX_TOKENS,
+};
+use super::Job;
+use crate::model::quant::QuantKind;
+
+/// Tokens whose accumulators a pass over a group's blocks keeps in registers.
+const CHUNK: usize = 4;
+
+/// The formats, as the kernels' const parameter.
+const Q4_0: u8 = 0;
+const Q4_1: u8 = 1;
+const Q5_0: u8 = 2;
+const Q5_1: u8 = 3;
+const Q8_0: u8 = 4;
+
+const fn kind_of(f: u8) -> QuantKind {
+    match f {
+        Q4_0 => QuantKind::Q4_0,
+        Q4_1 => QuantKind::Q4_1,
+        Q5_0 => QuantKind::Q5_0,
+        Q5_1 => QuantKind::Q5_1,
+        _ => QuantKind::Q8_0,
+    }
+}
+
+/// Every output of `job` (at most [`MAX_TOKENS`] tokens) over grouped `w`.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW/VL, FMA and F16C; `job`'s output must be valid for writes at
+/// `t·ldo + n` for every token and row of the job, its input for reads of `w.cols` values per
+/// token, its bias (if any) for reads up to `w.rows`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(crate) unsafe fn rows(w: &Grouped, job: &Job) {
+    assert!(
+        job.tokens <= MAX_TOKENS,
+        "{} tokens for the grouped kernel",
+        job.tokens
+    );
+    match w.kind {
+        QuantKind::Q4_0 => rows_of::<Q4_0>(w, job),
+        QuantKind::Q4_1 => rows_of::<Q4_1>(w, job),
+        QuantKind::Q5_0 => rows_of::<Q5_0>(w, job),
+        QuantKind::Q5_1 => rows_of::<Q5_1>(w, job),
+        QuantKind::Q8_0 => rows_of::<Q8_0>(w, job),
+        k => unreachable!("{} is never grouped", k.name()),
+    }
+}
+
+#[inline(always)]
+unsafe fn rows_of<const F: u8>(w: &Grouped, job: &Job) {
+    let kind = kind_of(F);
+    let nb = w.cols / BLOCK;
+    let bb = group_block_bytes(kind);
+    // The block sums that the min multiplies, per token (empty without a min).
+    let sums: Vec<Vec<f32>> = (0..job.tokens)
+        .map(|t| {
+            if super::int8::has_min(kind) {
+                block_sums(job.xrow(t))
+            } else {
+                Vec::new()
+            }
+        })
+        .collect();
+    let (g0, g1) = (job.rows.start / GROUP, job.rows.end.div_ceil(GROUP));
+    for g in g0..g1 {
+        let n0 = g * GROUP;
+        let lo = job.rows.start.max(n0) - n0;
+        let hi = job.rows.end.min(n0 + GROUP) - n0;
+        let lanes = ((1u32 << hi) - (1u32 << lo)) as __mmask16;
+        let base = w.bytes.as_ptr().add(g * nb * bb);
+        // The first pass over a group fetches the next one's blocks as it goes.
+        let mut ahead = if g + 1 < g1 {
+            base.add(nb * bb)
+        } else {
+            std::ptr::null()
+        };
+        let mut t0 = 0;
+        while t0 < job.tokens {
+            let n = (job.tokens - t0).min(CHUNK);
+            let p = (base, ahead, nb);
+            let x = |t: usize| job.xptr(t0 + t);
+            let s = |t: usize| sums[t0 + t].as_ptr();
+            match n {
+                1 => store(job, t0, n0, lanes, &chunk::<F, 1>(p, [x(0)], [s(0)])),
+                2 => store(
+                    job,
+                    t0,
+                    n0,
+                    lanes,
+                    &chunk::<F, 2>(p, [x(0), x(1)], [s(0), s(1)]),
+                ),
+                3 => store(
+                    job,
+                    t0,
+                    n0,
+                    lanes,
+                    &chunk::<F, 3>(p, [x(0), x(1), x(2)], [s(0), s(1), s(2)]),
+                ),
+                _ => store(
+                    job,
+                    t0,
+                    n0,
+                    lanes,
+                    &chunk::<F, 4>(p, [x(0), x(1), x(2), x(3)], [s(0), s(1), s(2), s(3)]),
+                ),
+            }
+            ahead = std::ptr::null();
+            t0 += n;
+        }
+    }
+}
+
+/// Field `e`'s FMA into the token partials of its quarter of the block (`p[e / 8]`).
+#[inline(always)]
+unsafe fn step<const N: usize>(q: __m512, x: &[*const f32; N], e: usize, p: &mut [[__m512; N]; 4]) {
+    let p = &mut p[e / 8];
+    for t in 0..N {
+        p[t] = _mm512_fmadd_ps(q, _mm512_set1_ps(*x[t].add(e)), p[t]);
+    }
+}
+
+/// Bits `S..S + 4` of word `W` as a `vpermps` index (the bits above it are ignored).
+#[inline(always)]
+unsafe fn f4<const W: usize, const S: u32>(w: &[__m512i; 5]) -> __m512i {
+    if S == 0 {
+        w[W]
+    } else {
+        _mm512_srli_epi32::<S>(w[W])
+    }
+}
+
+/// Bits `S..S + 5` of the stream from word `W` as a `vpermi2ps` index; `L = 32 − S` where the
+/// field crosses into word `W + 1`, else 0.
+#[inline(always)]
+unsafe fn f5<const W: usize, const S: u32, const L: u32>(w: &[__m512i; 5]) -> __m512i {
+    let v = if S == 0 {
+        w[W]
+    } else {
+        _mm512_srli_epi32::<S>(w[W])
+    };
+    if L == 0 {
+        v
+    } else {
+        _mm512_or_si512(v, _mm512_slli_epi32::<L>(w[W + 1]))
+    }
+}
+
+/// The 16 f32 values `start, …, start + 15`.
+#[inline(always)]
+unsafe fn iota_from(start: f32) -> __m512 {
+    let iota = _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    );
+    _mm512_add_ps(iota, _mm512_set1_ps(start))
+}
+
+/// Calls `$f(e, index)` for the 32 fields of a block's quant words `$w`, in element order (for
+/// Q8_0, `$f(e, value)` from the quants at `$q`).
+macro_rules! fields {
+    (4, $w:expr, $f:expr) => {{
+        let w = $w;
+        let mut f = $f;
+        f(0, f4::<0, 0>(w));
+        f(1, f4::<0, 4>(w));
+        f(2, f4::<0, 8>(w));
+        f(3, f4::<0, 12>(w));
+        f(4, f4::<0, 16>(w));
+        f(5, f4::<0, 20>(w));
+        f(6, f4::<0, 24>(w));
+        f(7, f4::<0, 28>(w));
+        f(8, f4::<1, 0>(w));
+        f(9, f4::<1, 4>(w));
+        f(10, f4::<1, 8>(w));
+        f(11, f4::<1, 12>(w));
+        f(12, f4::<1, 16>(w));
+        f(13, f4::<1, 20>(w));
+        f(14, f4::<1, 24>(w));
+        f(15, f4::<1, 28>(w));
+        f(16, f4::<2, 0>(w));
+        f(17, f4::<2, 4>(w));
+        f(18, f4::<2, 8>(w));
+        f(19, f4::<2, 12>(w));
+        f(20, f4::<2, 16>(w));
+        f(21, f4::<2, 20>(w));
+        f(22, f4::<2, 24>(w));
+        f(23, f4::<2, 28>(w));
+        f(24, f4::<3, 0>(w));
+        f(25, f4::<3, 4>(w));
+        f(26, f4::<3, 8>(w));
+        f(27, f4::<3, 12>(w));
+        f(28, f4::<3, 16>(w));
+        f(29, f4::<3, 20>(w));
+        f(30, f4::<3, 24>(w));
+        f(31, f4::<3, 28>(w));
+    }};
+    (8, $q:expr, $f:expr) => {{
+        let q = $q;
+        let mut f = $f;
+        f(0, q8::<0>(q));
+        f(1, q8::<1>(q));
+        f(2, q8::<2>(q));
+        f(3, q8::<3>(q));
+        f(4, q8::<4>(q));
+        f(5, q8::<5>(q));
+        f(6, q8::<6>(q));
+        f(7, q8::<7>(q));
+        f(8, q8::<8>(q));
+        f(9, q8::<9>(q));
+        f(10, q8::<10>(q));
+        f(11, q8::<11>(q));
+        f(12, q8::<12>(q));
+        f(13, q8::<13>(q));
+        f(14, q8::<14>(q));
+        f(15, q8::<15>(q));
+        f(16, q8::<16>(q));
+        f(17, q8::<17>(q));
+        f(18, q8::<18>(q));
+        f(19, q8::<19>(q));
+        f(20, q8::<20>(q));
+        f(21, q8::<21>(q));
+        f(22, q8::<22>(q));
+        f(23, q8::<23>(q));
+        f(24, q8::<24>(q));
+        f(25, q8::<25>(q));
+        f(26, q8::<26>(q));
+        f(27, q8::<27>(q));
+        f(28, q8::<28>(q));
+        f(29, q8::<29>(q));
+        f(30, q8::<30>(q));
+        f(31, q8::<31>(q));
+    }};
+    (5, $w:expr, $f:expr) => {{
+        let w = $w;
+        let mut f = $f;
+        f(0, f5::<0, 0, 0>(w));
+        f(1, f5::<0, 5, 0>(w));
+        f(2, f5::<0, 10, 0>(w));
+        f(3, f5::<0, 15, 0>(w));
+        f(4, f5::<0, 20, 0>(w));
+        f(5, f5::<0, 25, 0>(w));
+        f(6, f5::<0, 30, 2>(w));
+        f(7, f5::<1, 3, 0>(w));
+        f(8, f5::<1, 8, 0>(w));
+        f(9, f5::<1, 13, 0>(w));
+        f(10, f5::<1, 18, 0>(w));
+        f(11, f5::<1, 23, 0>(w));
+        f(12, f5::<1, 28, 4>(w));
+        f(13, f5::<2, 1, 0>(w));
+        f(14, f5::<2, 6, 0>(w));
+        f(15, f5::<2, 11, 0>(w));
+        f(16, f5::<2, 16, 0>(w));
+        f(17, f5::<2, 21, 0>(w));
+        f(18, f5::<2, 26, 0>(w));
+        f(19, f5::<2, 31, 1>(w));
+        f(20, f5::<3, 4, 0>(w));
+        f(21, f5::<3, 9, 0>(w));
+        f(22, f5::<3, 14, 0>(w));
+        f(23, f5::<3, 19, 0>(w));
+        f(24, f5::<3, 24, 0>(w));
+        f(25, f5::<3, 29, 3>(w));
+        f(26, f5::<4, 2, 0>(w));
+        f(27, f5::<4, 7, 0>(w));
+        f(28, f5::<4, 12, 0>(w));
+        f(29, f5::<4, 17, 0>(w));
+        f(30, f5::<4, 22, 0>(w));
+        f(31, f5::<4, 27, 0>(w));
+    }};
+}
+
+/// Element `E`'s 16 rows of a Q8_0 group block's quants at `q`, sign-extended and converted.
+#[inline(always)]
+unsafe fn q8<const E: usize>(q: *const u8) -> __m512 {
+    let bytes = _mm_loadu_si128(q.add(GROUP * E) as *const __m128i);
+    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes))
+}
+
+/// A group block's `bits` quant words (the fifth unused for 4-bit formats).
+#[inline(always)]
+unsafe fn quant_words<const FIVE: bool>(q: *const u8) -> [__m512i; 5] {
+    let q = q as *const __m512i;
+    let mut w = [_mm512_setzero_si512(); 5];
+    for (i, v) in w.iter_mut().enumerate().take(if FIVE { 5 } else { 4 }) {
+        *v = _mm512_loadu_si512(q.add(i));
+    }
+    w
+}
+
+/// Calls `f(e, value)` with each element's 16 rows' quants as f32 (the offset applied).
+#[inline(always)]
+unsafe fn values<const F: u8>(q: *const u8, mut f: impl FnMut(usize, __m512)) {
+    let kind = kind_of(F);
+    let off = value_offset(kind) as f32;
+    if F == Q8_0 {
+        fields!(8, q, |e, v| f(e, v));
+    } else if F == Q5_0 || F == Q5_1 {
+        let (lo, hi) = (iota_from(off), iota_from(off + 16.0));
+        let w = quant_words::<true>(q);
+        fields!(5, &w, |e, i| f(e, _mm512_permutex2var_ps(lo, i, hi)));
+    } else {
+        let table = iota_from(off);
+        let w = quant_words::<false>(q);
+        fields!(4, &w, |e, i| f(e, _mm512_permutexvar_ps(i, table)));
+    }
+}
+
+/// One group's 16 outputs for `N` tokens: the block chain of [`super::grouped`]'s module doc,
+/// lane by lane.
+#[inline(always)]
+unsafe fn chunk<const F: u8, const N: usize>(
+    (base, ahead, nb): (*const u8, *const u8, usize),
+    x: [*const f32; N],
+    sums: [*const f32; N],
+) -> [__m512; N] {
+    let kind = kind_of(F);
+    let bb = group_block_bytes(kind);
+    let qa = quants_at(kind);
+    let min = super::int8::has_min(kind);
+    let mut acc = [_mm512_setzero_ps(); N];
+    for b in 0..nb {
+        let blk = base.add(b * bb);
+        if !ahead.is_null() {
+            let next = ahead.add(b * bb);
+            for line in (0..bb).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(next.add(line) as *const i8);
+            }
+        }
+        let xb: [*const f32; N] = std::array::from_fn(|t| x[t].add(b * BLOCK));
+        let mut p = [[_mm512_setzero_ps(); N]; 4];
+        values::<F>(blk.add(qa), |e, q| step(q, &xb, e, &mut p));
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
+        for t in 0..N {
+            let s = _mm512_add_ps(
+                _mm512_add_ps(p[0][t], p[1][t]),
+                _mm512_add_ps(p[2][t], p[3][t]),
+            );
+            acc[t] = _mm512_fmadd_ps(d, s, acc[t]);
+        }
+        if min {
+            let m = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(2 * GROUP) as *const __m256i));
+            for t in 0..N {
+                acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(*sums[t].add(b)), acc[t]);
+            }
+        }
+    }
+    acc
+}
+
+/// Rows `rows` of grouped `w` dequantized into `out` (row-major, `w.cols` per row), bit-identical
+/// to ggml's dequantization: `q·d`, then `+ m`, never fused.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW/VL and F16C; `rows` must lie in `w` and `out` hold
+/// `rows.len() · w.cols` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(crate) unsafe fn dequantize(w: &Grouped, rows: std::ops::Range<usize>, out: &mut [f32]) {
+    match w.kind {
+        QuantKind::Q4_0 => dequantize_of::<Q4_0>(w, rows, out),
+        QuantKind::Q4_1 => dequantize_of::<Q4_1>(w, rows, out),
+        QuantKind::Q5_0 => dequantize_of::<Q5_0>(w, rows, out),
+        QuantKind::Q5_1 => dequantize_of::<Q5_1>(w, rows, out),
+        QuantKind::Q8_0 => dequantize_of::<Q8_0>(w, rows, out),
+        k => unreachable!("{} is never grouped", k.name()),
+    }
+}
+
+#[inline(always)]
+unsafe fn dequantize_of<const F: u8>(w: &Grouped, rows: std::ops::Range<usize>, out: &mut [f32]) {
+    let kind = kind_of(F);
+    let (k, nb, bb) = (w.cols, w.cols / BLOCK, group_block_bytes(kind));
+    assert!(rows.end <= w.rows && out.len() >= rows.len() * k);
+    let qa = quants_at(kind);
+    let min = super::int8::has_min(kind);
+    for g in rows.start / GROUP..rows.end.div_ceil(GROUP) {
+        let n0 = g * GROUP;
+        let (lo, hi) = (rows.start.max(n0), rows.end.min(n0 + GROUP));
+        for b in 0..nb {
+            let blk = w.bytes.as_ptr().add((g * nb + b) * bb);
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
+            let m = if min {
+                _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(2 * GROUP) as *const __m256i))
+            } else {
+                _mm512_setzero_ps()
+            };
+            // Element-major (16 rows each), then transposed to 16 rows of 2 × 16 elements.
+            let mut v = [_mm512_setzero_ps(); BLOCK];
+            values::<F>(blk.add(qa), |e, q| {
+                let x = _mm512_mul_ps(q, d);
+                v[e] = if min { _mm512_add_ps(x, m) } else { x };
+            });
+            let first = transpose16(v[..16].try_into().expect("16 vectors"));
+            let second = transpose16(v[16..].try_into().expect("16 vectors"));
+            for n in lo..hi {
+                let dst = out.as_mut_ptr().add((n - rows.start) * k + b * BLOCK);
+                _mm512_storeu_ps(dst, first[n - n0]);
+                _mm512_storeu_ps(dst.add(16), second[n - n0]);
+            }
+        }
+    }
+}
+
+/// The transpose of a 16 × 16 matrix held as 16 row vectors: lane `c` of row `r` to lane `r` of
+/// row `c`. Pairs of rows interleave by 32 and 64 bits within 128-bit lanes, then the 128-bit
+/// lanes of four rows at a time are gathered by two rounds of `vshuff32x4`: 64 shuffles.
+#[inline(always)]
+unsafe fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
+    // t[2i], t[2i + 1]: rows 2i and 2i + 1 interleaved (columns 4L, 4L + 1 and 4L + 2, 4L + 3
+    // of each 128-bit lane L).
+    let mut t = [_mm512_setzero_ps(); 16];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    // u[4q + j]: rows 4q..4q + 4 at column 4L + j, in lane L.
+    let mut u = [_mm512_setzero_ps(); 16];
+    for q in 0..4 {
+        let (a, b, c, d) = (t[4 * q], t[4 * q + 1], t[4 * q + 2], t[4 * q + 3]);
+        u[4 * q] = _mm512_shuffle_ps::<0x44>(a, c);
+        u[4 * q + 1] = _mm512_shuffle_ps::<0xEE>(a, c);
+        u[4 * q + 2] = _mm512_shuffle_ps::<0x44>(b, d);
+        u[4 * q + 3] = _mm512_shuffle_ps::<0xEE>(b, d);
+    }
+    // Column 4L + j: lane L of u[j], u[4 + j], u[8 + j], u[12 + j].
+    let mut o = [_mm512_setzero_ps(); 16];
+    for j in 0..4 {
+        let x0 = _mm512_shuffle_f32x4::<0x44>(u[j], u[4 + j]);
+        let x1 = _mm512_shuffle_f32x4::<0xEE>(u[j], u[4 + j]);
+        let y0 = _mm512_shuffle_f32x4::<0x44>(u[8 + j], u[12 + j]);
+        let y1 = _mm512_shuffle_f32x4::<0xEE>(u[8 + j], u[12 + j]);
+        o[j] = _mm512_shuffle_f32x4::<0x88>(x0, y0);
+        o[4 + j] = _mm512_shuffle_f32x4::<0xDD>(x0, y0);
+        o[8 + j] = _mm512_shuffle_f32x4::<0x88>(x1, y1);
+        o[12 + j] = _mm512_shuffle_f32x4::<0xDD>(x1, y1);
+    }
+    o
+}
