@@ -132,7 +132,7 @@ fn gemv(c: &mut Criterion) {
     }
     // SmolLM2's Q4_1/Q8_0 shapes, then Qwen2.5-Coder-0.5B's Q5_0 gate/up (4864 × 896; Q8_0 and
     // Q4_1 in the same shape, to compare formats at Qwen's row length) and its
-    // Q4_K/Q6_K down (896 × 4864).
+    // Q4_K/Q6_K down (896 × 4864), and Q4_1 in that shape to compare formats.
     let shapes = [
         (1536, 576, QuantKind::Q4_1),
         (49152, 576, QuantKind::Q4_1),
@@ -142,6 +142,7 @@ fn gemv(c: &mut Criterion) {
         (4864, 896, QuantKind::Q8_0),
         (4864, 896, QuantKind::Q4_1),
         (896, 4864, QuantKind::Q4_K),
+        (896, 4864, QuantKind::Q4_1),
         (896, 4864, QuantKind::Q6_K),
     ];
     for (rows, cols, kind) in shapes {

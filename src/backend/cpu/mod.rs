@@ -131,9 +131,9 @@ impl CpuBackend {
         // a step never builds a key or hashes a name to find its weights. `Numerics::Int8` regroups
         // the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks for its kernels, where the CPU has them (elsewhere
         // those weights run exact); on AVX-512 CPUs everything that runs exact decode (exact and
-        // bf16 numerics, int8 without VNNI) regroups the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks for the
-        // exact grouped kernels (`matmul::grouped`). `Numerics::Int16` keeps the blocks as
-        // stored, which its kernels read.
+        // bf16 numerics, int8 without VNNI) regroups the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K
+        // blocks for the exact grouped kernels (`matmul::grouped`). `Numerics::Int16` keeps the
+        // blocks as stored, which its kernels read.
         // Every matrix on huge pages, the small ones sharing them (see `pages`).
         let mut packer = Packer {
             format: opts.weights,
@@ -339,7 +339,7 @@ struct Packer {
     format: WeightFormat,
     /// Regroup the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks for `Numerics::Int8`'s kernels.
     interleave: bool,
-    /// Regroup the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks for the exact AVX-512 kernels.
+    /// Regroup the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K blocks for the exact AVX-512 kernels.
     group: bool,
     arena: WeightArena,
 }

@@ -14,7 +14,9 @@ use std::arch::x86_64::*;
 
 use super::avx512_i8::store;
 use super::grouped::{
-    block_sums, group_block_bytes, quants_at, value_offset, Grouped, BLOCK, GROUP, MAX_TOKENS,
+    block_sums, elems, group_block_bytes, quants_at, value_offset, Grouped, BLOCK, GROUP, K4_DMIN,
+    K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES, K6_PAIR_BYTES, K6_QUANTS, K6_SCALES,
+    K6_SUB, MAX_TOKENS,
 };
 use super::Job;
 use crate::model::quant::QuantKind;
@@ -28,6 +30,8 @@ const Q4_1: u8 = 1;
 const Q5_0: u8 = 2;
 const Q5_1: u8 = 3;
 const Q8_0: u8 = 4;
+const Q4_K: u8 = 5;
+const Q6_K: u8 = 6;
 
 const fn kind_of(f: u8) -> QuantKind {
     match f {
@@ -35,7 +39,9 @@ const fn kind_of(f: u8) -> QuantKind {
         Q4_1 => QuantKind::Q4_1,
         Q5_0 => QuantKind::Q5_0,
         Q5_1 => QuantKind::Q5_1,
-        _ => QuantKind::Q8_0,
+        Q8_0 => QuantKind::Q8_0,
+        Q4_K => QuantKind::Q4_K,
+        _ => QuantKind::Q6_K,
     }
 }
 
@@ -58,6 +64,8 @@ pub(crate) unsafe fn rows(w: &Grouped, job: &Job) {
         QuantKind::Q5_0 => rows_of::<Q5_0>(w, job),
         QuantKind::Q5_1 => rows_of::<Q5_1>(w, job),
         QuantKind::Q8_0 => rows_of::<Q8_0>(w, job),
+        QuantKind::Q4_K => rows_of::<Q4_K>(w, job),
+        QuantKind::Q6_K => rows_of::<Q6_K>(w, job),
         k => unreachable!("{} is never grouped", k.name()),
     }
 }
@@ -65,12 +73,12 @@ pub(crate) unsafe fn rows(w: &Grouped, job: &Job) {
 #[inline(always)]
 unsafe fn rows_of<const F: u8>(w: &Grouped, job: &Job) {
     let kind = kind_of(F);
-    let nb = w.cols / BLOCK;
+    let nb = w.cols / elems(kind);
     let bb = group_block_bytes(kind);
     // The block sums that the min multiplies, per token (empty without a min).
     let sums: Vec<Vec<f32>> = (0..job.tokens)
         .map(|t| {
-            if super::int8::has_min(kind) {
+            if super::int8::has_min(kind) || F == Q4_K {
                 block_sums(job.xrow(t))
             } else {
                 Vec::new()
@@ -245,6 +253,42 @@ macro_rules! fields {
         f(30, q8::<30>(q));
         f(31, q8::<31>(q));
     }};
+    (6, $w:expr, $f:expr) => {{
+        let w = $w;
+        let mut f = $f;
+        f(0, f6::<0, 0, 0>(w));
+        f(1, f6::<0, 6, 0>(w));
+        f(2, f6::<0, 12, 0>(w));
+        f(3, f6::<0, 18, 0>(w));
+        f(4, f6::<0, 24, 0>(w));
+        f(5, f6::<0, 30, 2>(w));
+        f(6, f6::<1, 4, 0>(w));
+        f(7, f6::<1, 10, 0>(w));
+        f(8, f6::<1, 16, 0>(w));
+        f(9, f6::<1, 22, 0>(w));
+        f(10, f6::<1, 28, 4>(w));
+        f(11, f6::<2, 2, 0>(w));
+        f(12, f6::<2, 8, 0>(w));
+        f(13, f6::<2, 14, 0>(w));
+        f(14, f6::<2, 20, 0>(w));
+        f(15, f6::<2, 26, 0>(w));
+        f(16, f6::<3, 0, 0>(w));
+        f(17, f6::<3, 6, 0>(w));
+        f(18, f6::<3, 12, 0>(w));
+        f(19, f6::<3, 18, 0>(w));
+        f(20, f6::<3, 24, 0>(w));
+        f(21, f6::<3, 30, 2>(w));
+        f(22, f6::<4, 4, 0>(w));
+        f(23, f6::<4, 10, 0>(w));
+        f(24, f6::<4, 16, 0>(w));
+        f(25, f6::<4, 22, 0>(w));
+        f(26, f6::<4, 28, 4>(w));
+        f(27, f6::<5, 2, 0>(w));
+        f(28, f6::<5, 8, 0>(w));
+        f(29, f6::<5, 14, 0>(w));
+        f(30, f6::<5, 20, 0>(w));
+        f(31, f6::<5, 26, 0>(w));
+    }};
     (5, $w:expr, $f:expr) => {{
         let w = $w;
         let mut f = $f;
@@ -288,6 +332,101 @@ macro_rules! fields {
 unsafe fn q8<const E: usize>(q: *const u8) -> __m512 {
     let bytes = _mm_loadu_si128(q.add(GROUP * E) as *const __m128i);
     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes))
+}
+
+/// Bits `S..S + 6` of the stream from word `W` (`L = 32 − S` where the field crosses into word
+/// `W + 1`, else 0) as the f32 value `q − 32` of a Q6_K quant: the six bits are placed in the
+/// mantissa of 2²³ (one ternary-logic AND/OR) and `2²³ + 32` subtracted, both exact.
+#[inline(always)]
+unsafe fn f6<const W: usize, const S: u32, const L: u32>(w: &[__m512i; 6]) -> __m512 {
+    let v = if S == 0 {
+        w[W]
+    } else {
+        _mm512_srli_epi32::<S>(w[W])
+    };
+    let v = if L == 0 {
+        v
+    } else {
+        _mm512_or_si512(v, _mm512_slli_epi32::<L>(w[W + 1]))
+    };
+    // 0xEA: (a & b) | c.
+    let bits = _mm512_ternarylogic_epi32::<0xEA>(
+        v,
+        _mm512_set1_epi32(0x3f),
+        _mm512_set1_epi32(0x4b00_0000),
+    );
+    _mm512_sub_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(8_388_640.0))
+}
+
+/// Calls `f(e, value)` with the `q − 32` values of a pair of Q6_K sub-blocks (32 elements; six
+/// words at `q`).
+#[inline(always)]
+unsafe fn values6(q: *const u8, mut f: impl FnMut(usize, __m512)) {
+    let q = q as *const __m512i;
+    let w: [__m512i; 6] = std::array::from_fn(|i| _mm512_loadu_si512(q.add(i)));
+    fields!(6, &w, |e, v| f(e, v));
+}
+
+/// The 16 rows' `d·sc_j` of Q6_K sub-block `j` (exact: an f16 times an 8-bit integer).
+#[inline(always)]
+unsafe fn k6_scale(blk: *const u8, d: __m512, j: usize) -> __m512 {
+    let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+        blk.add(K6_SCALES + GROUP * j) as *const __m128i
+    ));
+    _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc))
+}
+
+/// One Q6_K group super-block (`b` of the row) into the `N` tokens' accumulators: per pair of
+/// sub-blocks the four quarters' partial sums, then `acc ← fma(d·sc_a, p_0 + p_1, acc)` and
+/// `acc ← fma(d·sc_b, p_2 + p_3, acc)`.
+#[inline(always)]
+unsafe fn k6_super_block<const N: usize>(
+    blk: *const u8,
+    b: usize,
+    x: &[*const f32; N],
+    acc: &mut [__m512; N],
+    next: *const u8,
+) {
+    let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
+    for pair in 0..K6_SUB / 2 {
+        prefetch_part(next, group_block_bytes(QuantKind::Q6_K), pair, K6_SUB / 2);
+        let xb: [*const f32; N] = std::array::from_fn(|t| x[t].add(b * 256 + pair * BLOCK));
+        let mut p = [[_mm512_setzero_ps(); N]; 4];
+        values6(blk.add(K6_QUANTS + pair * K6_PAIR_BYTES), |e, q| {
+            step(q, &xb, e, &mut p)
+        });
+        let (da, db) = (k6_scale(blk, d, 2 * pair), k6_scale(blk, d, 2 * pair + 1));
+        for t in 0..N {
+            acc[t] = _mm512_fmadd_ps(da, _mm512_add_ps(p[0][t], p[1][t]), acc[t]);
+            acc[t] = _mm512_fmadd_ps(db, _mm512_add_ps(p[2][t], p[3][t]), acc[t]);
+        }
+    }
+}
+
+/// [`dequantize`] for Q6_K: `d·sc · (q − 32)` (one multiply, as ggml).
+#[inline(always)]
+unsafe fn dequantize_k6(w: &Grouped, rows: std::ops::Range<usize>, out: &mut [f32]) {
+    let kind = QuantKind::Q6_K;
+    let (k, n, bb) = (w.cols, elems(kind), group_block_bytes(kind));
+    let nb = k / n;
+    assert!(rows.end <= w.rows && out.len() >= rows.len() * k);
+    for g in rows.start / GROUP..rows.end.div_ceil(GROUP) {
+        let n0 = g * GROUP;
+        let (lo, hi) = (rows.start.max(n0), rows.end.min(n0 + GROUP));
+        for b in 0..nb {
+            let blk = w.bytes.as_ptr().add((g * nb + b) * bb);
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
+            for pair in 0..K6_SUB / 2 {
+                let (da, db) = (k6_scale(blk, d, 2 * pair), k6_scale(blk, d, 2 * pair + 1));
+                let mut v = [_mm512_setzero_ps(); BLOCK];
+                values6(blk.add(K6_QUANTS + pair * K6_PAIR_BYTES), |e, q| {
+                    v[e] = _mm512_mul_ps(q, if e < 16 { da } else { db });
+                });
+                let dst = out.as_mut_ptr().add(b * n + pair * BLOCK);
+                store_rows(&v, rows.start, lo..hi, n0, dst, k);
+            }
+        }
+    }
 }
 
 /// A group block's `bits` quant words (the fifth unused for 4-bit formats).
@@ -334,12 +473,20 @@ unsafe fn chunk<const F: u8, const N: usize>(
     let mut acc = [_mm512_setzero_ps(); N];
     for b in 0..nb {
         let blk = base.add(b * bb);
-        if !ahead.is_null() {
-            let next = ahead.add(b * bb);
-            for line in (0..bb).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(next.add(line) as *const i8);
-            }
+        let next = if ahead.is_null() {
+            ahead
+        } else {
+            ahead.add(b * bb)
+        };
+        if F == Q4_K {
+            k4_super_block(blk, b, &x, &sums, &mut acc, next);
+            continue;
         }
+        if F == Q6_K {
+            k6_super_block(blk, b, &x, &mut acc, next);
+            continue;
+        }
+        prefetch_part(next, bb, 0, 1);
         let xb: [*const f32; N] = std::array::from_fn(|t| x[t].add(b * BLOCK));
         let mut p = [[_mm512_setzero_ps(); N]; 4];
         values::<F>(blk.add(qa), |e, q| step(q, &xb, e, &mut p));
@@ -361,6 +508,129 @@ unsafe fn chunk<const F: u8, const N: usize>(
     acc
 }
 
+/// Part `i` of `parts` of the `bytes` bytes at `next` (nothing where `next` is null) asked into
+/// the cache: a K super-block's next-group bytes spread over its sub-blocks, so that a burst of
+/// forty-odd prefetches does not wait on the line fill buffers ahead of the loads that matter.
+#[inline(always)]
+unsafe fn prefetch_part(next: *const u8, bytes: usize, i: usize, parts: usize) {
+    if next.is_null() {
+        return;
+    }
+    let lines = bytes.div_ceil(64);
+    for line in i * lines / parts..(i + 1) * lines / parts {
+        _mm_prefetch::<_MM_HINT_T0>(next.add(64 * line) as *const i8);
+    }
+}
+
+/// The 16 rows' `d` and `dmin` of a Q4_K group super-block.
+#[inline(always)]
+unsafe fn k4_super_scales(blk: *const u8) -> (__m512, __m512) {
+    (
+        _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i)),
+        _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(K4_DMIN) as *const __m256i)),
+    )
+}
+
+/// The 16 rows' `d·sc_j` and `dmin·m_j` of Q4_K sub-block `j` (both exact in f32: an f16 times
+/// a 6-bit integer), from the super-block's `(d, dmin)`.
+#[inline(always)]
+unsafe fn k4_scales(blk: *const u8, (d, dmin): (__m512, __m512), j: usize) -> (__m512, __m512) {
+    let bytes = |at: usize| {
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+            blk.add(at + GROUP * j) as *const __m128i,
+        )))
+    };
+    (
+        _mm512_mul_ps(d, bytes(K4_SCALES)),
+        _mm512_mul_ps(dmin, bytes(K4_MINS)),
+    )
+}
+
+/// One Q4_K group super-block (`b` of the row) into the `N` tokens' accumulators: each sub-block
+/// `j` as a Q4_1 block's quarters, then `acc ← fma(d·sc_j, s, acc)` and
+/// `acc ← fma(−dmin·m_j, Σx_j, acc)`.
+#[inline(always)]
+unsafe fn k4_super_block<const N: usize>(
+    blk: *const u8,
+    b: usize,
+    x: &[*const f32; N],
+    sums: &[*const f32; N],
+    acc: &mut [__m512; N],
+    next: *const u8,
+) {
+    let dd = k4_super_scales(blk);
+    for j in 0..K4_SUB {
+        prefetch_part(next, group_block_bytes(QuantKind::Q4_K), j, K4_SUB);
+        let sub = b * K4_SUB + j;
+        let xb: [*const f32; N] = std::array::from_fn(|t| x[t].add(sub * BLOCK));
+        let mut p = [[_mm512_setzero_ps(); N]; 4];
+        values::<Q4_1>(blk.add(K4_QUANTS + j * K4_SUB_BYTES), |e, q| {
+            step(q, &xb, e, &mut p)
+        });
+        let (d1, m1) = k4_scales(blk, dd, j);
+        for t in 0..N {
+            let s = _mm512_add_ps(
+                _mm512_add_ps(p[0][t], p[1][t]),
+                _mm512_add_ps(p[2][t], p[3][t]),
+            );
+            acc[t] = _mm512_fmadd_ps(d1, s, acc[t]);
+            acc[t] = _mm512_fnmadd_ps(m1, _mm512_set1_ps(*sums[t].add(sub)), acc[t]);
+        }
+    }
+}
+
+/// [`dequantize`] for Q4_K: `d·sc_j · q − dmin·m_j` (a multiply, then a subtraction, as ggml).
+#[inline(always)]
+unsafe fn dequantize_k4(w: &Grouped, rows: std::ops::Range<usize>, out: &mut [f32]) {
+    let kind = QuantKind::Q4_K;
+    let (k, n, bb) = (w.cols, elems(kind), group_block_bytes(kind));
+    let nb = k / n;
+    assert!(rows.end <= w.rows && out.len() >= rows.len() * k);
+    for g in rows.start / GROUP..rows.end.div_ceil(GROUP) {
+        let n0 = g * GROUP;
+        let (lo, hi) = (rows.start.max(n0), rows.end.min(n0 + GROUP));
+        for b in 0..nb {
+            let blk = w.bytes.as_ptr().add((g * nb + b) * bb);
+            let dd = k4_super_scales(blk);
+            for j in 0..K4_SUB {
+                let (d1, m1) = k4_scales(blk, dd, j);
+                let mut v = [_mm512_setzero_ps(); BLOCK];
+                values::<Q4_1>(blk.add(K4_QUANTS + j * K4_SUB_BYTES), |e, q| {
+                    v[e] = _mm512_sub_ps(_mm512_mul_ps(q, d1), m1);
+                });
+                store_rows(
+                    &v,
+                    rows.start,
+                    lo..hi,
+                    n0,
+                    out.as_mut_ptr().add(b * n + j * BLOCK),
+                    k,
+                );
+            }
+        }
+    }
+}
+
+/// Element-major values of a block's 32 elements × 16 rows (`v[e]`, lane `r` = row `n0 + r`)
+/// written row by row for the rows `lo_hi`, row `n` at `dst + (n − first)·k`.
+#[inline(always)]
+unsafe fn store_rows(
+    v: &[__m512; BLOCK],
+    first: usize,
+    lo_hi: std::ops::Range<usize>,
+    n0: usize,
+    dst: *mut f32,
+    k: usize,
+) {
+    let a = transpose16(v[..16].try_into().expect("16 vectors"));
+    let c = transpose16(v[16..].try_into().expect("16 vectors"));
+    for n in lo_hi {
+        let d = dst.add((n - first) * k);
+        _mm512_storeu_ps(d, a[n - n0]);
+        _mm512_storeu_ps(d.add(16), c[n - n0]);
+    }
+}
+
 /// Rows `rows` of grouped `w` dequantized into `out` (row-major, `w.cols` per row), bit-identical
 /// to ggml's dequantization: `q·d`, then `+ m`, never fused.
 ///
@@ -375,6 +645,8 @@ pub(crate) unsafe fn dequantize(w: &Grouped, rows: std::ops::Range<usize>, out: 
         QuantKind::Q5_0 => dequantize_of::<Q5_0>(w, rows, out),
         QuantKind::Q5_1 => dequantize_of::<Q5_1>(w, rows, out),
         QuantKind::Q8_0 => dequantize_of::<Q8_0>(w, rows, out),
+        QuantKind::Q4_K => dequantize_k4(w, rows, out),
+        QuantKind::Q6_K => dequantize_k6(w, rows, out),
         k => unreachable!("{} is never grouped", k.name()),
     }
 }
@@ -403,13 +675,14 @@ unsafe fn dequantize_of<const F: u8>(w: &Grouped, rows: std::ops::Range<usize>, 
                 let x = _mm512_mul_ps(q, d);
                 v[e] = if min { _mm512_add_ps(x, m) } else { x };
             });
-            let first = transpose16(v[..16].try_into().expect("16 vectors"));
-            let second = transpose16(v[16..].try_into().expect("16 vectors"));
-            for n in lo..hi {
-                let dst = out.as_mut_ptr().add((n - rows.start) * k + b * BLOCK);
-                _mm512_storeu_ps(dst, first[n - n0]);
-                _mm512_storeu_ps(dst.add(16), second[n - n0]);
-            }
+            store_rows(
+                &v,
+                rows.start,
+                lo..hi,
+                n0,
+                out.as_mut_ptr().add(b * BLOCK),
+                k,
+            );
         }
     }
 }

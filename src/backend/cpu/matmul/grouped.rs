@@ -1,4 +1,4 @@
-//! Exact decode on Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights regrouped at load, sixteen rows to a group,
+//! Exact decode on Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights regrouped at load, sixteen rows to a group,
 //! for AVX-512 kernels whose 16 lanes are 16 output rows ([`super::avx512_grouped`]).
 //!
 //! **Why.** The GEMV on the blocks as stored ([`super::avx512`]) multiplies one row's block with
@@ -17,19 +17,26 @@
 //! fifth bit, ggml's `qh` bit `e`, on top of the nibble), crossing from one word into the next
 //! where it must (four of Q5's 32 fields). Q8_0's quants are element-major instead: element
 //! `e`'s 16 signed bytes (rows in order) at `16e`, one sign-extending load and one conversion
-//! from f32. The same bytes as the ggml blocks, reordered: no memory is added but the padding of
+//! from f32. The K formats group their 256-element super-blocks: Q4_K's 16 `d`s and `dmin`s, its
+//! 6-bit sub-block scales and mins unpacked to bytes (16 bytes a row for ggml's 12), then each
+//! 32-element sub-block's quants as a Q4_1 block's; Q6_K's 16 `d`s, its 8-bit sub-block scales,
+//! then each lane a stream of 6-bit fields (`q − 32` from the field by one ternary-logic op and
+//! one subtraction: the bits go into the mantissa of 2²³). The same bytes as the ggml blocks,
+//! reordered (Q4_K: 4 more a row and super-block): no memory is added but that and the padding of
 //! a last group of fewer than 16 rows.
 //!
 //! **Bits.** Each (row, token) output is one chain over the blocks in order, whatever the call's
 //! token count: per block, four partial sums `p_i = Σ_{8i ≤ e < 8i+8} q_e·x_e` (each in element
 //! order, one FMA per element: four chains of 8, so one token's FMAs do not wait on each other's
 //! latency), `acc ← fma(d, (p_0 + p_1) + (p_2 + p_3), acc)`, then for formats with a min
-//! `acc ← fma(m, Σx_block, acc)` (the block sums summed in element order). [`rows_ref`] is that
+//! `acc ← fma(m, Σx_block, acc)` (the block sums summed in element order). Q4_K's sub-blocks
+//! go as blocks with `d·sc_j` for `d` and `−dmin·m_j` for `m`; Q6_K's pairs of 16-element
+//! sub-blocks as blocks whose two halves `p_0 + p_1` and `p_2 + p_3` each take their own
+//! `d·sc_j` (no min). [`rows_ref`] is that
 //! chain in scalar Rust, which the AVX-512 kernel is tested against bit for bit. Products of more
 //! tokens than [`MAX_TOKENS`] (prefill) dequantize tiles of rows exactly, as for blocks as
 //! stored, and run the dense kernels.
 
-#[cfg(test)]
 use half::f16;
 
 use super::int8::{ggml_fifth_at, ggml_quants_at, has_fifth_bit, has_min};
@@ -55,9 +62,48 @@ pub(crate) const MAX_TOKENS: usize = 16;
 pub fn groupable(kind: QuantKind) -> bool {
     matches!(
         kind,
-        QuantKind::Q4_0 | QuantKind::Q4_1 | QuantKind::Q5_0 | QuantKind::Q5_1 | QuantKind::Q8_0
+        QuantKind::Q4_0
+            | QuantKind::Q4_1
+            | QuantKind::Q5_0
+            | QuantKind::Q5_1
+            | QuantKind::Q8_0
+            | QuantKind::Q4_K
+            | QuantKind::Q6_K
     )
 }
+
+/// Elements per stored block: 32, or the K formats' super-block of 256.
+pub(crate) const fn elems(kind: QuantKind) -> usize {
+    if matches!(kind, QuantKind::Q4_K | QuantKind::Q6_K) {
+        K4_SUB * BLOCK
+    } else {
+        BLOCK
+    }
+}
+
+/// Q4_K's sub-blocks per super-block.
+pub(crate) const K4_SUB: usize = 8;
+/// Offsets in a Q4_K group super-block: the 16 `d`s, the 16 `dmin`s (f16), the 6-bit sub-block
+/// scales and mins as bytes (sub-block `j`'s 16 rows at `16j`), then each sub-block's quants as
+/// four 4-bit words per lane (as Q4_1's block).
+pub(crate) const K4_DMIN: usize = 2 * GROUP;
+pub(crate) const K4_SCALES: usize = 4 * GROUP;
+pub(crate) const K4_MINS: usize = K4_SCALES + K4_SUB * GROUP;
+pub(crate) const K4_QUANTS: usize = K4_MINS + K4_SUB * GROUP;
+/// Bytes of one Q4_K sub-block's quants in a group (four 64-byte words).
+pub(crate) const K4_SUB_BYTES: usize = 4 * 4 * GROUP;
+
+/// Q6_K's sub-blocks (of 16 elements, one 8-bit signed scale each) per super-block.
+pub(crate) const K6_SUB: usize = 16;
+/// Offsets in a Q6_K group super-block: the 16 `d`s (f16), the sub-block scales as bytes
+/// (sub-block `j`'s 16 rows at `16j`), then the 6-bit quants: each lane a stream of 256 6-bit
+/// fields, element `e` at bit `6e`, so each sub-block is three 32-bit words per lane (three
+/// 64-byte vectors) and two of its 16 fields cross from one word into the next.
+pub(crate) const K6_SCALES: usize = 2 * GROUP;
+pub(crate) const K6_QUANTS: usize = K6_SCALES + K6_SUB * GROUP;
+/// Bytes of a pair of Q6_K sub-blocks' quants in a group (six 64-byte words): the 32 elements
+/// that one pass of the kernel takes.
+pub(crate) const K6_PAIR_BYTES: usize = 6 * 4 * GROUP;
 
 /// Bits per quant: 4, 5 with ggml's `qh` bit, or Q8_0's 8.
 pub(crate) const fn bits(kind: QuantKind) -> usize {
@@ -88,7 +134,13 @@ pub(crate) const fn quants_at(kind: QuantKind) -> usize {
 
 /// Bytes of one group block: scales, mins, `bits` vectors of quants.
 pub(crate) const fn group_block_bytes(kind: QuantKind) -> usize {
-    quants_at(kind) + bits(kind) * 4 * GROUP
+    if matches!(kind, QuantKind::Q4_K) {
+        K4_QUANTS + K4_SUB * K4_SUB_BYTES
+    } else if matches!(kind, QuantKind::Q6_K) {
+        K6_QUANTS + K6_SUB / 2 * K6_PAIR_BYTES
+    } else {
+        quants_at(kind) + bits(kind) * 4 * GROUP
+    }
 }
 
 /// Weights of a block format regrouped for the grouped kernels (see the module doc).
@@ -137,7 +189,45 @@ fn q8_at(r: usize, e: usize) -> usize {
     quants_at(QuantKind::Q8_0) + GROUP * e + r
 }
 
-/// Lane `r`'s field `e` of a group block (not Q8_0).
+/// Row `r`'s element `e` (of 256) of a Q4_K group super-block: the byte offset of its word and
+/// its shift.
+fn k4_field_at(r: usize, e: usize) -> (usize, usize) {
+    let (j, l) = (e / BLOCK, e % BLOCK);
+    (
+        K4_QUANTS + j * K4_SUB_BYTES + (l / 8) * 4 * GROUP + 4 * r,
+        4 * (l % 8),
+    )
+}
+
+/// Row `r`'s element `e` of a Q4_K group super-block (its 4-bit quant).
+fn k4_quant(blk: &[u8], r: usize, e: usize) -> u32 {
+    let (at, shift) = k4_field_at(r, e);
+    word_at(blk, at) >> shift & 0x0f
+}
+
+/// Element `e`'s unsigned 6-bit quant in a ggml Q6_K block (its value is `q − 32`): the low
+/// 4 bits from a nibble of `ql`, the top 2 from a 2-bit field of `qh` (see the format's
+/// dequantization).
+fn ggml_q6(src: &[u8], e: usize) -> u32 {
+    let (sub, l) = (e / 16, e % 16);
+    let (half, quarter, part) = (sub / 8, (sub % 8) / 2, sub % 2);
+    let low = src[half * 64 + (quarter % 2) * 32 + part * 16 + l] >> (4 * (quarter / 2)) & 0x0f;
+    let high = src[128 + half * 32 + part * 16 + l] >> (2 * quarter) & 0x03;
+    u32::from(low | high << 4)
+}
+
+/// Row `r`'s element `e` of a Q6_K group super-block (its unsigned 6-bit quant).
+fn k6_quant(blk: &[u8], r: usize, e: usize) -> u32 {
+    let bit = 6 * e;
+    let at = K6_QUANTS + (bit / 32) * 4 * GROUP + 4 * r;
+    let mut v = word_at(blk, at) >> (bit % 32);
+    if bit % 32 > 26 {
+        v |= word_at(blk, at + 4 * GROUP) << (32 - bit % 32);
+    }
+    v & 0x3f
+}
+
+/// Lane `r`'s field `e` of a group block (not Q8_0 or the K formats).
 fn field(kind: QuantKind, blk: &[u8], r: usize, e: usize) -> u32 {
     let (at, shift) = field_at(kind, r, e);
     let mut v = word_at(blk, at) >> shift;
@@ -148,7 +238,6 @@ fn field(kind: QuantKind, blk: &[u8], r: usize, e: usize) -> u32 {
 }
 
 /// The f16 at `p[2i..2i+2]`.
-#[cfg(test)]
 fn f16_at(p: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([p[2 * i], p[2 * i + 1]]).to_f32()
 }
@@ -164,7 +253,7 @@ impl Grouped {
         arena: &mut WeightArena,
     ) -> Grouped {
         assert!(groupable(kind), "{} cannot be grouped", kind.name());
-        let nb = cols / BLOCK;
+        let nb = cols / elems(kind);
         let (gb, bb) = (kind.block_bytes(), group_block_bytes(kind));
         let groups = rows.div_ceil(GROUP);
         let bytes = arena.filled::<u8>(groups * nb * bb, |bytes| {
@@ -173,7 +262,43 @@ impl Grouped {
                 for b in 0..nb {
                     let src = &blocks[(n * nb + b) * gb..(n * nb + b + 1) * gb];
                     let dst = &mut bytes[(g * nb + b) * bb..(g * nb + b + 1) * bb];
+                    if kind == QuantKind::Q6_K {
+                        dst[2 * r..2 * r + 2].copy_from_slice(&src[208..210]);
+                        for j in 0..K6_SUB {
+                            dst[K6_SCALES + GROUP * j + r] = src[192 + j];
+                        }
+                        for e in 0..elems(kind) {
+                            let bit = 6 * e;
+                            let at = K6_QUANTS + (bit / 32) * 4 * GROUP + 4 * r;
+                            // The field's bits, spilling into the next word's bytes where it
+                            // crosses.
+                            let spread = u64::from(ggml_q6(src, e)) << (bit % 32);
+                            for i in 0..4 {
+                                dst[at + i] |= (spread >> (8 * i)) as u8;
+                            }
+                            if bit % 32 > 26 {
+                                dst[at + 4 * GROUP] |= (spread >> 32) as u8;
+                            }
+                        }
+                        continue;
+                    }
                     dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
+                    if kind == QuantKind::Q4_K {
+                        dst[K4_DMIN + 2 * r..K4_DMIN + 2 * r + 2].copy_from_slice(&src[2..4]);
+                        let sm = quant::scales_mins_k4(src[4..16].try_into().expect("12 bytes"));
+                        for j in 0..K4_SUB {
+                            dst[K4_SCALES + GROUP * j + r] = sm[j];
+                            dst[K4_MINS + GROUP * j + r] = sm[K4_SUB + j];
+                        }
+                        for e in 0..elems(kind) {
+                            let (j, l) = (e / BLOCK, e % BLOCK);
+                            let byte = src[16 + 32 * (j / 2) + l];
+                            let q = (byte >> (4 * (j % 2))) & 0x0f;
+                            let (at, shift) = k4_field_at(r, e);
+                            dst[at + shift / 8] |= q << (shift % 8);
+                        }
+                        continue;
+                    }
                     if has_min(kind) {
                         dst[2 * GROUP + 2 * r..2 * GROUP + 2 * r + 2].copy_from_slice(&src[2..4]);
                     }
@@ -208,7 +333,7 @@ impl Grouped {
 
     /// Group `g`'s block `b`.
     fn group_block(&self, g: usize, b: usize) -> &[u8] {
-        let (nb, bb) = (self.cols / BLOCK, group_block_bytes(self.kind));
+        let (nb, bb) = (self.cols / elems(self.kind), group_block_bytes(self.kind));
         &self.bytes[(g * nb + b) * bb..(g * nb + b + 1) * bb]
     }
 
@@ -254,13 +379,42 @@ impl Grouped {
     /// CPU has no AVX-512).
     pub fn row_f32(&self, n: usize, dst: &mut [f32]) {
         assert!(n < self.rows, "row {n} of a matrix of {} rows", self.rows);
+        if self.kind == QuantKind::Q4_K {
+            // ggml's `d·sc · q − dmin·m` per sub-block, the same operations in the same order.
+            let (g, r) = (n / GROUP, n % GROUP);
+            for (b, out) in dst.chunks_exact_mut(elems(self.kind)).enumerate() {
+                let blk = self.group_block(g, b);
+                let (d, dmin) = (f16_at(blk, r), f16_at(&blk[K4_DMIN..], r));
+                for (e, o) in out.iter_mut().enumerate() {
+                    let j = e / BLOCK;
+                    let d1 = d * blk[K4_SCALES + GROUP * j + r] as f32;
+                    let m1 = dmin * blk[K4_MINS + GROUP * j + r] as f32;
+                    *o = d1 * k4_quant(blk, r, e) as f32 - m1;
+                }
+            }
+            return;
+        }
+        if self.kind == QuantKind::Q6_K {
+            // ggml's `d·sc · (q − 32)` per sub-block of 16, the same operations.
+            let (g, r) = (n / GROUP, n % GROUP);
+            for (b, out) in dst.chunks_exact_mut(elems(self.kind)).enumerate() {
+                let blk = self.group_block(g, b);
+                let d = f16_at(blk, r);
+                for (e, o) in out.iter_mut().enumerate() {
+                    let dl = d * (blk[K6_SCALES + GROUP * (e / 16) + r] as i8) as f32;
+                    *o = dl * (k6_quant(blk, r, e) as i32 - 32) as f32;
+                }
+            }
+            return;
+        }
         quant::dequantize_row(self.kind, &self.ggml_row(n), dst);
     }
 
     /// Whether the bytes fit the shape.
     pub fn check(&self) -> Result<(), String> {
-        let want = self.rows.div_ceil(GROUP) * (self.cols / BLOCK) * group_block_bytes(self.kind);
-        if !self.cols.is_multiple_of(BLOCK) || self.bytes.len() != want {
+        let n = elems(self.kind);
+        let want = self.rows.div_ceil(GROUP) * (self.cols / n) * group_block_bytes(self.kind);
+        if !self.cols.is_multiple_of(n) || self.bytes.len() != want {
             return Err(format!(
                 "{} bytes of grouped {} for a {}x{} matrix, expected {want}",
                 self.bytes.len(),
@@ -284,6 +438,12 @@ pub(crate) fn block_sums(x: &[f32]) -> Vec<f32> {
 #[cfg(test)]
 fn dot_ref(w: &Grouped, n: usize, x: &[f32], sums: &[f32]) -> f32 {
     let (g, r) = (n / GROUP, n % GROUP);
+    if w.kind == QuantKind::Q4_K {
+        return dot_ref_k4(w, g, r, x, sums);
+    }
+    if w.kind == QuantKind::Q6_K {
+        return dot_ref_k6(w, g, r, x);
+    }
     let off = value_offset(w.kind);
     let mut acc = 0f32;
     for b in 0..w.cols / BLOCK {
@@ -301,6 +461,53 @@ fn dot_ref(w: &Grouped, n: usize, x: &[f32], sums: &[f32]) -> f32 {
         acc = f16_at(blk, r).mul_add(s, acc);
         if has_min(w.kind) {
             acc = f16_at(&blk[2 * GROUP..], r).mul_add(sums[b], acc);
+        }
+    }
+    acc
+}
+
+/// [`dot_ref`] for Q4_K: per sub-block `j`, the quarters' sums as a legacy block's, then
+/// `acc ← fma(d·sc_j, s, acc)` and `acc ← fma(−dmin·m_j, Σx_j, acc)`.
+#[cfg(test)]
+fn dot_ref_k4(w: &Grouped, g: usize, r: usize, x: &[f32], sums: &[f32]) -> f32 {
+    let n = elems(w.kind);
+    let mut acc = 0f32;
+    for b in 0..w.cols / n {
+        let blk = w.group_block(g, b);
+        let (d, dmin) = (f16_at(blk, r), f16_at(&blk[K4_DMIN..], r));
+        for j in 0..K4_SUB {
+            let base = b * n + j * BLOCK;
+            let q = |e: usize| k4_quant(blk, r, j * BLOCK + e) as f32;
+            let quarter =
+                |i: usize| (8 * i..8 * i + 8).fold(0f32, |p, e| q(e).mul_add(x[base + e], p));
+            let s = (quarter(0) + quarter(1)) + (quarter(2) + quarter(3));
+            let d1 = d * blk[K4_SCALES + GROUP * j + r] as f32;
+            let m1 = dmin * blk[K4_MINS + GROUP * j + r] as f32;
+            acc = d1.mul_add(s, acc);
+            acc = (-m1).mul_add(sums[b * K4_SUB + j], acc);
+        }
+    }
+    acc
+}
+
+/// [`dot_ref`] for Q6_K: per pair of sub-blocks (32 elements), the quarters' sums of
+/// `(q − 32)·x`, then `acc ← fma(d·sc_a, p_0 + p_1, acc)` and `acc ← fma(d·sc_b, p_2 + p_3, acc)`.
+#[cfg(test)]
+fn dot_ref_k6(w: &Grouped, g: usize, r: usize, x: &[f32]) -> f32 {
+    let n = elems(w.kind);
+    let mut acc = 0f32;
+    for b in 0..w.cols / n {
+        let blk = w.group_block(g, b);
+        let d = f16_at(blk, r);
+        for pair in 0..K6_SUB / 2 {
+            let base = 32 * pair;
+            let q = |e: usize| (k6_quant(blk, r, base + e) as i32 - 32) as f32;
+            let quarter = |i: usize| {
+                (8 * i..8 * i + 8).fold(0f32, |p, e| q(e).mul_add(x[b * n + base + e], p))
+            };
+            let dl = |j: usize| d * (blk[K6_SCALES + GROUP * j + r] as i8) as f32;
+            acc = dl(2 * pair).mul_add(quarter(0) + quarter(1), acc);
+            acc = dl(2 * pair + 1).mul_add(quarter(2) + quarter(3), acc);
         }
     }
     acc

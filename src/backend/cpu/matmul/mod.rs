@@ -57,7 +57,8 @@
 //!   all tokens.
 //!
 //! On AVX-512 CPUs, engines in [`Numerics::Exact`] (and [`Numerics::Bf16`], whose decode is exact)
-//! hold their Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices regrouped sixteen rows to a group
+//! hold their Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K matrices regrouped sixteen rows to a
+//! group
 //! ([`WeightData::Grouped`], [`grouped`]): the 16 lanes of every vector are 16 output rows, each
 //! quant one shift and one table lookup from f32, so no block scale is gathered and nothing is
 //! summed across lanes; calls of 1 to 16 tokens run on it ([`avx512_grouped`]), bit-identical per
@@ -65,7 +66,12 @@
 //! Intel Xeon with AVX-512 FP16 (`cargo bench --bench kernels -- gemv`, the blocks as stored
 //! against grouped, one run): Q4_1 1536 × 576 10.4 → 16.1 GiB/s, Q4_1 4864 × 896 9.8 → 16.0,
 //! Q5_0 4864 × 896 8.6 → 16.2, Q8_0 1536 × 576 17.4 → 24.3 (and above the int16 kernels on the
-//! stored blocks: 10.3, 11.5, 9.0 and 21.5).
+//! stored blocks: 10.3, 11.5, 9.0 and 21.5); Q4_K 896 × 4864 8.8 → 12.4, Q6_K 896 × 4864 9.7 →
+//! 13.2. The K formats' next-group prefetches are spread over their sub-blocks: issued as one
+//! burst per super-block (37 and 53 lines) they held Qwen2.5-Coder's down projection at 13.6–14.0
+//! GB/s in a 2-thread decode against 15.1–17.2 on the stored blocks; spread, 16.8–18.1
+//! (`kiln-bench --profile`). The kernels below, on the blocks as stored, run everywhere else: AVX2 CPUs, int16
+//! engines, and matrices built by hand.
 //!
 //! [`Numerics::Int8`] engines hold their Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices regrouped sixteen
 //! rows to a group ([`WeightData::Interleaved`], [`int8`]) and run every call on them through one
@@ -231,7 +237,8 @@ pub enum WeightData {
     /// Q4_0, Q4_1 or Q8_0 blocks regrouped for [`Numerics::Int8`]'s kernels (engines loaded
     /// in that numerics on CPUs with AVX512-VNNI): every call rounds its activations to 8 bits.
     Interleaved(Interleaved),
-    /// Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 blocks regrouped for the exact AVX-512 kernels of [`grouped`]
+    /// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K blocks regrouped for the exact AVX-512 kernels
+    /// of [`grouped`]
     /// (engines loaded in [`Numerics::Exact`] or [`Numerics::Bf16`] on AVX-512 CPUs).
     Grouped(Grouped),
 }
@@ -388,8 +395,8 @@ impl WeightData {
         }
     }
 
-    /// These weights regrouped for [`grouped`]'s exact kernels: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0
-    /// blocks (parts of other formats, and other data, unchanged).
+    /// These weights regrouped for [`grouped`]'s exact kernels: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+    /// Q4_K and Q6_K blocks (parts of other formats, and other data, unchanged).
     pub fn grouped(self, rows: usize, cols: usize) -> WeightData {
         match self {
             WeightData::Quant { kind, blocks } if groupable(kind) => WeightData::Grouped(
@@ -872,7 +879,7 @@ unsafe fn grouped_rows(level: Level, m: &Grouped, job: &Job) {
         if job.tokens <= grouped::MAX_TOKENS {
             avx512_grouped::rows(m, job);
         } else {
-            let group_bytes = m.cols / grouped::BLOCK * grouped::group_block_bytes(m.kind);
+            let group_bytes = m.cols / grouped::elems(m.kind) * grouped::group_block_bytes(m.kind);
             tiled_rows(
                 level,
                 job,

@@ -1417,13 +1417,20 @@ fn int8_kernels_match_the_reference() {
     }
 }
 
-const GROUPED_KINDS: [QuantKind; 5] = [
+const GROUPED_KINDS: [QuantKind; 7] = [
     QuantKind::Q4_0,
     QuantKind::Q4_1,
     QuantKind::Q5_0,
     QuantKind::Q5_1,
     QuantKind::Q8_0,
+    QuantKind::Q4_K,
+    QuantKind::Q6_K,
 ];
+
+/// `cols` rounded up to whole blocks of `kind` (the super-block formats' 256).
+fn whole_blocks(kind: QuantKind, cols: usize) -> usize {
+    cols.div_ceil(kind.block_elems()) * kind.block_elems()
+}
 
 /// Grouping keeps every weight: each row dequantizes exactly as its ggml blocks do (through
 /// the rebuilt blocks, and through the AVX-512 tile dequantization over row ranges that cut
@@ -1433,7 +1440,7 @@ const GROUPED_KINDS: [QuantKind; 5] = [
 fn grouping_keeps_every_row() {
     for kind in GROUPED_KINDS {
         for rows in [1, 15, 16, 17, 40] {
-            let cols = 96;
+            let cols = whole_blocks(kind, 96);
             let w = quant_matrix(kind, rows, cols, false, rows as u64);
             let want = weights_f64(&w);
             let data = w.data.grouped(rows, cols);
@@ -1443,8 +1450,15 @@ fn grouping_keeps_every_row() {
             data.check_shape(rows, cols).unwrap();
             assert!(data.check_shape(rows + 16, cols).is_err());
             assert_eq!(data_f64(&data, rows, cols), want, "{kind:?} {rows} rows");
-            let padded = rows.div_ceil(16) * 16 * cols / 32 * kind.block_bytes();
-            assert_eq!(data.bytes(), padded, "{kind:?} {rows} rows");
+            let padded = rows.div_ceil(16) * 16 * cols / kind.block_elems() * kind.block_bytes();
+            // Q4_K's 12 bytes of packed 6-bit scales and mins become 16 bytes.
+            let unpacked = rows.div_ceil(16) * 16 * cols / kind.block_elems() * 4;
+            let want_bytes = if kind == QuantKind::Q4_K {
+                padded + unpacked
+            } else {
+                padded
+            };
+            assert_eq!(data.bytes(), want_bytes, "{kind:?} {rows} rows");
             if simd::level() >= Level::Avx512 {
                 for r in [0..rows, rows / 3..rows, 1.min(rows)..rows.min(18)] {
                     let mut got = vec![f32::NAN; r.len() * cols];
@@ -1460,14 +1474,14 @@ fn grouping_keeps_every_row() {
             }
         }
     }
-    let other = quant_matrix(QuantKind::Q6_K, 4, 256, false, 1);
+    let other = quant_matrix(QuantKind::Q5_K, 4, 256, false, 1);
     assert!(matches!(
         other.data.grouped(4, 256),
         WeightData::Quant { .. }
     ));
     let (q5, q6) = (
         quant_matrix(QuantKind::Q5_0, 20, 256, false, 2),
-        quant_matrix(QuantKind::Q6_K, 7, 256, false, 3),
+        quant_matrix(QuantKind::Q5_K, 7, 256, false, 3),
     );
     let parts = WeightData::Parts(vec![
         MatrixPart {
@@ -1508,6 +1522,7 @@ fn grouped_kernels_match_the_reference() {
             (20, 96, 13),
             (48, 64, 16),
         ] {
+            let cols = whole_blocks(kind, cols);
             let seed = (rows * 100 + cols + tokens) as u64;
             let w = quant_matrix(kind, rows, cols, true, seed);
             let w = PackedMatrix {
