@@ -1,14 +1,21 @@
 //! The AVX-512 kernels of [`super::grouped`]: up to [`MAX_TOKENS`] tokens against Q4_0, Q4_1,
-//! Q5_0, Q5_1 and Q8_0 weights regrouped sixteen rows to a group, the 16 output rows in the 16 lanes of
-//! every vector, each (row, token) the chain of [`super::grouped::rows_ref`] bit for bit; and
-//! the exact dequantization of grouped rows into prefill tiles.
+//! Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights regrouped sixteen rows to a group, the 16 output rows
+//! in the 16 lanes of every vector, each (row, token) the chain of [`super::grouped::rows_ref`]
+//! bit for bit; and the exact dequantization of grouped rows into prefill tiles.
 //!
 //! Per group, block and element: one shift (an immediate; none for the first field of a word,
-//! an OR of two for the four Q5 fields that cross words), one table lookup that both drops the
-//! bits above the field and converts the quant to f32 with its offset (`vpermps` for 4 bits,
+//! an OR of two for the fields that cross words), one table lookup that both drops the bits
+//! above the field and converts the quant to f32 with its offset (`vpermps` for 4 bits,
 //! `vpermi2ps` over two tables for 5), and one FMA per token with the broadcast activation;
-//! for Q8_0, one sign-extending load and one conversion.
-//! Per group and block: one or two `vcvtph2ps` (scales, mins) and an FMA or two per token.
+//! for Q8_0, one sign-extending load and one conversion; for Q6_K, a ternary-logic op and a
+//! subtraction in place of the lookup. Per group and block (Q4_K: sub-block; Q6_K: pair of
+//! sub-blocks): the scales (and mins) converted once and an FMA or two per token.
+//!
+//! The group and token-chunk loops are spelled out here and in [`super::avx512_i8`] rather than
+//! shared through a driver taking a closure: a closure is compiled without its caller's
+//! `#[target_feature]`s unless LLVM happens to inline it, and such a driver left every
+//! intrinsic of both kernels out of line (`tests/simd_inlined.rs` caught it; one core's Q4_1
+//! GEMV fell from 16 GiB/s to 0.5).
 
 use std::arch::x86_64::*;
 
