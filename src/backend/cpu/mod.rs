@@ -135,11 +135,12 @@ impl CpuBackend {
         // blocks for the exact grouped kernels (`matmul::grouped`). `Numerics::Int16` keeps the
         // blocks as stored, which its kernels read.
         // Every matrix on huge pages, the small ones sharing them (see `pages`).
+        let interleave = opts.numerics == Numerics::Int8 && matmul::int8_kernels();
         let mut packer = Packer {
             format: opts.weights,
-            interleave: opts.numerics == Numerics::Int8 && matmul::int8_kernels(),
-            group: opts.numerics != Numerics::Int16
-                && !(opts.numerics == Numerics::Int8 && matmul::int8_kernels())
+            interleave,
+            group: !interleave
+                && opts.numerics != Numerics::Int16
                 && simd::level() >= simd::Level::Avx512,
             arena: WeightArena::new(),
         };

@@ -410,32 +410,6 @@ unsafe fn k6_super_block<const N: usize>(
     }
 }
 
-/// [`dequantize`] for Q6_K: `d·sc · (q − 32)` (one multiply, as ggml).
-#[inline(always)]
-unsafe fn dequantize_k6(w: &Grouped, rows: std::ops::Range<usize>, out: &mut [f32]) {
-    let kind = QuantKind::Q6_K;
-    let (k, n, bb) = (w.cols, elems(kind), group_block_bytes(kind));
-    let nb = k / n;
-    assert!(rows.end <= w.rows && out.len() >= rows.len() * k);
-    for g in rows.start / GROUP..rows.end.div_ceil(GROUP) {
-        let n0 = g * GROUP;
-        let (lo, hi) = (rows.start.max(n0), rows.end.min(n0 + GROUP));
-        for b in 0..nb {
-            let blk = w.bytes.as_ptr().add((g * nb + b) * bb);
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
-            for pair in 0..K6_SUB / 2 {
-                let (da, db) = (k6_scale(blk, d, 2 * pair), k6_scale(blk, d, 2 * pair + 1));
-                let mut v = [_mm512_setzero_ps(); BLOCK];
-                values6(blk.add(K6_QUANTS + pair * K6_PAIR_BYTES), |e, q| {
-                    v[e] = _mm512_mul_ps(q, if e < 16 { da } else { db });
-                });
-                let dst = out.as_mut_ptr().add(b * n + pair * BLOCK);
-                store_rows(&v, rows.start, lo..hi, n0, dst, k);
-            }
-        }
-    }
-}
-
 /// A group block's `bits` quant words (the fifth unused for 4-bit formats).
 #[inline(always)]
 unsafe fn quant_words<const FIVE: bool>(q: *const u8) -> [__m512i; 5] {
@@ -586,38 +560,6 @@ unsafe fn k4_super_block<const N: usize>(
     }
 }
 
-/// [`dequantize`] for Q4_K: `d·sc_j · q − dmin·m_j` (a multiply, then a subtraction, as ggml).
-#[inline(always)]
-unsafe fn dequantize_k4(w: &Grouped, rows: std::ops::Range<usize>, out: &mut [f32]) {
-    let kind = QuantKind::Q4_K;
-    let (k, n, bb) = (w.cols, elems(kind), group_block_bytes(kind));
-    let nb = k / n;
-    assert!(rows.end <= w.rows && out.len() >= rows.len() * k);
-    for g in rows.start / GROUP..rows.end.div_ceil(GROUP) {
-        let n0 = g * GROUP;
-        let (lo, hi) = (rows.start.max(n0), rows.end.min(n0 + GROUP));
-        for b in 0..nb {
-            let blk = w.bytes.as_ptr().add((g * nb + b) * bb);
-            let dd = k4_super_scales(blk);
-            for j in 0..K4_SUB {
-                let (d1, m1) = k4_scales(blk, dd, j);
-                let mut v = [_mm512_setzero_ps(); BLOCK];
-                values::<Q4_1>(blk.add(K4_QUANTS + j * K4_SUB_BYTES), |e, q| {
-                    v[e] = _mm512_sub_ps(_mm512_mul_ps(q, d1), m1);
-                });
-                store_rows(
-                    &v,
-                    rows.start,
-                    lo..hi,
-                    n0,
-                    out.as_mut_ptr().add(b * n + j * BLOCK),
-                    k,
-                );
-            }
-        }
-    }
-}
-
 /// Element-major values of a block's 32 elements × 16 rows (`v[e]`, lane `r` = row `n0 + r`)
 /// written row by row for the rows `lo_hi`, row `n` at `dst + (n − first)·k`.
 #[inline(always)]
@@ -647,49 +589,96 @@ unsafe fn store_rows(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 pub(crate) unsafe fn dequantize(w: &Grouped, rows: std::ops::Range<usize>, out: &mut [f32]) {
     match w.kind {
-        QuantKind::Q4_0 => dequantize_of::<Q4_0>(w, rows, out),
-        QuantKind::Q4_1 => dequantize_of::<Q4_1>(w, rows, out),
-        QuantKind::Q5_0 => dequantize_of::<Q5_0>(w, rows, out),
-        QuantKind::Q5_1 => dequantize_of::<Q5_1>(w, rows, out),
-        QuantKind::Q8_0 => dequantize_of::<Q8_0>(w, rows, out),
-        QuantKind::Q4_K => dequantize_k4(w, rows, out),
-        QuantKind::Q6_K => dequantize_k6(w, rows, out),
+        QuantKind::Q4_0 => dequantize_with::<Legacy<Q4_0>>(w, rows, out),
+        QuantKind::Q4_1 => dequantize_with::<Legacy<Q4_1>>(w, rows, out),
+        QuantKind::Q5_0 => dequantize_with::<Legacy<Q5_0>>(w, rows, out),
+        QuantKind::Q5_1 => dequantize_with::<Legacy<Q5_1>>(w, rows, out),
+        QuantKind::Q8_0 => dequantize_with::<Legacy<Q8_0>>(w, rows, out),
+        QuantKind::Q4_K => dequantize_with::<SubBlocksK4>(w, rows, out),
+        QuantKind::Q6_K => dequantize_with::<PairsK6>(w, rows, out),
         k => unreachable!("{} is never grouped", k.name()),
     }
 }
 
+/// How a format's group block splits into runs of 32 elements for [`dequantize_with`], and
+/// each run's values.
+trait Pieces {
+    /// Runs of 32 elements per group block.
+    const PIECES: usize;
+    /// Run `i` of the group block at `blk`, element-major (16 rows each), exactly as ggml
+    /// dequantizes it.
+    unsafe fn piece(blk: *const u8, i: usize, v: &mut [__m512; BLOCK]);
+}
+
+/// The legacy formats: one run, `q·d`, then `+ m` (never fused).
+struct Legacy<const F: u8>;
+
+impl<const F: u8> Pieces for Legacy<F> {
+    const PIECES: usize = 1;
+    #[inline(always)]
+    unsafe fn piece(blk: *const u8, _: usize, v: &mut [__m512; BLOCK]) {
+        let kind = kind_of(F);
+        let min = super::int8::has_min(kind);
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
+        let m = if min {
+            _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(2 * GROUP) as *const __m256i))
+        } else {
+            _mm512_setzero_ps()
+        };
+        values::<F>(blk.add(quants_at(kind)), |e, q| {
+            let x = _mm512_mul_ps(q, d);
+            v[e] = if min { _mm512_add_ps(x, m) } else { x };
+        });
+    }
+}
+
+/// Q4_K: its sub-blocks, `d·sc_j · q − dmin·m_j` (a multiply, then a subtraction, as ggml).
+struct SubBlocksK4;
+
+impl Pieces for SubBlocksK4 {
+    const PIECES: usize = K4_SUB;
+    #[inline(always)]
+    unsafe fn piece(blk: *const u8, j: usize, v: &mut [__m512; BLOCK]) {
+        let (d1, m1) = k4_scales(blk, k4_super_scales(blk), j);
+        values::<Q4_1>(blk.add(K4_QUANTS + j * K4_SUB_BYTES), |e, q| {
+            v[e] = _mm512_sub_ps(_mm512_mul_ps(q, d1), m1);
+        });
+    }
+}
+
+/// Q6_K: its pairs of sub-blocks, `d·sc · (q − 32)` (one multiply, as ggml).
+struct PairsK6;
+
+impl Pieces for PairsK6 {
+    const PIECES: usize = K6_SUB / 2;
+    #[inline(always)]
+    unsafe fn piece(blk: *const u8, pair: usize, v: &mut [__m512; BLOCK]) {
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
+        let (da, db) = (k6_scale(blk, d, 2 * pair), k6_scale(blk, d, 2 * pair + 1));
+        values6(blk.add(K6_QUANTS + pair * K6_PAIR_BYTES), |e, q| {
+            v[e] = _mm512_mul_ps(q, if e < 16 { da } else { db });
+        });
+    }
+}
+
+/// [`dequantize`] for one format: every group block of `rows`, each run of 32 elements
+/// computed element-major by `P` and transposed into its rows' places in `out`.
 #[inline(always)]
-unsafe fn dequantize_of<const F: u8>(w: &Grouped, rows: std::ops::Range<usize>, out: &mut [f32]) {
-    let kind = kind_of(F);
-    let (k, nb, bb) = (w.cols, w.cols / BLOCK, group_block_bytes(kind));
+unsafe fn dequantize_with<P: Pieces>(w: &Grouped, rows: std::ops::Range<usize>, out: &mut [f32]) {
+    let (k, n, bb) = (w.cols, elems(w.kind), group_block_bytes(w.kind));
+    let nb = k / n;
     assert!(rows.end <= w.rows && out.len() >= rows.len() * k);
-    let qa = quants_at(kind);
-    let min = super::int8::has_min(kind);
     for g in rows.start / GROUP..rows.end.div_ceil(GROUP) {
         let n0 = g * GROUP;
         let (lo, hi) = (rows.start.max(n0), rows.end.min(n0 + GROUP));
         for b in 0..nb {
             let blk = w.bytes.as_ptr().add((g * nb + b) * bb);
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
-            let m = if min {
-                _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(2 * GROUP) as *const __m256i))
-            } else {
-                _mm512_setzero_ps()
-            };
-            // Element-major (16 rows each), then transposed to 16 rows of 2 × 16 elements.
-            let mut v = [_mm512_setzero_ps(); BLOCK];
-            values::<F>(blk.add(qa), |e, q| {
-                let x = _mm512_mul_ps(q, d);
-                v[e] = if min { _mm512_add_ps(x, m) } else { x };
-            });
-            store_rows(
-                &v,
-                rows.start,
-                lo..hi,
-                n0,
-                out.as_mut_ptr().add(b * BLOCK),
-                k,
-            );
+            for i in 0..P::PIECES {
+                let mut v = [_mm512_setzero_ps(); BLOCK];
+                P::piece(blk, i, &mut v);
+                let dst = out.as_mut_ptr().add(b * n + i * BLOCK);
+                store_rows(&v, rows.start, lo..hi, n0, dst, k);
+            }
         }
     }
 }

@@ -1,5 +1,6 @@
-//! Exact decode on Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights regrouped at load, sixteen rows to a group,
-//! for AVX-512 kernels whose 16 lanes are 16 output rows ([`super::avx512_grouped`]).
+//! Exact decode on Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights regrouped at load,
+//! sixteen rows to a group, for AVX-512 kernels whose 16 lanes are 16 output rows
+//! ([`super::avx512_grouped`]).
 //!
 //! **Why.** The GEMV on the blocks as stored ([`super::avx512`]) multiplies one row's block with
 //! the activations in two 16-lane halves and scales the partial sum by the block's `d`, so every
@@ -491,7 +492,8 @@ fn dot_ref_k4(w: &Grouped, g: usize, r: usize, x: &[f32], sums: &[f32]) -> f32 {
 }
 
 /// [`dot_ref`] for Q6_K: per pair of sub-blocks (32 elements), the quarters' sums of
-/// `(q − 32)·x`, then `acc ← fma(d·sc_a, p_0 + p_1, acc)` and `acc ← fma(d·sc_b, p_2 + p_3, acc)`.
+/// `(q − 32)·x`, then `acc ← fma(d·sc_a, p_0 + p_1, acc)` and
+/// `acc ← fma(d·sc_b, p_2 + p_3, acc)`.
 #[cfg(test)]
 fn dot_ref_k6(w: &Grouped, g: usize, r: usize, x: &[f32]) -> f32 {
     let n = elems(w.kind);

@@ -23,8 +23,9 @@
 //! tiles it rounds to bf16 before packing.
 //!
 //! Quantized weights (every ggml block format of [`crate::model::quant`]) are computed on
-//! directly (the legacy formats on AVX-512 CPUs regrouped first, see below), with f32 activations (never quantized), so results equal the f32 product with the
-//! dequantized weights up to f32 rounding of the sums. Each format is one [`QuantMethod`]
+//! directly (on AVX-512 CPUs most of them regrouped first, see below), with f32 activations
+//! (never quantized), so results equal the f32 product with the dequantized weights up to f32
+//! rounding of the sums. Each format is one [`QuantMethod`]
 //! implementation:
 //! - decode (`tokens == 1`), Q8_0/Q4_0/Q4_1: per 32-element block and row, the integer quants
 //!   are widened to f32 (exact), multiplied with x into one block partial `Σ q·x` (two vectors),
@@ -58,8 +59,7 @@
 //!
 //! On AVX-512 CPUs, engines in [`Numerics::Exact`] (and [`Numerics::Bf16`], whose decode is exact)
 //! hold their Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K matrices regrouped sixteen rows to a
-//! group
-//! ([`WeightData::Grouped`], [`grouped`]): the 16 lanes of every vector are 16 output rows, each
+//! group ([`WeightData::Grouped`], [`grouped`]): the 16 lanes of every vector are 16 output rows, each
 //! quant one shift and one table lookup from f32, so no block scale is gathered and nothing is
 //! summed across lanes; calls of 1 to 16 tokens run on it ([`avx512_grouped`]), bit-identical per
 //! token whatever the call's size, and prefill dequantizes its tiles from it. One core of an
@@ -70,8 +70,8 @@
 //! 13.2. The K formats' next-group prefetches are spread over their sub-blocks: issued as one
 //! burst per super-block (37 and 53 lines) they held Qwen2.5-Coder's down projection at 13.6–14.0
 //! GB/s in a 2-thread decode against 15.1–17.2 on the stored blocks; spread, 16.8–18.1
-//! (`kiln-bench --profile`). The kernels below, on the blocks as stored, run everywhere else: AVX2 CPUs, int16
-//! engines, and matrices built by hand.
+//! (`kiln-bench --profile`). The kernels below, on the blocks as stored, run everywhere else:
+//! AVX2 CPUs, int16 engines, and matrices built by hand.
 //!
 //! [`Numerics::Int8`] engines hold their Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices regrouped sixteen
 //! rows to a group ([`WeightData::Interleaved`], [`int8`]) and run every call on them through one
@@ -238,8 +238,7 @@ pub enum WeightData {
     /// in that numerics on CPUs with AVX512-VNNI): every call rounds its activations to 8 bits.
     Interleaved(Interleaved),
     /// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K blocks regrouped for the exact AVX-512 kernels
-    /// of [`grouped`]
-    /// (engines loaded in [`Numerics::Exact`] or [`Numerics::Bf16`] on AVX-512 CPUs).
+    /// of [`grouped`] (engines whose decode is exact, on AVX-512 CPUs).
     Grouped(Grouped),
 }
 
