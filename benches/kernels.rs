@@ -189,9 +189,16 @@ fn gemm(c: &mut Criterion) {
     g.sample_size(10)
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_secs(1));
-    // A prefill chunk (512 tokens) and a batched decode step (16 sequences) of SmolLM2-sized
-    // projections, in every weight storage the CPU backend multiplies by.
-    for (rows, cols, tokens) in [(576, 1536, 64), (1536, 576, 512), (1536, 576, 16)] {
+    // A prefill chunk (512 tokens) and batched decode steps (4 and 16 sequences) of
+    // SmolLM2-sized projections, in every weight storage the CPU backend multiplies by (the
+    // down projection's rows of 1536 also fit the K formats' super-blocks).
+    for (rows, cols, tokens) in [
+        (576, 1536, 64),
+        (1536, 576, 512),
+        (1536, 576, 16),
+        (1536, 576, 4),
+        (576, 1536, 16),
+    ] {
         let mut storages = vec![
             ("f32", matrix(rows, cols, false)),
             ("bf16", matrix(rows, cols, true)),
@@ -215,16 +222,39 @@ fn gemm(c: &mut Criterion) {
                 ));
             }
         }
+        // The exact kernels' regrouped weights, what engines hold on AVX-512 CPUs (calls of
+        // more than 16 tokens dequantize tiles from them).
+        if simd::level() >= Level::Avx512 {
+            for (name, kind) in [
+                ("q8_0-grouped", QuantKind::Q8_0),
+                ("q4_1-grouped", QuantKind::Q4_1),
+                ("q5_0-grouped", QuantKind::Q5_0),
+                ("q4_k-grouped", QuantKind::Q4_K),
+                ("q6_k-grouped", QuantKind::Q6_K),
+            ] {
+                if cols % kind.block_elems() != 0 {
+                    continue;
+                }
+                let m = quant_matrix(rows, cols, kind);
+                storages.push((
+                    name,
+                    PackedMatrix {
+                        data: m.data.grouped(rows, cols),
+                        ..m
+                    },
+                ));
+            }
+        }
         for (dt, w) in &storages {
             let x = rand_vec(tokens * cols, 2);
             let mut out = vec![0f32; tokens * rows];
             // Report FLOP-ish work as "elements": multiply-adds.
             g.throughput(Throughput::Elements((rows * cols * tokens) as u64));
-            // Level::Avx512Bf16 runs the same FMA kernel as Avx512 (see matmul.rs), so skip it.
-            for level in levels(false)
-                .into_iter()
-                .filter(|&l| l != Level::Avx512Bf16)
-            {
+            // Level::Avx512Bf16 runs the same FMA kernel as Avx512 (see matmul.rs), so skip it;
+            // grouped weights only ever meet AVX-512.
+            for level in levels(false).into_iter().filter(|&l| {
+                l != Level::Avx512Bf16 && (!dt.ends_with("-grouped") || l >= Level::Avx512)
+            }) {
                 let id = BenchmarkId::new(format!("{dt}/{rows}x{cols}x{tokens}"), level.name());
                 g.bench_function(id, |b| {
                     b.iter(|| run(level, w, black_box(&x), tokens, &mut out))

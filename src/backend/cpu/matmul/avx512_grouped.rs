@@ -11,11 +11,19 @@
 //! subtraction in place of the lookup. Per group and block (Q4_K: sub-block; Q6_K: pair of
 //! sub-blocks): the scales (and mins) converted once and an FMA or two per token.
 //!
-//! The group and token-chunk loops are spelled out here and in [`super::avx512_i8`] rather than
-//! shared through a driver taking a closure: a closure is compiled without its caller's
-//! `#[target_feature]`s unless LLVM happens to inline it, and such a driver left every
-//! intrinsic of both kernels out of line (`tests/simd_inlined.rs` caught it; one core's Q4_1
-//! GEMV fell from 16 GiB/s to 0.5).
+//! A pass over a group's blocks serves up to [`CHUNK`] (eight) tokens, so each field's shift and
+//! lookup feed eight FMAs; with cached weights (a batched step on a small model) the decode ops
+//! are what is left to save once the FMAs are counted. A token's four quarter chains are folded
+//! as soon as each pair ends ([`Chains`]), which keeps eight tokens' chains in registers; four
+//! tokens a pass, with every quarter's chain held to the block's end, ran 16-token calls 13–25%
+//! slower on one core of an Intel Xeon (`cargo bench --bench kernels -- 'gemm/.*-grouped'`).
+//!
+//! Nothing here takes a closure: a closure is compiled without its caller's `#[target_feature]`s
+//! unless LLVM chooses to inline it. A driver taking one left every intrinsic of this module
+//! and [`super::avx512_i8`] out of line (`tests/simd_inlined.rs` caught it; one core's Q4_1 GEMV
+//! fell from 16 GiB/s to 0.5), and so did the per-element closures once passes grew to eight
+//! tokens; the fields go to a [`Sink`] by static dispatch instead. The group and token-chunk
+//! loops are spelled out here and in [`super::avx512_i8`].
 
 use std::arch::x86_64::*;
 
@@ -28,8 +36,9 @@ use super::grouped::{
 use super::Job;
 use crate::model::quant::QuantKind;
 
-/// Tokens whose accumulators a pass over a group's blocks keeps in registers.
-const CHUNK: usize = 4;
+/// Tokens that one pass over a group's blocks computes: each field's shift and lookup serve
+/// this many FMAs.
+const CHUNK: usize = 8;
 
 /// The formats, as the kernels' const parameter.
 const Q4_0: u8 = 0;
@@ -111,29 +120,26 @@ unsafe fn rows_of<const F: u8>(w: &Grouped, job: &Job) {
             let p = (base, ahead, nb);
             let x = |t: usize| job.xptr(t0 + t);
             let s = |t: usize| sums[t0 + t].as_ptr();
+            macro_rules! pass {
+                ($n:literal) => {
+                    store(
+                        job,
+                        t0,
+                        n0,
+                        lanes,
+                        &chunk::<F, $n>(p, std::array::from_fn(x), std::array::from_fn(s)),
+                    )
+                };
+            }
             match n {
-                1 => store(job, t0, n0, lanes, &chunk::<F, 1>(p, [x(0)], [s(0)])),
-                2 => store(
-                    job,
-                    t0,
-                    n0,
-                    lanes,
-                    &chunk::<F, 2>(p, [x(0), x(1)], [s(0), s(1)]),
-                ),
-                3 => store(
-                    job,
-                    t0,
-                    n0,
-                    lanes,
-                    &chunk::<F, 3>(p, [x(0), x(1), x(2)], [s(0), s(1), s(2)]),
-                ),
-                _ => store(
-                    job,
-                    t0,
-                    n0,
-                    lanes,
-                    &chunk::<F, 4>(p, [x(0), x(1), x(2), x(3)], [s(0), s(1), s(2), s(3)]),
-                ),
+                1 => pass!(1),
+                2 => pass!(2),
+                3 => pass!(3),
+                4 => pass!(4),
+                5 => pass!(5),
+                6 => pass!(6),
+                7 => pass!(7),
+                _ => pass!(8),
             }
             ahead = std::ptr::null();
             t0 += n;
@@ -141,12 +147,54 @@ unsafe fn rows_of<const F: u8>(w: &Grouped, job: &Job) {
     }
 }
 
-/// Field `e`'s FMA into the token partials of its quarter of the block (`p[e / 8]`).
-#[inline(always)]
-unsafe fn step<const N: usize>(q: __m512, x: &[*const f32; N], e: usize, p: &mut [[__m512; N]; 4]) {
-    let p = &mut p[e / 8];
-    for t in 0..N {
-        p[t] = _mm512_fmadd_ps(q, _mm512_set1_ps(*x[t].add(e)), p[t]);
+/// The four quarter chains of a run of 32 elements (a block, a Q4_K sub-block, a pair of Q6_K
+/// sub-blocks) for `N` tokens, folded as soon as a quarter ends: `p` is the quarter under way,
+/// `h[0]` becomes `p_0 + p_1` and `h[1]` becomes `p_2 + p_3`. Keeping all four quarters' chains
+/// until the run's end would hold five vectors per token (with the accumulator); folding holds
+/// four at most, so that eight tokens' chains fit the 32 registers with the accumulators
+/// spilled once per run.
+struct Chains<const N: usize> {
+    /// Each token's activations at the run's first element.
+    x: [*const f32; N],
+    p: [__m512; N],
+    h: [[__m512; N]; 2],
+}
+
+impl<const N: usize> Chains<N> {
+    #[inline(always)]
+    unsafe fn new(x: [*const f32; N]) -> Self {
+        Chains {
+            x,
+            p: [_mm512_setzero_ps(); N],
+            h: [[_mm512_setzero_ps(); N]; 2],
+        }
+    }
+
+    /// Token `t`'s `(p_0 + p_1) + (p_2 + p_3)`.
+    #[inline(always)]
+    unsafe fn sum(&self, t: usize) -> __m512 {
+        _mm512_add_ps(self.h[0][t], self.h[1][t])
+    }
+}
+
+impl<const N: usize> Sink for Chains<N> {
+    /// Field `e`'s FMA into the token chains of its quarter (`e / 8`); the fields come in
+    /// element order.
+    #[inline(always)]
+    unsafe fn put(&mut self, e: usize, q: __m512) {
+        for t in 0..N {
+            self.p[t] = _mm512_fmadd_ps(q, _mm512_set1_ps(*self.x[t].add(e)), self.p[t]);
+        }
+        if e % 8 == 7 {
+            for (h, p) in self.h[e / 16].iter_mut().zip(&mut self.p) {
+                *h = if e % 16 == 7 {
+                    *p
+                } else {
+                    _mm512_add_ps(*h, *p)
+                };
+                *p = _mm512_setzero_ps();
+            }
+        }
     }
 }
 
@@ -185,152 +233,150 @@ unsafe fn iota_from(start: f32) -> __m512 {
     _mm512_add_ps(iota, _mm512_set1_ps(start))
 }
 
-/// Calls `$f(e, index)` for the 32 fields of a block's quant words `$w`, in element order (for
-/// Q8_0, `$f(e, value)` from the quants at `$q`).
+/// Invokes the macro `$f!(e, index)` for the 32 fields of a block's quant words `$w`, in element
+/// order (for Q8_0, `$f!(e, value)` from the quants at `$q`). A macro, not a closure: a closure
+/// is compiled without the kernel's `#[target_feature]`s unless LLVM chooses to inline it, and
+/// at eight tokens a chunk it did not (see the module doc).
 macro_rules! fields {
-    (4, $w:expr, $f:expr) => {{
+    (4, $w:expr, $f:ident) => {{
         let w = $w;
-        let mut f = $f;
-        f(0, f4::<0, 0>(w));
-        f(1, f4::<0, 4>(w));
-        f(2, f4::<0, 8>(w));
-        f(3, f4::<0, 12>(w));
-        f(4, f4::<0, 16>(w));
-        f(5, f4::<0, 20>(w));
-        f(6, f4::<0, 24>(w));
-        f(7, f4::<0, 28>(w));
-        f(8, f4::<1, 0>(w));
-        f(9, f4::<1, 4>(w));
-        f(10, f4::<1, 8>(w));
-        f(11, f4::<1, 12>(w));
-        f(12, f4::<1, 16>(w));
-        f(13, f4::<1, 20>(w));
-        f(14, f4::<1, 24>(w));
-        f(15, f4::<1, 28>(w));
-        f(16, f4::<2, 0>(w));
-        f(17, f4::<2, 4>(w));
-        f(18, f4::<2, 8>(w));
-        f(19, f4::<2, 12>(w));
-        f(20, f4::<2, 16>(w));
-        f(21, f4::<2, 20>(w));
-        f(22, f4::<2, 24>(w));
-        f(23, f4::<2, 28>(w));
-        f(24, f4::<3, 0>(w));
-        f(25, f4::<3, 4>(w));
-        f(26, f4::<3, 8>(w));
-        f(27, f4::<3, 12>(w));
-        f(28, f4::<3, 16>(w));
-        f(29, f4::<3, 20>(w));
-        f(30, f4::<3, 24>(w));
-        f(31, f4::<3, 28>(w));
+        $f!(0, f4::<0, 0>(w));
+        $f!(1, f4::<0, 4>(w));
+        $f!(2, f4::<0, 8>(w));
+        $f!(3, f4::<0, 12>(w));
+        $f!(4, f4::<0, 16>(w));
+        $f!(5, f4::<0, 20>(w));
+        $f!(6, f4::<0, 24>(w));
+        $f!(7, f4::<0, 28>(w));
+        $f!(8, f4::<1, 0>(w));
+        $f!(9, f4::<1, 4>(w));
+        $f!(10, f4::<1, 8>(w));
+        $f!(11, f4::<1, 12>(w));
+        $f!(12, f4::<1, 16>(w));
+        $f!(13, f4::<1, 20>(w));
+        $f!(14, f4::<1, 24>(w));
+        $f!(15, f4::<1, 28>(w));
+        $f!(16, f4::<2, 0>(w));
+        $f!(17, f4::<2, 4>(w));
+        $f!(18, f4::<2, 8>(w));
+        $f!(19, f4::<2, 12>(w));
+        $f!(20, f4::<2, 16>(w));
+        $f!(21, f4::<2, 20>(w));
+        $f!(22, f4::<2, 24>(w));
+        $f!(23, f4::<2, 28>(w));
+        $f!(24, f4::<3, 0>(w));
+        $f!(25, f4::<3, 4>(w));
+        $f!(26, f4::<3, 8>(w));
+        $f!(27, f4::<3, 12>(w));
+        $f!(28, f4::<3, 16>(w));
+        $f!(29, f4::<3, 20>(w));
+        $f!(30, f4::<3, 24>(w));
+        $f!(31, f4::<3, 28>(w));
     }};
-    (8, $q:expr, $f:expr) => {{
+    (8, $q:expr, $f:ident) => {{
         let q = $q;
-        let mut f = $f;
-        f(0, q8::<0>(q));
-        f(1, q8::<1>(q));
-        f(2, q8::<2>(q));
-        f(3, q8::<3>(q));
-        f(4, q8::<4>(q));
-        f(5, q8::<5>(q));
-        f(6, q8::<6>(q));
-        f(7, q8::<7>(q));
-        f(8, q8::<8>(q));
-        f(9, q8::<9>(q));
-        f(10, q8::<10>(q));
-        f(11, q8::<11>(q));
-        f(12, q8::<12>(q));
-        f(13, q8::<13>(q));
-        f(14, q8::<14>(q));
-        f(15, q8::<15>(q));
-        f(16, q8::<16>(q));
-        f(17, q8::<17>(q));
-        f(18, q8::<18>(q));
-        f(19, q8::<19>(q));
-        f(20, q8::<20>(q));
-        f(21, q8::<21>(q));
-        f(22, q8::<22>(q));
-        f(23, q8::<23>(q));
-        f(24, q8::<24>(q));
-        f(25, q8::<25>(q));
-        f(26, q8::<26>(q));
-        f(27, q8::<27>(q));
-        f(28, q8::<28>(q));
-        f(29, q8::<29>(q));
-        f(30, q8::<30>(q));
-        f(31, q8::<31>(q));
+        $f!(0, q8::<0>(q));
+        $f!(1, q8::<1>(q));
+        $f!(2, q8::<2>(q));
+        $f!(3, q8::<3>(q));
+        $f!(4, q8::<4>(q));
+        $f!(5, q8::<5>(q));
+        $f!(6, q8::<6>(q));
+        $f!(7, q8::<7>(q));
+        $f!(8, q8::<8>(q));
+        $f!(9, q8::<9>(q));
+        $f!(10, q8::<10>(q));
+        $f!(11, q8::<11>(q));
+        $f!(12, q8::<12>(q));
+        $f!(13, q8::<13>(q));
+        $f!(14, q8::<14>(q));
+        $f!(15, q8::<15>(q));
+        $f!(16, q8::<16>(q));
+        $f!(17, q8::<17>(q));
+        $f!(18, q8::<18>(q));
+        $f!(19, q8::<19>(q));
+        $f!(20, q8::<20>(q));
+        $f!(21, q8::<21>(q));
+        $f!(22, q8::<22>(q));
+        $f!(23, q8::<23>(q));
+        $f!(24, q8::<24>(q));
+        $f!(25, q8::<25>(q));
+        $f!(26, q8::<26>(q));
+        $f!(27, q8::<27>(q));
+        $f!(28, q8::<28>(q));
+        $f!(29, q8::<29>(q));
+        $f!(30, q8::<30>(q));
+        $f!(31, q8::<31>(q));
     }};
-    (6, $w:expr, $f:expr) => {{
+    (6, $w:expr, $f:ident) => {{
         let w = $w;
-        let mut f = $f;
-        f(0, f6::<0, 0, 0>(w));
-        f(1, f6::<0, 6, 0>(w));
-        f(2, f6::<0, 12, 0>(w));
-        f(3, f6::<0, 18, 0>(w));
-        f(4, f6::<0, 24, 0>(w));
-        f(5, f6::<0, 30, 2>(w));
-        f(6, f6::<1, 4, 0>(w));
-        f(7, f6::<1, 10, 0>(w));
-        f(8, f6::<1, 16, 0>(w));
-        f(9, f6::<1, 22, 0>(w));
-        f(10, f6::<1, 28, 4>(w));
-        f(11, f6::<2, 2, 0>(w));
-        f(12, f6::<2, 8, 0>(w));
-        f(13, f6::<2, 14, 0>(w));
-        f(14, f6::<2, 20, 0>(w));
-        f(15, f6::<2, 26, 0>(w));
-        f(16, f6::<3, 0, 0>(w));
-        f(17, f6::<3, 6, 0>(w));
-        f(18, f6::<3, 12, 0>(w));
-        f(19, f6::<3, 18, 0>(w));
-        f(20, f6::<3, 24, 0>(w));
-        f(21, f6::<3, 30, 2>(w));
-        f(22, f6::<4, 4, 0>(w));
-        f(23, f6::<4, 10, 0>(w));
-        f(24, f6::<4, 16, 0>(w));
-        f(25, f6::<4, 22, 0>(w));
-        f(26, f6::<4, 28, 4>(w));
-        f(27, f6::<5, 2, 0>(w));
-        f(28, f6::<5, 8, 0>(w));
-        f(29, f6::<5, 14, 0>(w));
-        f(30, f6::<5, 20, 0>(w));
-        f(31, f6::<5, 26, 0>(w));
+        $f!(0, f6::<0, 0, 0>(w));
+        $f!(1, f6::<0, 6, 0>(w));
+        $f!(2, f6::<0, 12, 0>(w));
+        $f!(3, f6::<0, 18, 0>(w));
+        $f!(4, f6::<0, 24, 0>(w));
+        $f!(5, f6::<0, 30, 2>(w));
+        $f!(6, f6::<1, 4, 0>(w));
+        $f!(7, f6::<1, 10, 0>(w));
+        $f!(8, f6::<1, 16, 0>(w));
+        $f!(9, f6::<1, 22, 0>(w));
+        $f!(10, f6::<1, 28, 4>(w));
+        $f!(11, f6::<2, 2, 0>(w));
+        $f!(12, f6::<2, 8, 0>(w));
+        $f!(13, f6::<2, 14, 0>(w));
+        $f!(14, f6::<2, 20, 0>(w));
+        $f!(15, f6::<2, 26, 0>(w));
+        $f!(16, f6::<3, 0, 0>(w));
+        $f!(17, f6::<3, 6, 0>(w));
+        $f!(18, f6::<3, 12, 0>(w));
+        $f!(19, f6::<3, 18, 0>(w));
+        $f!(20, f6::<3, 24, 0>(w));
+        $f!(21, f6::<3, 30, 2>(w));
+        $f!(22, f6::<4, 4, 0>(w));
+        $f!(23, f6::<4, 10, 0>(w));
+        $f!(24, f6::<4, 16, 0>(w));
+        $f!(25, f6::<4, 22, 0>(w));
+        $f!(26, f6::<4, 28, 4>(w));
+        $f!(27, f6::<5, 2, 0>(w));
+        $f!(28, f6::<5, 8, 0>(w));
+        $f!(29, f6::<5, 14, 0>(w));
+        $f!(30, f6::<5, 20, 0>(w));
+        $f!(31, f6::<5, 26, 0>(w));
     }};
-    (5, $w:expr, $f:expr) => {{
+    (5, $w:expr, $f:ident) => {{
         let w = $w;
-        let mut f = $f;
-        f(0, f5::<0, 0, 0>(w));
-        f(1, f5::<0, 5, 0>(w));
-        f(2, f5::<0, 10, 0>(w));
-        f(3, f5::<0, 15, 0>(w));
-        f(4, f5::<0, 20, 0>(w));
-        f(5, f5::<0, 25, 0>(w));
-        f(6, f5::<0, 30, 2>(w));
-        f(7, f5::<1, 3, 0>(w));
-        f(8, f5::<1, 8, 0>(w));
-        f(9, f5::<1, 13, 0>(w));
-        f(10, f5::<1, 18, 0>(w));
-        f(11, f5::<1, 23, 0>(w));
-        f(12, f5::<1, 28, 4>(w));
-        f(13, f5::<2, 1, 0>(w));
-        f(14, f5::<2, 6, 0>(w));
-        f(15, f5::<2, 11, 0>(w));
-        f(16, f5::<2, 16, 0>(w));
-        f(17, f5::<2, 21, 0>(w));
-        f(18, f5::<2, 26, 0>(w));
-        f(19, f5::<2, 31, 1>(w));
-        f(20, f5::<3, 4, 0>(w));
-        f(21, f5::<3, 9, 0>(w));
-        f(22, f5::<3, 14, 0>(w));
-        f(23, f5::<3, 19, 0>(w));
-        f(24, f5::<3, 24, 0>(w));
-        f(25, f5::<3, 29, 3>(w));
-        f(26, f5::<4, 2, 0>(w));
-        f(27, f5::<4, 7, 0>(w));
-        f(28, f5::<4, 12, 0>(w));
-        f(29, f5::<4, 17, 0>(w));
-        f(30, f5::<4, 22, 0>(w));
-        f(31, f5::<4, 27, 0>(w));
+        $f!(0, f5::<0, 0, 0>(w));
+        $f!(1, f5::<0, 5, 0>(w));
+        $f!(2, f5::<0, 10, 0>(w));
+        $f!(3, f5::<0, 15, 0>(w));
+        $f!(4, f5::<0, 20, 0>(w));
+        $f!(5, f5::<0, 25, 0>(w));
+        $f!(6, f5::<0, 30, 2>(w));
+        $f!(7, f5::<1, 3, 0>(w));
+        $f!(8, f5::<1, 8, 0>(w));
+        $f!(9, f5::<1, 13, 0>(w));
+        $f!(10, f5::<1, 18, 0>(w));
+        $f!(11, f5::<1, 23, 0>(w));
+        $f!(12, f5::<1, 28, 4>(w));
+        $f!(13, f5::<2, 1, 0>(w));
+        $f!(14, f5::<2, 6, 0>(w));
+        $f!(15, f5::<2, 11, 0>(w));
+        $f!(16, f5::<2, 16, 0>(w));
+        $f!(17, f5::<2, 21, 0>(w));
+        $f!(18, f5::<2, 26, 0>(w));
+        $f!(19, f5::<2, 31, 1>(w));
+        $f!(20, f5::<3, 4, 0>(w));
+        $f!(21, f5::<3, 9, 0>(w));
+        $f!(22, f5::<3, 14, 0>(w));
+        $f!(23, f5::<3, 19, 0>(w));
+        $f!(24, f5::<3, 24, 0>(w));
+        $f!(25, f5::<3, 29, 3>(w));
+        $f!(26, f5::<4, 2, 0>(w));
+        $f!(27, f5::<4, 7, 0>(w));
+        $f!(28, f5::<4, 12, 0>(w));
+        $f!(29, f5::<4, 17, 0>(w));
+        $f!(30, f5::<4, 22, 0>(w));
+        $f!(31, f5::<4, 27, 0>(w));
     }};
 }
 
@@ -365,13 +411,20 @@ unsafe fn f6<const W: usize, const S: u32, const L: u32>(w: &[__m512i; 6]) -> __
     _mm512_sub_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(8_388_640.0))
 }
 
-/// Calls `f(e, value)` with the `q − 32` values of a pair of Q6_K sub-blocks (32 elements; six
-/// words at `q`).
+/// The `q − 32` values of a pair of Q6_K sub-blocks (32 elements; six words at `q`) into `sink`.
 #[inline(always)]
-unsafe fn values6(q: *const u8, mut f: impl FnMut(usize, __m512)) {
+unsafe fn values6(q: *const u8, sink: &mut impl Sink) {
     let q = q as *const __m512i;
-    let w: [__m512i; 6] = std::array::from_fn(|i| _mm512_loadu_si512(q.add(i)));
-    fields!(6, &w, |e, v| f(e, v));
+    let mut w = [_mm512_setzero_si512(); 6];
+    for (i, v) in w.iter_mut().enumerate() {
+        *v = _mm512_loadu_si512(q.add(i));
+    }
+    macro_rules! put {
+        ($e:expr, $v:expr) => {
+            sink.put($e, $v)
+        };
+    }
+    fields!(6, &w, put);
 }
 
 /// The 16 rows' `d·sc_j` of Q6_K sub-block `j` (exact: an f16 times an 8-bit integer).
@@ -398,14 +451,12 @@ unsafe fn k6_super_block<const N: usize>(
     for pair in 0..K6_SUB / 2 {
         prefetch_part(next, group_block_bytes(QuantKind::Q6_K), pair, K6_SUB / 2);
         let xb: [*const f32; N] = std::array::from_fn(|t| x[t].add(b * 256 + pair * BLOCK));
-        let mut p = [[_mm512_setzero_ps(); N]; 4];
-        values6(blk.add(K6_QUANTS + pair * K6_PAIR_BYTES), |e, q| {
-            step(q, &xb, e, &mut p)
-        });
+        let mut c = Chains::<N>::new(xb);
+        values6(blk.add(K6_QUANTS + pair * K6_PAIR_BYTES), &mut c);
         let (da, db) = (k6_scale(blk, d, 2 * pair), k6_scale(blk, d, 2 * pair + 1));
-        for t in 0..N {
-            acc[t] = _mm512_fmadd_ps(da, _mm512_add_ps(p[0][t], p[1][t]), acc[t]);
-            acc[t] = _mm512_fmadd_ps(db, _mm512_add_ps(p[2][t], p[3][t]), acc[t]);
+        for (t, a) in acc.iter_mut().enumerate() {
+            *a = _mm512_fmadd_ps(da, c.h[0][t], *a);
+            *a = _mm512_fmadd_ps(db, c.h[1][t], *a);
         }
     }
 }
@@ -421,21 +472,61 @@ unsafe fn quant_words<const FIVE: bool>(q: *const u8) -> [__m512i; 5] {
     w
 }
 
-/// Calls `f(e, value)` with each element's 16 rows' quants as f32 (the offset applied).
+/// Each element's 16 rows' quants as f32 (the offset applied) into `sink`.
 #[inline(always)]
-unsafe fn values<const F: u8>(q: *const u8, mut f: impl FnMut(usize, __m512)) {
+unsafe fn values<const F: u8>(q: *const u8, sink: &mut impl Sink) {
     let kind = kind_of(F);
     let off = value_offset(kind) as f32;
     if F == Q8_0 {
-        fields!(8, q, |e, v| f(e, v));
+        macro_rules! put {
+            ($e:expr, $v:expr) => {
+                sink.put($e, $v)
+            };
+        }
+        fields!(8, q, put);
     } else if F == Q5_0 || F == Q5_1 {
         let (lo, hi) = (iota_from(off), iota_from(off + 16.0));
         let w = quant_words::<true>(q);
-        fields!(5, &w, |e, i| f(e, _mm512_permutex2var_ps(lo, i, hi)));
+        macro_rules! lookup5 {
+            ($e:expr, $i:expr) => {
+                sink.put($e, _mm512_permutex2var_ps(lo, $i, hi))
+            };
+        }
+        fields!(5, &w, lookup5);
     } else {
         let table = iota_from(off);
         let w = quant_words::<false>(q);
-        fields!(4, &w, |e, i| f(e, _mm512_permutexvar_ps(i, table)));
+        macro_rules! lookup4 {
+            ($e:expr, $i:expr) => {
+                sink.put($e, _mm512_permutexvar_ps($i, table))
+            };
+        }
+        fields!(4, &w, lookup4);
+    }
+}
+
+/// Where [`values`] and [`values6`] deliver element `e`'s 16 rows: a trait with static dispatch
+/// rather than a closure, so that nothing leaves the kernels' `#[target_feature]`s.
+trait Sink {
+    unsafe fn put(&mut self, e: usize, v: __m512);
+}
+
+/// A run's values, scaled (`scale[0]` for elements 0–15, `scale[1]` for 16–31), then offset,
+/// never fused: how ggml dequantizes.
+struct Dequantized<'a> {
+    v: &'a mut [__m512; BLOCK],
+    scale: [__m512; 2],
+    offset: Option<__m512>,
+}
+
+impl Sink for Dequantized<'_> {
+    #[inline(always)]
+    unsafe fn put(&mut self, e: usize, q: __m512) {
+        let x = _mm512_mul_ps(q, self.scale[e / 16]);
+        self.v[e] = match self.offset {
+            Some(m) => _mm512_add_ps(x, m),
+            None => x,
+        };
     }
 }
 
@@ -469,15 +560,11 @@ unsafe fn chunk<const F: u8, const N: usize>(
         }
         prefetch_part(next, bb, 0, 1);
         let xb: [*const f32; N] = std::array::from_fn(|t| x[t].add(b * BLOCK));
-        let mut p = [[_mm512_setzero_ps(); N]; 4];
-        values::<F>(blk.add(qa), |e, q| step(q, &xb, e, &mut p));
+        let mut c = Chains::<N>::new(xb);
+        values::<F>(blk.add(qa), &mut c);
         let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
-        for t in 0..N {
-            let s = _mm512_add_ps(
-                _mm512_add_ps(p[0][t], p[1][t]),
-                _mm512_add_ps(p[2][t], p[3][t]),
-            );
-            acc[t] = _mm512_fmadd_ps(d, s, acc[t]);
+        for (t, a) in acc.iter_mut().enumerate() {
+            *a = _mm512_fmadd_ps(d, c.sum(t), *a);
         }
         if min {
             let m = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(2 * GROUP) as *const __m256i));
@@ -544,17 +631,11 @@ unsafe fn k4_super_block<const N: usize>(
         prefetch_part(next, group_block_bytes(QuantKind::Q4_K), j, K4_SUB);
         let sub = b * K4_SUB + j;
         let xb: [*const f32; N] = std::array::from_fn(|t| x[t].add(sub * BLOCK));
-        let mut p = [[_mm512_setzero_ps(); N]; 4];
-        values::<Q4_1>(blk.add(K4_QUANTS + j * K4_SUB_BYTES), |e, q| {
-            step(q, &xb, e, &mut p)
-        });
+        let mut c = Chains::<N>::new(xb);
+        values::<Q4_1>(blk.add(K4_QUANTS + j * K4_SUB_BYTES), &mut c);
         let (d1, m1) = k4_scales(blk, dd, j);
         for t in 0..N {
-            let s = _mm512_add_ps(
-                _mm512_add_ps(p[0][t], p[1][t]),
-                _mm512_add_ps(p[2][t], p[3][t]),
-            );
-            acc[t] = _mm512_fmadd_ps(d1, s, acc[t]);
+            acc[t] = _mm512_fmadd_ps(d1, c.sum(t), acc[t]);
             acc[t] = _mm512_fnmadd_ps(m1, _mm512_set1_ps(*sums[t].add(sub)), acc[t]);
         }
     }
@@ -625,10 +706,12 @@ impl<const F: u8> Pieces for Legacy<F> {
         } else {
             _mm512_setzero_ps()
         };
-        values::<F>(blk.add(quants_at(kind)), |e, q| {
-            let x = _mm512_mul_ps(q, d);
-            v[e] = if min { _mm512_add_ps(x, m) } else { x };
-        });
+        let mut sink = Dequantized {
+            v,
+            scale: [d, d],
+            offset: min.then_some(m),
+        };
+        values::<F>(blk.add(quants_at(kind)), &mut sink);
     }
 }
 
@@ -640,9 +723,15 @@ impl Pieces for SubBlocksK4 {
     #[inline(always)]
     unsafe fn piece(blk: *const u8, j: usize, v: &mut [__m512; BLOCK]) {
         let (d1, m1) = k4_scales(blk, k4_super_scales(blk), j);
-        values::<Q4_1>(blk.add(K4_QUANTS + j * K4_SUB_BYTES), |e, q| {
-            v[e] = _mm512_sub_ps(_mm512_mul_ps(q, d1), m1);
-        });
+        // `q·d1 − m1` is `q·d1 + (−m1)` bit for bit (the sign flipped, not `0 − m1`, which
+        // would turn a +0 min's `−0 − 0` into +0).
+        let neg = _mm512_xor_si512(_mm512_castps_si512(m1), _mm512_set1_epi32(i32::MIN));
+        let mut sink = Dequantized {
+            v,
+            scale: [d1, d1],
+            offset: Some(_mm512_castsi512_ps(neg)),
+        };
+        values::<Q4_1>(blk.add(K4_QUANTS + j * K4_SUB_BYTES), &mut sink);
     }
 }
 
@@ -655,9 +744,12 @@ impl Pieces for PairsK6 {
     unsafe fn piece(blk: *const u8, pair: usize, v: &mut [__m512; BLOCK]) {
         let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
         let (da, db) = (k6_scale(blk, d, 2 * pair), k6_scale(blk, d, 2 * pair + 1));
-        values6(blk.add(K6_QUANTS + pair * K6_PAIR_BYTES), |e, q| {
-            v[e] = _mm512_mul_ps(q, if e < 16 { da } else { db });
-        });
+        let mut sink = Dequantized {
+            v,
+            scale: [da, db],
+            offset: None,
+        };
+        values6(blk.add(K6_QUANTS + pair * K6_PAIR_BYTES), &mut sink);
     }
 }
 

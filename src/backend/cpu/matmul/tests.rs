@@ -1502,7 +1502,7 @@ fn grouping_keeps_every_row() {
 }
 
 /// Grouped weights: the AVX-512 kernel equals the scalar reference bit for bit (row ranges that
-/// cut groups, bias, accumulation, 1 to 16 tokens: chunks of 4 and rests), the reference equals
+/// cut groups, bias, accumulation, 1 to 16 tokens: chunks of 8 and rests), the reference equals
 /// the f64 product of the dequantized weights within f32 rounding of the sums, and a token's
 /// outputs are the same bits in every call of up to 16 tokens it is part of.
 #[test]
