@@ -460,10 +460,13 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
-/// Output rows handled by one task: small enough to balance across threads, large enough that
-/// the per-task overhead vanishes next to the bytes streamed. A multiple of 4, the GEMVs' row
-/// block, or of 16 with more than one token.
-fn rows_per_task(level: Level, w: &PackedMatrix, tokens: usize) -> usize {
+/// The output rows of each task: about four tasks per thread, small enough to balance across
+/// threads, large enough that the per-task overhead vanishes next to the bytes streamed. Task
+/// boundaries fall on multiples of the kernels' unit (4 rows, the GEMVs' row block; 16, a group
+/// of grouped or interleaved weights; with more than one token, one packed panel's outputs)
+/// and split the units as evenly as they can: rayon halves the list of tasks between threads,
+/// and equal-sized tasks with a short last one gave one of two threads 320 of 576 rows.
+fn task_rows(level: Level, w: &PackedMatrix, tokens: usize) -> Vec<std::ops::Range<usize>> {
     let threads = rayon::current_num_threads().max(1);
     // Multi-token calls go one packed panel's outputs at a time (the quantized prefill tiles
     // too): 32 on AVX-512, 16 on AVX2.
@@ -474,12 +477,19 @@ fn rows_per_task(level: Level, w: &PackedMatrix, tokens: usize) -> usize {
     } else {
         4
     };
-    let by_threads = w
-        .rows
-        .div_ceil(threads * 4)
-        .next_multiple_of(if tokens > 1 { panel } else { one_token });
+    let unit = if tokens > 1 { panel } else { one_token };
     let min_rows = if tokens > 1 { panel } else { 64 };
-    by_threads.max(min_rows).min(w.rows.max(1))
+    let units = w.rows.div_ceil(unit);
+    let tasks = (threads * 4)
+        .min(w.rows.div_ceil(min_rows))
+        .clamp(1, units.max(1));
+    (0..tasks)
+        .map(|i| {
+            let at = |i: usize| (i * units / tasks * unit).min(w.rows);
+            at(i)..at(i + 1)
+        })
+        .filter(|r| !r.is_empty())
+        .collect()
 }
 
 /// `out[t·ldo + n] (+)= bias[n] + Σ_k W[n,k]·x[t·ldx + k]` for every token `t` and output `n`,
@@ -557,14 +567,12 @@ pub fn matmul_with(
         "matmul output too short"
     );
     let ptr = OutPtr(out.as_mut_ptr());
-    let chunk = rows_per_task(level, w, tokens);
-    let starts: Vec<usize> = (0..w.rows).step_by(chunk).collect();
+    let tasks = task_rows(level, w, tokens);
     // Rounded once per call, shared by every task.
     let xq = rounded_activations(level, numerics, w, x, ldx, tokens);
     let xb = bf16_activations(level, numerics, w, x, ldx, tokens);
     let x8 = int8_activations(w, x, ldx, tokens);
-    starts.into_par_iter().for_each(|r0| {
-        let rows = r0..(r0 + chunk).min(w.rows);
+    tasks.into_par_iter().for_each(|rows| {
         let p = ptr;
         // SAFETY: tasks own disjoint column ranges `rows` of every output row, and `out` outlives
         // the parallel loop; the asserts above bound every index written.

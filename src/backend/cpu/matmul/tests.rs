@@ -234,6 +234,56 @@ fn parallel_split_matches_reference() {
     }
 }
 
+/// The parallel split: tasks cover every row once, in order, start on the kernels' unit (4 rows
+/// for one-token dense GEMVs, 16 for grouped weights and few-token calls, the panel above 16
+/// tokens), number at most four per thread, and differ by at most one unit, so that the two
+/// halves rayon gives two threads are as even as the units allow.
+#[test]
+fn tasks_split_rows_evenly_on_kernel_units() {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .expect("a 2-thread pool");
+    pool.install(|| {
+        let level = simd::level();
+        for rows in [1, 3, 16, 17, 64, 100, 576, 960, 3072, 49152] {
+            let dense = PackedMatrix {
+                rows,
+                cols: 32,
+                data: WeightData::F32(vec![0.0; rows * 32].into()),
+                bias: None,
+            };
+            let q = quant_matrix(QuantKind::Q4_1, rows, 32, false, 1);
+            let grouped = PackedMatrix {
+                data: q.data.grouped(rows, 32),
+                ..q
+            };
+            for (w, name) in [(&dense, "dense"), (&grouped, "grouped")] {
+                for tokens in [1, 4, 16, 17, 512] {
+                    let unit = match (tokens, name) {
+                        (1, "dense") => 4,
+                        (1, _) => 16,
+                        (t, _) => tile_rows(simd::clamp(level), t),
+                    };
+                    let tasks = task_rows(level, w, tokens);
+                    let what = format!("{name} {rows} rows, {tokens} tokens: {tasks:?}");
+                    assert!(!tasks.is_empty() && tasks.len() <= 8, "{what}");
+                    assert_eq!(tasks[0].start, 0, "{what}");
+                    assert_eq!(tasks[tasks.len() - 1].end, rows, "{what}");
+                    for pair in tasks.windows(2) {
+                        assert_eq!(pair[0].end, pair[1].start, "{what}");
+                    }
+                    assert!(tasks.iter().all(|r| r.start % unit == 0), "{what}");
+                    // Counted in units (the last one may be part of a unit).
+                    let units = tasks.iter().map(|r| r.len().div_ceil(unit));
+                    let (lo, hi) = (units.clone().min(), units.max());
+                    assert!(hi.unwrap_or(0) - lo.unwrap_or(0) <= 1, "{what}");
+                }
+            }
+        }
+    });
+}
+
 /// Rows, columns and token counts to test `kind` with: rows and tokens around the kernels' 4-row
 /// and 4/2-token tiles, columns of one and several blocks (fewer cases for the 256-element
 /// formats, whose blocks are 8 times longer).
