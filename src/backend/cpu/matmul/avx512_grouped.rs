@@ -11,23 +11,22 @@
 //! subtraction in place of the lookup. Per group and block (Q4_K: sub-block; Q6_K: pair of
 //! sub-blocks): the scales (and mins) converted once and an FMA or two per token.
 //!
-//! A pass over a group's blocks serves up to [`CHUNK`] (eight) tokens, so each field's shift and
-//! lookup feed eight FMAs; with cached weights (a batched step on a small model) the decode ops
-//! are what is left to save once the FMAs are counted. A token's four quarter chains are folded
-//! as soon as each pair ends ([`Chains`]), which keeps eight tokens' chains in registers; four
-//! tokens a pass, with every quarter's chain held to the block's end, ran 16-token calls 13–25%
-//! slower on one core of an Intel Xeon (`cargo bench --bench kernels -- 'gemm/.*-grouped'`).
+//! A pass over a group's blocks (the loop of [`super::avx512_groups`]) serves up to eight
+//! tokens, so each field's shift and lookup feed eight FMAs; with cached weights (a batched step
+//! on a small model) the decode ops are what is left to save once the FMAs are counted. A
+//! token's four quarter chains are folded as soon as each pair ends ([`Chains`]), which keeps
+//! eight tokens' chains in registers; four tokens a pass, with every quarter's chain held to the
+//! block's end, ran 16-token calls 13–25% slower on one core of an Intel Xeon (`cargo bench
+//! --bench kernels -- 'gemm/.*-grouped'`).
 //!
 //! Nothing here takes a closure: a closure is compiled without its caller's `#[target_feature]`s
-//! unless LLVM chooses to inline it. A driver taking one left every intrinsic of this module
-//! and [`super::avx512_i8`] out of line (`tests/simd_inlined.rs` caught it; one core's Q4_1 GEMV
-//! fell from 16 GiB/s to 0.5), and so did the per-element closures once passes grew to eight
-//! tokens; the fields go to a [`Sink`] by static dispatch instead. The group and token-chunk
-//! loops are spelled out here and in [`super::avx512_i8`].
+//! unless LLVM chooses to inline it, and per-element closures were left out of line once passes
+//! grew to eight tokens (`tests/simd_inlined.rs` caught it). The fields go to a [`Sink`] by
+//! static dispatch instead.
 
 use std::arch::x86_64::*;
 
-use super::avx512_i8::store;
+use super::avx512_groups::{drive, GroupPass};
 use super::grouped::{
     block_sums, elems, group_block_bytes, quants_at, value_offset, Grouped, BLOCK, GROUP, K4_DMIN,
     K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES, K6_PAIR_BYTES, K6_QUANTS, K6_SCALES,
@@ -35,10 +34,6 @@ use super::grouped::{
 };
 use super::Job;
 use crate::model::quant::QuantKind;
-
-/// Tokens that one pass over a group's blocks computes: each field's shift and lookup serve
-/// this many FMAs.
-const CHUNK: usize = 8;
 
 /// The formats, as the kernels' const parameter.
 const Q4_0: u8 = 0;
@@ -90,7 +85,6 @@ pub(crate) unsafe fn rows(w: &Grouped, job: &Job) {
 unsafe fn rows_of<const F: u8>(w: &Grouped, job: &Job) {
     let kind = kind_of(F);
     let nb = w.cols / elems(kind);
-    let bb = group_block_bytes(kind);
     // The block sums that the min multiplies, per token (empty without a min).
     let sums: Vec<Vec<f32>> = (0..job.tokens)
         .map(|t| {
@@ -101,49 +95,38 @@ unsafe fn rows_of<const F: u8>(w: &Grouped, job: &Job) {
             }
         })
         .collect();
-    let (g0, g1) = (job.rows.start / GROUP, job.rows.end.div_ceil(GROUP));
-    for g in g0..g1 {
-        let n0 = g * GROUP;
-        let lo = job.rows.start.max(n0) - n0;
-        let hi = job.rows.end.min(n0 + GROUP) - n0;
-        let lanes = ((1u32 << hi) - (1u32 << lo)) as __mmask16;
-        let base = w.bytes.as_ptr().add(g * nb * bb);
-        // The first pass over a group fetches the next one's blocks as it goes.
-        let mut ahead = if g + 1 < g1 {
-            base.add(nb * bb)
-        } else {
-            std::ptr::null()
-        };
-        let mut t0 = 0;
-        while t0 < job.tokens {
-            let n = (job.tokens - t0).min(CHUNK);
-            let p = (base, ahead, nb);
-            let x = |t: usize| job.xptr(t0 + t);
-            let s = |t: usize| sums[t0 + t].as_ptr();
-            macro_rules! pass {
-                ($n:literal) => {
-                    store(
-                        job,
-                        t0,
-                        n0,
-                        lanes,
-                        &chunk::<F, $n>(p, std::array::from_fn(x), std::array::from_fn(s)),
-                    )
-                };
-            }
-            match n {
-                1 => pass!(1),
-                2 => pass!(2),
-                3 => pass!(3),
-                4 => pass!(4),
-                5 => pass!(5),
-                6 => pass!(6),
-                7 => pass!(7),
-                _ => pass!(8),
-            }
-            ahead = std::ptr::null();
-            t0 += n;
+    let kernel = Pass::<F> {
+        nb,
+        job,
+        sums: &sums,
+    };
+    drive(&kernel, w.bytes.as_ptr(), nb * group_block_bytes(kind), job);
+}
+
+/// [`chunk`] as the shared group loop's pass.
+struct Pass<'a, const F: u8> {
+    /// Blocks (K formats: super-blocks) per row.
+    nb: usize,
+    job: &'a Job<'a>,
+    /// Each token's block sums (empty without a min).
+    sums: &'a [Vec<f32>],
+}
+
+impl<const F: u8> GroupPass for Pass<'_, F> {
+    #[inline(always)]
+    unsafe fn pass<const N: usize>(
+        &self,
+        base: *const u8,
+        ahead: *const u8,
+        t0: usize,
+    ) -> [__m512; N] {
+        let mut x = [std::ptr::null(); N];
+        let mut s = [std::ptr::null(); N];
+        for t in 0..N {
+            x[t] = self.job.xptr(t0 + t);
+            s[t] = self.sums[t0 + t].as_ptr();
         }
+        chunk::<F, N>((base, ahead, self.nb), x, s)
     }
 }
 

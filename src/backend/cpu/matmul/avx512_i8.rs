@@ -6,6 +6,7 @@
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
+use super::avx512_groups::{drive, GroupPass};
 use super::int8::{
     self, group_block_bytes, group_masks_at, group_quants_at, has_min, stored_offset, Interleaved,
     BLOCK, GROUP, XI8,
@@ -59,9 +60,6 @@ pub(crate) unsafe fn quantize(x: &[f32]) -> XI8 {
     out
 }
 
-/// Tokens whose accumulators a pass over a group's blocks keeps in registers.
-const CHUNK: usize = 8;
-
 /// The formats, as the kernels' const parameter.
 const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
@@ -90,38 +88,28 @@ pub(crate) unsafe fn rows(w: &Interleaved, x: &[XI8], job: &Job) {
 unsafe fn rows_of<const F: u8>(w: &Interleaved, x: &[XI8], job: &Job) {
     let nb = w.cols / BLOCK;
     let bb = group_block_bytes(w.kind);
-    let (g0, g1) = (job.rows.start / GROUP, job.rows.end.div_ceil(GROUP));
-    for g in g0..g1 {
-        let n0 = g * GROUP;
-        let lo = job.rows.start.max(n0) - n0;
-        let hi = job.rows.end.min(n0 + GROUP) - n0;
-        let lanes = ((1u32 << hi) - (1u32 << lo)) as __mmask16;
-        let base = w.bytes.as_ptr().add(g * nb * bb);
-        // The first pass over a group fetches the next one's blocks as it goes: a group is a
-        // few KiB read once, and without this its loads waited on DRAM.
-        let mut ahead = if g + 1 < g1 {
-            base.add(nb * bb)
-        } else {
-            std::ptr::null()
-        };
-        let mut t0 = 0;
-        while t0 < job.tokens {
-            let n = (job.tokens - t0).min(CHUNK);
-            let xs = &x[t0..t0 + n];
-            let p = (base, ahead, nb, bb);
-            match n {
-                1 => store(job, t0, n0, lanes, &chunk::<F, 1>(p, xs)),
-                2 => store(job, t0, n0, lanes, &chunk::<F, 2>(p, xs)),
-                3 => store(job, t0, n0, lanes, &chunk::<F, 3>(p, xs)),
-                4 => store(job, t0, n0, lanes, &chunk::<F, 4>(p, xs)),
-                5 => store(job, t0, n0, lanes, &chunk::<F, 5>(p, xs)),
-                6 => store(job, t0, n0, lanes, &chunk::<F, 6>(p, xs)),
-                7 => store(job, t0, n0, lanes, &chunk::<F, 7>(p, xs)),
-                _ => store(job, t0, n0, lanes, &chunk::<F, 8>(p, xs)),
-            }
-            ahead = std::ptr::null();
-            t0 += n;
-        }
+    let kernel = Pass::<F> { nb, bb, x };
+    drive(&kernel, w.bytes.as_ptr(), nb * bb, job);
+}
+
+/// [`chunk`] as the shared group loop's pass.
+struct Pass<'a, const F: u8> {
+    /// Blocks per row, and bytes per group block.
+    nb: usize,
+    bb: usize,
+    /// Every token's rounded activations.
+    x: &'a [XI8],
+}
+
+impl<const F: u8> GroupPass for Pass<'_, F> {
+    #[inline(always)]
+    unsafe fn pass<const N: usize>(
+        &self,
+        base: *const u8,
+        ahead: *const u8,
+        t0: usize,
+    ) -> [__m512; N] {
+        chunk::<F, N>((base, ahead, self.nb, self.bb), &self.x[t0..t0 + N])
     }
 }
 
@@ -225,30 +213,4 @@ unsafe fn chunk<const F: u8, const N: usize>(
         }
     }
     acc
-}
-
-/// Writes token `t0 + t`'s outputs `n0 + lane` for the lanes set, as [`Job::put`] does:
-/// `(out + d) + bias` when accumulating, else `d + bias`.
-#[inline(always)]
-pub(super) unsafe fn store<const N: usize>(
-    job: &Job,
-    t0: usize,
-    n0: usize,
-    lanes: __mmask16,
-    acc: &[__m512; N],
-) {
-    let bias = job
-        .bias
-        .map(|b| _mm512_maskz_loadu_ps(lanes, b.as_ptr().add(n0)));
-    for (t, &d) in acc.iter().enumerate() {
-        let o = job.out.add((t0 + t) * job.ldo + n0);
-        let mut v = d;
-        if job.accumulate {
-            v = _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, o), v);
-        }
-        if let Some(b) = bias {
-            v = _mm512_add_ps(v, b);
-        }
-        _mm512_mask_storeu_ps(o, lanes, v);
-    }
 }

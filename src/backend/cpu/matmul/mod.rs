@@ -105,6 +105,8 @@ mod avx512_bf16_panel;
 #[cfg(target_arch = "x86_64")]
 mod avx512_grouped;
 #[cfg(target_arch = "x86_64")]
+mod avx512_groups;
+#[cfg(target_arch = "x86_64")]
 mod avx512_i16;
 #[cfg(target_arch = "x86_64")]
 mod avx512_i8;
