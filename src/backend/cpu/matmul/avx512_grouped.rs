@@ -28,9 +28,9 @@ use std::arch::x86_64::*;
 
 use super::avx512_groups::{drive, GroupPass};
 use super::grouped::{
-    block_sums, elems, group_block_bytes, quants_at, value_offset, Grouped, BLOCK, GROUP, K4_DMIN,
-    K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES, K6_PAIR_BYTES, K6_QUANTS, K6_SCALES,
-    K6_SUB, MAX_TOKENS,
+    block_sums_iter, elems, group_block_bytes, quants_at, takes_sums, value_offset, Grouped, BLOCK,
+    GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES, K6_PAIR_BYTES, K6_QUANTS,
+    K6_SCALES, K6_SUB, MAX_TOKENS,
 };
 use super::Job;
 use crate::model::quant::QuantKind;
@@ -85,20 +85,25 @@ pub(crate) unsafe fn rows(w: &Grouped, job: &Job) {
 unsafe fn rows_of<const F: u8>(w: &Grouped, job: &Job) {
     let kind = kind_of(F);
     let nb = w.cols / elems(kind);
-    // The block sums that the min multiplies, per token (empty without a min).
-    let sums: Vec<Vec<f32>> = (0..job.tokens)
-        .map(|t| {
-            if super::int8::has_min(kind) || F == Q4_K {
-                block_sums(job.xrow(t))
-            } else {
-                Vec::new()
-            }
-        })
-        .collect();
+    // The block sums that the min multiplies, every token's (empty without a min): the call's,
+    // or this task's own where the call did not compute them.
+    let blocks = w.cols / BLOCK;
+    let owned: Vec<f32>;
+    let sums = match job.sums {
+        _ if !takes_sums(kind) => &[][..],
+        Some(s) if s.len() >= job.tokens * blocks => s,
+        _ => {
+            owned = (0..job.tokens)
+                .flat_map(|t| block_sums_iter(job.xrow(t)))
+                .collect();
+            &owned
+        }
+    };
     let kernel = Pass::<F> {
         nb,
         job,
-        sums: &sums,
+        sums,
+        blocks,
     };
     drive(&kernel, w.bytes.as_ptr(), nb * group_block_bytes(kind), job);
 }
@@ -108,8 +113,10 @@ struct Pass<'a, const F: u8> {
     /// Blocks (K formats: super-blocks) per row.
     nb: usize,
     job: &'a Job<'a>,
-    /// Each token's block sums (empty without a min).
-    sums: &'a [Vec<f32>],
+    /// Every token's block sums, token `t`'s at `t·blocks` (empty without a min).
+    sums: &'a [f32],
+    /// 32-element blocks per token row.
+    blocks: usize,
 }
 
 impl<const F: u8> GroupPass for Pass<'_, F> {
@@ -124,7 +131,8 @@ impl<const F: u8> GroupPass for Pass<'_, F> {
         let mut s = [std::ptr::null(); N];
         for t in 0..N {
             x[t] = self.job.xptr(t0 + t);
-            s[t] = self.sums[t0 + t].as_ptr();
+            // Never read for formats without a min, whose `sums` is empty.
+            s[t] = self.sums.as_ptr().wrapping_add((t0 + t) * self.blocks);
         }
         chunk::<F, N>((base, ahead, self.nb), x, s)
     }

@@ -430,8 +430,19 @@ impl Grouped {
 
 /// The sums of each block of `x` (whole blocks), each in element order: what formats with a
 /// min multiply by `m`.
+#[cfg(test)]
 pub(crate) fn block_sums(x: &[f32]) -> Vec<f32> {
-    x.chunks_exact(BLOCK).map(|c| c.iter().sum()).collect()
+    block_sums_iter(x).collect()
+}
+
+/// [`block_sums`], one block at a time.
+pub(crate) fn block_sums_iter(x: &[f32]) -> impl Iterator<Item = f32> + '_ {
+    x.chunks_exact(BLOCK).map(|c| c.iter().sum())
+}
+
+/// Whether grouped weights of `kind` multiply block sums of the activations (a min).
+pub(crate) const fn takes_sums(kind: QuantKind) -> bool {
+    super::int8::has_min(kind) || matches!(kind, QuantKind::Q4_K)
 }
 
 /// Output `n` for the activation row `x` (with its [`block_sums`]): the block chain of the

@@ -386,6 +386,16 @@ impl WeightData {
         }
     }
 
+    /// Whether a part is [`WeightData::Grouped`] in a format whose kernel multiplies block sums
+    /// of the activations (a min: Q4_1, Q5_1, Q4_K).
+    fn takes_grouped_sums(&self) -> bool {
+        match self {
+            WeightData::Grouped(g) => grouped::takes_sums(g.kind),
+            WeightData::Parts(parts) => parts.iter().any(|p| p.data.takes_grouped_sums()),
+            _ => false,
+        }
+    }
+
     /// Whether a part's kernels take rows sixteen at a time ([`WeightData::Interleaved`],
     /// [`WeightData::Grouped`]).
     fn takes_groups(&self) -> bool {
@@ -570,31 +580,78 @@ pub fn matmul_with(
     );
     let ptr = OutPtr(out.as_mut_ptr());
     let tasks = task_rows(level, w, tokens);
-    // Rounded once per call, shared by every task.
-    let xq = rounded_activations(level, numerics, w, x, ldx, tokens);
-    let xb = bf16_activations(level, numerics, w, x, ldx, tokens);
-    let x8 = int8_activations(w, x, ldx, tokens);
+    // Computed once per call, shared by every task.
+    let prepared = Prepared::new(level, numerics, w, x, ldx, tokens);
     tasks.into_par_iter().for_each(|rows| {
         let p = ptr;
         // SAFETY: tasks own disjoint column ranges `rows` of every output row, and `out` outlives
         // the parallel loop; the asserts above bound every index written.
         unsafe {
             rows_job(
-                level,
-                w,
-                x,
-                ldx,
-                tokens,
-                rows,
-                p.0,
-                ldo,
-                accumulate,
-                xq.as_deref(),
-                xb.as_deref(),
-                x8.as_deref(),
+                level, w, x, ldx, tokens, rows, p.0, ldo, accumulate, &prepared,
             )
         };
     });
+}
+
+/// What a call derives from its activation rows once and shares with every task: the rows
+/// rounded for the kernel's numerics, and the block sums that formats with a min multiply.
+#[derive(Default)]
+struct Prepared {
+    /// The token rows rounded for [`Numerics::Int16`].
+    xq: Option<Vec<int16::XI16>>,
+    /// The token rows rounded to bf16 pairs for [`Numerics::Bf16`].
+    xb: Option<Vec<u32>>,
+    /// The token rows rounded to 8 bits for interleaved weights.
+    x8: Option<Vec<int8::XI8>>,
+    /// [`grouped_block_sums`].
+    sums: Option<Vec<f32>>,
+}
+
+impl Prepared {
+    fn new(
+        level: Level,
+        numerics: Numerics,
+        w: &PackedMatrix,
+        x: &[f32],
+        ldx: usize,
+        tokens: usize,
+    ) -> Prepared {
+        Prepared {
+            xq: rounded_activations(level, numerics, w, x, ldx, tokens),
+            xb: bf16_activations(level, numerics, w, x, ldx, tokens),
+            x8: int8_activations(w, x, ldx, tokens),
+            sums: grouped_block_sums(level, w, x, ldx, tokens),
+        }
+    }
+}
+
+/// `Σ x` of every 32-element block of every token row (token `t`'s at `t·cols/32`), summed in
+/// element order as the kernels' reference does, when grouped weights of a format with a min
+/// (Q4_1, Q5_1, Q4_K) will run their AVX-512 kernels on this call. Once per call, not once per
+/// task: each task needs every token's sums, and at 16 tokens and eight tasks the per-task sums
+/// took ~5% of a SmolLM2 Q4_1 decode step on 2 threads (Intel Xeon, `perf`).
+fn grouped_block_sums(
+    level: Level,
+    w: &PackedMatrix,
+    x: &[f32],
+    ldx: usize,
+    tokens: usize,
+) -> Option<Vec<f32>> {
+    if tokens == 0
+        || tokens > grouped::MAX_TOKENS
+        || simd::clamp(level) < Level::Avx512
+        || !w.data.takes_grouped_sums()
+        || !w.cols.is_multiple_of(grouped::BLOCK)
+        || x.len() < (tokens - 1) * ldx + w.cols
+    {
+        return None;
+    }
+    let mut sums = Vec::with_capacity(tokens * (w.cols / grouped::BLOCK));
+    for t in 0..tokens {
+        sums.extend(grouped::block_sums_iter(&x[t * ldx..t * ldx + w.cols]));
+    }
+    Some(sums)
 }
 
 /// A block's scale `d = amax / qmax` for rounding activations to integers up to `qmax`, and its
@@ -716,22 +773,9 @@ pub unsafe fn matmul_rows_with(
     ldo: usize,
     accumulate: bool,
 ) {
-    let xq = rounded_activations(level, numerics, w, x, ldx, tokens);
-    let xb = bf16_activations(level, numerics, w, x, ldx, tokens);
-    let x8 = int8_activations(w, x, ldx, tokens);
+    let prepared = Prepared::new(level, numerics, w, x, ldx, tokens);
     rows_job(
-        level,
-        w,
-        x,
-        ldx,
-        tokens,
-        rows,
-        out,
-        ldo,
-        accumulate,
-        xq.as_deref(),
-        xb.as_deref(),
-        x8.as_deref(),
+        level, w, x, ldx, tokens, rows, out, ldo, accumulate, &prepared,
     )
 }
 
@@ -765,8 +809,7 @@ pub unsafe fn matmul_rows_at(
     )
 }
 
-/// [`matmul_rows_at`], with the rounded activation rows of [`Numerics::Int16`] or
-/// [`Numerics::Bf16`] where there are some.
+/// [`matmul_rows_at`], with what the call [`Prepared`] from its activation rows.
 ///
 /// # Safety
 /// As [`matmul_rows`].
@@ -781,9 +824,7 @@ unsafe fn rows_job(
     out: *mut f32,
     ldo: usize,
     accumulate: bool,
-    xq: Option<&[int16::XI16]>,
-    xb: Option<&[u32]>,
-    x8: Option<&[int8::XI8]>,
+    prepared: &Prepared,
 ) {
     if tokens == 0 || rows.is_empty() {
         return;
@@ -809,9 +850,10 @@ unsafe fn rows_job(
         out,
         ldo,
         accumulate,
-        xq,
-        xb,
-        x8,
+        xq: prepared.xq.as_deref(),
+        xb: prepared.xb.as_deref(),
+        x8: prepared.x8.as_deref(),
+        sums: prepared.sums.as_deref(),
     };
     data_rows(level, &w.data, &job);
 }
@@ -1336,6 +1378,9 @@ struct Job<'a> {
     xb: Option<&'a [u32]>,
     /// The token rows rounded to 8 bits for interleaved weights ([`Numerics::Int8`]).
     x8: Option<&'a [int8::XI8]>,
+    /// Every token's 32-element block sums, token `t`'s at `t·k/32` ([`grouped_block_sums`]),
+    /// where the call computed them; kernels that need them compute their own otherwise.
+    sums: Option<&'a [f32]>,
 }
 
 impl Job<'_> {

@@ -1366,6 +1366,7 @@ fn int8_kernels_match_the_reference() {
                             xq: None,
                             xb: None,
                             x8: Some(&x8),
+                            sums: None,
                         };
                         let WeightData::Interleaved(m) = &w.data else {
                             unreachable!()
@@ -1608,6 +1609,7 @@ fn grouped_kernels_match_the_reference() {
                             xq: None,
                             xb: None,
                             x8: None,
+                            sums: None,
                         };
                         unsafe {
                             if simd {
