@@ -9,6 +9,7 @@ pub mod attention;
 mod attention_bf16;
 mod elementwise;
 mod exec;
+mod keep_awake;
 pub mod matmul;
 pub mod norm;
 mod pages;
@@ -324,9 +325,11 @@ impl CpuBackend {
         }
         let plan = self.plan(kind);
         let mats = &self.plan_matrices[kind as usize];
-        let n = self
-            .pool
-            .install(|| exec::run(self, plan, mats, ws, kv, tokens, rows, logit_rows, logits));
+        let n = self.pool.install(|| {
+            keep_awake::during(self.threads, || {
+                exec::run(self, plan, mats, ws, kv, tokens, rows, logit_rows, logits)
+            })
+        });
         for (&slot, &end) in &next {
             let len = kv.len(slot);
             kv.advance(slot, end - len);
