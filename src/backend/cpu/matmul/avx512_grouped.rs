@@ -539,7 +539,7 @@ unsafe fn chunk<const F: u8, const N: usize>(
         let next = if ahead.is_null() {
             ahead
         } else {
-            ahead.add(b * bb)
+            ahead.wrapping_add(b * bb)
         };
         if F == Q4_K {
             k4_super_block(blk, b, &x, &sums, &mut acc, next);
@@ -577,7 +577,7 @@ unsafe fn prefetch_part(next: *const u8, bytes: usize, i: usize, parts: usize) {
     }
     let lines = bytes.div_ceil(64);
     for line in i * lines / parts..(i + 1) * lines / parts {
-        _mm_prefetch::<_MM_HINT_T0>(next.add(64 * line) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64 * line) as *const i8);
     }
 }
 

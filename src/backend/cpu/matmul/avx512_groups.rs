@@ -19,11 +19,12 @@ pub(super) const CHUNK: usize = 8;
 /// One kernel's pass over a group's blocks.
 pub(super) trait GroupPass {
     /// The 16 outputs (lane `r`: the group's row `r`) of tokens `t0..t0 + N` for the group whose
-    /// bytes start at `base`, asking the next group's bytes at `ahead` into the cache as it goes
-    /// (null: none).
+    /// bytes start at `base`, asking the bytes at `ahead` (as far from `base` as
+    /// [`prefetch_distance`]) into the cache as it goes (null: none).
     ///
     /// # Safety
-    /// `base` (and `ahead`, when not null) must point at whole groups of the kernel's weights.
+    /// `base` must point at whole groups of the kernel's weights; `ahead` is only prefetched
+    /// from (addresses past the weights' end are formed with wrapping arithmetic).
     unsafe fn pass<const N: usize>(
         &self,
         base: *const u8,
@@ -53,10 +54,13 @@ pub(super) unsafe fn drive<K: GroupPass>(
         let hi = job.rows.end.min(n0 + GROUP) - n0;
         let lanes = ((1u32 << hi) - (1u32 << lo)) as __mmask16;
         let base = bytes.add(g * group_bytes);
-        // The first pass over a group fetches the next one's blocks as it goes: a group is a
-        // few KiB read once, and without this its loads waited on DRAM.
-        let mut ahead = if g + 1 < g1 {
-            base.add(group_bytes)
+        // The first pass over a group fetches the bytes [`prefetch_distance`] ahead as it
+        // goes: a group is a few KiB read once, and without this its loads waited on DRAM.
+        // Only addresses are formed past the weights' end, never dereferenced (a prefetch
+        // does not fault).
+        let distance = prefetch_distance(group_bytes);
+        let mut ahead = if g + 1 < g1 || distance < group_bytes {
+            base.wrapping_add(distance)
         } else {
             std::ptr::null()
         };
@@ -83,6 +87,18 @@ pub(super) unsafe fn drive<K: GroupPass>(
         }
     }
 }
+
+/// How far ahead of the block being read a group pass prefetches: the same block of the next
+/// group where groups are short (SmolLM2's 576 and Qwen2.5's 896 columns: 5–10 KiB a group), at
+/// most [`PREFETCH_SPAN`] where they are long (Qwen2.5's down projection, 4,864 columns: 44 KiB
+/// a Q4_K group, 64 KiB a Q6_K one), so that what is prefetched is still in L1 when it is read.
+#[inline(always)]
+pub(super) fn prefetch_distance(group_bytes: usize) -> usize {
+    group_bytes.min(PREFETCH_SPAN)
+}
+
+/// The farthest a group pass prefetches ahead.
+const PREFETCH_SPAN: usize = 12 << 10;
 
 /// Writes token `t0 + t`'s outputs `n0 + lane` for the lanes set, as [`Job::put`] does:
 /// `(out + d) + bias` when accumulating, else `d + bias`.

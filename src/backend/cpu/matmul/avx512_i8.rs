@@ -145,9 +145,9 @@ unsafe fn chunk<const F: u8, const N: usize>(
     for b in 0..nb {
         let blk = base.add(b * bb);
         if !ahead.is_null() {
-            let next = ahead.add(b * bb);
+            let next = ahead.wrapping_add(b * bb);
             for line in (0..bb).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(next.add(line) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line) as *const i8);
             }
         }
         let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
