@@ -32,9 +32,10 @@ pub const PREEMPTED: Duration = Duration::from_micros(50);
 /// Runs `step` (on a thread of the current rayon pool, whose `threads` threads it uses) with a
 /// keeper on each other worker until `step` returns.
 pub fn during<R>(threads: usize, step: impl FnOnce() -> R) -> R {
-    if threads < 2 || rayon::current_thread_index().is_none() {
-        return step();
-    }
+    let home = match rayon::current_thread_index() {
+        Some(i) if threads >= 2 => i,
+        _ => return step(),
+    };
     let done = Arc::new(AtomicBool::new(false));
     // Set when `step` returns or unwinds, so no keeper outlives it by more than a poll.
     struct Finish(Arc<AtomicBool>);
@@ -44,7 +45,6 @@ pub fn during<R>(threads: usize, step: impl FnOnce() -> R) -> R {
         }
     }
     let finish = Finish(Arc::clone(&done));
-    let home = rayon::current_thread_index();
     for _ in 1..threads {
         let done = Arc::clone(&done);
         rayon::spawn(move || keep(&done, home));
@@ -57,8 +57,8 @@ pub fn during<R>(threads: usize, step: impl FnOnce() -> R) -> R {
 /// A keeper: runs the pool's jobs as they come until the step is `done`, it has idled for
 /// [`SPIN`], or its thread was preempted. On the step's own thread (which took its own job back
 /// while waiting for a loop's tasks) it leaves at once.
-fn keep(done: &AtomicBool, home: Option<usize>) {
-    if rayon::current_thread_index() == home {
+fn keep(done: &AtomicBool, home: usize) {
+    if rayon::current_thread_index() == Some(home) {
         return;
     }
     let mut last_job = Instant::now();

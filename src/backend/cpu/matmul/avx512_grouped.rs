@@ -28,9 +28,9 @@ use std::arch::x86_64::*;
 
 use super::avx512_groups::{drive, GroupPass};
 use super::grouped::{
-    block_sums_iter, elems, group_block_bytes, quants_at, takes_sums, value_offset, Grouped, BLOCK,
-    GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES, K6_PAIR_BYTES, K6_QUANTS,
-    K6_SCALES, K6_SUB, MAX_TOKENS,
+    elems, group_block_bytes, quants_at, takes_sums, token_block_sums, value_offset, Grouped,
+    BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES, K6_PAIR_BYTES,
+    K6_QUANTS, K6_SCALES, K6_SUB, MAX_TOKENS,
 };
 use super::Job;
 use crate::model::quant::QuantKind;
@@ -93,9 +93,7 @@ unsafe fn rows_of<const F: u8>(w: &Grouped, job: &Job) {
         _ if !takes_sums(kind) => &[][..],
         Some(s) if s.len() >= job.tokens * blocks => s,
         _ => {
-            owned = (0..job.tokens)
-                .flat_map(|t| block_sums_iter(job.xrow(t)))
-                .collect();
+            owned = token_block_sums((0..job.tokens).map(|t| job.xrow(t)));
             &owned
         }
     };

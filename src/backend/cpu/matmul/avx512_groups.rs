@@ -93,7 +93,7 @@ pub(super) unsafe fn drive<K: GroupPass>(
 /// most [`PREFETCH_SPAN`] where they are long (Qwen2.5's down projection, 4,864 columns: 44 KiB
 /// a Q4_K group, 64 KiB a Q6_K one), so that what is prefetched is still in L1 when it is read.
 #[inline(always)]
-pub(super) fn prefetch_distance(group_bytes: usize) -> usize {
+fn prefetch_distance(group_bytes: usize) -> usize {
     group_bytes.min(PREFETCH_SPAN)
 }
 

@@ -436,8 +436,13 @@ pub(crate) fn block_sums(x: &[f32]) -> Vec<f32> {
 }
 
 /// [`block_sums`], one block at a time.
-pub(crate) fn block_sums_iter(x: &[f32]) -> impl Iterator<Item = f32> + '_ {
+fn block_sums_iter(x: &[f32]) -> impl Iterator<Item = f32> + '_ {
     x.chunks_exact(BLOCK).map(|c| c.iter().sum())
+}
+
+/// [`block_sums`] of each token row in turn, in one buffer (token `t`'s at `t·cols/32`).
+pub(crate) fn token_block_sums<'a>(rows: impl IntoIterator<Item = &'a [f32]>) -> Vec<f32> {
+    rows.into_iter().flat_map(block_sums_iter).collect()
 }
 
 /// Whether grouped weights of `kind` multiply block sums of the activations (a min).

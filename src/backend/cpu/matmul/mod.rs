@@ -596,7 +596,6 @@ pub fn matmul_with(
 
 /// What a call derives from its activation rows once and shares with every task: the rows
 /// rounded for the kernel's numerics, and the block sums that formats with a min multiply.
-#[derive(Default)]
 struct Prepared {
     /// The token rows rounded for [`Numerics::Int16`].
     xq: Option<Vec<int16::XI16>>,
@@ -647,11 +646,9 @@ fn grouped_block_sums(
     {
         return None;
     }
-    let mut sums = Vec::with_capacity(tokens * (w.cols / grouped::BLOCK));
-    for t in 0..tokens {
-        sums.extend(grouped::block_sums_iter(&x[t * ldx..t * ldx + w.cols]));
-    }
-    Some(sums)
+    Some(grouped::token_block_sums(
+        (0..tokens).map(|t| &x[t * ldx..t * ldx + w.cols]),
+    ))
 }
 
 /// A block's scale `d = amax / qmax` for rounding activations to integers up to `qmax`, and its
