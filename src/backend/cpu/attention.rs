@@ -14,6 +14,8 @@
 //! at 2 threads went from ~950–1,000 to ~1,100–1,270 tok/s when AVX-512 got its kernel, and to
 //! ~1,350–1,500 with tasks of eight tokens.)
 
+mod split;
+
 use std::cell::RefCell;
 
 use rayon::prelude::*;
@@ -105,6 +107,11 @@ pub fn attention(
     };
     let chunks = group / per_task;
     let ptr = OutPtr(out_data.as_mut_ptr());
+    if split::applies(kv, s, rows, tiles.len(), threads) {
+        // SAFETY: bounds asserted above.
+        unsafe { split::attention(s, rows, q, kv, (ptr, out_stride, out_col), threads) };
+        return;
+    }
     let level = simd::level();
     (0..tiles.len() * s.kv_heads * chunks)
         .into_par_iter()
@@ -196,13 +203,24 @@ thread_local! {
 trait Ops {
     /// `Σ q[i]·k[i]`, rounded as `simd::dot_f32` rounds it.
     unsafe fn dot(&self, q: &[f32], k: &[f32]) -> f32;
-    /// `acc += Σ_j w[j] · values[j·d ..][..d]` in order of `j`, each term as `simd::axpy`.
-    unsafe fn weighted_sum(&self, acc: &mut [f32], w: &[f32], values: &[f32], d: usize);
+    /// `acc[c] += Σ_j w[j] · values[j·d + c]` for the lanes `c` in `cols` of a `d`-wide output,
+    /// in order of `j`, each term as `simd::axpy`. Whatever `cols`, a lane's arithmetic is the
+    /// same as when all `0..d` are summed, provided `cols.start` is a multiple of 16 and
+    /// `cols.end` is too or is `d` (the vector lanes stay vector lanes).
+    unsafe fn weighted_sum(
+        &self,
+        acc: *mut f32,
+        w: &[f32],
+        values: &[f32],
+        d: usize,
+        cols: std::ops::Range<usize>,
+    );
     /// [`Ops::weighted_sum`] for several outputs over the same `count` values: pair `p` is
     /// (`d` outputs, weights), its weights `w[skip..skip + count]`. By default one pair at a time.
     /// (`inline(always)`, as every method here: the kernels' intrinsics inline only into
     /// callers compiled with their target features.)
     #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
     unsafe fn weighted_sum_multi(
         &self,
         pairs: &[(*mut f32, *const f32)],
@@ -210,11 +228,11 @@ trait Ops {
         count: usize,
         values: &[f32],
         d: usize,
+        cols: std::ops::Range<usize>,
     ) {
         for &(acc, w) in pairs {
-            let acc = std::slice::from_raw_parts_mut(acc, d);
             let w = std::slice::from_raw_parts(w.add(skip), count);
-            self.weighted_sum(acc, w, values, d);
+            self.weighted_sum(acc, w, values, d, cols.clone());
         }
     }
     /// The scores of one head to probabilities, as `simd::softmax_at` computes them.
@@ -258,9 +276,22 @@ impl Ops for AtLevel {
         simd::dot_f32_at(self.0, q, k)
     }
     #[inline(always)]
-    unsafe fn weighted_sum(&self, acc: &mut [f32], w: &[f32], values: &[f32], d: usize) {
+    unsafe fn weighted_sum(
+        &self,
+        acc: *mut f32,
+        w: &[f32],
+        values: &[f32],
+        d: usize,
+        cols: std::ops::Range<usize>,
+    ) {
+        let acc = std::slice::from_raw_parts_mut(acc.add(cols.start), cols.len());
         for (j, &wj) in w.iter().enumerate() {
-            simd::axpy_at(self.0, wj, &values[j * d..(j + 1) * d], acc);
+            simd::axpy_at(
+                self.0,
+                wj,
+                &values[j * d + cols.start..j * d + cols.end],
+                acc,
+            );
         }
     }
     #[inline(always)]
@@ -370,11 +401,18 @@ mod avx2 {
         /// the sum is `simd::axpy`'s (`fma(w, v, acc)` in position order; the scalar lanes past
         /// the last whole vector `acc + w·v`, rounded twice).
         #[inline(always)]
-        unsafe fn weighted_sum(&self, acc: &mut [f32], w: &[f32], values: &[f32], d: usize) {
-            assert!(acc.len() >= d && values.len() >= w.len() * d);
-            let (pa, pv) = (acc.as_mut_ptr(), values.as_ptr());
-            let mut c = 0;
-            while c + 64 <= d {
+        unsafe fn weighted_sum(
+            &self,
+            pa: *mut f32,
+            w: &[f32],
+            values: &[f32],
+            d: usize,
+            cols: std::ops::Range<usize>,
+        ) {
+            assert!(cols.end <= d && values.len() >= w.len() * d);
+            let pv = values.as_ptr();
+            let (mut c, end) = (cols.start, cols.end);
+            while c + 64 <= end {
                 let mut a = [_mm256_setzero_ps(); 8];
                 for (u, a) in a.iter_mut().enumerate() {
                     *a = _mm256_loadu_ps(pa.add(c + 8 * u));
@@ -391,7 +429,7 @@ mod avx2 {
                 }
                 c += 64;
             }
-            while c + 8 <= d {
+            while c + 8 <= end {
                 let mut a = _mm256_loadu_ps(pa.add(c));
                 for (j, &wj) in w.iter().enumerate() {
                     a = _mm256_fmadd_ps(_mm256_set1_ps(wj), _mm256_loadu_ps(pv.add(j * d + c)), a);
@@ -399,7 +437,7 @@ mod avx2 {
                 _mm256_storeu_ps(pa.add(c), a);
                 c += 8;
             }
-            for lane in c..d {
+            for lane in c..end {
                 for (j, &wj) in w.iter().enumerate() {
                     *pa.add(lane) += wj * *pv.add(j * d + lane);
                 }
@@ -511,12 +549,12 @@ mod avx512 {
         }
 
         /// Four outputs at a time share each value vector's loads: 16 accumulators (64 lanes
-        /// of four outputs) across the positions; lanes past the last 64 go one output at a
-        /// time, 16 (then masked) at a time. Every lane is `simd::axpy`'s `fma(w, v, acc)` in
-        /// position order. (Six outputs' 24 accumulators, four value vectors and six
-        /// broadcasts did not fit the 32 registers: the compiler spilled and shuffled
-        /// accumulators every position; four are 4–6% faster on SmolLM2's pp512 attention
-        /// on a Zen 5.)
+        /// of four outputs) across the positions, then 16 lanes of four outputs at a time;
+        /// lanes past the last 16 go one output at a time, masked. Every lane is
+        /// `simd::axpy`'s `fma(w, v, acc)` in position order. (Six outputs' 24 accumulators,
+        /// four value vectors and six broadcasts did not fit the 32 registers: the compiler
+        /// spilled and shuffled accumulators every position; four are 4–6% faster on
+        /// SmolLM2's pp512 attention on a Zen 5.)
         #[inline(always)]
         unsafe fn weighted_sum_multi(
             &self,
@@ -525,38 +563,56 @@ mod avx512 {
             count: usize,
             values: &[f32],
             d: usize,
+            cols: std::ops::Range<usize>,
         ) {
-            assert!(values.len() >= count * d);
-            let whole = d - d % 64;
+            assert!(values.len() >= count * d && cols.end <= d);
+            let pv = values.as_ptr();
+            let end = cols.end;
+            let mut rest = cols.start;
             for group in pairs.chunks(4) {
-                let mut c = 0;
-                while c < whole {
-                    let pv = values.as_ptr();
+                let mut c = cols.start;
+                while c + 64 <= end {
                     match group.len() {
-                        4 => outputs::<4>(group, skip, count, pv, d, c),
-                        3 => outputs::<3>(group, skip, count, pv, d, c),
-                        2 => outputs::<2>(group, skip, count, pv, d, c),
-                        _ => outputs::<1>(group, skip, count, pv, d, c),
+                        4 => outputs::<4, 4>(group, skip, count, pv, d, c),
+                        3 => outputs::<3, 4>(group, skip, count, pv, d, c),
+                        2 => outputs::<2, 4>(group, skip, count, pv, d, c),
+                        _ => outputs::<1, 4>(group, skip, count, pv, d, c),
                     }
                     c += 64;
                 }
+                while c + 16 <= end {
+                    match group.len() {
+                        4 => outputs::<4, 1>(group, skip, count, pv, d, c),
+                        3 => outputs::<3, 1>(group, skip, count, pv, d, c),
+                        2 => outputs::<2, 1>(group, skip, count, pv, d, c),
+                        _ => outputs::<1, 1>(group, skip, count, pv, d, c),
+                    }
+                    c += 16;
+                }
+                rest = c;
             }
-            if whole < d {
+            if rest < end {
                 for &(acc, w) in pairs {
-                    tail16(acc, w.add(skip), count, values.as_ptr(), d, whole);
+                    tail16(acc, w.add(skip), count, pv, d, rest..end);
                 }
             }
         }
 
         /// One output through [`Ops::weighted_sum_multi`].
         #[inline(always)]
-        unsafe fn weighted_sum(&self, acc: &mut [f32], w: &[f32], values: &[f32], d: usize) {
-            assert!(acc.len() >= d);
-            self.weighted_sum_multi(&[(acc.as_mut_ptr(), w.as_ptr())], 0, w.len(), values, d)
+        unsafe fn weighted_sum(
+            &self,
+            acc: *mut f32,
+            w: &[f32],
+            values: &[f32],
+            d: usize,
+            cols: std::ops::Range<usize>,
+        ) {
+            self.weighted_sum_multi(&[(acc, w.as_ptr())], 0, w.len(), values, d, cols)
         }
     }
 
-    /// Lanes `c..d` of one output, 16 at a time (masked at the end).
+    /// Lanes `cols` of one output (values `d` apart), 16 at a time (masked at the end).
     #[inline(always)]
     unsafe fn tail16(
         pa: *mut f32,
@@ -564,11 +620,11 @@ mod avx512 {
         count: usize,
         pv: *const f32,
         d: usize,
-        c: usize,
+        cols: std::ops::Range<usize>,
     ) {
-        let mut c = c;
-        while c < d {
-            let m = tail_mask16((d - c).min(16));
+        let mut c = cols.start;
+        while c < cols.end {
+            let m = tail_mask16((cols.end - c).min(16));
             let mut a = _mm512_maskz_loadu_ps(m, pa.add(c));
             for j in 0..count {
                 let v = _mm512_maskz_loadu_ps(m, pv.add(j * d + c));
@@ -579,9 +635,9 @@ mod avx512 {
         }
     }
 
-    /// Lanes `c..c + 64` of `P` outputs over `count` values (weights from `skip`).
+    /// Lanes `c..c + 16·U` of `P` outputs over `count` values (weights from `skip`).
     #[inline(always)]
-    unsafe fn outputs<const P: usize>(
+    unsafe fn outputs<const P: usize, const U: usize>(
         group: &[(*mut f32, *const f32)],
         skip: usize,
         count: usize,
@@ -589,7 +645,7 @@ mod avx512 {
         d: usize,
         c: usize,
     ) {
-        let mut a = [[_mm512_setzero_ps(); 4]; P];
+        let mut a = [[_mm512_setzero_ps(); U]; P];
         for (p, a) in a.iter_mut().enumerate() {
             for (u, a) in a.iter_mut().enumerate() {
                 *a = _mm512_loadu_ps(group[p].0.add(c + 16 * u));
@@ -598,7 +654,7 @@ mod avx512 {
         let w: [*const f32; P] = std::array::from_fn(|p| group[p].1.wrapping_add(skip));
         for j in 0..count {
             let v = pv.add(j * d + c);
-            let mut vs = [_mm512_setzero_ps(); 4];
+            let mut vs = [_mm512_setzero_ps(); U];
             for (u, vs) in vs.iter_mut().enumerate() {
                 *vs = _mm512_loadu_ps(v.add(16 * u));
             }
@@ -645,11 +701,11 @@ enum Half {
     Values,
 }
 
-/// Requests the cache lines of positions `range` of the task's KV head, keys or values, from
-/// an f32 pool (a hint: no effect on results, none off x86-64).
+/// Requests the cache lines of positions `range` of KV head `kv_head` of layer `s.layer`, keys
+/// or values, from an f32 pool (a hint: no effect on results, none off x86-64).
 fn prefetch_blocks(
     kv: &KvCache,
-    job: &Task,
+    (s, kv_head): (&AttentionShape, usize),
     table: &[u32],
     range: std::ops::Range<usize>,
     half: Half,
@@ -658,14 +714,14 @@ fn prefetch_blocks(
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
         let bs = kv.layout().block_size;
-        let d = job.s.head_dim;
+        let d = s.head_dim;
         let mut start = range.start - range.start % bs;
         while start < range.end {
             let Some(&block) = table.get(start / bs) else {
                 return;
             };
             let rows = bs.min(range.end - start);
-            let (k, v) = kv.pool().head_block_f32(job.s.layer, block, job.kv_head);
+            let (k, v) = kv.pool().head_block_f32(s.layer, block, kv_head);
             let data = match half {
                 Half::Keys => k,
                 Half::Values => v,
@@ -680,7 +736,7 @@ fn prefetch_blocks(
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (kv, job, table, range, half);
+    let _ = (kv, s, kv_head, table, range, half);
 }
 
 /// Values of positions `a..b` into the outputs of `pairs` (each: `d` outputs, its probability
@@ -708,7 +764,7 @@ unsafe fn sum_values<O: Ops>(
         let first = start.max(a);
         let count = (start + rows_here).min(b) - first;
         let vals = std::slice::from_raw_parts(values.add((first - start) * d), count * d);
-        o.weighted_sum_multi(pairs, first - a, count, vals, d);
+        o.weighted_sum_multi(pairs, first - a, count, vals, d, 0..d);
         start += bs;
     }
 }
@@ -762,7 +818,7 @@ unsafe fn attend<O: Ops>(o: &O, kv: &KvCache, job: &Task, scratch: &mut Scratch)
         // The task's keys, requested all at once: its blocks lie anywhere in the pool, and
         // a decode row reads each once, so waiting on them one block after another left the
         // 16-sequence decode step waiting on DRAM in its key and value loads (`perf`).
-        prefetch_blocks(kv, job, table, first_block..n_max, Half::Keys);
+        prefetch_blocks(kv, (s, job.kv_head), table, first_block..n_max, Half::Keys);
     }
     let mut start = first_block;
     while start < n_max {
@@ -809,7 +865,13 @@ unsafe fn attend<O: Ops>(o: &O, kv: &KvCache, job: &Task, scratch: &mut Scratch)
     }
     if f32_in_place {
         // The values, while the softmax runs.
-        prefetch_blocks(kv, job, table, first_block..n_max, Half::Values);
+        prefetch_blocks(
+            kv,
+            (s, job.kv_head),
+            table,
+            first_block..n_max,
+            Half::Values,
+        );
     }
     for &(lo, n, base) in spans.iter() {
         for head in scores[base..base + hc * (n - lo)].chunks_exact_mut(n - lo) {

@@ -9,7 +9,7 @@ pub mod attention;
 mod attention_bf16;
 mod elementwise;
 mod exec;
-mod keep_awake;
+pub mod keep_awake;
 pub mod matmul;
 pub mod norm;
 mod pages;

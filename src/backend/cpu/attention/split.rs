@@ -1,0 +1,490 @@
+//! Attention of a few decode rows over long contexts, shared evenly among the threads.
+//!
+//! With one task per (row, KV head) a single sequence has as many tasks as KV heads (three in
+//! SmolLM2), too few to share among the threads; splitting a group's query heads into tasks of
+//! their own (what [`super::attention`] otherwise does) has every task read its KV head's whole
+//! cache, the same bytes once per query head, and at long contexts those come from memory:
+//! SmolLM2 at 512 positions took the same ~55 µs a layer on 2 threads as on 1 (2-vCPU Intel
+//! Xeon, `cargo bench --bench decode -- attention/decode_ctx512_layers`).
+//!
+//! So here the work is cut twice, with a barrier between, and every key and value is read once:
+//! - *scores*: one task per (row, KV head, [`CHUNK`] positions), the dot products of every query
+//!   head of the group with those keys; the task that finishes a (row, KV head) last turns its
+//!   heads' scores into probabilities;
+//! - *values*: one task per (row, KV head, run of output lanes), summing those lanes of every
+//!   query head of the group over all positions.
+//!
+//! Each (row, head) gets [`super::attend`]'s arithmetic exactly: a score does not depend on
+//! which keys are dotted with it, the softmax sees the whole row, and the weighted sum is one
+//! chain per lane in position order whichever lanes a task takes (runs of 16, so vector lanes
+//! stay vector lanes). Only f32 caches (read in place) and head sizes that are a multiple of 16.
+
+use std::cell::RefCell;
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use rayon::prelude::*;
+
+use super::{prefetch_blocks, AtLevel, AttentionShape, Half, Ops, OutPtr};
+use crate::backend::cpu::simd::{self, Level};
+use crate::backend::TokenRow;
+use crate::kv::{KvCache, KvDtype};
+
+/// Positions per scores task: four default blocks, 16 KiB of keys for a head of 64.
+const CHUNK: usize = 64;
+
+/// The fewest attended positions for which the split pays for its second parallel loop (below
+/// it, the reads that tasks repeat mostly hit the cache).
+const MIN_POSITIONS: usize = 64;
+
+/// Whether [`attention`] takes these rows: every row its own tile (decode rows), fewer (row, KV
+/// head) pairs than twice the threads, an f32 cache, a head size that is a multiple of 16, and
+/// every row attending at least [`MIN_POSITIONS`].
+pub(super) fn applies(
+    kv: &KvCache,
+    s: &AttentionShape,
+    rows: &[TokenRow],
+    tiles: usize,
+    threads: usize,
+) -> bool {
+    threads >= 2
+        && !rows.is_empty()
+        && tiles == rows.len()
+        && rows.len() * s.kv_heads < 2 * threads
+        && kv.layout().dtype == KvDtype::F32
+        && s.head_dim.is_multiple_of(16)
+        && rows.iter().all(|r| span(s, r).len() >= MIN_POSITIONS)
+}
+
+/// The positions row `r` attends.
+fn span(s: &AttentionShape, r: &TokenRow) -> Range<usize> {
+    s.window.map_or(0, |w| r.pos.saturating_sub(w))..r.pos + 1
+}
+
+/// Per row: its attended positions and where its heads' scores start (head `h` at
+/// `start + h · positions`).
+struct RowScores {
+    span: Range<usize>,
+    start: usize,
+}
+
+thread_local! {
+    /// The calling thread's scores and probabilities of every row and head, shared by the
+    /// tasks through a pointer.
+    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// A task's output lanes being summed (`group × head_dim`).
+    static ACC: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The scores buffer, shared by tasks that each write (then read) their own parts.
+#[derive(Clone, Copy)]
+struct ScoresPtr(*mut f32);
+unsafe impl Send for ScoresPtr {}
+unsafe impl Sync for ScoresPtr {}
+
+/// Attends `rows` (checked by [`applies`]; keys and values already written) into `out`
+/// (`(data, stride, col)`, as [`super::attention`]'s).
+///
+/// # Safety
+/// `q` holds every row's heads and `out` is valid for writes of them (asserted by the caller).
+pub(super) unsafe fn attention(
+    s: &AttentionShape,
+    rows: &[TokenRow],
+    q: (&[f32], usize, usize),
+    kv: &KvCache,
+    out: (OutPtr, usize, usize),
+    threads: usize,
+) {
+    let d = s.head_dim;
+    let mut layout = Vec::with_capacity(rows.len());
+    let mut total = 0usize;
+    for r in rows {
+        let span = span(s, r);
+        layout.push(RowScores {
+            span: span.clone(),
+            start: total,
+        });
+        total += s.heads * span.len();
+    }
+    // Scores tasks: (row, KV head, positions), and per (row, KV head) how many are left.
+    let mut score_tasks = Vec::new();
+    let mut left = Vec::with_capacity(rows.len() * s.kv_heads);
+    for (i, l) in layout.iter().enumerate() {
+        let chunks = l.span.len().div_ceil(CHUNK);
+        for g in 0..s.kv_heads {
+            left.push(AtomicUsize::new(chunks));
+            for c in 0..chunks {
+                let a = l.span.start + c * CHUNK;
+                score_tasks.push((i, g, a..(a + CHUNK).min(l.span.end)));
+            }
+        }
+    }
+    // Values tasks: (row, KV head, lanes), the lanes in runs of 16, enough runs for two tasks
+    // per thread.
+    let units = d / 16;
+    let pairs = rows.len() * s.kv_heads;
+    let runs = (2 * threads).div_ceil(pairs).clamp(1, units);
+    let per_run = units.div_ceil(runs);
+    let level = simd::clamp(simd::level());
+    // Taken out of the thread-local for the call rather than borrowed across its parallel
+    // loops: while it waits in them this thread may run another step's jobs, whose attention
+    // then finds the buffer empty and takes its own.
+    let mut scores = SCORES.with_borrow_mut(std::mem::take);
+    scores.clear();
+    scores.resize(total, 0.0);
+    let sp = ScoresPtr(scores.as_mut_ptr());
+    let head = |i: usize, g: usize, sp: ScoresPtr| Head {
+        s,
+        kv,
+        row: &rows[i],
+        span: layout[i].span.clone(),
+        kv_head: g,
+        q: &q.0[i * q.1 + q.2..],
+        scores: sp.0.wrapping_add(layout[i].start),
+    };
+    score_tasks.par_iter().for_each(|(i, g, range)| {
+        let h = head(*i, *g, sp);
+        dispatch_scores(level, &h, range.clone(), &left[i * s.kv_heads + g]);
+    });
+    (0..pairs * runs).into_par_iter().for_each(|t| {
+        let (i, g, run) = (t / (s.kv_heads * runs), t / runs % s.kv_heads, t % runs);
+        let cols = (run * per_run * 16).min(d)..((run + 1) * per_run * 16).min(d);
+        if cols.is_empty() {
+            return;
+        }
+        let h = head(i, g, sp);
+        let o = out.0;
+        let dst = o.0.add(i * out.1 + out.2);
+        ACC.with_borrow_mut(|acc| dispatch_values(level, &h, cols, acc, dst));
+    });
+    SCORES.with_borrow_mut(|kept| *kept = scores);
+}
+
+/// One (row, KV head) of the call.
+struct Head<'a> {
+    s: &'a AttentionShape,
+    kv: &'a KvCache,
+    row: &'a TokenRow,
+    /// The positions the row attends.
+    span: Range<usize>,
+    kv_head: usize,
+    /// The row's query (head `h` at `h · head_dim`).
+    q: &'a [f32],
+    /// The row's scores (head `h` at `h · span.len()`).
+    scores: *mut f32,
+}
+
+/// [`scores`] at `level`.
+unsafe fn dispatch_scores(level: Level, head: &Head, range: Range<usize>, left: &AtomicUsize) {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => scores_avx2(head, range, left),
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 | Level::Avx512Bf16 => scores_avx512(head, range, left),
+        other => scores(&AtLevel(other), head, range, left),
+    }
+}
+
+/// [`values`] at `level`.
+unsafe fn dispatch_values(
+    level: Level,
+    head: &Head,
+    cols: Range<usize>,
+    acc: &mut Vec<f32>,
+    out: *mut f32,
+) {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => values_avx2(head, cols, acc, out),
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 | Level::Avx512Bf16 => values_avx512(head, cols, acc, out),
+        other => values(&AtLevel(other), head, cols, acc, out),
+    }
+}
+
+/// # Safety
+/// The CPU supports AVX2 and FMA; as [`scores`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn scores_avx2(head: &Head, range: Range<usize>, left: &AtomicUsize) {
+    scores(&super::avx2::Avx2, head, range, left)
+}
+
+/// # Safety
+/// The CPU supports AVX-512 F/BW/VL, AVX2 and FMA; as [`scores`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn scores_avx512(head: &Head, range: Range<usize>, left: &AtomicUsize) {
+    scores(&super::avx512::Avx512, head, range, left)
+}
+
+/// # Safety
+/// The CPU supports AVX2 and FMA; as [`values`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn values_avx2(head: &Head, cols: Range<usize>, acc: &mut Vec<f32>, out: *mut f32) {
+    values(&super::avx2::Avx2, head, cols, acc, out)
+}
+
+/// # Safety
+/// The CPU supports AVX-512 F/BW/VL, AVX2 and FMA; as [`values`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn values_avx512(head: &Head, cols: Range<usize>, acc: &mut Vec<f32>, out: *mut f32) {
+    values(&super::avx512::Avx512, head, cols, acc, out)
+}
+
+/// The scores of positions `range` for every query head of the group: `q·k · scale`, sixteen,
+/// eight or one key at a time as [`super::attend`] takes them (which changes no score). `left`
+/// counts the (row, KV head)'s scores tasks not yet done: the last turns every head's scores
+/// into probabilities.
+///
+/// # Safety
+/// `head.scores` has room for the group's heads over `head.span`; `range` lies in the span.
+#[inline(always)]
+unsafe fn scores<O: Ops>(o: &O, head: &Head, range: Range<usize>, left: &AtomicUsize) {
+    let s = head.s;
+    let d = s.head_dim;
+    let group = s.heads / s.kv_heads;
+    let heads = head.kv_head * group..(head.kv_head + 1) * group;
+    let n = head.span.len();
+    let table = head.kv.page_table(head.row.slot);
+    let bs = head.kv.layout().block_size;
+    prefetch_blocks(head.kv, (s, head.kv_head), table, range.clone(), Half::Keys);
+    let mut j = range.start;
+    while j < range.end {
+        let start = j - j % bs;
+        let (keys, _) = head
+            .kv
+            .pool()
+            .head_block_f32(s.layer, table[j / bs], head.kv_head);
+        let end = (start + bs).min(range.end);
+        while j < end {
+            let take = if j + 16 <= end {
+                16
+            } else if j + 8 <= end {
+                8
+            } else {
+                1
+            };
+            let key = keys.as_ptr().add((j - start) * d);
+            for h in heads.clone() {
+                let q = &head.q[h * d..(h + 1) * d];
+                let at = head.scores.add(h * n + j - head.span.start);
+                match take {
+                    16 => o.dot16(q, key, s.scale, at),
+                    8 => o.dot8(q, key, s.scale, at),
+                    _ => *at = o.dot(q, std::slice::from_raw_parts(key, d)) * s.scale,
+                }
+            }
+            j += take;
+        }
+    }
+    // AcqRel: this task's scores are published to, and the others' seen by, the last one.
+    if left.fetch_sub(1, Ordering::AcqRel) == 1 {
+        for h in heads {
+            o.softmax(std::slice::from_raw_parts_mut(head.scores.add(h * n), n));
+        }
+    }
+}
+
+/// Lanes `cols` of every query head of the group: the values of the span weighted by the
+/// heads' probabilities, in position order ([`Ops::weighted_sum_multi`]), into `out` (the
+/// row's output, head `h` at `h · head_dim`).
+///
+/// # Safety
+/// The group's probabilities are final; `out` is valid for writes of the group's heads.
+#[inline(always)]
+unsafe fn values<O: Ops>(
+    o: &O,
+    head: &Head,
+    cols: Range<usize>,
+    acc: &mut Vec<f32>,
+    out: *mut f32,
+) {
+    let s = head.s;
+    let d = s.head_dim;
+    let group = s.heads / s.kv_heads;
+    let h0 = head.kv_head * group;
+    let n = head.span.len();
+    acc.clear();
+    acc.resize(group * d, 0.0);
+    let pairs: Vec<(*mut f32, *const f32)> = (0..group)
+        .map(|ii| {
+            (
+                acc.as_mut_ptr().add(ii * d),
+                head.scores.add((h0 + ii) * n) as *const f32,
+            )
+        })
+        .collect();
+    let table = head.kv.page_table(head.row.slot);
+    let bs = head.kv.layout().block_size;
+    let (a, b) = (head.span.start, head.span.end);
+    let mut start = a - a % bs;
+    while start < b {
+        let (_, values) = head
+            .kv
+            .pool()
+            .head_block_f32(s.layer, table[start / bs], head.kv_head);
+        let first = start.max(a);
+        let count = (start + bs).min(b) - first;
+        let vals = &values[(first - start) * d..(first - start + count) * d];
+        o.weighted_sum_multi(&pairs, first - a, count, vals, d, cols.clone());
+        start += bs;
+    }
+    for ii in 0..group {
+        std::ptr::copy_nonoverlapping(
+            acc.as_ptr().add(ii * d + cols.start),
+            out.add((h0 + ii) * d + cols.start),
+            cols.len(),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{attend, Scratch, Task};
+    use super::*;
+    use crate::graph::KvSpec;
+
+    /// Split attention gives, bit for bit, what one head at a time through the `simd` entry
+    /// points gives: one and two sequences of different lengths (not multiples of the block or
+    /// the chunk), grouped-query heads, head sizes of one to eight runs of 16 lanes, full and
+    /// windowed, and as many lane runs as 2, 3 and 8 threads ask for.
+    #[test]
+    fn split_tasks_round_like_one_head_at_a_time() {
+        let (heads, kv_heads) = (6, 2);
+        let lens = [300usize, 181];
+        for d in [64, 16, 48, 128] {
+            for window in [None, Some(150)] {
+                for seqs in [1, 2] {
+                    let spec = KvSpec {
+                        layers: 2,
+                        kv_heads,
+                        head_dim: d,
+                        state_dim: 0,
+                    };
+                    let mut kv = KvCache::new(spec, 2, 320).unwrap();
+                    let wave = |n: usize, seed: usize| -> Vec<f32> {
+                        (0..n)
+                            .map(|i| ((i * 2654435761 + seed) % 1000) as f32 / 500.0 - 1.0)
+                            .collect()
+                    };
+                    for (slot, &len) in lens.iter().enumerate() {
+                        kv.prepare(slot, len).unwrap();
+                        let k = wave(len * kv_heads * d, 2 + slot);
+                        let v = wave(len * kv_heads * d, 5 + slot);
+                        for layer in 0..2 {
+                            for p in 0..len {
+                                let r = p * kv_heads * d..(p + 1) * kv_heads * d;
+                                kv.write(layer, slot, p, &k[r.clone()], &v[r]);
+                            }
+                        }
+                    }
+                    let rows: Vec<TokenRow> = (0..seqs)
+                        .map(|slot| TokenRow {
+                            slot,
+                            pos: lens[slot] - 1,
+                        })
+                        .collect();
+                    let q = wave(seqs * heads * d, 1);
+                    let shape = AttentionShape {
+                        layer: 1,
+                        heads,
+                        kv_heads,
+                        head_dim: d,
+                        scale: 0.125,
+                        window,
+                    };
+                    assert!(applies(&kv, &shape, &rows, rows.len(), 8));
+                    let mut want = vec![0.0; seqs * heads * d];
+                    let mut scratch = Scratch::default();
+                    for (t, row) in rows.iter().enumerate() {
+                        for h in 0..heads {
+                            let job = Task {
+                                s: &shape,
+                                rows: std::slice::from_ref(row),
+                                kv_head: h / (heads / kv_heads),
+                                heads: h..h + 1,
+                                q: &q[t * heads * d..],
+                                q_stride: heads * d,
+                                out: want[t * heads * d..].as_mut_ptr(),
+                                out_stride: heads * d,
+                            };
+                            // SAFETY: `want` holds every head of row `t`.
+                            unsafe { attend(&AtLevel(simd::level()), &kv, &job, &mut scratch) };
+                        }
+                    }
+                    for threads in [2, 3, 8] {
+                        let mut out = vec![f32::NAN; seqs * heads * d];
+                        let ptr = OutPtr(out.as_mut_ptr());
+                        // SAFETY: `q` and `out` hold every head of every row.
+                        unsafe {
+                            attention(
+                                &shape,
+                                &rows,
+                                (&q, heads * d, 0),
+                                &kv,
+                                (ptr, heads * d, 0),
+                                threads,
+                            )
+                        };
+                        let same = out
+                            .iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(
+                            same,
+                            "d={d} window={window:?} seqs={seqs} threads={threads}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Prefill tiles, short contexts, many rows, other storage and a single thread keep the
+    /// task-per-head path.
+    #[test]
+    fn applies_only_to_few_long_decode_rows() {
+        let spec = KvSpec {
+            layers: 1,
+            kv_heads: 3,
+            head_dim: 64,
+            state_dim: 0,
+        };
+        let kv = KvCache::new(spec, 4, 1024).unwrap();
+        let shape = AttentionShape {
+            layer: 0,
+            heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            scale: 0.125,
+            window: None,
+        };
+        let row = |slot, pos| TokenRow { slot, pos };
+        assert!(applies(&kv, &shape, &[row(0, 500)], 1, 2));
+        assert!(!applies(&kv, &shape, &[row(0, 500)], 1, 1), "one thread");
+        assert!(!applies(&kv, &shape, &[row(0, 40)], 1, 2), "short context");
+        let two = [row(0, 500), row(1, 700)];
+        assert!(
+            !applies(&kv, &shape, &two, 2, 2),
+            "six tasks for two threads"
+        );
+        assert!(applies(&kv, &shape, &two, 2, 4));
+        assert!(
+            !applies(&kv, &shape, &[row(0, 500), row(0, 501)], 1, 8),
+            "a prefill tile"
+        );
+        let windowed = AttentionShape {
+            window: Some(32),
+            ..shape
+        };
+        assert!(
+            !applies(&kv, &windowed, &[row(0, 500)], 1, 2),
+            "short window"
+        );
+        let kv16 = KvCache::new_of(spec, KvDtype::F16, 1, 1024).unwrap();
+        assert!(!applies(&kv16, &shape, &[row(0, 500)], 1, 2), "f16 storage");
+    }
+}
