@@ -269,6 +269,7 @@ impl BlockPool {
     /// One head's keys and values of positions `first..first + rows` of one block, decoded to
     /// f32 into `k` and `v` (`rows × head_dim` each).
     #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
     pub fn decode_rows(
         &self,
         layer: usize,
@@ -292,6 +293,45 @@ impl BlockPool {
                 &[]
             };
             decode_row(l.dtype, &bytes[at * eb..(at + n) * eb], sc, &mut dst[..n]);
+        }
+    }
+
+    /// Lanes `cols` of one head's keys (`values` false) or values of positions
+    /// `first..first + rows` of one block, decoded to f32 into `dst` (`rows × cols.len()`, row
+    /// by row). `cols` must start and end on the storage type's groups.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    pub fn decode_cols(
+        &self,
+        layer: usize,
+        block: u32,
+        head: usize,
+        (first, rows): (usize, usize),
+        values: bool,
+        cols: std::ops::Range<usize>,
+        dst: &mut [f32],
+    ) {
+        let l = &self.layout;
+        let d = l.head_dim;
+        let w = cols.len();
+        let eb = l.dtype.bytes_per_elem();
+        let g = l.dtype.group().unwrap_or(1);
+        debug_assert!(cols.end <= d && cols.start.is_multiple_of(g) && w.is_multiple_of(g));
+        let (arr, scales) = if values {
+            (&self.v, &self.v_scale)
+        } else {
+            (&self.k, &self.k_scale)
+        };
+        let bytes: &[u8] = bytemuck::cast_slice(arr.as_slice());
+        let row0 = l.row(layer, block as usize, head, first);
+        for (r, out) in dst[..rows * w].chunks_exact_mut(w).enumerate() {
+            let at = row0 + r * d + cols.start;
+            let sc: &[f32] = if l.dtype.group().is_some() {
+                &scales[at / g..(at + w) / g]
+            } else {
+                &[]
+            };
+            decode_row(l.dtype, &bytes[at * eb..(at + w) * eb], sc, out);
         }
     }
 

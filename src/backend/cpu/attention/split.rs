@@ -51,9 +51,14 @@ pub(super) fn applies(
         && !rows.is_empty()
         && tiles == rows.len()
         && rows.len() * s.kv_heads < 2 * threads
-        && kv.layout().dtype == KvDtype::F32
-        && s.head_dim.is_multiple_of(16)
+        && s.head_dim.is_multiple_of(lane_unit(kv.layout().dtype))
         && rows.iter().all(|r| span(s, r).len() >= MIN_POSITIONS)
+}
+
+/// Output lanes per value-task unit: 16 (a vector), or the storage type's group if larger, so
+/// that a task decodes whole groups.
+fn lane_unit(dtype: KvDtype) -> usize {
+    dtype.group().map_or(16, |g| g.max(16))
 }
 
 /// The positions row `r` attends.
@@ -72,8 +77,16 @@ thread_local! {
     /// The calling thread's scores and probabilities of every row and head, shared by the
     /// tasks through a pointer.
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    /// A task's output lanes being summed (`group × head_dim`).
-    static ACC: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// A task's buffers, reused from task to task.
+    static BUFS: RefCell<Bufs> = const { RefCell::new(Bufs { acc: Vec::new(), decoded: Vec::new() }) };
+}
+
+/// A task's buffers.
+struct Bufs {
+    /// Output lanes being summed (`group × head_dim`).
+    acc: Vec<f32>,
+    /// Keys or values of one block decoded from a narrower storage type.
+    decoded: Vec<f32>,
 }
 
 /// The scores buffer, shared by tasks that each write (then read) their own parts.
@@ -121,7 +134,8 @@ pub(super) unsafe fn attention(
     }
     // Values tasks: (row, KV head, lanes), the lanes in runs of 16, enough runs for two tasks
     // per thread.
-    let units = d / 16;
+    let unit = lane_unit(kv.layout().dtype);
+    let units = d / unit;
     let pairs = rows.len() * s.kv_heads;
     let runs = (2 * threads).div_ceil(pairs).clamp(1, units);
     let per_run = units.div_ceil(runs);
@@ -144,18 +158,19 @@ pub(super) unsafe fn attention(
     };
     score_tasks.par_iter().for_each(|(i, g, range)| {
         let h = head(*i, *g, sp);
-        dispatch_scores(level, &h, range.clone(), &left[i * s.kv_heads + g]);
+        let left = &left[i * s.kv_heads + g];
+        BUFS.with_borrow_mut(|bufs| dispatch_scores(level, &h, range.clone(), left, bufs));
     });
     (0..pairs * runs).into_par_iter().for_each(|t| {
         let (i, g, run) = (t / (s.kv_heads * runs), t / runs % s.kv_heads, t % runs);
-        let cols = (run * per_run * 16).min(d)..((run + 1) * per_run * 16).min(d);
+        let cols = (run * per_run * unit).min(d)..((run + 1) * per_run * unit).min(d);
         if cols.is_empty() {
             return;
         }
         let h = head(i, g, sp);
         let o = out.0;
         let dst = o.0.add(i * out.1 + out.2);
-        ACC.with_borrow_mut(|acc| dispatch_values(level, &h, cols, acc, dst));
+        BUFS.with_borrow_mut(|bufs| dispatch_values(level, &h, cols, bufs, dst));
     });
     SCORES.with_borrow_mut(|kept| *kept = scores);
 }
@@ -175,13 +190,19 @@ struct Head<'a> {
 }
 
 /// [`scores`] at `level`.
-unsafe fn dispatch_scores(level: Level, head: &Head, range: Range<usize>, left: &AtomicUsize) {
+unsafe fn dispatch_scores(
+    level: Level,
+    head: &Head,
+    range: Range<usize>,
+    left: &AtomicUsize,
+    bufs: &mut Bufs,
+) {
     match level {
         #[cfg(target_arch = "x86_64")]
-        Level::Avx2 => scores_avx2(head, range, left),
+        Level::Avx2 => scores_avx2(head, range, left, bufs),
         #[cfg(target_arch = "x86_64")]
-        Level::Avx512 | Level::Avx512Bf16 => scores_avx512(head, range, left),
-        other => scores(&AtLevel(other), head, range, left),
+        Level::Avx512 | Level::Avx512Bf16 => scores_avx512(head, range, left, bufs),
+        other => scores(&AtLevel(other), head, range, left, bufs),
     }
 }
 
@@ -190,15 +211,15 @@ unsafe fn dispatch_values(
     level: Level,
     head: &Head,
     cols: Range<usize>,
-    acc: &mut Vec<f32>,
+    bufs: &mut Bufs,
     out: *mut f32,
 ) {
     match level {
         #[cfg(target_arch = "x86_64")]
-        Level::Avx2 => values_avx2(head, cols, acc, out),
+        Level::Avx2 => values_avx2(head, cols, bufs, out),
         #[cfg(target_arch = "x86_64")]
-        Level::Avx512 | Level::Avx512Bf16 => values_avx512(head, cols, acc, out),
-        other => values(&AtLevel(other), head, cols, acc, out),
+        Level::Avx512 | Level::Avx512Bf16 => values_avx512(head, cols, bufs, out),
+        other => values(&AtLevel(other), head, cols, bufs, out),
     }
 }
 
@@ -206,32 +227,32 @@ unsafe fn dispatch_values(
 /// The CPU supports AVX2 and FMA; as [`scores`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn scores_avx2(head: &Head, range: Range<usize>, left: &AtomicUsize) {
-    scores(&super::avx2::Avx2, head, range, left)
+unsafe fn scores_avx2(head: &Head, range: Range<usize>, left: &AtomicUsize, bufs: &mut Bufs) {
+    scores(&super::avx2::Avx2, head, range, left, bufs)
 }
 
 /// # Safety
 /// The CPU supports AVX-512 F/BW/VL, AVX2 and FMA; as [`scores`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn scores_avx512(head: &Head, range: Range<usize>, left: &AtomicUsize) {
-    scores(&super::avx512::Avx512, head, range, left)
+unsafe fn scores_avx512(head: &Head, range: Range<usize>, left: &AtomicUsize, bufs: &mut Bufs) {
+    scores(&super::avx512::Avx512, head, range, left, bufs)
 }
 
 /// # Safety
 /// The CPU supports AVX2 and FMA; as [`values`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn values_avx2(head: &Head, cols: Range<usize>, acc: &mut Vec<f32>, out: *mut f32) {
-    values(&super::avx2::Avx2, head, cols, acc, out)
+unsafe fn values_avx2(head: &Head, cols: Range<usize>, bufs: &mut Bufs, out: *mut f32) {
+    values(&super::avx2::Avx2, head, cols, bufs, out)
 }
 
 /// # Safety
 /// The CPU supports AVX-512 F/BW/VL, AVX2 and FMA; as [`values`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn values_avx512(head: &Head, cols: Range<usize>, acc: &mut Vec<f32>, out: *mut f32) {
-    values(&super::avx512::Avx512, head, cols, acc, out)
+unsafe fn values_avx512(head: &Head, cols: Range<usize>, bufs: &mut Bufs, out: *mut f32) {
+    values(&super::avx512::Avx512, head, cols, bufs, out)
 }
 
 /// The scores of positions `range` for every query head of the group: `q·k · scale`, sixteen,
@@ -242,7 +263,13 @@ unsafe fn values_avx512(head: &Head, cols: Range<usize>, acc: &mut Vec<f32>, out
 /// # Safety
 /// `head.scores` has room for the group's heads over `head.span`; `range` lies in the span.
 #[inline(always)]
-unsafe fn scores<O: Ops>(o: &O, head: &Head, range: Range<usize>, left: &AtomicUsize) {
+unsafe fn scores<O: Ops>(
+    o: &O,
+    head: &Head,
+    range: Range<usize>,
+    left: &AtomicUsize,
+    bufs: &mut Bufs,
+) {
     let s = head.s;
     let d = s.head_dim;
     let group = s.heads / s.kv_heads;
@@ -250,15 +277,35 @@ unsafe fn scores<O: Ops>(o: &O, head: &Head, range: Range<usize>, left: &AtomicU
     let n = head.span.len();
     let table = head.kv.page_table(head.row.slot);
     let bs = head.kv.layout().block_size;
-    prefetch_blocks(head.kv, (s, head.kv_head), table, range.clone(), Half::Keys);
+    let in_place = head.kv.layout().dtype == KvDtype::F32;
+    if in_place {
+        prefetch_blocks(head.kv, (s, head.kv_head), table, range.clone(), Half::Keys);
+    } else {
+        bufs.decoded.resize(bs * d, 0.0);
+    }
     let mut j = range.start;
     while j < range.end {
         let start = j - j % bs;
-        let (keys, _) = head
-            .kv
-            .pool()
-            .head_block_f32(s.layer, table[j / bs], head.kv_head);
         let end = (start + bs).min(range.end);
+        let block = table[j / bs];
+        // Key of position `p` at `keys + (p - first) · d`.
+        let (keys, first) = if in_place {
+            let (k, _) = head.kv.pool().head_block_f32(s.layer, block, head.kv_head);
+            (k.as_ptr(), start)
+        } else {
+            let rows = (j - start, end - j);
+            let pool = head.kv.pool();
+            pool.decode_cols(
+                s.layer,
+                block,
+                head.kv_head,
+                rows,
+                false,
+                0..d,
+                &mut bufs.decoded,
+            );
+            (bufs.decoded.as_ptr(), j)
+        };
         while j < end {
             let take = if j + 16 <= end {
                 16
@@ -267,7 +314,7 @@ unsafe fn scores<O: Ops>(o: &O, head: &Head, range: Range<usize>, left: &AtomicU
             } else {
                 1
             };
-            let key = keys.as_ptr().add((j - start) * d);
+            let key = keys.add((j - first) * d);
             for h in heads.clone() {
                 let q = &head.q[h * d..(h + 1) * d];
                 let at = head.scores.add(h * n + j - head.span.start);
@@ -295,41 +342,60 @@ unsafe fn scores<O: Ops>(o: &O, head: &Head, range: Range<usize>, left: &AtomicU
 /// # Safety
 /// The group's probabilities are final; `out` is valid for writes of the group's heads.
 #[inline(always)]
-unsafe fn values<O: Ops>(
-    o: &O,
-    head: &Head,
-    cols: Range<usize>,
-    acc: &mut Vec<f32>,
-    out: *mut f32,
-) {
+unsafe fn values<O: Ops>(o: &O, head: &Head, cols: Range<usize>, bufs: &mut Bufs, out: *mut f32) {
     let s = head.s;
     let d = s.head_dim;
     let group = s.heads / s.kv_heads;
     let h0 = head.kv_head * group;
     let n = head.span.len();
+    let Bufs { acc, decoded } = bufs;
     acc.clear();
     acc.resize(group * d, 0.0);
+    let table = head.kv.page_table(head.row.slot);
+    let bs = head.kv.layout().block_size;
+    let in_place = head.kv.layout().dtype == KvDtype::F32;
+    // In place, the outputs' lanes `cols` of `d`-wide value rows; decoded, lanes `0..w` of
+    // rows of only those lanes, the outputs offset to match.
+    let w = cols.len();
+    let (lanes, offset) = if in_place {
+        (cols.clone(), 0)
+    } else {
+        decoded.resize(bs * w, 0.0);
+        (0..w, cols.start)
+    };
     let pairs: Vec<(*mut f32, *const f32)> = (0..group)
         .map(|ii| {
             (
-                acc.as_mut_ptr().add(ii * d),
+                acc.as_mut_ptr().add(ii * d + offset),
                 head.scores.add((h0 + ii) * n) as *const f32,
             )
         })
         .collect();
-    let table = head.kv.page_table(head.row.slot);
-    let bs = head.kv.layout().block_size;
     let (a, b) = (head.span.start, head.span.end);
     let mut start = a - a % bs;
     while start < b {
-        let (_, values) = head
-            .kv
-            .pool()
-            .head_block_f32(s.layer, table[start / bs], head.kv_head);
+        let block = table[start / bs];
         let first = start.max(a);
         let count = (start + bs).min(b) - first;
-        let vals = &values[(first - start) * d..(first - start + count) * d];
-        o.weighted_sum_multi(&pairs, first - a, count, vals, d, cols.clone());
+        if in_place {
+            let (_, values) = head.kv.pool().head_block_f32(s.layer, block, head.kv_head);
+            let vals = &values[(first - start) * d..(first - start + count) * d];
+            o.weighted_sum_multi(&pairs, first - a, count, vals, d, lanes.clone());
+        } else {
+            let rows = (first - start, count);
+            let pool = head.kv.pool();
+            pool.decode_cols(
+                s.layer,
+                block,
+                head.kv_head,
+                rows,
+                true,
+                cols.clone(),
+                decoded,
+            );
+            let vals = &decoded[..count * w];
+            o.weighted_sum_multi(&pairs, first - a, count, vals, w, lanes.clone());
+        }
         start += bs;
     }
     for ii in 0..group {
@@ -350,12 +416,16 @@ mod tests {
     /// Split attention gives, bit for bit, what one head at a time through the `simd` entry
     /// points gives: one and two sequences of different lengths (not multiples of the block or
     /// the chunk), grouped-query heads, head sizes of one to eight runs of 16 lanes, full and
-    /// windowed, and as many lane runs as 2, 3 and 8 threads ask for.
+    /// windowed, every storage type, and as many lane runs as 2, 3 and 8 threads ask for.
     #[test]
     fn split_tasks_round_like_one_head_at_a_time() {
         let (heads, kv_heads) = (6, 2);
         let lens = [300usize, 181];
-        for d in [64, 16, 48, 128] {
+        let cases = [64, 16, 48, 128]
+            .into_iter()
+            .flat_map(|d| crate::kv::storage::ALL_KV_DTYPES.map(|t| (d, t)))
+            .filter(|&(d, t)| d % lane_unit(t) == 0);
+        for (d, dtype) in cases {
             for window in [None, Some(150)] {
                 for seqs in [1, 2] {
                     let spec = KvSpec {
@@ -364,7 +434,7 @@ mod tests {
                         head_dim: d,
                         state_dim: 0,
                     };
-                    let mut kv = KvCache::new(spec, 2, 320).unwrap();
+                    let mut kv = KvCache::new_of(spec, dtype, 2, 320).unwrap();
                     let wave = |n: usize, seed: usize| -> Vec<f32> {
                         (0..n)
                             .map(|i| ((i * 2654435761 + seed) % 1000) as f32 / 500.0 - 1.0)
@@ -435,7 +505,7 @@ mod tests {
                             .all(|(a, b)| a.to_bits() == b.to_bits());
                         assert!(
                             same,
-                            "d={d} window={window:?} seqs={seqs} threads={threads}"
+                            "d={d} {dtype:?} window={window:?} seqs={seqs} threads={threads}"
                         );
                     }
                 }
@@ -443,8 +513,8 @@ mod tests {
         }
     }
 
-    /// Prefill tiles, short contexts, many rows, other storage and a single thread keep the
-    /// task-per-head path.
+    /// Prefill tiles, short contexts, many rows and a single thread keep the task-per-head
+    /// path; narrower storage does not.
     #[test]
     fn applies_only_to_few_long_decode_rows() {
         let spec = KvSpec {
@@ -485,6 +555,6 @@ mod tests {
             "short window"
         );
         let kv16 = KvCache::new_of(spec, KvDtype::F16, 1, 1024).unwrap();
-        assert!(!applies(&kv16, &shape, &[row(0, 500)], 1, 2), "f16 storage");
+        assert!(applies(&kv16, &shape, &[row(0, 500)], 1, 2), "f16 storage");
     }
 }
