@@ -572,21 +572,11 @@ mod avx512 {
             for group in pairs.chunks(4) {
                 let mut c = cols.start;
                 while c + 64 <= end {
-                    match group.len() {
-                        4 => outputs::<4, 4>(group, skip, count, pv, d, c),
-                        3 => outputs::<3, 4>(group, skip, count, pv, d, c),
-                        2 => outputs::<2, 4>(group, skip, count, pv, d, c),
-                        _ => outputs::<1, 4>(group, skip, count, pv, d, c),
-                    }
+                    outputs_of::<4>(group, skip, count, pv, d, c);
                     c += 64;
                 }
                 while c + 16 <= end {
-                    match group.len() {
-                        4 => outputs::<4, 1>(group, skip, count, pv, d, c),
-                        3 => outputs::<3, 1>(group, skip, count, pv, d, c),
-                        2 => outputs::<2, 1>(group, skip, count, pv, d, c),
-                        _ => outputs::<1, 1>(group, skip, count, pv, d, c),
-                    }
+                    outputs_of::<1>(group, skip, count, pv, d, c);
                     c += 16;
                 }
                 rest = c;
@@ -632,6 +622,24 @@ mod avx512 {
             }
             _mm512_mask_storeu_ps(pa.add(c), m, a);
             c += 16;
+        }
+    }
+
+    /// [`outputs`] for the 1–4 outputs of `group`.
+    #[inline(always)]
+    unsafe fn outputs_of<const U: usize>(
+        group: &[(*mut f32, *const f32)],
+        skip: usize,
+        count: usize,
+        pv: *const f32,
+        d: usize,
+        c: usize,
+    ) {
+        match group.len() {
+            4 => outputs::<4, U>(group, skip, count, pv, d, c),
+            3 => outputs::<3, U>(group, skip, count, pv, d, c),
+            2 => outputs::<2, U>(group, skip, count, pv, d, c),
+            _ => outputs::<1, U>(group, skip, count, pv, d, c),
         }
     }
 
@@ -965,6 +973,36 @@ mod tests {
     use super::*;
     use crate::graph::KvSpec;
 
+    /// Every head of every row (queries `heads × head_dim` apart) attended on its own through
+    /// the `simd` entry points at the process's level: the reference the task layouts match.
+    pub(super) fn one_head_at_a_time(
+        kv: &KvCache,
+        shape: &AttentionShape,
+        rows: &[TokenRow],
+        q: &[f32],
+    ) -> Vec<f32> {
+        let (heads, d) = (shape.heads, shape.head_dim);
+        let mut want = vec![0.0; rows.len() * heads * d];
+        let mut scratch = Scratch::default();
+        for (t, row) in rows.iter().enumerate() {
+            for h in 0..heads {
+                let job = Task {
+                    s: shape,
+                    rows: std::slice::from_ref(row),
+                    kv_head: h / (heads / shape.kv_heads),
+                    heads: h..h + 1,
+                    q: &q[t * heads * d..],
+                    q_stride: heads * d,
+                    out: want[t * heads * d..].as_mut_ptr(),
+                    out_stride: heads * d,
+                };
+                // SAFETY: `want` holds every head of row `t`, `q` its queries.
+                unsafe { attend(&AtLevel(simd::level()), kv, &job, &mut scratch) };
+            }
+        }
+        want
+    }
+
     /// The grouped tasks (and on AVX2 the inlined kernel) give bit for bit what one head at a
     /// time through the `simd` entry points gives: f32 and f16 storage, grouped-query heads,
     /// head sizes with 64-lane chunks, 8-lane vectors and scalar lanes, full and windowed.
@@ -1011,24 +1049,7 @@ mod tests {
                         &mut kv,
                         (&mut out, heads * d, 0),
                     );
-                    let mut want = vec![0.0; tokens * heads * d];
-                    let mut scratch = Scratch::default();
-                    for t in 0..rows.len() {
-                        for h in 0..heads {
-                            let job = Task {
-                                s: &shape,
-                                rows: std::slice::from_ref(&rows[t]),
-                                kv_head: h / (heads / kv_heads),
-                                heads: h..h + 1,
-                                q: &q[t * heads * d..],
-                                q_stride: heads * d,
-                                out: want[t * heads * d..].as_mut_ptr(),
-                                out_stride: heads * d,
-                            };
-                            // SAFETY: `want` holds every head of row `t`.
-                            unsafe { attend(&AtLevel(simd::level()), &kv, &job, &mut scratch) };
-                        }
-                    }
+                    let want = one_head_at_a_time(&kv, &shape, &rows, &q);
                     let same = out
                         .iter()
                         .zip(&want)

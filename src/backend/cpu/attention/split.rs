@@ -409,7 +409,7 @@ unsafe fn values<O: Ops>(o: &O, head: &Head, cols: Range<usize>, bufs: &mut Bufs
 
 #[cfg(test)]
 mod tests {
-    use super::super::{attend, Scratch, Task};
+    use super::super::tests::one_head_at_a_time;
     use super::*;
     use crate::graph::KvSpec;
 
@@ -467,24 +467,7 @@ mod tests {
                         window,
                     };
                     assert!(applies(&kv, &shape, &rows, rows.len(), 8));
-                    let mut want = vec![0.0; seqs * heads * d];
-                    let mut scratch = Scratch::default();
-                    for (t, row) in rows.iter().enumerate() {
-                        for h in 0..heads {
-                            let job = Task {
-                                s: &shape,
-                                rows: std::slice::from_ref(row),
-                                kv_head: h / (heads / kv_heads),
-                                heads: h..h + 1,
-                                q: &q[t * heads * d..],
-                                q_stride: heads * d,
-                                out: want[t * heads * d..].as_mut_ptr(),
-                                out_stride: heads * d,
-                            };
-                            // SAFETY: `want` holds every head of row `t`.
-                            unsafe { attend(&AtLevel(simd::level()), &kv, &job, &mut scratch) };
-                        }
-                    }
+                    let want = one_head_at_a_time(&kv, &shape, &rows, &q);
                     for threads in [2, 3, 8] {
                         let mut out = vec![f32::NAN; seqs * heads * d];
                         let ptr = OutPtr(out.as_mut_ptr());
