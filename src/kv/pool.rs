@@ -280,25 +280,14 @@ impl BlockPool {
         k: &mut [f32],
         v: &mut [f32],
     ) {
-        let l = &self.layout;
-        let at = l.row(layer, block as usize, head, first);
-        let n = rows * l.head_dim;
-        let eb = l.dtype.bytes_per_elem();
-        let g = l.dtype.group().unwrap_or(1);
-        for (arr, scales, dst) in [(&self.k, &self.k_scale, k), (&self.v, &self.v_scale, v)] {
-            let bytes: &[u8] = bytemuck::cast_slice(arr.as_slice());
-            let sc: &[f32] = if l.dtype.group().is_some() {
-                &scales[at / g..(at + n) / g]
-            } else {
-                &[]
-            };
-            decode_row(l.dtype, &bytes[at * eb..(at + n) * eb], sc, &mut dst[..n]);
-        }
+        let d = self.layout.head_dim;
+        self.decode_cols(layer, block, head, (first, rows), false, 0..d, k);
+        self.decode_cols(layer, block, head, (first, rows), true, 0..d, v);
     }
 
     /// Lanes `cols` of one head's keys (`values` false) or values of positions
     /// `first..first + rows` of one block, decoded to f32 into `dst` (`rows × cols.len()`, row
-    /// by row). `cols` must start and end on the storage type's groups.
+    /// by row; whole rows in one run). `cols` must start and end on the storage type's groups.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     pub fn decode_cols(
@@ -314,25 +303,36 @@ impl BlockPool {
         let l = &self.layout;
         let d = l.head_dim;
         let w = cols.len();
-        let eb = l.dtype.bytes_per_elem();
         let g = l.dtype.group().unwrap_or(1);
         debug_assert!(cols.end <= d && cols.start.is_multiple_of(g) && w.is_multiple_of(g));
+        let row0 = l.row(layer, block as usize, head, first);
+        if w == d {
+            self.decode_elems(values, row0, &mut dst[..rows * d]);
+        } else {
+            for (r, out) in dst[..rows * w].chunks_exact_mut(w).enumerate() {
+                self.decode_elems(values, row0 + r * d + cols.start, out);
+            }
+        }
+    }
+
+    /// Elements `at..at + out.len()` of K (`values` false) or V, decoded to f32. (A method, not
+    /// a closure, so that it inlines into attention's target-feature kernels.)
+    #[inline(always)]
+    fn decode_elems(&self, values: bool, at: usize, out: &mut [f32]) {
+        let l = &self.layout;
+        let n = out.len();
+        let eb = l.dtype.bytes_per_elem();
         let (arr, scales) = if values {
             (&self.v, &self.v_scale)
         } else {
             (&self.k, &self.k_scale)
         };
         let bytes: &[u8] = bytemuck::cast_slice(arr.as_slice());
-        let row0 = l.row(layer, block as usize, head, first);
-        for (r, out) in dst[..rows * w].chunks_exact_mut(w).enumerate() {
-            let at = row0 + r * d + cols.start;
-            let sc: &[f32] = if l.dtype.group().is_some() {
-                &scales[at / g..(at + w) / g]
-            } else {
-                &[]
-            };
-            decode_row(l.dtype, &bytes[at * eb..(at + w) * eb], sc, out);
-        }
+        let sc: &[f32] = match l.dtype.group() {
+            Some(g) => &scales[at / g..(at + n) / g],
+            None => &[],
+        };
+        decode_row(l.dtype, &bytes[at * eb..(at + n) * eb], sc, out);
     }
 
     /// The state of one position (`state_dim` f32s).

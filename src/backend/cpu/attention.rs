@@ -90,15 +90,22 @@ pub fn attention(
     #[cfg(not(target_arch = "x86_64"))]
     let _ = numerics;
     // Tasks take up to TILE_TOKENS consecutive rows of one slot (a prefill chunk's tokens share
-    // every key and value they read), and whole groups of query heads when there are enough
-    // tasks to share among the threads; a single decode row with few KV heads over an f32
-    // cache splits its group head by head instead. A cache in another type keeps groups
-    // whole: each task decodes the blocks it reads to f32, and a task per head decoded each
-    // KV head's once per query head (SmolLM2 with a bf16 cache, one sequence of 1,024 tokens,
-    // 2 threads on an Intel Xeon: 80 → 103–110 tok/s; with an f32 cache, heads split ran a
-    // little faster).
+    // every key and value they read). A few decode rows over long contexts are split by
+    // positions and output lanes instead ([`split`]). Otherwise a task takes a whole group of
+    // query heads when there are enough tasks to share among the threads, and a decode row
+    // with few KV heads over an f32 cache splits its group head by head (a short context, whose
+    // repeated reads hit the cache). A cache in another type keeps groups whole: each task
+    // decodes the blocks it reads to f32, and a task per head decoded each KV head's once per
+    // query head (SmolLM2 with a bf16 cache, one sequence of 1,024 tokens, 2 threads on an
+    // Intel Xeon: 80 → 103–110 tok/s).
     let tiles = token_tiles(rows, TILE_TOKENS);
     let threads = rayon::current_num_threads().max(1);
+    let ptr = OutPtr(out_data.as_mut_ptr());
+    if split::applies(kv, s, rows, tiles.len(), threads) {
+        // SAFETY: bounds asserted above.
+        unsafe { split::attention(s, rows, q, kv, (ptr, out_stride, out_col), threads) };
+        return;
+    }
     let decodes = kv.layout().dtype != KvDtype::F32;
     let per_task = if decodes || tiles.len() * s.kv_heads >= 2 * threads {
         group
@@ -106,12 +113,6 @@ pub fn attention(
         1
     };
     let chunks = group / per_task;
-    let ptr = OutPtr(out_data.as_mut_ptr());
-    if split::applies(kv, s, rows, tiles.len(), threads) {
-        // SAFETY: bounds asserted above.
-        unsafe { split::attention(s, rows, q, kv, (ptr, out_stride, out_col), threads) };
-        return;
-    }
     let level = simd::level();
     (0..tiles.len() * s.kv_heads * chunks)
         .into_par_iter()
@@ -747,6 +748,37 @@ fn prefetch_blocks(
     let _ = (kv, s, kv_head, table, range, half);
 }
 
+/// How many keys from position `j` (of a run ending at `end`) are scored together: sixteen,
+/// then eight, then one (each score is rounded the same way in all three).
+#[inline(always)]
+fn keys_at_once(j: usize, end: usize) -> usize {
+    if j + 16 <= end {
+        16
+    } else if j + 8 <= end {
+        8
+    } else {
+        1
+    }
+}
+
+/// The scores `q·k · scale` of `take` ([`keys_at_once`]) consecutive keys from `key` into
+/// `at..`.
+#[inline(always)]
+unsafe fn score_keys<O: Ops>(
+    o: &O,
+    q: &[f32],
+    key: *const f32,
+    take: usize,
+    scale: f32,
+    at: *mut f32,
+) {
+    match take {
+        16 => o.dot16(q, key, scale, at),
+        8 => o.dot8(q, key, scale, at),
+        _ => *at = o.dot(q, std::slice::from_raw_parts(key, q.len())) * scale,
+    }
+}
+
 /// Values of positions `a..b` into the outputs of `pairs` (each: `d` outputs, its probability
 /// for position `a`), block by block, in position order ([`Ops::weighted_sum_multi`]). A
 /// function, not a closure, so that it is compiled with the caller's target features.
@@ -835,27 +867,14 @@ unsafe fn attend<O: Ops>(o: &O, kv: &KvCache, job: &Task, scratch: &mut Scratch)
         let end = start + rows_here;
         let mut j = start.max(lo_min);
         while j < end {
-            // Sixteen, then eight keys at a time (same roundings as one at a time), then one.
-            let g = if j + 16 <= end {
-                16
-            } else if j + 8 <= end {
-                8
-            } else {
-                1
-            };
+            let g = keys_at_once(j, end);
             for (i, &(lo, n, base)) in spans.iter().enumerate() {
                 let positions = n - lo;
                 if j >= lo && j + g <= n {
                     let key = keys.add((j - start) * d);
                     for (ii, h) in job.heads.clone().enumerate() {
                         let at = scores.as_mut_ptr().add(base + ii * positions + j - lo);
-                        match g {
-                            16 => o.dot16(qh(i, h), key, s.scale, at),
-                            8 => o.dot8(qh(i, h), key, s.scale, at),
-                            _ => {
-                                *at = o.dot(qh(i, h), std::slice::from_raw_parts(key, d)) * s.scale
-                            }
-                        }
+                        score_keys(o, qh(i, h), key, g, s.scale, at);
                     }
                 } else {
                     for jj in j.max(lo)..(j + g).min(n) {

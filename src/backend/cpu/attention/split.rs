@@ -17,7 +17,10 @@
 //! Each (row, head) gets [`super::attend`]'s arithmetic exactly: a score does not depend on
 //! which keys are dotted with it, the softmax sees the whole row, and the weighted sum is one
 //! chain per lane in position order whichever lanes a task takes (runs of 16, so vector lanes
-//! stay vector lanes). Only f32 caches (read in place) and head sizes that are a multiple of 16.
+//! stay vector lanes). An f32 cache is read in place; a narrower one is decoded by each task,
+//! keys by the scores tasks and only its own lanes of the values by a values task, so nothing
+//! is decoded twice. Head sizes must be a multiple of 16 (of the group, for grouped 8-bit
+//! storage).
 
 use std::cell::RefCell;
 use std::ops::Range;
@@ -25,7 +28,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rayon::prelude::*;
 
-use super::{prefetch_blocks, AtLevel, AttentionShape, Half, Ops, OutPtr};
+use super::{
+    keys_at_once, prefetch_blocks, score_keys, AtLevel, AttentionShape, Half, Ops, OutPtr,
+};
 use crate::backend::cpu::simd::{self, Level};
 use crate::backend::TokenRow;
 use crate::kv::{KvCache, KvDtype};
@@ -38,7 +43,7 @@ const CHUNK: usize = 64;
 const MIN_POSITIONS: usize = 64;
 
 /// Whether [`attention`] takes these rows: every row its own tile (decode rows), fewer (row, KV
-/// head) pairs than twice the threads, an f32 cache, a head size that is a multiple of 16, and
+/// head) pairs than twice the threads, a head size that is a multiple of [`lane_unit`], and
 /// every row attending at least [`MIN_POSITIONS`].
 pub(super) fn applies(
     kv: &KvCache,
@@ -78,7 +83,9 @@ thread_local! {
     /// tasks through a pointer.
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// A task's buffers, reused from task to task.
-    static BUFS: RefCell<Bufs> = const { RefCell::new(Bufs { acc: Vec::new(), decoded: Vec::new() }) };
+    static BUFS: RefCell<Bufs> = const {
+        RefCell::new(Bufs { acc: Vec::new(), decoded: Vec::new(), pairs: Vec::new() })
+    };
 }
 
 /// A task's buffers.
@@ -87,6 +94,8 @@ struct Bufs {
     acc: Vec<f32>,
     /// Keys or values of one block decoded from a narrower storage type.
     decoded: Vec<f32>,
+    /// Per query head of the group: its output lanes and its probabilities.
+    pairs: Vec<(*mut f32, *const f32)>,
 }
 
 /// The scores buffer, shared by tasks that each write (then read) their own parts.
@@ -132,8 +141,8 @@ pub(super) unsafe fn attention(
             }
         }
     }
-    // Values tasks: (row, KV head, lanes), the lanes in runs of 16, enough runs for two tasks
-    // per thread.
+    // Values tasks: (row, KV head, lanes), the lanes in runs of `unit`, enough runs for two
+    // tasks per thread.
     let unit = lane_unit(kv.layout().dtype);
     let units = d / unit;
     let pairs = rows.len() * s.kv_heads;
@@ -307,22 +316,12 @@ unsafe fn scores<O: Ops>(
             (bufs.decoded.as_ptr(), j)
         };
         while j < end {
-            let take = if j + 16 <= end {
-                16
-            } else if j + 8 <= end {
-                8
-            } else {
-                1
-            };
+            let take = keys_at_once(j, end);
             let key = keys.add((j - first) * d);
             for h in heads.clone() {
                 let q = &head.q[h * d..(h + 1) * d];
                 let at = head.scores.add(h * n + j - head.span.start);
-                match take {
-                    16 => o.dot16(q, key, s.scale, at),
-                    8 => o.dot8(q, key, s.scale, at),
-                    _ => *at = o.dot(q, std::slice::from_raw_parts(key, d)) * s.scale,
-                }
+                score_keys(o, q, key, take, s.scale, at);
             }
             j += take;
         }
@@ -348,7 +347,11 @@ unsafe fn values<O: Ops>(o: &O, head: &Head, cols: Range<usize>, bufs: &mut Bufs
     let group = s.heads / s.kv_heads;
     let h0 = head.kv_head * group;
     let n = head.span.len();
-    let Bufs { acc, decoded } = bufs;
+    let Bufs {
+        acc,
+        decoded,
+        pairs,
+    } = bufs;
     acc.clear();
     acc.resize(group * d, 0.0);
     let table = head.kv.page_table(head.row.slot);
@@ -363,14 +366,13 @@ unsafe fn values<O: Ops>(o: &O, head: &Head, cols: Range<usize>, bufs: &mut Bufs
         decoded.resize(bs * w, 0.0);
         (0..w, cols.start)
     };
-    let pairs: Vec<(*mut f32, *const f32)> = (0..group)
-        .map(|ii| {
-            (
-                acc.as_mut_ptr().add(ii * d + offset),
-                head.scores.add((h0 + ii) * n) as *const f32,
-            )
-        })
-        .collect();
+    pairs.clear();
+    pairs.extend((0..group).map(|ii| {
+        (
+            acc.as_mut_ptr().add(ii * d + offset),
+            head.scores.add((h0 + ii) * n) as *const f32,
+        )
+    }));
     let (a, b) = (head.span.start, head.span.end);
     let mut start = a - a % bs;
     while start < b {
@@ -380,7 +382,7 @@ unsafe fn values<O: Ops>(o: &O, head: &Head, cols: Range<usize>, bufs: &mut Bufs
         if in_place {
             let (_, values) = head.kv.pool().head_block_f32(s.layer, block, head.kv_head);
             let vals = &values[(first - start) * d..(first - start + count) * d];
-            o.weighted_sum_multi(&pairs, first - a, count, vals, d, lanes.clone());
+            o.weighted_sum_multi(pairs, first - a, count, vals, d, lanes.clone());
         } else {
             let rows = (first - start, count);
             let pool = head.kv.pool();
@@ -394,7 +396,7 @@ unsafe fn values<O: Ops>(o: &O, head: &Head, cols: Range<usize>, bufs: &mut Bufs
                 decoded,
             );
             let vals = &decoded[..count * w];
-            o.weighted_sum_multi(&pairs, first - a, count, vals, w, lanes.clone());
+            o.weighted_sum_multi(pairs, first - a, count, vals, w, lanes.clone());
         }
         start += bs;
     }
