@@ -7,7 +7,7 @@
 //! block and row also pays for its scale's gather and broadcast, and Q5's fifth bits are
 //! spliced in lane by lane (five vector operations per half block). With the rows in the lanes
 //! no scale is gathered (the 16 rows' `d`s are one 32-byte load and one conversion per block),
-//! nothing is summed across lanes, and each quant is one shift and one table lookup
+//! nothing is summed across lanes, and each quant is at most one shift and one table lookup
 //! (`vpermps`/`vpermi2ps` read only an index's low 4 or 5 bits) before its FMA with a broadcast
 //! activation.
 //!
@@ -144,12 +144,18 @@ pub(crate) const fn group_block_bytes(kind: QuantKind) -> usize {
     }
 }
 
+/// Zeroed bytes after the last group, never part of a value: the AVX-512 kernels read each
+/// 4-bit quant word at byte offsets 0–3 as well (so that a byte's low nibble is an index
+/// without a shift), and the last word's reads at offsets 1–3 end up to 3 bytes past it.
+pub(crate) const READ_SLACK: usize = 64;
+
 /// Weights of a block format regrouped for the grouped kernels (see the module doc).
 pub struct Grouped {
     pub kind: QuantKind,
     /// Rows of the matrix (the last group is padded to [`GROUP`] rows with zero blocks).
     pub rows: usize,
     pub cols: usize,
+    /// The groups, then [`READ_SLACK`] zeroed bytes.
     pub bytes: Pages<u8>,
 }
 
@@ -257,7 +263,7 @@ impl Grouped {
         let nb = cols / elems(kind);
         let (gb, bb) = (kind.block_bytes(), group_block_bytes(kind));
         let groups = rows.div_ceil(GROUP);
-        let bytes = arena.filled::<u8>(groups * nb * bb, |bytes| {
+        let bytes = arena.filled::<u8>(groups * nb * bb + READ_SLACK, |bytes| {
             for n in 0..rows {
                 let (g, r) = (n / GROUP, n % GROUP);
                 for b in 0..nb {
@@ -414,7 +420,8 @@ impl Grouped {
     /// Whether the bytes fit the shape.
     pub fn check(&self) -> Result<(), String> {
         let n = elems(self.kind);
-        let want = self.rows.div_ceil(GROUP) * (self.cols / n) * group_block_bytes(self.kind);
+        let want =
+            self.rows.div_ceil(GROUP) * (self.cols / n) * group_block_bytes(self.kind) + READ_SLACK;
         if !self.cols.is_multiple_of(n) || self.bytes.len() != want {
             return Err(format!(
                 "{} bytes of grouped {} for a {}x{} matrix, expected {want}",
