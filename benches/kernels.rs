@@ -166,18 +166,25 @@ fn gemv(c: &mut Criterion) {
                     });
                 }
             }
-            // The same blocks regrouped sixteen rows to a group for the exact AVX-512 kernels
-            // (what engines hold on AVX-512 CPUs).
-            if groupable(kind) && simd::level() >= Level::Avx512 {
+            // The same blocks regrouped sixteen rows to a group for the exact AVX-512 and AVX2
+            // kernels (what engines hold on those CPUs).
+            if groupable(kind) && simd::level() >= Level::Avx2 {
                 let grouped = PackedMatrix {
                     data: quant_matrix(rows, cols, kind).data.grouped(rows, cols),
                     ..quant_matrix(rows, cols, kind)
                 };
-                let id =
-                    BenchmarkId::new(format!("{}-grouped/{rows}x{cols}", kind.name()), "avx512");
-                g.bench_function(id, |b| {
-                    b.iter(|| run(simd::level(), &grouped, black_box(&x), 1, &mut out))
-                });
+                for level in [Level::Avx512, Level::Avx2] {
+                    if simd::level() < level {
+                        continue;
+                    }
+                    let id = BenchmarkId::new(
+                        format!("{}-grouped/{rows}x{cols}", kind.name()),
+                        level.name(),
+                    );
+                    g.bench_function(id, |b| {
+                        b.iter(|| run(level, &grouped, black_box(&x), 1, &mut out))
+                    });
+                }
             }
         }
     }

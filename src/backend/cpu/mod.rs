@@ -131,9 +131,10 @@ impl CpuBackend {
         // Pack every distinct weight once; each plan instruction then names its matrix by index, so
         // a step never builds a key or hashes a name to find its weights. `Numerics::Int8` regroups
         // the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks for its kernels, where the CPU has them (elsewhere
-        // those weights run exact); on AVX-512 CPUs everything that runs exact decode (exact and
-        // bf16 numerics, int8 without VNNI) regroups the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K
-        // blocks for the exact grouped kernels (`matmul::grouped`). `Numerics::Int16` keeps the
+        // those weights run exact); on AVX-512 and AVX2 CPUs everything that runs exact decode
+        // (exact and bf16 numerics, int8 without VNNI) regroups the
+        // Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K blocks for the exact grouped kernels
+        // (`matmul::grouped`). `Numerics::Int16` keeps the
         // blocks as stored, which its kernels read.
         // Every matrix on huge pages, the small ones sharing them (see `pages`).
         let interleave = opts.numerics == Numerics::Int8 && matmul::int8_kernels();
@@ -142,7 +143,7 @@ impl CpuBackend {
             interleave,
             group: !interleave
                 && opts.numerics != Numerics::Int16
-                && simd::level() >= simd::Level::Avx512,
+                && simd::level() >= simd::Level::Avx2,
             arena: WeightArena::new(),
         };
         let mut matrices: Vec<PackedMatrix> = Vec::new();

@@ -41,38 +41,18 @@
 use std::arch::x86_64::*;
 
 use super::avx512_groups::{drive, GroupPass};
+use super::grouped::format::{kind_of, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0};
 use super::grouped::{
-    elems, group_block_bytes, quants_at, takes_sums, token_block_sums, value_offset, Grouped,
-    BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES, K6_PAIR_BYTES,
-    K6_QUANTS, K6_SCALES, K6_SUB, MAX_TOKENS,
+    elems, fields, group_block_bytes, quants_at, takes_sums, token_block_sums, value_offset,
+    Grouped, BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES,
+    K6_PAIR_BYTES, K6_QUANTS, K6_SCALES, K6_SUB, MAX_TOKENS,
 };
 use super::Job;
 use crate::model::quant::QuantKind;
 
-/// The formats, as the kernels' const parameter.
-const Q4_0: u8 = 0;
-const Q4_1: u8 = 1;
-const Q5_0: u8 = 2;
-const Q5_1: u8 = 3;
-const Q8_0: u8 = 4;
-const Q4_K: u8 = 5;
-const Q6_K: u8 = 6;
-
 /// The most tokens whose passes over 4-bit weights hold all four quarter chains at once
 /// ([`Quarters`]): four accumulators a token, with the token's output, fit the registers.
 const QUARTERS_MAX_TOKENS: usize = 4;
-
-const fn kind_of(f: u8) -> QuantKind {
-    match f {
-        Q4_0 => QuantKind::Q4_0,
-        Q4_1 => QuantKind::Q4_1,
-        Q5_0 => QuantKind::Q5_0,
-        Q5_1 => QuantKind::Q5_1,
-        Q8_0 => QuantKind::Q8_0,
-        Q4_K => QuantKind::Q4_K,
-        _ => QuantKind::Q6_K,
-    }
-}
 
 /// Every output of `job` (at most [`MAX_TOKENS`] tokens) over grouped `w`.
 ///
@@ -226,118 +206,6 @@ unsafe fn iota_from(start: f32) -> __m512 {
         0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
     );
     _mm512_add_ps(iota, _mm512_set1_ps(start))
-}
-
-/// Invokes the macro `$f!(e, index)` for the 32 fields of a block's quant words `$w`, in element
-/// order (for Q8_0, `$f!(e, value)` from the quants at `$q`). A macro, not a closure: a closure
-/// is compiled without the kernel's `#[target_feature]`s unless LLVM chooses to inline it, and
-/// at eight tokens a chunk it did not (see the module doc).
-macro_rules! fields {
-    (8, $q:expr, $f:ident) => {{
-        let q = $q;
-        $f!(0, q8::<0>(q));
-        $f!(1, q8::<1>(q));
-        $f!(2, q8::<2>(q));
-        $f!(3, q8::<3>(q));
-        $f!(4, q8::<4>(q));
-        $f!(5, q8::<5>(q));
-        $f!(6, q8::<6>(q));
-        $f!(7, q8::<7>(q));
-        $f!(8, q8::<8>(q));
-        $f!(9, q8::<9>(q));
-        $f!(10, q8::<10>(q));
-        $f!(11, q8::<11>(q));
-        $f!(12, q8::<12>(q));
-        $f!(13, q8::<13>(q));
-        $f!(14, q8::<14>(q));
-        $f!(15, q8::<15>(q));
-        $f!(16, q8::<16>(q));
-        $f!(17, q8::<17>(q));
-        $f!(18, q8::<18>(q));
-        $f!(19, q8::<19>(q));
-        $f!(20, q8::<20>(q));
-        $f!(21, q8::<21>(q));
-        $f!(22, q8::<22>(q));
-        $f!(23, q8::<23>(q));
-        $f!(24, q8::<24>(q));
-        $f!(25, q8::<25>(q));
-        $f!(26, q8::<26>(q));
-        $f!(27, q8::<27>(q));
-        $f!(28, q8::<28>(q));
-        $f!(29, q8::<29>(q));
-        $f!(30, q8::<30>(q));
-        $f!(31, q8::<31>(q));
-    }};
-    (6, $w:expr, $f:ident) => {{
-        let w = $w;
-        $f!(0, f6::<0, 0, 0>(w));
-        $f!(1, f6::<0, 6, 0>(w));
-        $f!(2, f6::<0, 12, 0>(w));
-        $f!(3, f6::<0, 18, 0>(w));
-        $f!(4, f6::<0, 24, 0>(w));
-        $f!(5, f6::<0, 30, 2>(w));
-        $f!(6, f6::<1, 4, 0>(w));
-        $f!(7, f6::<1, 10, 0>(w));
-        $f!(8, f6::<1, 16, 0>(w));
-        $f!(9, f6::<1, 22, 0>(w));
-        $f!(10, f6::<1, 28, 4>(w));
-        $f!(11, f6::<2, 2, 0>(w));
-        $f!(12, f6::<2, 8, 0>(w));
-        $f!(13, f6::<2, 14, 0>(w));
-        $f!(14, f6::<2, 20, 0>(w));
-        $f!(15, f6::<2, 26, 0>(w));
-        $f!(16, f6::<3, 0, 0>(w));
-        $f!(17, f6::<3, 6, 0>(w));
-        $f!(18, f6::<3, 12, 0>(w));
-        $f!(19, f6::<3, 18, 0>(w));
-        $f!(20, f6::<3, 24, 0>(w));
-        $f!(21, f6::<3, 30, 2>(w));
-        $f!(22, f6::<4, 4, 0>(w));
-        $f!(23, f6::<4, 10, 0>(w));
-        $f!(24, f6::<4, 16, 0>(w));
-        $f!(25, f6::<4, 22, 0>(w));
-        $f!(26, f6::<4, 28, 4>(w));
-        $f!(27, f6::<5, 2, 0>(w));
-        $f!(28, f6::<5, 8, 0>(w));
-        $f!(29, f6::<5, 14, 0>(w));
-        $f!(30, f6::<5, 20, 0>(w));
-        $f!(31, f6::<5, 26, 0>(w));
-    }};
-    (5, $w:expr, $f:ident) => {{
-        let w = $w;
-        $f!(0, f5::<0, 0, 0>(w));
-        $f!(1, f5::<0, 5, 0>(w));
-        $f!(2, f5::<0, 10, 0>(w));
-        $f!(3, f5::<0, 15, 0>(w));
-        $f!(4, f5::<0, 20, 0>(w));
-        $f!(5, f5::<0, 25, 0>(w));
-        $f!(6, f5::<0, 30, 2>(w));
-        $f!(7, f5::<1, 3, 0>(w));
-        $f!(8, f5::<1, 8, 0>(w));
-        $f!(9, f5::<1, 13, 0>(w));
-        $f!(10, f5::<1, 18, 0>(w));
-        $f!(11, f5::<1, 23, 0>(w));
-        $f!(12, f5::<1, 28, 4>(w));
-        $f!(13, f5::<2, 1, 0>(w));
-        $f!(14, f5::<2, 6, 0>(w));
-        $f!(15, f5::<2, 11, 0>(w));
-        $f!(16, f5::<2, 16, 0>(w));
-        $f!(17, f5::<2, 21, 0>(w));
-        $f!(18, f5::<2, 26, 0>(w));
-        $f!(19, f5::<2, 31, 1>(w));
-        $f!(20, f5::<3, 4, 0>(w));
-        $f!(21, f5::<3, 9, 0>(w));
-        $f!(22, f5::<3, 14, 0>(w));
-        $f!(23, f5::<3, 19, 0>(w));
-        $f!(24, f5::<3, 24, 0>(w));
-        $f!(25, f5::<3, 29, 3>(w));
-        $f!(26, f5::<4, 2, 0>(w));
-        $f!(27, f5::<4, 7, 0>(w));
-        $f!(28, f5::<4, 12, 0>(w));
-        $f!(29, f5::<4, 17, 0>(w));
-        $f!(30, f5::<4, 22, 0>(w));
-        $f!(31, f5::<4, 27, 0>(w));
-    }};
 }
 
 /// Element `E`'s 16 rows of a Q8_0 group block's quants at `q`, sign-extended and converted.

@@ -1,6 +1,7 @@
 //! Exact decode on Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights regrouped at load,
 //! sixteen rows to a group, for AVX-512 kernels whose 16 lanes are 16 output rows
-//! ([`super::avx512_grouped`]).
+//! ([`super::avx512_grouped`]) and AVX2 kernels that take each group as two halves of eight
+//! ([`super::avx2_grouped`]).
 //!
 //! **Why.** The GEMV on the blocks as stored ([`super::avx512`]) multiplies one row's block with
 //! the activations in two 16-lane halves and scales the partial sum by the block's `d`, so every
@@ -34,7 +35,7 @@
 //! go as blocks with `d·sc_j` for `d` and `−dmin·m_j` for `m`; Q6_K's pairs of 16-element
 //! sub-blocks as blocks whose two halves `p_0 + p_1` and `p_2 + p_3` each take their own
 //! `d·sc_j` (no min). [`rows_ref`] is that
-//! chain in scalar Rust, which the AVX-512 kernel is tested against bit for bit. Products of more
+//! chain in scalar Rust, which the AVX-512 and AVX2 kernels are tested against bit for bit. Products of more
 //! tokens than [`MAX_TOKENS`] (prefill) dequantize tiles of rows exactly, as for blocks as
 //! stored, and run the dense kernels.
 
@@ -45,6 +46,145 @@ use super::int8::{ggml_fifth_at, ggml_quants_at, has_fifth_bit, has_min};
 use super::Job;
 use super::{Pages, WeightArena};
 use crate::model::quant::{self, QuantKind};
+
+/// The grouped formats as the kernels' const parameter.
+pub(crate) mod format {
+    use crate::model::quant::QuantKind;
+
+    pub(crate) const Q4_0: u8 = 0;
+    pub(crate) const Q4_1: u8 = 1;
+    pub(crate) const Q5_0: u8 = 2;
+    pub(crate) const Q5_1: u8 = 3;
+    pub(crate) const Q8_0: u8 = 4;
+    pub(crate) const Q4_K: u8 = 5;
+    pub(crate) const Q6_K: u8 = 6;
+
+    /// The format a kernel's const parameter stands for.
+    pub(crate) const fn kind_of(f: u8) -> QuantKind {
+        match f {
+            Q4_0 => QuantKind::Q4_0,
+            Q4_1 => QuantKind::Q4_1,
+            Q5_0 => QuantKind::Q5_0,
+            Q5_1 => QuantKind::Q5_1,
+            Q8_0 => QuantKind::Q8_0,
+            Q4_K => QuantKind::Q4_K,
+            _ => QuantKind::Q6_K,
+        }
+    }
+}
+
+/// Invokes the macro `$f!(e, index)` for the 32 fields of a block's quant words `$w`, in element
+/// order (for Q8_0, `$f!(e, value)` from the quants at `$q`). A macro, not a closure: a closure
+/// is compiled without the kernel's `#[target_feature]`s unless LLVM chooses to inline it, and
+/// at eight tokens a chunk it did not (see [`super::avx512_grouped`]).
+macro_rules! fields {
+    (8, $q:expr, $f:ident) => {{
+        let q = $q;
+        $f!(0, q8::<0>(q));
+        $f!(1, q8::<1>(q));
+        $f!(2, q8::<2>(q));
+        $f!(3, q8::<3>(q));
+        $f!(4, q8::<4>(q));
+        $f!(5, q8::<5>(q));
+        $f!(6, q8::<6>(q));
+        $f!(7, q8::<7>(q));
+        $f!(8, q8::<8>(q));
+        $f!(9, q8::<9>(q));
+        $f!(10, q8::<10>(q));
+        $f!(11, q8::<11>(q));
+        $f!(12, q8::<12>(q));
+        $f!(13, q8::<13>(q));
+        $f!(14, q8::<14>(q));
+        $f!(15, q8::<15>(q));
+        $f!(16, q8::<16>(q));
+        $f!(17, q8::<17>(q));
+        $f!(18, q8::<18>(q));
+        $f!(19, q8::<19>(q));
+        $f!(20, q8::<20>(q));
+        $f!(21, q8::<21>(q));
+        $f!(22, q8::<22>(q));
+        $f!(23, q8::<23>(q));
+        $f!(24, q8::<24>(q));
+        $f!(25, q8::<25>(q));
+        $f!(26, q8::<26>(q));
+        $f!(27, q8::<27>(q));
+        $f!(28, q8::<28>(q));
+        $f!(29, q8::<29>(q));
+        $f!(30, q8::<30>(q));
+        $f!(31, q8::<31>(q));
+    }};
+    (6, $w:expr, $f:ident) => {{
+        let w = $w;
+        $f!(0, f6::<0, 0, 0>(w));
+        $f!(1, f6::<0, 6, 0>(w));
+        $f!(2, f6::<0, 12, 0>(w));
+        $f!(3, f6::<0, 18, 0>(w));
+        $f!(4, f6::<0, 24, 0>(w));
+        $f!(5, f6::<0, 30, 2>(w));
+        $f!(6, f6::<1, 4, 0>(w));
+        $f!(7, f6::<1, 10, 0>(w));
+        $f!(8, f6::<1, 16, 0>(w));
+        $f!(9, f6::<1, 22, 0>(w));
+        $f!(10, f6::<1, 28, 4>(w));
+        $f!(11, f6::<2, 2, 0>(w));
+        $f!(12, f6::<2, 8, 0>(w));
+        $f!(13, f6::<2, 14, 0>(w));
+        $f!(14, f6::<2, 20, 0>(w));
+        $f!(15, f6::<2, 26, 0>(w));
+        $f!(16, f6::<3, 0, 0>(w));
+        $f!(17, f6::<3, 6, 0>(w));
+        $f!(18, f6::<3, 12, 0>(w));
+        $f!(19, f6::<3, 18, 0>(w));
+        $f!(20, f6::<3, 24, 0>(w));
+        $f!(21, f6::<3, 30, 2>(w));
+        $f!(22, f6::<4, 4, 0>(w));
+        $f!(23, f6::<4, 10, 0>(w));
+        $f!(24, f6::<4, 16, 0>(w));
+        $f!(25, f6::<4, 22, 0>(w));
+        $f!(26, f6::<4, 28, 4>(w));
+        $f!(27, f6::<5, 2, 0>(w));
+        $f!(28, f6::<5, 8, 0>(w));
+        $f!(29, f6::<5, 14, 0>(w));
+        $f!(30, f6::<5, 20, 0>(w));
+        $f!(31, f6::<5, 26, 0>(w));
+    }};
+    (5, $w:expr, $f:ident) => {{
+        let w = $w;
+        $f!(0, f5::<0, 0, 0>(w));
+        $f!(1, f5::<0, 5, 0>(w));
+        $f!(2, f5::<0, 10, 0>(w));
+        $f!(3, f5::<0, 15, 0>(w));
+        $f!(4, f5::<0, 20, 0>(w));
+        $f!(5, f5::<0, 25, 0>(w));
+        $f!(6, f5::<0, 30, 2>(w));
+        $f!(7, f5::<1, 3, 0>(w));
+        $f!(8, f5::<1, 8, 0>(w));
+        $f!(9, f5::<1, 13, 0>(w));
+        $f!(10, f5::<1, 18, 0>(w));
+        $f!(11, f5::<1, 23, 0>(w));
+        $f!(12, f5::<1, 28, 4>(w));
+        $f!(13, f5::<2, 1, 0>(w));
+        $f!(14, f5::<2, 6, 0>(w));
+        $f!(15, f5::<2, 11, 0>(w));
+        $f!(16, f5::<2, 16, 0>(w));
+        $f!(17, f5::<2, 21, 0>(w));
+        $f!(18, f5::<2, 26, 0>(w));
+        $f!(19, f5::<2, 31, 1>(w));
+        $f!(20, f5::<3, 4, 0>(w));
+        $f!(21, f5::<3, 9, 0>(w));
+        $f!(22, f5::<3, 14, 0>(w));
+        $f!(23, f5::<3, 19, 0>(w));
+        $f!(24, f5::<3, 24, 0>(w));
+        $f!(25, f5::<3, 29, 3>(w));
+        $f!(26, f5::<4, 2, 0>(w));
+        $f!(27, f5::<4, 7, 0>(w));
+        $f!(28, f5::<4, 12, 0>(w));
+        $f!(29, f5::<4, 17, 0>(w));
+        $f!(30, f5::<4, 22, 0>(w));
+        $f!(31, f5::<4, 27, 0>(w));
+    }};
+}
+pub(crate) use fields;
 
 /// Elements per block (one scale each): every grouped format's block.
 pub(crate) const BLOCK: usize = 32;
@@ -144,9 +284,9 @@ pub(crate) const fn group_block_bytes(kind: QuantKind) -> usize {
     }
 }
 
-/// Zeroed bytes after the last group, never part of a value: the AVX-512 kernels read each
-/// 4-bit quant word at byte offsets 0–3 as well (so that a byte's low nibble is an index
-/// without a shift), and the last word's reads at offsets 1–3 end up to 3 bytes past it.
+/// Zeroed bytes after the last group, never part of a value: the AVX-512 and AVX2 kernels read
+/// each 4-bit quant word at byte offsets 0–3 as well (so that a byte's low nibble needs no
+/// shift), and the last word's reads at offsets 1–3 end up to 3 bytes past it.
 pub(crate) const READ_SLACK: usize = 64;
 
 /// Weights of a block format regrouped for the grouped kernels (see the module doc).
@@ -382,8 +522,8 @@ impl Grouped {
         out
     }
 
-    /// Row `n` dequantized as ggml does (an embedding lookup, and prefill tiles where the
-    /// CPU has no AVX-512).
+    /// Row `n` dequantized as ggml does (an embedding lookup, and prefill tiles at the scalar
+    /// level).
     pub fn row_f32(&self, n: usize, dst: &mut [f32]) {
         assert!(n < self.rows, "row {n} of a matrix of {} rows", self.rows);
         if self.kind == QuantKind::Q4_K {
@@ -538,7 +678,7 @@ fn dot_ref_k6(w: &Grouped, g: usize, r: usize, x: &[f32]) -> f32 {
     acc
 }
 
-/// Every output of `job` over grouped `w`, in scalar Rust: the reference the AVX-512 kernel is
+/// Every output of `job` over grouped `w`, in scalar Rust: the reference the SIMD kernels are
 /// tested against.
 ///
 /// # Safety

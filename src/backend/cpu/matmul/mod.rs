@@ -94,6 +94,8 @@ mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
+mod avx2_grouped;
+#[cfg(target_arch = "x86_64")]
 mod avx2_i16;
 #[cfg(target_arch = "x86_64")]
 mod avx2_panel;
@@ -639,7 +641,7 @@ fn grouped_block_sums(
 ) -> Option<Vec<f32>> {
     if tokens == 0
         || tokens > grouped::MAX_TOKENS
-        || simd::clamp(level) < Level::Avx512
+        || simd::clamp(level) < Level::Avx2
         || !w.data.takes_grouped_sums()
         || !w.cols.is_multiple_of(grouped::BLOCK)
         || x.len() < (tokens - 1) * ldx + w.cols
@@ -914,26 +916,37 @@ unsafe fn interleaved_rows(level: Level, m: &Interleaved, job: &Job) {
     int8::rows_ref(m, x8, job)
 }
 
-/// [`grouped`]'s kernels: AVX-512 up to [`grouped::MAX_TOKENS`] tokens, dequantized tiles
-/// otherwise (and at levels below AVX-512, which engines never pair with grouped weights but
-/// tests may).
+/// [`grouped`]'s kernels: AVX-512 or AVX2 up to [`grouped::MAX_TOKENS`] tokens, dequantized
+/// tiles otherwise (row by row at the scalar level, which engines never pair with grouped
+/// weights but tests may).
 ///
 /// # Safety
 /// As [`dense_rows`].
 unsafe fn grouped_rows(level: Level, m: &Grouped, job: &Job) {
     let level = simd::clamp(level);
     #[cfg(target_arch = "x86_64")]
-    if level >= Level::Avx512 {
+    if level >= Level::Avx2 {
+        let avx512 = level >= Level::Avx512;
         if job.tokens <= grouped::MAX_TOKENS {
-            avx512_grouped::rows(m, job);
+            if avx512 {
+                avx512_grouped::rows(m, job);
+            } else {
+                avx2_grouped::rows(m, job);
+            }
         } else {
             let group_bytes = m.cols / grouped::elems(m.kind) * grouped::group_block_bytes(m.kind);
             tiled_rows(
                 level,
                 job,
-                // SAFETY: the level includes AVX-512 F/BW/VL and F16C; the rows lie in `m`
-                // (the job's rows are checked against the matrix).
-                |rows, tile| unsafe { avx512_grouped::dequantize(m, rows, tile) },
+                // SAFETY: the level includes AVX-512 F/BW/VL and F16C, or AVX2, FMA and F16C;
+                // the rows lie in `m` (the job's rows are checked against the matrix).
+                |rows, tile| unsafe {
+                    if avx512 {
+                        avx512_grouped::dequantize(m, rows, tile)
+                    } else {
+                        avx2_grouped::dequantize(m, rows, tile)
+                    }
+                },
                 |rows| {
                     let g = rows.start / grouped::GROUP..rows.end.div_ceil(grouped::GROUP);
                     &m.bytes[g.start * group_bytes..g.end * group_bytes]

@@ -1515,18 +1515,33 @@ fn grouping_keeps_every_row() {
                 want_bytes + grouped::READ_SLACK,
                 "{kind:?} {rows} rows"
             );
-            if simd::level() >= Level::Avx512 {
+            for level in [Level::Avx512, Level::Avx2] {
+                if simd::level() < level {
+                    println!(
+                        "SKIPPED ({} tile dequantization): not on this CPU",
+                        level.name()
+                    );
+                    continue;
+                }
                 for r in [0..rows, rows / 3..rows, 1.min(rows)..rows.min(18)] {
                     let mut got = vec![f32::NAN; r.len() * cols];
-                    unsafe { avx512_grouped::dequantize(m, r.clone(), &mut got) };
+                    unsafe {
+                        if level == Level::Avx512 {
+                            avx512_grouped::dequantize(m, r.clone(), &mut got)
+                        } else {
+                            avx2_grouped::dequantize(m, r.clone(), &mut got)
+                        }
+                    };
                     let same = got
                         .iter()
                         .zip(&want[r.start * cols..r.end * cols])
                         .all(|(&g, &w)| g as f64 == w && g.to_bits() == (w as f32).to_bits());
-                    assert!(same, "{kind:?} rows {r:?}: tile dequantization");
+                    assert!(
+                        same,
+                        "{kind:?} rows {r:?}: {} tile dequantization",
+                        level.name()
+                    );
                 }
-            } else {
-                println!("SKIPPED (tile dequantization): this CPU has no AVX-512");
             }
         }
     }
@@ -1557,16 +1572,20 @@ fn grouping_keeps_every_row() {
     assert!(matches!(p[1].data, WeightData::Quant { .. }));
 }
 
-/// Grouped weights: the AVX-512 kernel equals the scalar reference bit for bit (row ranges that
-/// cut groups, bias, accumulation, 1 to 16 tokens: chunks of 8 and rests, the passes of up to
-/// four tokens that hold every quarter chain among them), the reference equals
+/// Grouped weights: the AVX-512 and AVX2 kernels equal the scalar reference bit for bit (row
+/// ranges that cut groups and half groups, bias, accumulation, 1 to 16 tokens: chunks of 8 and
+/// rests, the passes of up to four tokens that hold every quarter chain among them, the AVX2
+/// passes of one token's two halves or two tokens' one half), the reference equals
 /// the f64 product of the dequantized weights within f32 rounding of the sums, and a token's
 /// outputs are the same bits in every call of up to 16 tokens it is part of.
 #[test]
 fn grouped_kernels_match_the_reference() {
-    if simd::level() < Level::Avx512 {
-        println!("SKIPPED: this CPU has no AVX-512 (engines group weights only where it does)");
+    if simd::level() < Level::Avx2 {
+        println!("SKIPPED: this CPU has no AVX2 (engines group weights only where it does)");
         return;
+    }
+    if simd::level() < Level::Avx512 {
+        println!("SKIPPED (AVX-512 grouped kernels): not on this CPU");
     }
     for kind in GROUPED_KINDS {
         for (rows, cols, tokens) in [
@@ -1599,13 +1618,23 @@ fn grouped_kernels_match_the_reference() {
             for acc in [false, true] {
                 let mut reference = out0.clone();
                 let mut vector = out0.clone();
-                // Rows cut at 5 and 21: groups entered and left in the middle.
+                let mut vector2 = out0.clone();
+                // Rows cut at 5, 11 and 21: groups and half groups entered and left in the
+                // middle.
                 for rg in [
                     0..rows.min(5),
-                    rows.min(5)..rows.min(21),
+                    rows.min(5)..rows.min(11),
+                    rows.min(11)..rows.min(21),
                     rows.min(21)..rows,
                 ] {
-                    for (out, simd) in [(&mut reference, false), (&mut vector, true)] {
+                    for (out, kernel) in [
+                        (&mut reference, Level::Scalar),
+                        (&mut vector, Level::Avx512),
+                        (&mut vector2, Level::Avx2),
+                    ] {
+                        if simd::level() < kernel {
+                            continue;
+                        }
                         let job = Job {
                             k: cols,
                             bias: w.bias.as_deref(),
@@ -1622,40 +1651,51 @@ fn grouped_kernels_match_the_reference() {
                             sums: None,
                         };
                         unsafe {
-                            if simd {
-                                avx512_grouped::rows(m, &job)
-                            } else {
-                                grouped::rows_ref(m, &job)
+                            match kernel {
+                                Level::Avx512 => avx512_grouped::rows(m, &job),
+                                Level::Avx2 => avx2_grouped::rows(m, &job),
+                                _ => grouped::rows_ref(m, &job),
                             }
                         }
                     }
                 }
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                if simd::level() >= Level::Avx512 {
+                    assert_eq!(
+                        bits(&vector),
+                        bits(&reference),
+                        "{kind:?} {rows}x{cols} x{tokens}"
+                    );
+                }
                 assert_eq!(
-                    bits(&vector),
+                    bits(&vector2),
                     bits(&reference),
-                    "{kind:?} {rows}x{cols} x{tokens}"
+                    "{kind:?} {rows}x{cols} x{tokens}: AVX2"
                 );
                 if let Err(e) = compare(&w, &x, ldx, tokens, &out0, &reference, rows, acc) {
                     panic!("{kind:?} {rows}x{cols} x{tokens} reference: {e}");
                 }
-                // Through the entry point, each token alone gives the same bits.
-                let mut all = out0.clone();
-                matmul(Numerics::Exact, &w, &x, ldx, tokens, &mut all, rows, acc);
-                assert_eq!(
-                    bits(&all),
-                    bits(&reference),
-                    "{kind:?} {rows}x{cols} x{tokens}: entry point"
-                );
-                for t in 0..tokens {
-                    let mut one = out0[t * rows..(t + 1) * rows].to_vec();
-                    let xt = &x[t * ldx..t * ldx + cols];
-                    matmul(Numerics::Exact, &w, xt, cols, 1, &mut one, rows, acc);
+                // Through the entry point at each level, each token alone gives the same bits.
+                for level in [simd::level(), Level::Avx2] {
+                    let mut all = out0.clone();
+                    matmul_at(level, &w, &x, ldx, tokens, &mut all, rows, acc);
                     assert_eq!(
-                        bits(&one),
-                        bits(&all[t * rows..(t + 1) * rows]),
-                        "{kind:?} token {t} alone"
+                        bits(&all),
+                        bits(&reference),
+                        "{kind:?} {rows}x{cols} x{tokens}: {} entry point",
+                        level.name()
                     );
+                    for t in 0..tokens {
+                        let mut one = out0[t * rows..(t + 1) * rows].to_vec();
+                        let xt = &x[t * ldx..t * ldx + cols];
+                        matmul_at(level, &w, xt, cols, 1, &mut one, rows, acc);
+                        assert_eq!(
+                            bits(&one),
+                            bits(&all[t * rows..(t + 1) * rows]),
+                            "{kind:?} token {t} alone, {}",
+                            level.name()
+                        );
+                    }
                 }
             }
         }

@@ -1,0 +1,696 @@
+//! The AVX2 kernels of [`super::grouped`]: up to [`MAX_TOKENS`] tokens against the weights that
+//! [`super::avx512_grouped`] reads, each 16-row group taken as two halves of eight rows (the
+//! first and last 32 bytes of every 64-byte quant word, the first and last 8 entries of every
+//! 16-entry scale row), each (row, token) the chain of [`super::grouped::rows_ref`] bit for bit;
+//! and the exact dequantization of grouped rows into prefill tiles.
+//!
+//! **Why.** On AVX2 the GEMVs on blocks as stored ([`super::avx2`]) sum each row's block in
+//! four vectors, then reduce across lanes and scale per row: one core of an Intel Xeon (family 6
+//! model 207) ran Q4_1 at 7.2 GiB/s and Q5_0 at 5.8 (`cargo bench --bench kernels --
+//! 'gemv/.*/avx2'`), about half of what each of two cores must read for decode to be bound by
+//! memory. With the rows in the lanes nothing is reduced or broadcast per row.
+//!
+//! **Per element**, for eight rows: the field masked and converted (AVX2's `vpermps` indexes
+//! only eight entries, so there is no table), with the format's offset subtracted in the integer
+//! domain first (exact), after at most one shift: 4-bit words are read at byte offsets 0–3 as
+//! the AVX-512 kernels read them, so a byte's low nibble needs none. Then one FMA per token with
+//! the broadcast activation. The 16 registers hold four quarter chains and an accumulator for
+//! two tokens of one half at a time ([`PAIRS`]); the quarter chains are held to the run's end
+//! and fed quarter-interleaved for the 4-bit formats, as in [`super::avx512_grouped`], so that
+//! consecutive FMAs are independent. A pass over both halves of one token (two chains of
+//! registers) spilled: Q4_1 ran 8.4 GiB/s where two passes run 9.6.
+//!
+//! Nothing here takes a closure (see [`super::avx512_groups`]).
+
+use std::arch::x86_64::*;
+
+use super::grouped::format::{kind_of, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0};
+use super::grouped::{
+    elems, fields, group_block_bytes, quants_at, takes_sums, token_block_sums, value_offset,
+    Grouped, BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES,
+    K6_PAIR_BYTES, K6_QUANTS, K6_SCALES, K6_SUB, MAX_TOKENS,
+};
+use super::int8::has_min;
+use super::Job;
+use crate::model::quant::QuantKind;
+
+/// Rows per half group: the lanes of a 256-bit vector.
+const LANES: usize = 8;
+
+/// Tokens per pass: four quarter chains and an accumulator each, ten of the 16 registers, the
+/// rest for the activations, masks and fields in flight.
+const PAIRS: usize = 2;
+
+/// The farthest a pass prefetches ahead: the next group's same block where groups are short,
+/// at most this far where they are long, as [`super::avx512_groups`] does.
+const PREFETCH_SPAN: usize = 12 << 10;
+
+/// Outputs `job.rows` for `job.tokens` (at most [`MAX_TOKENS`]) tokens from grouped weights.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `job`'s output must be valid for writes at
+/// `t·ldo + n` for every token and row of the job, its input for reads of `w.cols` values per
+/// token, its bias (if any) for reads up to `w.rows`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn rows(w: &Grouped, job: &Job) {
+    assert!(
+        job.tokens <= MAX_TOKENS,
+        "{} tokens for the grouped kernel",
+        job.tokens
+    );
+    match w.kind {
+        QuantKind::Q4_0 => rows_of::<Q4_0>(w, job),
+        QuantKind::Q4_1 => rows_of::<Q4_1>(w, job),
+        QuantKind::Q5_0 => rows_of::<Q5_0>(w, job),
+        QuantKind::Q5_1 => rows_of::<Q5_1>(w, job),
+        QuantKind::Q8_0 => rows_of::<Q8_0>(w, job),
+        QuantKind::Q4_K => rows_of::<Q4_K>(w, job),
+        QuantKind::Q6_K => rows_of::<Q6_K>(w, job),
+        k => unreachable!("{} is never grouped", k.name()),
+    }
+}
+
+/// What every pass over a matrix shares.
+struct Matrix<'a> {
+    /// Blocks (K formats: super-blocks) per row.
+    nb: usize,
+    job: &'a Job<'a>,
+    /// Every token's block sums, token `t`'s at `t·blocks` (empty without a min).
+    sums: &'a [f32],
+    /// 32-element blocks per token row.
+    blocks: usize,
+}
+
+impl Matrix<'_> {
+    /// Token `t`'s activations and block sums (the latter never read without a min).
+    #[inline(always)]
+    unsafe fn token(&self, t: usize) -> (*const f32, *const f32) {
+        (
+            self.job.xptr(t),
+            self.sums.as_ptr().wrapping_add(t * self.blocks),
+        )
+    }
+}
+
+#[inline(always)]
+unsafe fn rows_of<const F: u8>(w: &Grouped, job: &Job) {
+    let kind = kind_of(F);
+    let blocks = w.cols / BLOCK;
+    let owned: Vec<f32>;
+    let sums = match job.sums {
+        _ if !takes_sums(kind) => &[][..],
+        Some(s) if s.len() >= job.tokens * blocks => s,
+        _ => {
+            owned = token_block_sums((0..job.tokens).map(|t| job.xrow(t)));
+            &owned
+        }
+    };
+    let m = Matrix {
+        nb: w.cols / elems(kind),
+        job,
+        sums,
+        blocks,
+    };
+    let gb = m.nb * group_block_bytes(kind);
+    let distance = gb.min(PREFETCH_SPAN);
+    let (g0, g1) = (job.rows.start / GROUP, job.rows.end.div_ceil(GROUP));
+    for g in g0..g1 {
+        let n0 = g * GROUP;
+        let (lo, hi) = (
+            job.rows.start.max(n0) - n0,
+            job.rows.end.min(n0 + GROUP) - n0,
+        );
+        let base = w.bytes.as_ptr().add(g * gb);
+        // The first pass over a group fetches the bytes `distance` ahead as it goes; only
+        // addresses are formed past the weights' end, never dereferenced.
+        let mut ahead = if g + 1 < g1 || distance < gb {
+            base.wrapping_add(distance)
+        } else {
+            std::ptr::null()
+        };
+        // The second half's pass reads the lines that the first one brought in.
+        for h in lo / LANES..hi.div_ceil(LANES) {
+            let r0 = n0 + LANES * h;
+            let lanes = lo.max(LANES * h) - LANES * h..hi.min(LANES * (h + 1)) - LANES * h;
+            let mut t0 = 0;
+            while t0 < job.tokens {
+                let n = (job.tokens - t0).min(PAIRS);
+                if n == 2 {
+                    let acc = pass::<F, 2>(&m, base, ahead, h, [m.token(t0), m.token(t0 + 1)]);
+                    store(job, t0, r0, lanes.clone(), &acc);
+                } else {
+                    let acc = pass::<F, 1>(&m, base, ahead, h, [m.token(t0)]);
+                    store(job, t0, r0, lanes.clone(), &acc);
+                }
+                ahead = std::ptr::null();
+                t0 += n;
+            }
+        }
+    }
+}
+
+/// Writes tokens `t0..t0 + N`'s outputs `r0 + lane` for `lanes`, as [`Job::put`] does:
+/// `(out + d) + bias` when accumulating, else `d + bias`.
+#[inline(always)]
+unsafe fn store<const N: usize>(
+    job: &Job,
+    t0: usize,
+    r0: usize,
+    lanes: std::ops::Range<usize>,
+    acc: &[__m256; N],
+) {
+    let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let mask = _mm256_and_si256(
+        _mm256_cmpgt_epi32(iota, _mm256_set1_epi32(lanes.start as i32 - 1)),
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes.end as i32), iota),
+    );
+    let bias = job
+        .bias
+        .map(|b| _mm256_maskload_ps(b.as_ptr().add(r0), mask));
+    for (t, &d) in acc.iter().enumerate() {
+        let o = job.out.add((t0 + t) * job.ldo + r0);
+        let mut v = d;
+        if job.accumulate {
+            v = _mm256_add_ps(_mm256_maskload_ps(o, mask), v);
+        }
+        if let Some(b) = bias {
+            v = _mm256_add_ps(v, b);
+        }
+        _mm256_maskstore_ps(o, mask, v);
+    }
+}
+
+/// The outputs of half `h` of the group at `base` for `N` tokens, each the block chain, asking
+/// the bytes at `ahead` into the cache as it goes (null: none).
+#[inline(always)]
+unsafe fn pass<const F: u8, const N: usize>(
+    m: &Matrix,
+    base: *const u8,
+    ahead: *const u8,
+    h: usize,
+    tokens: [(*const f32, *const f32); N],
+) -> [__m256; N] {
+    let kind = kind_of(F);
+    let bb = group_block_bytes(kind);
+    let x: [*const f32; N] = std::array::from_fn(|t| tokens[t].0);
+    let s: [*const f32; N] = std::array::from_fn(|t| tokens[t].1);
+    let mut acc = [_mm256_setzero_ps(); N];
+    for b in 0..m.nb {
+        let blk = base.add(b * bb);
+        let next = if ahead.is_null() {
+            ahead
+        } else {
+            ahead.wrapping_add(b * bb)
+        };
+        if F == Q4_K {
+            k4_super_block(blk, b, h, &x, &s, &mut acc, next);
+            continue;
+        }
+        if F == Q6_K {
+            k6_super_block(blk, b, h, &x, &mut acc, next);
+            continue;
+        }
+        prefetch_part(next, bb, 0, 1);
+        let xb: [*const f32; N] = std::array::from_fn(|t| x[t].add(b * BLOCK));
+        let mut c = Quarters::<N>::new(xb);
+        values::<F, _>(blk.add(quants_at(kind)), h, &mut c);
+        let d = half_f16(blk, h);
+        for (t, a) in acc.iter_mut().enumerate() {
+            *a = _mm256_fmadd_ps(d, c.sum(t), *a);
+        }
+        if has_min(kind) {
+            let mv = half_f16(blk.add(2 * GROUP), h);
+            for (t, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(mv, _mm256_set1_ps(*s[t].add(b)), *a);
+            }
+        }
+    }
+    acc
+}
+
+/// Half `h` of the 16 f16 values at `p`, widened.
+#[inline(always)]
+unsafe fn half_f16(p: *const u8, h: usize) -> __m256 {
+    _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * LANES * h) as *const __m128i))
+}
+
+/// Half `h` of the 16 bytes at `p`, as f32: unsigned, or signed (`SIGNED`).
+#[inline(always)]
+unsafe fn half_bytes<const SIGNED: bool>(p: *const u8, h: usize) -> __m256 {
+    let b = _mm_loadl_epi64(p.add(LANES * h) as *const __m128i);
+    _mm256_cvtepi32_ps(if SIGNED {
+        _mm256_cvtepi8_epi32(b)
+    } else {
+        _mm256_cvtepu8_epi32(b)
+    })
+}
+
+/// Part `i` of `parts` of the `bytes` bytes at `next` asked into the cache (nothing where
+/// `next` is null), each part the same whole number of lines at constant offsets, as
+/// [`super::avx512_grouped`] spreads them.
+#[inline(always)]
+unsafe fn prefetch_part(next: *const u8, bytes: usize, i: usize, parts: usize) {
+    if next.is_null() {
+        return;
+    }
+    let per = bytes.div_ceil(64).div_ceil(parts);
+    let first = next.wrapping_add(64 * per * i);
+    for line in 0..per {
+        _mm_prefetch::<_MM_HINT_T0>(first.wrapping_add(64 * line) as *const i8);
+    }
+}
+
+/// Half `h` of a Q4_K group super-block's `d·sc_j` and `dmin·m_j` for sub-block `j` (both
+/// exact in f32: an f16 times a 6-bit integer).
+#[inline(always)]
+unsafe fn k4_scales(blk: *const u8, h: usize, j: usize) -> (__m256, __m256) {
+    (
+        _mm256_mul_ps(
+            half_f16(blk, h),
+            half_bytes::<false>(blk.add(K4_SCALES + GROUP * j), h),
+        ),
+        _mm256_mul_ps(
+            half_f16(blk.add(K4_DMIN), h),
+            half_bytes::<false>(blk.add(K4_MINS + GROUP * j), h),
+        ),
+    )
+}
+
+/// Half `h` of a Q6_K group super-block's `d·sc` for the two sub-blocks of pair `pair` (exact
+/// in f32: an f16 times an 8-bit integer).
+#[inline(always)]
+unsafe fn k6_scales(blk: *const u8, h: usize, pair: usize) -> (__m256, __m256) {
+    let d = half_f16(blk, h);
+    let (a, b) = (
+        half_bytes::<true>(blk.add(K6_SCALES + GROUP * 2 * pair), h),
+        half_bytes::<true>(blk.add(K6_SCALES + GROUP * (2 * pair + 1)), h),
+    );
+    (_mm256_mul_ps(d, a), _mm256_mul_ps(d, b))
+}
+
+/// One Q4_K group super-block (`b` of the row) into the accumulators: each sub-block `j` as a
+/// Q4_1 block's quarters, then `acc ← fma(d·sc_j, s, acc)` and `acc ← fma(−dmin·m_j, Σx_j, acc)`.
+#[inline(always)]
+unsafe fn k4_super_block<const N: usize>(
+    blk: *const u8,
+    b: usize,
+    h: usize,
+    x: &[*const f32; N],
+    sums: &[*const f32; N],
+    acc: &mut [__m256; N],
+    next: *const u8,
+) {
+    for j in 0..K4_SUB {
+        prefetch_part(next, group_block_bytes(QuantKind::Q4_K), j, K4_SUB);
+        let sub = b * K4_SUB + j;
+        let xb: [*const f32; N] = std::array::from_fn(|t| x[t].add(sub * BLOCK));
+        let mut c = Quarters::<N>::new(xb);
+        values::<Q4_1, _>(blk.add(K4_QUANTS + j * K4_SUB_BYTES), h, &mut c);
+        let (d1, m1) = k4_scales(blk, h, j);
+        for (t, a) in acc.iter_mut().enumerate() {
+            *a = _mm256_fmadd_ps(d1, c.sum(t), *a);
+            *a = _mm256_fnmadd_ps(m1, _mm256_set1_ps(*sums[t].add(sub)), *a);
+        }
+    }
+}
+
+/// One Q6_K group super-block (`b` of the row) into the accumulators: per pair of sub-blocks
+/// the four quarters' partial sums, then `acc ← fma(d·sc_a, p_0 + p_1, acc)` and
+/// `acc ← fma(d·sc_b, p_2 + p_3, acc)`.
+#[inline(always)]
+unsafe fn k6_super_block<const N: usize>(
+    blk: *const u8,
+    b: usize,
+    h: usize,
+    x: &[*const f32; N],
+    acc: &mut [__m256; N],
+    next: *const u8,
+) {
+    for pair in 0..K6_SUB / 2 {
+        prefetch_part(next, group_block_bytes(QuantKind::Q6_K), pair, K6_SUB / 2);
+        let xb: [*const f32; N] = std::array::from_fn(|t| x[t].add(b * 256 + pair * BLOCK));
+        let mut c = Quarters::<N>::new(xb);
+        values6(blk.add(K6_QUANTS + pair * K6_PAIR_BYTES), h, &mut c);
+        let (da, db) = k6_scales(blk, h, pair);
+        for (t, a) in acc.iter_mut().enumerate() {
+            let (pa, pb) = c.halves(t);
+            *a = _mm256_fmadd_ps(da, pa, *a);
+            *a = _mm256_fmadd_ps(db, pb, *a);
+        }
+    }
+}
+
+/// Where [`values`] and [`values6`] deliver element `e`'s eight rows.
+trait Sink {
+    /// Whether the sink takes the 4-bit elements quarter-interleaved (`0, 8, 16, 24, 1, 9, …`:
+    /// each quarter's elements still in order) rather than in element order.
+    const INTERLEAVED: bool = false;
+    unsafe fn put(&mut self, e: usize, v: __m256);
+}
+
+/// The four quarter chains of a run of 32 elements for `N` tokens, held to the run's end.
+struct Quarters<const N: usize> {
+    /// Each token's activations at the run's first element.
+    x: [*const f32; N],
+    p: [[__m256; N]; 4],
+}
+
+impl<const N: usize> Quarters<N> {
+    #[inline(always)]
+    unsafe fn new(x: [*const f32; N]) -> Self {
+        Quarters {
+            x,
+            p: [[_mm256_setzero_ps(); N]; 4],
+        }
+    }
+
+    /// Token `t`'s `p_0 + p_1` and `p_2 + p_3`.
+    #[inline(always)]
+    unsafe fn halves(&self, t: usize) -> (__m256, __m256) {
+        (
+            _mm256_add_ps(self.p[0][t], self.p[1][t]),
+            _mm256_add_ps(self.p[2][t], self.p[3][t]),
+        )
+    }
+
+    /// Token `t`'s `(p_0 + p_1) + (p_2 + p_3)`.
+    #[inline(always)]
+    unsafe fn sum(&self, t: usize) -> __m256 {
+        let (a, b) = self.halves(t);
+        _mm256_add_ps(a, b)
+    }
+}
+
+impl<const N: usize> Sink for Quarters<N> {
+    const INTERLEAVED: bool = true;
+    #[inline(always)]
+    unsafe fn put(&mut self, e: usize, q: __m256) {
+        for t in 0..N {
+            let x = _mm256_set1_ps(*self.x[t].add(e));
+            self.p[e / 8][t] = _mm256_fmadd_ps(q, x, self.p[e / 8][t]);
+        }
+    }
+}
+
+/// Integer quants (masked to their field) less the format's offset, as f32 (exact).
+#[inline(always)]
+unsafe fn to_f32<const F: u8>(q: __m256i) -> __m256 {
+    let off = value_offset(kind_of(F));
+    if off == 0 {
+        _mm256_cvtepi32_ps(q)
+    } else {
+        _mm256_cvtepi32_ps(_mm256_add_epi32(q, _mm256_set1_epi32(off)))
+    }
+}
+
+/// Element `E`'s eight rows of a Q8_0 group block half's quants at `q` (the half's first row
+/// already added), sign-extended and converted.
+#[inline(always)]
+unsafe fn q8<const E: usize>(q: *const u8) -> __m256 {
+    let bytes = _mm_loadl_epi64(q.add(GROUP * E) as *const __m128i);
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))
+}
+
+/// Bits `S..` of the stream from word `W` (unmasked); `L = 32 − S` where the field crosses into
+/// word `W + 1`, else 0.
+#[inline(always)]
+unsafe fn f5<const W: usize, const S: i32, const L: i32>(w: &[__m256i; 5]) -> __m256i {
+    field::<W, S, L, 5>(w)
+}
+
+/// [`f5`] over six words, as the Q6_K value `q − 32` in f32.
+#[inline(always)]
+unsafe fn f6<const W: usize, const S: i32, const L: i32>(w: &[__m256i; 6]) -> __m256 {
+    let v = _mm256_and_si256(field::<W, S, L, 6>(w), _mm256_set1_epi32(0x3f));
+    _mm256_cvtepi32_ps(_mm256_sub_epi32(v, _mm256_set1_epi32(32)))
+}
+
+/// Bits `S..` of the stream of `K` words from word `W`, with word `W + 1`'s low bits above
+/// bit `L` where `L` is not 0.
+#[inline(always)]
+unsafe fn field<const W: usize, const S: i32, const L: i32, const K: usize>(
+    w: &[__m256i; K],
+) -> __m256i {
+    let v = if S == 0 {
+        w[W]
+    } else {
+        _mm256_srli_epi32::<S>(w[W])
+    };
+    if L == 0 {
+        v
+    } else {
+        _mm256_or_si256(v, _mm256_slli_epi32::<L>(w[W + 1]))
+    }
+}
+
+/// Half `h` of the `K` quant words at `q`.
+#[inline(always)]
+unsafe fn words<const K: usize>(q: *const u8, h: usize) -> [__m256i; K] {
+    let mut w = [_mm256_setzero_si256(); K];
+    for (i, v) in w.iter_mut().enumerate() {
+        *v = _mm256_loadu_si256(q.add(64 * i + 32 * h) as *const __m256i);
+    }
+    w
+}
+
+/// The `q − 32` values of half `h` of a pair of Q6_K sub-blocks (six words at `q`) into `sink`.
+#[inline(always)]
+unsafe fn values6<S: Sink>(q: *const u8, h: usize, sink: &mut S) {
+    let w = words::<6>(q, h);
+    macro_rules! put {
+        ($e:expr, $v:expr) => {
+            sink.put($e, $v)
+        };
+    }
+    fields!(6, &w, put);
+}
+
+/// Half `h` of each element's quants as f32 (the offset applied) into `sink`.
+#[inline(always)]
+unsafe fn values<const F: u8, S: Sink>(q: *const u8, h: usize, sink: &mut S) {
+    if F == Q8_0 {
+        let q = q.add(LANES * h);
+        macro_rules! put {
+            ($e:expr, $v:expr) => {
+                sink.put($e, $v)
+            };
+        }
+        fields!(8, q, put);
+    } else if F == Q5_0 || F == Q5_1 {
+        let w = words::<5>(q, h);
+        let mask = _mm256_set1_epi32(0x1f);
+        macro_rules! put5 {
+            ($e:expr, $i:expr) => {
+                sink.put($e, to_f32::<F>(_mm256_and_si256($i, mask)))
+            };
+        }
+        fields!(5, &w, put5);
+    } else {
+        // Word `w` (this half of it) read from its byte `j`: lane `r`'s low byte is row `r`'s
+        // byte `j` of the word, whose low nibble is element `8w + 2j` and high nibble element
+        // `8w + 2j + 1`. The bytes above are masked off.
+        let q = q.add(32 * h);
+        let mask = _mm256_set1_epi32(0x0f);
+        macro_rules! word {
+            ($w:expr, $j:expr) => {
+                _mm256_loadu_si256(q.add(64 * $w + $j) as *const __m256i)
+            };
+        }
+        macro_rules! byte {
+            ($v:expr, $w:expr, $j:expr) => {{
+                let v = $v;
+                sink.put(8 * $w + 2 * $j, to_f32::<F>(_mm256_and_si256(v, mask)));
+                let hi = _mm256_and_si256(_mm256_srli_epi32::<4>(v), mask);
+                sink.put(8 * $w + 2 * $j + 1, to_f32::<F>(hi));
+            }};
+        }
+        if S::INTERLEAVED {
+            // Elements 2j of the four quarters, then 2j + 1 of each (loops: LLVM unrolls them
+            // and keeps their order, see `super::avx512_grouped`).
+            for j in 0..4 {
+                let v = [word!(0, j), word!(1, j), word!(2, j), word!(3, j)];
+                for (w, &v) in v.iter().enumerate() {
+                    sink.put(8 * w + 2 * j, to_f32::<F>(_mm256_and_si256(v, mask)));
+                }
+                for (w, &v) in v.iter().enumerate() {
+                    let hi = _mm256_and_si256(_mm256_srli_epi32::<4>(v), mask);
+                    sink.put(8 * w + 2 * j + 1, to_f32::<F>(hi));
+                }
+            }
+        } else {
+            for w in 0..4 {
+                for j in 0..4 {
+                    byte!(word!(w, j), w, j);
+                }
+            }
+        }
+    }
+}
+
+/// A run's values, scaled (`scale[0]` for elements 0–15, `scale[1]` for 16–31), then offset,
+/// never fused: how ggml dequantizes.
+struct Dequantized<'a> {
+    v: &'a mut [__m256; BLOCK],
+    scale: [__m256; 2],
+    offset: Option<__m256>,
+}
+
+impl Sink for Dequantized<'_> {
+    #[inline(always)]
+    unsafe fn put(&mut self, e: usize, q: __m256) {
+        let x = _mm256_mul_ps(q, self.scale[e / 16]);
+        self.v[e] = match self.offset {
+            Some(m) => _mm256_add_ps(x, m),
+            None => x,
+        };
+    }
+}
+
+/// Rows `rows` of grouped `w` dequantized into `out` (row-major, `w.cols` per row), bit-identical
+/// to ggml's dequantization: `q·d`, then `+ m`, never fused.
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C; `rows` must lie in `w` and `out` hold `rows.len() · w.cols`
+/// values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dequantize(w: &Grouped, rows: std::ops::Range<usize>, out: &mut [f32]) {
+    match w.kind {
+        QuantKind::Q4_0 => dequantize_with::<Legacy<Q4_0>>(w, rows, out),
+        QuantKind::Q4_1 => dequantize_with::<Legacy<Q4_1>>(w, rows, out),
+        QuantKind::Q5_0 => dequantize_with::<Legacy<Q5_0>>(w, rows, out),
+        QuantKind::Q5_1 => dequantize_with::<Legacy<Q5_1>>(w, rows, out),
+        QuantKind::Q8_0 => dequantize_with::<Legacy<Q8_0>>(w, rows, out),
+        QuantKind::Q4_K => dequantize_with::<SubBlocksK4>(w, rows, out),
+        QuantKind::Q6_K => dequantize_with::<PairsK6>(w, rows, out),
+        k => unreachable!("{} is never grouped", k.name()),
+    }
+}
+
+/// How a format's group block splits into runs of 32 elements for [`dequantize_with`], and
+/// each run's values for half `h` of the group.
+trait Pieces {
+    /// Runs of 32 elements per group block.
+    const PIECES: usize;
+    /// Run `i` of half `h` of the group block at `blk`, element-major (8 rows each), exactly
+    /// as ggml dequantizes it.
+    unsafe fn piece(blk: *const u8, i: usize, h: usize, v: &mut [__m256; BLOCK]);
+}
+
+/// The legacy formats: one run, `q·d`, then `+ m` (never fused).
+struct Legacy<const F: u8>;
+
+impl<const F: u8> Pieces for Legacy<F> {
+    const PIECES: usize = 1;
+    #[inline(always)]
+    unsafe fn piece(blk: *const u8, _: usize, h: usize, v: &mut [__m256; BLOCK]) {
+        let kind = kind_of(F);
+        let d = half_f16(blk, h);
+        let mut sink = Dequantized {
+            v,
+            scale: [d, d],
+            offset: if has_min(kind) {
+                Some(half_f16(blk.add(2 * GROUP), h))
+            } else {
+                None
+            },
+        };
+        values::<F, _>(blk.add(quants_at(kind)), h, &mut sink);
+    }
+}
+
+/// Q4_K: its sub-blocks, `d·sc_j · q − dmin·m_j` (a multiply, then a subtraction, as ggml).
+struct SubBlocksK4;
+
+impl Pieces for SubBlocksK4 {
+    const PIECES: usize = K4_SUB;
+    #[inline(always)]
+    unsafe fn piece(blk: *const u8, j: usize, h: usize, v: &mut [__m256; BLOCK]) {
+        let (d1, m1) = k4_scales(blk, h, j);
+        // `q·d1 − m1` is `q·d1 + (−m1)` bit for bit (the sign flipped, not `0 − m1`, which
+        // would turn a +0 min's `−0 − 0` into +0).
+        let neg = _mm256_xor_ps(m1, _mm256_set1_ps(-0.0));
+        let mut sink = Dequantized {
+            v,
+            scale: [d1, d1],
+            offset: Some(neg),
+        };
+        values::<Q4_1, _>(blk.add(K4_QUANTS + j * K4_SUB_BYTES), h, &mut sink);
+    }
+}
+
+/// Q6_K: its pairs of sub-blocks, `d·sc · (q − 32)` (one multiply, as ggml).
+struct PairsK6;
+
+impl Pieces for PairsK6 {
+    const PIECES: usize = K6_SUB / 2;
+    #[inline(always)]
+    unsafe fn piece(blk: *const u8, pair: usize, h: usize, v: &mut [__m256; BLOCK]) {
+        let (da, db) = k6_scales(blk, h, pair);
+        let mut sink = Dequantized {
+            v,
+            scale: [da, db],
+            offset: None,
+        };
+        values6(blk.add(K6_QUANTS + pair * K6_PAIR_BYTES), h, &mut sink);
+    }
+}
+
+/// [`dequantize`] for one format: every group block of `rows`, each run of 32 elements of each
+/// half group computed element-major by `P` and transposed into its rows' places in `out`.
+#[inline(always)]
+unsafe fn dequantize_with<P: Pieces>(w: &Grouped, rows: std::ops::Range<usize>, out: &mut [f32]) {
+    let (k, n, bb) = (w.cols, elems(w.kind), group_block_bytes(w.kind));
+    let nb = k / n;
+    assert!(rows.end <= w.rows && out.len() >= rows.len() * k);
+    for g in rows.start / GROUP..rows.end.div_ceil(GROUP) {
+        let n0 = g * GROUP;
+        for h in 0..2 {
+            let r0 = n0 + LANES * h;
+            let (lo, hi) = (rows.start.max(r0), rows.end.min(r0 + LANES));
+            if lo >= hi {
+                continue;
+            }
+            for b in 0..nb {
+                let blk = w.bytes.as_ptr().add((g * nb + b) * bb);
+                for i in 0..P::PIECES {
+                    let mut v = [_mm256_setzero_ps(); BLOCK];
+                    P::piece(blk, i, h, &mut v);
+                    for c in 0..BLOCK / LANES {
+                        let t = transpose8(v[LANES * c..LANES * (c + 1)].try_into().expect("8"));
+                        for row in lo..hi {
+                            let dst = out
+                                .as_mut_ptr()
+                                .add((row - rows.start) * k + b * n + i * BLOCK + LANES * c);
+                            _mm256_storeu_ps(dst, t[row - r0]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The transpose of an 8 × 8 matrix held as 8 row vectors: lane `c` of row `r` to lane `r` of
+/// row `c`.
+#[inline(always)]
+unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+    let mut t = [_mm256_setzero_ps(); 8];
+    for i in 0..4 {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    let mut u = [_mm256_setzero_ps(); 8];
+    for q in 0..2 {
+        let (a, b, c, d) = (t[4 * q], t[4 * q + 1], t[4 * q + 2], t[4 * q + 3]);
+        u[4 * q] = _mm256_shuffle_ps::<0x44>(a, c);
+        u[4 * q + 1] = _mm256_shuffle_ps::<0xEE>(a, c);
+        u[4 * q + 2] = _mm256_shuffle_ps::<0x44>(b, d);
+        u[4 * q + 3] = _mm256_shuffle_ps::<0xEE>(b, d);
+    }
+    let mut o = [_mm256_setzero_ps(); 8];
+    for j in 0..4 {
+        o[j] = _mm256_permute2f128_ps::<0x20>(u[j], u[4 + j]);
+        o[4 + j] = _mm256_permute2f128_ps::<0x31>(u[j], u[4 + j]);
+    }
+    o
+}
