@@ -26,9 +26,9 @@ use std::arch::x86_64::*;
 
 use super::grouped::format::{kind_of, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0};
 use super::grouped::{
-    elems, fields, group_block_bytes, quants_at, takes_sums, token_block_sums, value_offset,
-    Grouped, BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES,
-    K6_PAIR_BYTES, K6_QUANTS, K6_SCALES, K6_SUB, MAX_TOKENS,
+    elems, fields, group_block_bytes, job_sums, prefetch_distance, prefetch_part, quants_at,
+    value_offset, Grouped, BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB,
+    K4_SUB_BYTES, K6_PAIR_BYTES, K6_QUANTS, K6_SCALES, K6_SUB, MAX_TOKENS,
 };
 use super::int8::has_min;
 use super::Job;
@@ -40,10 +40,6 @@ const LANES: usize = 8;
 /// Tokens per pass: four quarter chains and an accumulator each, ten of the 16 registers, the
 /// rest for the activations, masks and fields in flight.
 const PAIRS: usize = 2;
-
-/// The farthest a pass prefetches ahead: the next group's same block where groups are short,
-/// at most this far where they are long, as [`super::avx512_groups`] does.
-const PREFETCH_SPAN: usize = 12 << 10;
 
 /// Outputs `job.rows` for `job.tokens` (at most [`MAX_TOKENS`]) tokens from grouped weights.
 ///
@@ -95,24 +91,16 @@ impl Matrix<'_> {
 #[inline(always)]
 unsafe fn rows_of<const F: u8>(w: &Grouped, job: &Job) {
     let kind = kind_of(F);
+    let sums = job_sums(kind, job);
     let blocks = w.cols / BLOCK;
-    let owned: Vec<f32>;
-    let sums = match job.sums {
-        _ if !takes_sums(kind) => &[][..],
-        Some(s) if s.len() >= job.tokens * blocks => s,
-        _ => {
-            owned = token_block_sums((0..job.tokens).map(|t| job.xrow(t)));
-            &owned
-        }
-    };
     let m = Matrix {
         nb: w.cols / elems(kind),
         job,
-        sums,
+        sums: &sums,
         blocks,
     };
     let gb = m.nb * group_block_bytes(kind);
-    let distance = gb.min(PREFETCH_SPAN);
+    let distance = prefetch_distance(gb);
     let (g0, g1) = (job.rows.start / GROUP, job.rows.end.div_ceil(GROUP));
     for g in g0..g1 {
         let n0 = g * GROUP;
@@ -243,21 +231,6 @@ unsafe fn half_bytes<const SIGNED: bool>(p: *const u8, h: usize) -> __m256 {
     } else {
         _mm256_cvtepu8_epi32(b)
     })
-}
-
-/// Part `i` of `parts` of the `bytes` bytes at `next` asked into the cache (nothing where
-/// `next` is null), each part the same whole number of lines at constant offsets, as
-/// [`super::avx512_grouped`] spreads them.
-#[inline(always)]
-unsafe fn prefetch_part(next: *const u8, bytes: usize, i: usize, parts: usize) {
-    if next.is_null() {
-        return;
-    }
-    let per = bytes.div_ceil(64).div_ceil(parts);
-    let first = next.wrapping_add(64 * per * i);
-    for line in 0..per {
-        _mm_prefetch::<_MM_HINT_T0>(first.wrapping_add(64 * line) as *const i8);
-    }
 }
 
 /// Half `h` of a Q4_K group super-block's `d·sc_j` and `dmin·m_j` for sub-block `j` (both

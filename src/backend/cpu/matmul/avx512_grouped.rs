@@ -43,9 +43,9 @@ use std::arch::x86_64::*;
 use super::avx512_groups::{drive, GroupPass};
 use super::grouped::format::{kind_of, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0};
 use super::grouped::{
-    elems, fields, group_block_bytes, quants_at, takes_sums, token_block_sums, value_offset,
-    Grouped, BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES,
-    K6_PAIR_BYTES, K6_QUANTS, K6_SCALES, K6_SUB, MAX_TOKENS,
+    elems, fields, group_block_bytes, job_sums, prefetch_part, quants_at, value_offset, Grouped,
+    BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES, K6_PAIR_BYTES,
+    K6_QUANTS, K6_SCALES, K6_SUB, MAX_TOKENS,
 };
 use super::Job;
 use crate::model::quant::QuantKind;
@@ -83,22 +83,12 @@ pub(crate) unsafe fn rows(w: &Grouped, job: &Job) {
 unsafe fn rows_of<const F: u8>(w: &Grouped, job: &Job) {
     let kind = kind_of(F);
     let nb = w.cols / elems(kind);
-    // The block sums that the min multiplies, every token's (empty without a min): the call's,
-    // or this task's own where the call did not compute them.
+    let sums = job_sums(kind, job);
     let blocks = w.cols / BLOCK;
-    let owned: Vec<f32>;
-    let sums = match job.sums {
-        _ if !takes_sums(kind) => &[][..],
-        Some(s) if s.len() >= job.tokens * blocks => s,
-        _ => {
-            owned = token_block_sums((0..job.tokens).map(|t| job.xrow(t)));
-            &owned
-        }
-    };
     let kernel = Pass::<F> {
         nb,
         job,
-        sums,
+        sums: &sums,
         blocks,
     };
     drive(&kernel, w.bytes.as_ptr(), nb * group_block_bytes(kind), job);
@@ -511,26 +501,6 @@ unsafe fn chunk<const F: u8, const N: usize, R: Run<N>>(
         }
     }
     acc
-}
-
-/// Part `i` of `parts` of the `bytes` bytes at `next` (nothing where `next` is null) asked into
-/// the cache: a K super-block's next-group bytes spread over its sub-blocks, so that a burst of
-/// forty-odd prefetches does not wait on the line fill buffers ahead of the loads that matter.
-/// Every part is the same whole number of lines (the last runs past `bytes` into what is
-/// prefetched next anyway), so that with `bytes` and `parts` constants the lines are constant
-/// offsets: computing each part's first and last line at run time had cost the Q4_K kernel
-/// about 10% (12.4 → 13.6 GiB/s on one core of an Intel Xeon, family 6 model 207, `cargo
-/// bench --bench kernels -- 'gemv/Q4_K-grouped'`).
-#[inline(always)]
-unsafe fn prefetch_part(next: *const u8, bytes: usize, i: usize, parts: usize) {
-    if next.is_null() {
-        return;
-    }
-    let per = bytes.div_ceil(64).div_ceil(parts);
-    let first = next.wrapping_add(64 * per * i);
-    for line in 0..per {
-        _mm_prefetch::<_MM_HINT_T0>(first.wrapping_add(64 * line) as *const i8);
-    }
 }
 
 /// The 16 rows' `d` and `dmin` of a Q4_K group super-block.

@@ -9,6 +9,7 @@
 
 use std::arch::x86_64::*;
 
+use super::grouped::prefetch_distance;
 use super::int8::GROUP;
 use super::Job;
 
@@ -87,18 +88,6 @@ pub(super) unsafe fn drive<K: GroupPass>(
         }
     }
 }
-
-/// How far ahead of the block being read a group pass prefetches: the same block of the next
-/// group where groups are short (SmolLM2's 576 and Qwen2.5's 896 columns: 5–10 KiB a group), at
-/// most [`PREFETCH_SPAN`] where they are long (Qwen2.5's down projection, 4,864 columns: 44 KiB
-/// a Q4_K group, 64 KiB a Q6_K one), so that what is prefetched is still in L1 when it is read.
-#[inline(always)]
-fn prefetch_distance(group_bytes: usize) -> usize {
-    group_bytes.min(PREFETCH_SPAN)
-}
-
-/// The farthest a group pass prefetches ahead.
-const PREFETCH_SPAN: usize = 12 << 10;
 
 /// Writes token `t0 + t`'s outputs `n0 + lane` for the lanes set, as [`Job::put`] does:
 /// `(out + d) + bias` when accumulating, else `d + bias`.
