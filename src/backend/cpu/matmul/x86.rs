@@ -146,18 +146,6 @@ unsafe fn gemv_tokens<W, K: DenseGemv<W>>(
     }
 }
 
-/// Every token through the dense GEMV, groups of 4 rows (for ISAs whose multi-token calls take
-/// another kernel).
-#[inline(always)]
-pub(super) unsafe fn dense_gemv_rows<W, K: DenseGemv<W>>(w: *const W, job: &Job) {
-    let end = job.rows.end;
-    let mut n = job.rows.start;
-    while n < end {
-        gemv_tokens::<W, K>(w, job, n, end, 0);
-        n = (n + 4).min(end);
-    }
-}
-
 /// A GEMV over rows of blocks: `R` rows against one activation row.
 pub(super) trait BlockGemv {
     /// Elements and bytes per block.
