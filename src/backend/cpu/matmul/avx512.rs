@@ -80,8 +80,10 @@ unsafe fn gemv_512<W: Load, const R: usize>(w: [*const W; R], x: *const f32, k: 
         for r in 0..R {
             // Decode streams each weight once from DRAM: prefetch the same position of the
             // next group of rows (rows are contiguous, so that is 4 rows ahead), as the AVX2
-            // GEMV does; a fixed 1 KiB distance within the row reached 68% of the measured
+            // GEMV did; a fixed 1 KiB distance within the row reached 68% of the measured
             // bandwidth on SmolLM2 BF16 (Zen 5), below the AVX2 kernel's 77% on the same CPU.
+            // The AVX2 GEMV now reads one row at a time (`avx2::STREAM_PREFETCH`: a third more
+            // bandwidth on Zen 3); this one has not been tried that way on an AVX-512 CPU.
             let p = w[r].wrapping_add(i + 4 * k) as *const i8;
             _mm_prefetch::<_MM_HINT_T0>(p);
             if size_of::<W>() == 4 {
