@@ -10,7 +10,9 @@
 //! them. On AVX2 and
 //! AVX-512 the dot products and the weighted sum are inlined into one kernel that keeps 64 lanes
 //! of the output in registers across positions and reduces the scores of 8 (AVX2) or 16 keys
-//! (AVX-512) together; the scalar level calls the `simd` entry points. (On a Zen 5, SmolLM2 pp512
+//! (AVX-512) together; on AVX2 a 64-element query stays in registers for the 16 keys it is
+//! scored against, so each score's FMAs load only the key (their sums and order unchanged);
+//! the scalar level calls the `simd` entry points. (On a Zen 5, SmolLM2 pp512
 //! at 2 threads went from ~950–1,000 to ~1,100–1,270 tok/s when AVX-512 got its kernel, and to
 //! ~1,350–1,500 with tasks of eight tokens.)
 
@@ -339,6 +341,60 @@ mod avx2 {
         )
     }
 
+    /// The eight keys' sums `s_j` (each `dot_256_body`'s four accumulators added) reduced
+    /// across lanes as `dot_256_body` reduces one (`(s0+s4) + (s2+s6)` and `(s1+s5) + (s3+s7)`,
+    /// then those two), for the eight together by a transposition, times `scale`, to `out`.
+    #[inline(always)]
+    unsafe fn reduced8(s: [__m256; 8], scale: f32, out: *mut f32) {
+        // [a_j | a_j+1] with a_j = lo(s_j) + hi(s_j) = [s0+s4, s1+s5, s2+s6, s3+s7].
+        let p01 = halves(s[0], s[1]);
+        let p23 = halves(s[2], s[3]);
+        let p45 = halves(s[4], s[5]);
+        let p67 = halves(s[6], s[7]);
+        // [e0 f0 e2 f2 | e1 f1 e3 f3] with e = a0 + a2, f = a1 + a3.
+        let r = pairs(p01, p23);
+        let t = pairs(p45, p67);
+        let e = _mm256_shuffle_ps::<0b10_00_10_00>(r, t);
+        let f = _mm256_shuffle_ps::<0b11_01_11_01>(r, t);
+        // [r0 r2 r4 r6 | r1 r3 r5 r7] back to key order.
+        let v = _mm256_permutevar8x32_ps(
+            _mm256_add_ps(e, f),
+            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
+        );
+        _mm256_storeu_ps(out, _mm256_mul_ps(v, _mm256_set1_ps(scale)));
+    }
+
+    /// A 64-element query in eight registers.
+    #[inline(always)]
+    unsafe fn query64(q: &[f32]) -> [__m256; 8] {
+        assert!(q.len() == 64);
+        let mut v = [_mm256_setzero_ps(); 8];
+        for (i, v) in v.iter_mut().enumerate() {
+            *v = _mm256_loadu_ps(q.as_ptr().add(8 * i));
+        }
+        v
+    }
+
+    /// [`Ops::dot8`] for 64-element keys with the query in registers: per key the four
+    /// accumulators of `dot_256_body` (elements `8u..8u + 8`, then `32 + 8u..`), added as it
+    /// adds them, then [`reduced8`].
+    #[inline(always)]
+    unsafe fn keys8_d64(q: &[__m256; 8], keys: *const f32, scale: f32, out: *mut f32) {
+        let mut s = [_mm256_setzero_ps(); 8];
+        for (j, sj) in s.iter_mut().enumerate() {
+            let kp = keys.add(j * 64);
+            let mut acc = [_mm256_setzero_ps(); 4];
+            for i in 0..2 {
+                for (u, a) in acc.iter_mut().enumerate() {
+                    let o = 32 * i + 8 * u;
+                    *a = _mm256_fmadd_ps(q[4 * i + u], _mm256_loadu_ps(kp.add(o)), *a);
+                }
+            }
+            *sj = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        }
+        reduced8(s, scale, out);
+    }
+
     impl Ops for Avx2 {
         #[inline(always)]
         unsafe fn dot(&self, q: &[f32], k: &[f32]) -> f32 {
@@ -361,6 +417,9 @@ mod avx2 {
             if !d.is_multiple_of(32) {
                 return super::dot8_one_by_one(self, q, keys, scale, out);
             }
+            if d == 64 {
+                return keys8_d64(&query64(q), keys, scale, out);
+            }
             let qp = q.as_ptr();
             let mut s = [_mm256_setzero_ps(); 8];
             for (j, sj) in s.iter_mut().enumerate() {
@@ -380,22 +439,80 @@ mod avx2 {
                 }
                 *sj = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
             }
-            // [a_j | a_j+1] with a_j = lo(s_j) + hi(s_j) = [s0+s4, s1+s5, s2+s6, s3+s7].
-            let p01 = halves(s[0], s[1]);
-            let p23 = halves(s[2], s[3]);
-            let p45 = halves(s[4], s[5]);
-            let p67 = halves(s[6], s[7]);
-            // [e0 f0 e2 f2 | e1 f1 e3 f3] with e = a0 + a2, f = a1 + a3.
-            let r = pairs(p01, p23);
-            let t = pairs(p45, p67);
-            let e = _mm256_shuffle_ps::<0b10_00_10_00>(r, t);
-            let f = _mm256_shuffle_ps::<0b11_01_11_01>(r, t);
-            // [r0 r2 r4 r6 | r1 r3 r5 r7] back to key order.
-            let v = _mm256_permutevar8x32_ps(
-                _mm256_add_ps(e, f),
-                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
-            );
-            _mm256_storeu_ps(out, _mm256_mul_ps(v, _mm256_set1_ps(scale)));
+            reduced8(s, scale, out);
+        }
+
+        /// As two [`Ops::dot8`] calls; a 64-element query is loaded into registers once for
+        /// the sixteen keys.
+        #[inline(always)]
+        unsafe fn dot16(&self, q: &[f32], keys: *const f32, scale: f32, out: *mut f32) {
+            if q.len() == 64 {
+                let qv = query64(q);
+                keys8_d64(&qv, keys, scale, out);
+                keys8_d64(&qv, keys.add(8 * 64), scale, out.add(8));
+            } else {
+                self.dot8(q, keys, scale, out);
+                self.dot8(q, keys.add(8 * q.len()), scale, out.add(8));
+            }
+        }
+
+        /// Two outputs at a time over the same values, 32 lanes of each in eight registers
+        /// across every position, so each value vector loaded serves both (one output's 64
+        /// lanes at a time took eight vector loads and a broadcast per eight FMAs, more than
+        /// two 32-byte loads a cycle can feed). Per lane the arithmetic is
+        /// [`Ops::weighted_sum`]'s. Lanes past the last multiple of 32, and a last odd output,
+        /// go through [`Ops::weighted_sum`].
+        #[inline(always)]
+        unsafe fn weighted_sum_multi(
+            &self,
+            pairs: &[(*mut f32, *const f32)],
+            skip: usize,
+            count: usize,
+            values: &[f32],
+            d: usize,
+            cols: std::ops::Range<usize>,
+        ) {
+            assert!(cols.end <= d && values.len() >= count * d);
+            let pv = values.as_ptr();
+            let mut two = pairs.chunks_exact(2);
+            let whole = cols.start + (cols.end - cols.start) / 32 * 32;
+            for p in two.by_ref() {
+                let ((pa, wa), (pb, wb)) = (p[0], p[1]);
+                let (wa, wb) = (wa.add(skip), wb.add(skip));
+                let mut c = cols.start;
+                while c < whole {
+                    let mut a = [_mm256_setzero_ps(); 4];
+                    let mut b = [_mm256_setzero_ps(); 4];
+                    for u in 0..4 {
+                        a[u] = _mm256_loadu_ps(pa.add(c + 8 * u));
+                        b[u] = _mm256_loadu_ps(pb.add(c + 8 * u));
+                    }
+                    for j in 0..count {
+                        let v = pv.add(j * d + c);
+                        let (xa, xb) = (_mm256_set1_ps(*wa.add(j)), _mm256_set1_ps(*wb.add(j)));
+                        for u in 0..4 {
+                            let vu = _mm256_loadu_ps(v.add(8 * u));
+                            a[u] = _mm256_fmadd_ps(xa, vu, a[u]);
+                            b[u] = _mm256_fmadd_ps(xb, vu, b[u]);
+                        }
+                    }
+                    for u in 0..4 {
+                        _mm256_storeu_ps(pa.add(c + 8 * u), a[u]);
+                        _mm256_storeu_ps(pb.add(c + 8 * u), b[u]);
+                    }
+                    c += 32;
+                }
+                if whole < cols.end {
+                    for (acc, w) in [(pa, wa), (pb, wb)] {
+                        let w = std::slice::from_raw_parts(w, count);
+                        self.weighted_sum(acc, w, values, d, whole..cols.end);
+                    }
+                }
+            }
+            for &(acc, w) in two.remainder() {
+                let w = std::slice::from_raw_parts(w.add(skip), count);
+                self.weighted_sum(acc, w, values, d, cols.clone());
+            }
         }
 
         /// 64 output lanes at a time stay in eight registers across every position; per lane
