@@ -460,7 +460,19 @@ fn short_input_is_rejected() {
 /// and 5 of a 6-token call, those differed from the same tokens alone).
 #[test]
 fn tile_widths_round_like_the_narrowest_tile() {
-    let (rows, cols) = (8, 576);
+    // Several panels, the last one partial, and calls of hundreds of tokens: every token's
+    // outputs as in a call of two (AVX2) or seventeen (AVX-512) tokens.
+    let shapes: [(usize, usize, &[usize]); 3] = [
+        (8, 576, &[5, 6, 7, 10, 17, 30]),
+        (40, 576, &[100, 181]),
+        (150, 2048, &[30, 53]),
+    ];
+    for (rows, cols, token_counts) in shapes {
+        tile_widths_round_alike(rows, cols, token_counts);
+    }
+}
+
+fn tile_widths_round_alike(rows: usize, cols: usize, token_counts: &[usize]) {
     // f32 weights: a one-token call takes the same dense GEMV as the tail (quantized weights
     // take the block GEMV alone).
     let w = PackedMatrix {
@@ -470,7 +482,7 @@ fn tile_widths_round_like_the_narrowest_tile() {
         bias: None,
     };
     for level in simd::available_levels() {
-        for tokens in [5, 6, 7, 10, 17, 30] {
+        for &tokens in token_counts {
             let x = rand_vec(tokens * cols, tokens as u64);
             let mut all = vec![0f32; tokens * rows];
             matmul_at(level, &w, &x, cols, tokens, &mut all, rows, false);
