@@ -3,13 +3,14 @@
 //! of one sequence (one in decode) and the query heads of one KV head, so each cached key and
 //! value (read in place, or decoded once from a narrower storage type) serves every head of its
 //! group and every token of the task while it is in L1; the values of the positions all of a
-//! task's tokens attend are summed for four (token, head) outputs per load. Per (token, head) the
+//! task's tokens attend are summed for four (token, head) outputs per load (AVX-512; two on
+//! AVX2, whose 16 registers hold 32 lanes of two). Per (token, head) the
 //! arithmetic is fixed whatever the grouping: scores `q·k · scale` by the SIMD level's dot
 //! product, a softmax in f32 (`simd::softmax_at`: vectorised `exp` on AVX2 and AVX-512), and the
 //! values summed in position order with per-lane fused multiply-adds, as `simd::axpy` sums
 //! them. On AVX2 and
-//! AVX-512 the dot products and the weighted sum are inlined into one kernel that keeps 64 lanes
-//! of the output in registers across positions and reduces the scores of 8 (AVX2) or 16 keys
+//! AVX-512 the dot products and the weighted sum are inlined into one kernel that keeps output
+//! lanes in registers across positions and reduces the scores of 8 (AVX2) or 16 keys
 //! (AVX-512) together; on AVX2 a 64-element query stays in registers for the 16 keys it is
 //! scored against, so each score's FMAs load only the key (their sums and order unchanged);
 //! the scalar level calls the `simd` entry points. (On a Zen 5, SmolLM2 pp512
