@@ -398,6 +398,15 @@ impl WeightData {
         }
     }
 
+    /// The formats of the part's [`WeightData::Grouped`] parts, pushed onto `kinds`.
+    fn grouped_kinds(&self, kinds: &mut Vec<QuantKind>) {
+        match self {
+            WeightData::Grouped(g) => kinds.push(g.kind),
+            WeightData::Parts(parts) => parts.iter().for_each(|p| p.data.grouped_kinds(kinds)),
+            _ => {}
+        }
+    }
+
     /// Whether a part's kernels take rows sixteen at a time ([`WeightData::Interleaved`],
     /// [`WeightData::Grouped`]).
     fn takes_groups(&self) -> bool {
@@ -607,6 +616,9 @@ struct Prepared {
     x8: Option<Vec<int8::XI8>>,
     /// [`grouped_block_sums`].
     sums: Option<Vec<f32>>,
+    /// The activations as the AVX2 grouped kernels read them.
+    #[cfg(target_arch = "x86_64")]
+    xg: Option<avx2_grouped::Activations>,
 }
 
 impl Prepared {
@@ -623,6 +635,8 @@ impl Prepared {
             xb: bf16_activations(level, numerics, w, x, ldx, tokens),
             x8: int8_activations(w, x, ldx, tokens),
             sums: grouped_block_sums(level, w, x, ldx, tokens),
+            #[cfg(target_arch = "x86_64")]
+            xg: grouped_activations(level, w, x, ldx, tokens),
         }
     }
 }
@@ -650,6 +664,33 @@ fn grouped_block_sums(
     }
     Some(grouped::token_block_sums(
         (0..tokens).map(|t| &x[t * ldx..t * ldx + w.cols]),
+    ))
+}
+
+/// The activations of a call on grouped weights as the AVX2 grouped kernels read them
+/// ([`avx2_grouped::Activations`]), where those kernels will run: once per call, not per task.
+#[cfg(target_arch = "x86_64")]
+fn grouped_activations(
+    level: Level,
+    w: &PackedMatrix,
+    x: &[f32],
+    ldx: usize,
+    tokens: usize,
+) -> Option<avx2_grouped::Activations> {
+    if tokens > grouped::MAX_TOKENS || simd::clamp(level) != Level::Avx2 {
+        return None;
+    }
+    let mut kinds = Vec::new();
+    w.data.grouped_kinds(&mut kinds);
+    if kinds.is_empty() {
+        return None;
+    }
+    Some(avx2_grouped::Activations::new(
+        kinds.into_iter(),
+        x,
+        ldx,
+        tokens,
+        w.cols,
     ))
 }
 
@@ -853,6 +894,8 @@ unsafe fn rows_job(
         xb: prepared.xb.as_deref(),
         x8: prepared.x8.as_deref(),
         sums: prepared.sums.as_deref(),
+        #[cfg(target_arch = "x86_64")]
+        xg: prepared.xg.as_ref(),
     };
     data_rows(level, &w.data, &job);
 }
@@ -1391,6 +1434,10 @@ struct Job<'a> {
     /// Every token's 32-element block sums, token `t`'s at `t·k/32` ([`grouped_block_sums`]),
     /// where the call computed them; kernels that need them compute their own otherwise.
     sums: Option<&'a [f32]>,
+    /// The activations as the AVX2 grouped kernels read them, where the call made them; those
+    /// kernels make their own otherwise.
+    #[cfg(target_arch = "x86_64")]
+    xg: Option<&'a avx2_grouped::Activations>,
 }
 
 impl Job<'_> {

@@ -1379,6 +1379,7 @@ fn int8_kernels_match_the_reference() {
                             xb: None,
                             x8: Some(&x8),
                             sums: None,
+                            xg: None,
                         };
                         let WeightData::Interleaved(m) = &w.data else {
                             unreachable!()
@@ -1661,6 +1662,7 @@ fn grouped_kernels_match_the_reference() {
                             xb: None,
                             x8: None,
                             sums: None,
+                            xg: None,
                         };
                         unsafe {
                             match kernel {
@@ -1709,6 +1711,96 @@ fn grouped_kernels_match_the_reference() {
                         );
                     }
                 }
+            }
+        }
+    }
+}
+
+/// The AVX2 grouped kernels take 4-bit high nibbles in place against activations divided by
+/// 16: still the reference's bits where activations are tiny (odd ones whose sixteenth would
+/// be subnormal, where the kernels must keep the shift; even ones and exact sixteenths, where
+/// they need not), huge or zero, for one token and two.
+#[test]
+fn grouped_avx2_kernels_keep_their_bits_on_tiny_and_huge_activations() {
+    if simd::level() < Level::Avx2 {
+        println!("SKIPPED: this CPU has no AVX2 (engines group weights only where it does)");
+        return;
+    }
+    let smallest_exact = f32::from_bits(5 << 23); // 2^-122: its sixteenth is 2^-126, normal
+    let specials = [
+        1.0e-39,        // subnormal
+        1.5e-37,        // normal, its sixteenth subnormal
+        smallest_exact, // the least whose sixteenth is normal
+        -smallest_exact * 1.5,
+        3.0e37,
+        0.0,
+        -0.0,
+    ];
+    for kind in GROUPED_KINDS {
+        for (cols, tokens) in [(64, 1), (576, 1), (1536, 1), (576, 2)] {
+            let (rows, cols) = (24, whole_blocks(kind, cols));
+            let seed = (cols + tokens) as u64;
+            // No bias: it would hide the last bits of tiny outputs.
+            let w = quant_matrix(kind, rows, cols, false, seed);
+            let w = PackedMatrix {
+                data: w.data.grouped(rows, cols),
+                ..w
+            };
+            let WeightData::Grouped(m) = &w.data else {
+                unreachable!()
+            };
+            // Specials at odd places only, at even places only, everywhere; then every
+            // activation scaled by 1.37·2^-124 (most of them normal with every mantissa bit
+            // used, their sixteenths subnormal, the outputs normal: a sixteenth rounded
+            // would show) and by 2^100.
+            let cases = [
+                (Some(1), 1.0),
+                (Some(0), 1.0),
+                (None, 1.0),
+                (Some(2), 1.37 * f32::from_bits(3 << 23)),
+                (Some(2), f32::from_bits(227 << 23)),
+            ];
+            for (case, (parity, scale)) in cases.into_iter().enumerate() {
+                let mut x = rand_vec(tokens * cols, seed + case as u64);
+                for (i, v) in x.iter_mut().enumerate() {
+                    *v *= scale;
+                    if parity.is_none_or(|p| i % 2 == p) && (i / 2) % 3 == 0 {
+                        *v = specials[(i / 2 / 3) % specials.len()];
+                    }
+                }
+                let mut reference = vec![0f32; tokens * rows];
+                let mut vector = reference.clone();
+                for (out, avx2) in [(&mut reference, false), (&mut vector, true)] {
+                    let job = Job {
+                        k: cols,
+                        bias: w.bias.as_deref(),
+                        x: x.as_ptr(),
+                        ldx: cols,
+                        tokens,
+                        rows: 0..rows,
+                        out: out.as_mut_ptr(),
+                        ldo: rows,
+                        accumulate: false,
+                        xq: None,
+                        xb: None,
+                        x8: None,
+                        sums: None,
+                        xg: None,
+                    };
+                    unsafe {
+                        if avx2 {
+                            avx2_grouped::rows(m, &job)
+                        } else {
+                            grouped::rows_ref(m, &job)
+                        }
+                    }
+                }
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&vector),
+                    bits(&reference),
+                    "{kind:?} {rows}x{cols} x{tokens}, case {case}"
+                );
             }
         }
     }
