@@ -94,8 +94,8 @@ impl Matrix<'_> {
 }
 
 /// Whether the format's high nibbles are taken in place (see [`Activations`]).
-const fn high_in_place(f: u8) -> bool {
-    f == Q4_0 || f == Q4_1 || f == Q4_K
+const fn high_in_place(kind: QuantKind) -> bool {
+    matches!(kind, QuantKind::Q4_0 | QuantKind::Q4_1 | QuantKind::Q4_K)
 }
 
 /// One call's activations as the kernels of the 4-bit formats read them, made once per call
@@ -123,9 +123,7 @@ impl Activations {
         tokens: usize,
         k: usize,
     ) -> Activations {
-        let four_bit =
-            kinds.any(|kind| matches!(kind, QuantKind::Q4_0 | QuantKind::Q4_1 | QuantKind::Q4_K));
-        if !four_bit || tokens == 0 || x.len() < (tokens - 1) * ldx + k {
+        if !kinds.any(high_in_place) || tokens == 0 || x.len() < (tokens - 1) * ldx + k {
             return Activations { high: None };
         }
         let rows = || (0..tokens).map(|t| &x[t * ldx..t * ldx + k]);
@@ -166,19 +164,19 @@ unsafe fn rows_of<const F: u8>(w: &Grouped, job: &Job) {
     let made = match job.xg {
         Some(a) => a,
         None => {
-            let x = std::slice::from_raw_parts(job.x, (job.tokens.max(1) - 1) * job.ldx + job.k);
+            let x = std::slice::from_raw_parts(job.x, (job.tokens - 1) * job.ldx + job.k);
             own = Activations::new(std::iter::once(w.kind), x, job.ldx, job.tokens, job.k);
             &own
         }
     };
     match &made.high {
-        Some(x) if high_in_place(F) => rows_with::<F, true>(w, job, x.as_ptr(), job.k),
+        Some(x) if high_in_place(kind_of(F)) => rows_with::<F, true>(w, job, x.as_ptr(), job.k),
         _ => rows_with::<F, false>(w, job, job.xptr(0), job.ldx),
     }
 }
 
-/// [`rows_of`] on the activations at `x` (tokens `ldx` apart): the job's own, or with `H` their
-/// [`sixteenths`] for high nibbles taken in place.
+/// [`rows_of`] on the activations at `x` (tokens `ldx` apart): the job's own, or with `H` those
+/// of [`Activations`], for high nibbles taken in place.
 #[inline(always)]
 unsafe fn rows_with<const F: u8, const H: bool>(w: &Grouped, job: &Job, x: *const f32, ldx: usize) {
     let kind = kind_of(F);
@@ -463,6 +461,20 @@ unsafe fn to_f32<const F: u8>(q: __m256i) -> __m256 {
     to_f32_times::<F, 1>(q)
 }
 
+/// The high nibble of each lane's low byte of `v` as f32, the format's offset applied: shifted
+/// down, or with `H` masked in place (16 times its value, see [`Activations`]).
+#[inline(always)]
+unsafe fn high_nibble<const F: u8, const H: bool>(v: __m256i) -> __m256 {
+    if H {
+        to_f32_times::<F, 16>(_mm256_and_si256(v, _mm256_set1_epi32(0xf0)))
+    } else {
+        to_f32::<F>(_mm256_and_si256(
+            _mm256_srli_epi32::<4>(v),
+            _mm256_set1_epi32(0x0f),
+        ))
+    }
+}
+
 /// [`to_f32`] of quants held `M` times their value (a field masked in place, `M` its place
 /// value): the offset taken `M` times.
 #[inline(always)]
@@ -539,7 +551,7 @@ unsafe fn values6<S: Sink>(q: *const u8, h: usize, sink: &mut S) {
 
 /// Half `h` of each element's quants as f32 (the offset applied) into `sink`; with `H`, a
 /// 4-bit format's odd elements (high nibbles) as 16 times their value, for activations whose
-/// odd elements are [`sixteenths`].
+/// odd elements were divided by 16 ([`Activations`]).
 #[inline(always)]
 unsafe fn values<const F: u8, const H: bool, S: Sink>(q: *const u8, h: usize, sink: &mut S) {
     if F == Q8_0 {
@@ -574,12 +586,7 @@ unsafe fn values<const F: u8, const H: bool, S: Sink>(q: *const u8, h: usize, si
             ($v:expr, $w:expr, $j:expr) => {{
                 let v = $v;
                 sink.put(8 * $w + 2 * $j, to_f32::<F>(_mm256_and_si256(v, mask)));
-                let hi = if H {
-                    to_f32_times::<F, 16>(_mm256_and_si256(v, _mm256_set1_epi32(0xf0)))
-                } else {
-                    to_f32::<F>(_mm256_and_si256(_mm256_srli_epi32::<4>(v), mask))
-                };
-                sink.put(8 * $w + 2 * $j + 1, hi);
+                sink.put(8 * $w + 2 * $j + 1, high_nibble::<F, H>(v));
             }};
         }
         if S::INTERLEAVED {
@@ -591,12 +598,7 @@ unsafe fn values<const F: u8, const H: bool, S: Sink>(q: *const u8, h: usize, si
                     sink.put(8 * w + 2 * j, to_f32::<F>(_mm256_and_si256(v, mask)));
                 }
                 for (w, &v) in v.iter().enumerate() {
-                    let hi = if H {
-                        to_f32_times::<F, 16>(_mm256_and_si256(v, _mm256_set1_epi32(0xf0)))
-                    } else {
-                        to_f32::<F>(_mm256_and_si256(_mm256_srli_epi32::<4>(v), mask))
-                    };
-                    sink.put(8 * w + 2 * j + 1, hi);
+                    sink.put(8 * w + 2 * j + 1, high_nibble::<F, H>(v));
                 }
             }
         } else {

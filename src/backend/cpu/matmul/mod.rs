@@ -682,9 +682,6 @@ fn grouped_activations(
     }
     let mut kinds = Vec::new();
     w.data.grouped_kinds(&mut kinds);
-    if kinds.is_empty() {
-        return None;
-    }
     Some(avx2_grouped::Activations::new(
         kinds.into_iter(),
         x,

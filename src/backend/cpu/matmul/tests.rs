@@ -96,6 +96,15 @@ fn quant_matrix(kind: QuantKind, rows: usize, cols: usize, bias: bool, seed: u64
     }
 }
 
+/// `w`'s blocks regrouped sixteen rows to a group, as engines hold them for the grouped
+/// kernels.
+fn regrouped(w: PackedMatrix) -> PackedMatrix {
+    PackedMatrix {
+        data: w.data.grouped(w.rows, w.cols),
+        ..w
+    }
+}
+
 /// Run one configuration at `level` and compare against an f64 reference.
 #[allow(clippy::too_many_arguments)]
 fn check(
@@ -321,10 +330,7 @@ fn quantized_every_level_matches_f64_reference() {
                             panic!("{level:?} {kind:?} {rows}x{cols} tokens={tokens}: {e}");
                         }
                         if groupable(kind) {
-                            let g = PackedMatrix {
-                                data: w.data.grouped(rows, cols),
-                                ..w
-                            };
+                            let g = regrouped(w);
                             if let Err(e) =
                                 run_and_compare(level, &g, tokens, v % 3 != 0, false, seed)
                             {
@@ -352,10 +358,7 @@ fn quantized_parallel_split_matches_reference() {
                         panic!("{level:?} {kind:?} {rows}x{cols} tokens={tokens}: {e}");
                     }
                     if groupable(kind) {
-                        let g = PackedMatrix {
-                            data: w.data.grouped(rows, cols),
-                            ..w
-                        };
+                        let g = regrouped(w);
                         if let Err(e) = run_and_compare(level, &g, tokens, acc, true, 3) {
                             panic!("{level:?} grouped {kind:?} {rows}x{cols} tokens={tokens}: {e}");
                         }
@@ -1617,11 +1620,7 @@ fn grouped_kernels_match_the_reference() {
         ] {
             let cols = whole_blocks(kind, cols);
             let seed = (rows * 100 + cols + tokens) as u64;
-            let w = quant_matrix(kind, rows, cols, true, seed);
-            let w = PackedMatrix {
-                data: w.data.grouped(rows, cols),
-                ..w
-            };
+            let w = regrouped(quant_matrix(kind, rows, cols, true, seed));
             let WeightData::Grouped(m) = &w.data else {
                 unreachable!()
             };
@@ -1741,11 +1740,7 @@ fn grouped_avx2_kernels_keep_their_bits_on_tiny_and_huge_activations() {
             let (rows, cols) = (24, whole_blocks(kind, cols));
             let seed = (cols + tokens) as u64;
             // No bias: it would hide the last bits of tiny outputs.
-            let w = quant_matrix(kind, rows, cols, false, seed);
-            let w = PackedMatrix {
-                data: w.data.grouped(rows, cols),
-                ..w
-            };
+            let w = regrouped(quant_matrix(kind, rows, cols, false, seed));
             let WeightData::Grouped(m) = &w.data else {
                 unreachable!()
             };
