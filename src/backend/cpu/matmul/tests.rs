@@ -1688,7 +1688,9 @@ fn grouped_kernels_match_the_reference() {
                 if let Err(e) = compare(&w, &x, ldx, tokens, &out0, &reference, rows, acc) {
                     panic!("{kind:?} {rows}x{cols} x{tokens} reference: {e}");
                 }
-                // Through the entry point at each level, each token alone gives the same bits.
+                // Through the entry point at each level, each token alone gives the same bits
+                // (tasks of whole groups: one token's go through the AVX2 kernels' pass over
+                // both halves, which the cuts above never enter).
                 for level in [simd::level(), Level::Avx2] {
                     let mut all = out0.clone();
                     matmul_at(level, &w, &x, ldx, tokens, &mut all, rows, acc);
