@@ -2,7 +2,8 @@
 # kiln against llama.cpp on the same files, threads and tests, in one run: prefill (ppN) and
 # decode (tgN) tokens/s from kiln-bench and llama-bench, alternating between them, and the ratio
 # of kiln to the best llama.cpp build (native, or the no-AMX build where the native one crashes or
-# is slower). Prints a Markdown table, the CPU model and flags, and every command it ran.
+# is slower). Prints a Markdown table, the CPU model and flags, with more than one round each
+# round's figures and the ratio within each round, and every command it ran.
 #
 #   scripts/bench_compare.sh [--quick] [-t THREADS] [-r REPS] [--rounds N] [-p N] [-n N]
 #                            [--models LIST] [--builds native,noamx] [--cpus LIST]
@@ -174,6 +175,7 @@ PYEOF
 
 # --- the runs, alternating tools within each round
 RESULTS=()   # "model|threads|test|kiln|build1|build2..."
+RAW=()       # the same with each tool's value in every round, space-separated
 IFS=, read -r -a THREAD_LIST <<< "${THREADS}"
 for file in "${MODEL_FILES[@]}"; do
     for t in "${THREAD_LIST[@]}"; do
@@ -202,6 +204,10 @@ for file in "${MODEL_FILES[@]}"; do
                 row+="|$(median ${L[$b]})"
             done
             RESULTS+=("${row}")
+            raw="$(basename "${file}")|${t}|${test}"
+            for nm in "${NUMERICS_LIST[@]}"; do raw+="|${K[$nm]}"; done
+            for b in "${BUILD_NAMES[@]}"; do raw+="|${L[$b]}"; done
+            RAW+=("${raw}")
             unset K L
         done
     done
@@ -249,6 +255,45 @@ print("| %s | %s | %s | %s | %s | %s | %s |" % (model, threads, test, " | ".join
 PYEOF
 done
 echo
+if [[ "${ROUNDS}" -gt 1 ]]; then
+    # The host's speed drifts between rounds; a round's two tools ran minutes apart, so the
+    # spread of the per-round ratios says how far one run's ratio can be trusted.
+    echo "Per round (tokens/s of each round in order; kiln / llama.cpp within each round, against the build with the best median):"
+    echo
+    echo "| model | threads | test | kiln | llama.cpp | per-round ratios | lowest–highest |"
+    echo "|---|---:|---|---|---|---|---|"
+    for r in "${RAW[@]}"; do
+        "${PY}" - "${r}" "${BUILDS}" "${NUMERICS}" <<'PYEOF'
+import statistics, sys
+cells = sys.argv[1].split("|")
+builds = sys.argv[2].split(",")
+modes = sys.argv[3].split(",")
+model, threads, test = cells[:3]
+def nums(v):
+    out = []
+    for x in v.split():
+        try:
+            out.append(float(x))
+        except ValueError:
+            out.append(None)
+    return out
+kiln = [nums(v) for v in cells[3:3 + len(modes)]]
+llama = [nums(v) for v in cells[3 + len(modes):]]
+medians = [statistics.median([x for x in l if x is not None]) if any(x is not None for x in l) else None for l in llama]
+if not any(m is not None for m in medians):
+    sys.exit(0)
+best = max((m, i) for i, m in enumerate(medians) if m is not None)[1]
+ref = llama[best]
+fmt = lambda l: " ".join("%.1f" % x if x is not None else "-" for x in l)
+for mode, k in zip(modes, kiln):
+    ratios = [a / b for a, b in zip(k, ref) if a is not None and b]
+    span = "%.2f–%.2f" % (min(ratios), max(ratios)) if ratios else "-"
+    label = test if len(modes) == 1 else "%s (%s)" % (test, mode)
+    print("| %s | %s | %s | %s | %s (%s) | %s | %s |" % (model, threads, label, fmt(k), fmt(ref), builds[best], " ".join("%.2f" % x for x in ratios), span))
+PYEOF
+    done
+    echo
+fi
 echo "Commands (in the order run; logs in ${LOGS}/):"
 echo
 echo '```sh'
