@@ -18,11 +18,14 @@
 //! once per call ([`Activations`]). Then one FMA per token with the broadcast activation. The
 //! 16 registers hold four quarter chains and an accumulator for two tokens of one half at a
 //! time ([`PAIRS`]); the quarter chains are held to the run's end and fed quarter-interleaved
-//! for the 4-bit formats, as in [`super::avx512_grouped`], so that consecutive FMAs are
-//! independent. A pass over both halves of one token (two chains of registers, every word
-//! loaded first) spilled: Q4_1 ran 8.4 GiB/s where two passes ran 9.6. With each word loaded
-//! where it is used it does not, and one token's full groups of the 4-bit formats take it
-//! ([`pass_both`]).
+//! (`0, 8, 16, 24, 1, 9, …`: one element of each quarter in turn), so that consecutive FMAs
+//! are independent. Until 2026-11-29 the Q5, Q6_K and Q8_0 fields went in element order, eight
+//! dependent FMAs per quarter in a row; interleaved, one core of the 2-vCPU AMD EPYC (Zen 3)
+//! ran Q8_0 1536 × 576 at 15.3–15.6 → 19.0–19.1 GiB/s, Q5_0 1536 × 576 7.1–7.3 → 8.6–8.7 and
+//! Q6_K 896 × 4864 8.0–8.2 → 8.5–8.7 (weights in cache, best of 60 × 10 calls). A pass over
+//! both halves of one token (two chains of registers, every word loaded first) spilled: Q4_1
+//! ran 8.4 GiB/s where two passes ran 9.6. With each word loaded where it is used it does not,
+//! and one token's full groups of the 4-bit formats and Q8_0 take it ([`pass_both`]).
 //!
 //! Nothing here takes a closure (see [`super::avx512_groups`]).
 
@@ -314,12 +317,16 @@ unsafe fn pass<const F: u8, const N: usize, const H: bool>(
     acc
 }
 
-/// Whether one token's full groups of `kind` go through [`pass_both`]: the 4-bit formats.
-/// Q8_0's both-halves pass (two sign-extending loads per element) ran its SmolLM2 projections
-/// 15–28% slower than two passes (2 threads, calls of both kinds alternating in one run); Q5
-/// and Q6_K, whose fields span five or six words per half, were not tried.
+/// Whether one token's full groups of `kind` go through [`pass_both`]: the 4-bit formats and
+/// Q8_0. Q5 and Q6_K, whose fields span five or six words per half, were not tried: both
+/// halves' words and the eight chains exceed the 16 registers, and words loaded anew at each
+/// use (volatile loads, which LLVM does not merge; tried on Q4_1 with all low nibbles of a
+/// byte position before the high ones) made Q4_1's pass slower.
 const fn both_halves(kind: QuantKind) -> bool {
-    matches!(kind, QuantKind::Q4_0 | QuantKind::Q4_1 | QuantKind::Q4_K)
+    matches!(
+        kind,
+        QuantKind::Q4_0 | QuantKind::Q4_1 | QuantKind::Q4_K | QuantKind::Q8_0
+    )
 }
 
 /// Both halves of the group at `base` for one token in one pass (`[half 0, half 1]`), each the
@@ -331,8 +338,11 @@ const fn both_halves(kind: QuantKind) -> bool {
 /// halves each broadcast serves sixteen rows (seven vector operations per 4-bit element and
 /// sixteen rows instead of eight) and eight chains are in flight. Each quant word is loaded
 /// where it is used, so that the eight chains, two accumulators and the masks stay in the 16
-/// registers. One core of the 2-vCPU AMD EPYC (Zen 3), Q4_1 1536 × 576 in cache: 10.2–10.5 →
-/// 12.8–13.0 GiB/s.
+/// registers. One core of the 2-vCPU AMD EPYC (Zen 3), weights in cache: Q4_1 1536 × 576
+/// 10.2–10.5 → 12.8–13.0 GiB/s; Q8_0 1536 × 576 15.2–15.4 → 19.5–20.0 against its
+/// quarter-interleaved two passes (that host's slower hour; 12.9–13.2 in element order). Q8_0
+/// through this pass in element order (two chains at a time) had been 15–28% slower than two
+/// passes.
 #[inline(always)]
 unsafe fn pass_both<const F: u8, const H: bool>(
     m: &Matrix,
@@ -388,8 +398,8 @@ unsafe fn quarters_sum(p: &[[__m256; 2]; 4], h: usize) -> __m256 {
 }
 
 /// The quarter chains `p[quarter][half]` of one 32-element run of both halves of a group (its
-/// Q4_0/Q4_1 quant words at `q`) against the activations at `x`, each activation broadcast
-/// once.
+/// Q4_0/Q4_1 quant words or Q8_0 bytes at `q`) against the activations at `x`, each activation
+/// broadcast once, consecutive elements in different chains.
 #[inline(always)]
 unsafe fn run_both<const F: u8, const H: bool>(q: *const u8, x: *const f32) -> [[__m256; 2]; 4] {
     let mut p = [[_mm256_setzero_ps(); 2]; 4];
@@ -399,6 +409,15 @@ unsafe fn run_both<const F: u8, const H: bool>(q: *const u8, x: *const f32) -> [
             p[e / 8][0] = _mm256_fmadd_ps($v0, xe, p[e / 8][0]);
             p[e / 8][1] = _mm256_fmadd_ps($v1, xe, p[e / 8][1]);
         }};
+    }
+    if F == Q8_0 {
+        for i in 0..8 {
+            for qtr in 0..4 {
+                let e = 8 * qtr + i;
+                put!(e, q8_at(q, e, 0), q8_at(q, e, 1));
+            }
+        }
+        return p;
     }
     // As [`values`]: word `w` (each half of it) read from its byte `j`, its low nibble element
     // `8w + 2j`, its high nibble `8w + 2j + 1`; each quarter's elements in order.
@@ -525,8 +544,8 @@ unsafe fn k6_super_block<const N: usize>(
 
 /// Where [`values`] and [`values6`] deliver element `e`'s eight rows.
 trait Sink {
-    /// Whether the sink takes the 4-bit elements quarter-interleaved (`0, 8, 16, 24, 1, 9, …`:
-    /// each quarter's elements still in order) rather than in element order.
+    /// Whether the sink takes the elements quarter-interleaved (`0, 8, 16, 24, 1, 9, …`: each
+    /// quarter's elements still in order) rather than in element order.
     const INTERLEAVED: bool = false;
     unsafe fn put(&mut self, e: usize, v: __m256);
 }
@@ -610,6 +629,12 @@ unsafe fn to_f32_times<const F: u8, const M: i32>(q: __m256i) -> __m256 {
 /// Element `E`'s eight rows of a Q8_0 group block half's quants at `q` (the half's first row
 /// already added), sign-extended and converted.
 #[inline(always)]
+unsafe fn q8_at(q: *const u8, e: usize, h: usize) -> __m256 {
+    let bytes = _mm_loadl_epi64(q.add(GROUP * e + LANES * h) as *const __m128i);
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))
+}
+
+#[inline(always)]
 unsafe fn q8<const E: usize>(q: *const u8) -> __m256 {
     let bytes = _mm_loadl_epi64(q.add(GROUP * E) as *const __m128i);
     _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))
@@ -666,7 +691,11 @@ unsafe fn values6<S: Sink>(q: *const u8, h: usize, sink: &mut S) {
             sink.put($e, $v)
         };
     }
-    fields!(6, &w, put);
+    if S::INTERLEAVED {
+        fields!(quarters 6, &w, put);
+    } else {
+        fields!(6, &w, put);
+    }
 }
 
 /// Half `h` of each element's quants as f32 (the offset applied) into `sink`; with `H`, a
@@ -681,7 +710,11 @@ unsafe fn values<const F: u8, const H: bool, S: Sink>(q: *const u8, h: usize, si
                 sink.put($e, $v)
             };
         }
-        fields!(8, q, put);
+        if S::INTERLEAVED {
+            fields!(quarters 8, q, put);
+        } else {
+            fields!(8, q, put);
+        }
     } else if F == Q5_0 || F == Q5_1 {
         let w = words::<5>(q, h);
         let mask = _mm256_set1_epi32(0x1f);
@@ -690,7 +723,11 @@ unsafe fn values<const F: u8, const H: bool, S: Sink>(q: *const u8, h: usize, si
                 sink.put($e, to_f32::<F>(_mm256_and_si256($i, mask)))
             };
         }
-        fields!(5, &w, put5);
+        if S::INTERLEAVED {
+            fields!(quarters 5, &w, put5);
+        } else {
+            fields!(5, &w, put5);
+        }
     } else {
         // Word `w` (this half of it) read from its byte `j`: lane `r`'s low byte is row `r`'s
         // byte `j` of the word, whose low nibble is element `8w + 2j` and high nibble element
