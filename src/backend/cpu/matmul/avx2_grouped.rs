@@ -33,8 +33,8 @@ use std::arch::x86_64::*;
 
 use super::grouped::format::{kind_of, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0};
 use super::grouped::{
-    elems, fields, group_block_bytes, job_sums, prefetch_distance, prefetch_part, quants_at,
-    value_offset, Grouped, BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB,
+    block_ahead, elems, fields, group_block_bytes, job_sums, prefetch_distance, prefetch_part,
+    quants_at, value_offset, Grouped, BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB,
     K4_SUB_BYTES, K6_PAIR_BYTES, K6_QUANTS, K6_SCALES, K6_SUB, MAX_TOKENS,
 };
 use super::int8::has_min;
@@ -286,11 +286,7 @@ unsafe fn pass<const F: u8, const N: usize, const H: bool>(
     let mut acc = [_mm256_setzero_ps(); N];
     for b in 0..m.nb {
         let blk = base.add(b * bb);
-        let next = if ahead.is_null() {
-            ahead
-        } else {
-            ahead.wrapping_add(b * bb)
-        };
+        let next = block_ahead(ahead, b * bb);
         if F == Q4_K {
             k4_super_block::<N, H>(blk, b, h, &x, &s, &mut acc, next);
             continue;
@@ -356,11 +352,7 @@ unsafe fn pass_both<const F: u8, const H: bool>(
     let mut acc = [_mm256_setzero_ps(); 2];
     for b in 0..m.nb {
         let blk = base.add(b * bb);
-        let next = if ahead.is_null() {
-            ahead
-        } else {
-            ahead.wrapping_add(b * bb)
-        };
+        let next = block_ahead(ahead, b * bb);
         if F == Q4_K {
             for j in 0..K4_SUB {
                 prefetch_part(next, bb, j, K4_SUB);
@@ -626,18 +618,19 @@ unsafe fn to_f32_times<const F: u8, const M: i32>(q: __m256i) -> __m256 {
     }
 }
 
-/// Element `E`'s eight rows of a Q8_0 group block half's quants at `q` (the half's first row
-/// already added), sign-extended and converted.
+/// Element `e`'s eight rows of half `h` of a Q8_0 group block's quants at `q`, sign-extended
+/// and converted.
 #[inline(always)]
 unsafe fn q8_at(q: *const u8, e: usize, h: usize) -> __m256 {
     let bytes = _mm_loadl_epi64(q.add(GROUP * e + LANES * h) as *const __m128i);
     _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))
 }
 
+/// Element `E`'s eight rows of a Q8_0 group block half's quants at `q` (the half's first row
+/// already added): [`q8_at`] for the `fields!` macro.
 #[inline(always)]
 unsafe fn q8<const E: usize>(q: *const u8) -> __m256 {
-    let bytes = _mm_loadl_epi64(q.add(GROUP * E) as *const __m128i);
-    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))
+    q8_at(q, E, 0)
 }
 
 /// Bits `S..` of the stream from word `W` (unmasked); `L = 32 − S` where the field crosses into

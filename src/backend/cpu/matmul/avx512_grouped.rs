@@ -43,9 +43,9 @@ use std::arch::x86_64::*;
 use super::avx512_groups::{drive, GroupPass};
 use super::grouped::format::{kind_of, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0};
 use super::grouped::{
-    elems, fields, group_block_bytes, job_sums, prefetch_part, quants_at, value_offset, Grouped,
-    BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES, K6_PAIR_BYTES,
-    K6_QUANTS, K6_SCALES, K6_SUB, MAX_TOKENS,
+    block_ahead, elems, fields, group_block_bytes, job_sums, prefetch_part, quants_at,
+    value_offset, Grouped, BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB,
+    K4_SUB_BYTES, K6_PAIR_BYTES, K6_QUANTS, K6_SCALES, K6_SUB, MAX_TOKENS,
 };
 use super::Job;
 use crate::model::quant::QuantKind;
@@ -472,11 +472,7 @@ unsafe fn chunk<const F: u8, const N: usize, R: Run<N>>(
     let mut acc = [_mm512_setzero_ps(); N];
     for b in 0..nb {
         let blk = base.add(b * bb);
-        let next = if ahead.is_null() {
-            ahead
-        } else {
-            ahead.wrapping_add(b * bb)
-        };
+        let next = block_ahead(ahead, b * bb);
         if F == Q4_K {
             k4_super_block::<N, R>(blk, b, &x, &sums, &mut acc, next);
             continue;

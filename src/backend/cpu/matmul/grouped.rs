@@ -725,6 +725,18 @@ pub(crate) fn prefetch_distance(group_bytes: usize) -> usize {
 /// The farthest a group pass prefetches ahead.
 const PREFETCH_SPAN: usize = 12 << 10;
 
+/// What a pass prefetches for its block at `offset`: `ahead` moved on by `offset`, or null
+/// (nothing) where `ahead` is null, which moving would make a real-looking address.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn block_ahead(ahead: *const u8, offset: usize) -> *const u8 {
+    if ahead.is_null() {
+        ahead
+    } else {
+        ahead.wrapping_add(offset)
+    }
+}
+
 /// Part `i` of `parts` of the `bytes` bytes at `next` (nothing where `next` is null) asked into
 /// the cache: a K super-block's next-group bytes spread over its sub-blocks, so that a burst of
 /// forty-odd prefetches does not wait on the line fill buffers ahead of the loads that matter.
