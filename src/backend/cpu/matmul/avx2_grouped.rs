@@ -10,12 +10,13 @@
 //! 'gemv/.*/avx2'`), about half of what each of two cores must read for decode to be bound by
 //! memory. With the rows in the lanes nothing is reduced or broadcast per row.
 //!
-//! **Per element**, for eight rows: the field masked and converted (AVX2's `vpermps` indexes
-//! only eight entries, so there is no table), with the format's offset subtracted in the integer
-//! domain first (exact), after at most one shift: 4-bit words are read at byte offsets 0–3 as
-//! the AVX-512 kernels read them, so a byte's low nibble needs none; a high nibble is taken in
-//! place, as 16 times its value, against activations whose odd elements were divided by 16
-//! once per call ([`Activations`]). Then one FMA per token with the broadcast activation. The
+//! **Per element**, for eight rows: the field extracted and converted (AVX2's `vpermps` indexes
+//! only eight entries, so there is no table), with the format's offset taken in the integer
+//! domain first (exact). 4-bit words are read at byte offsets 0–3 as the AVX-512 kernels read
+//! them, so a byte's low nibble needs only a mask; a high nibble is taken in place, as 16 times
+//! its value, against activations whose odd elements were divided by 16 once per call
+//! ([`Activations`]). A 5- or 6-bit field is shifted to the top of its lane and back down, the
+//! offset coming with an arithmetic shift ([`top`]). Then one FMA per token with the broadcast activation. The
 //! 16 registers hold four quarter chains and an accumulator for two tokens of one half at a
 //! time ([`PAIRS`]); the quarter chains are held to the run's end and fed quarter-interleaved
 //! (`0, 8, 16, 24, 1, 9, …`: one element of each quarter in turn), so that consecutive FMAs
@@ -638,19 +639,19 @@ unsafe fn q8<const E: usize>(q: *const u8) -> __m256 {
 /// else 0. A shift right by 27, arithmetic or logical, then extends it ([`values`]).
 #[inline(always)]
 unsafe fn f5<const W: usize, const S: i32, const L: i32>(w: &[__m256i; 5]) -> __m256i {
-    top::<W, S, L, 5, 5>(w)
+    top::<W, S, L, 5>(w)
 }
 
 /// The six-bit field at bit `S` of word `W` of six words whose fields have their top bit
 /// flipped ([`sign_flip`]), as the Q6_K value `q − 32` in f32.
 #[inline(always)]
 unsafe fn f6<const W: usize, const S: i32, const L: i32>(w: &[__m256i; 6]) -> __m256 {
-    _mm256_cvtepi32_ps(_mm256_srai_epi32::<26>(top::<W, S, L, 6, 6>(w)))
+    _mm256_cvtepi32_ps(_mm256_srai_epi32::<26>(top::<W, S, L, 6>(w)))
 }
 
-/// The `B`-bit field at bit `S` of word `W` of `K` words moved to each lane's top `B` bits
-/// (the bits below are other fields'); `L = 32 − S` where the field crosses into word `W + 1`,
-/// else 0.
+/// The `B`-bit field at bit `S` of word `W` of a run's `B` words (32 fields of `B` bits) moved
+/// to each lane's top `B` bits (the bits below are other fields'); `L = 32 − S` where the field
+/// crosses into word `W + 1`, else 0.
 ///
 /// **Why.** Put at the top, a shift right by `32 − B` extends the field: logically to `q`, or,
 /// with its top bit flipped first ([`sign_flip`]), arithmetically to `q − 2^(B−1)`, the offset
@@ -661,13 +662,13 @@ unsafe fn f6<const W: usize, const S: i32, const L: i32>(w: &[__m256i; 6]) -> __
 /// Qwen2.5-Coder-0.5B Q4_K_M decode at two threads (`kiln-bench --profile`, two runs of each
 /// build): its Q5_0 gate+up 13.8 / 14.1 → 13.0 / 12.8 ms per step (24 layers).
 #[inline(always)]
-unsafe fn top<const W: usize, const S: i32, const L: i32, const B: i32, const K: usize>(
-    w: &[__m256i; K],
+unsafe fn top<const W: usize, const S: i32, const L: i32, const B: usize>(
+    w: &[__m256i; B],
 ) -> __m256i {
     // Shift counts in a register: stable Rust cannot write `32 − B − S` as an immediate, and
     // LLVM turns a constant count back into the immediate form (`vpslld ymm, ymm, imm8`).
     let count = |n: i32| _mm_cvtsi32_si128(n);
-    let at = 32 - B;
+    let at = 32 - B as i32;
     if L == 0 {
         if S == at {
             w[W]
@@ -684,14 +685,14 @@ unsafe fn top<const W: usize, const S: i32, const L: i32, const B: i32, const K:
     }
 }
 
-/// Per word of a run's `K` words of `B`-bit fields (half a group's rows in the lanes), the top
+/// Per word of a run's `B` words of `B`-bit fields (half a group's rows in the lanes), the top
 /// bit of every field: flipped, a field `q` reads as `q − 2^(B−1)` in `B`-bit two's complement
 /// (`q ^ 2^(B−1) ≡ q − 2^(B−1) mod 2^B`).
-const fn sign_flip<const K: usize>(b: usize) -> [i32; K] {
-    let mut m = [0i32; K];
+const fn sign_flip<const B: usize>() -> [i32; B] {
+    let mut m = [0i32; B];
     let mut e = 0;
     while e < BLOCK {
-        let bit = b * e + b - 1;
+        let bit = B * e + B - 1;
         m[bit / 32] |= (1u32 << (bit % 32)) as i32;
         e += 1;
     }
@@ -720,7 +721,7 @@ unsafe fn words<const K: usize>(q: *const u8, h: usize) -> [__m256i; K] {
 /// The `q − 32` values of half `h` of a pair of Q6_K sub-blocks (six words at `q`) into `sink`.
 #[inline(always)]
 unsafe fn values6<S: Sink>(q: *const u8, h: usize, sink: &mut S) {
-    let w = flipped(words::<6>(q, h), &const { sign_flip::<6>(6) });
+    let w = flipped(words::<6>(q, h), &const { sign_flip::<6>() });
     macro_rules! put {
         ($e:expr, $v:expr) => {
             sink.put($e, $v)
@@ -753,7 +754,7 @@ unsafe fn values<const F: u8, const H: bool, S: Sink>(q: *const u8, h: usize, si
     } else if F == Q5_0 || F == Q5_1 {
         let mut w = words::<5>(q, h);
         if F == Q5_0 {
-            w = flipped(w, &const { sign_flip::<5>(5) });
+            w = flipped(w, &const { sign_flip::<5>() });
         }
         // Q5_0's flipped fields extend to `q − 16` by an arithmetic shift, Q5_1's to `q` by a
         // logical one (its offset is 0).

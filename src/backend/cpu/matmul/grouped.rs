@@ -74,11 +74,12 @@ pub(crate) mod format {
     }
 }
 
-/// Invokes the macro `$f!(e, index)` for the 32 fields of a block's quant words `$w`, in element
-/// order (with `quarters`, quarter-interleaved: `0, 8, 16, 24, 1, 9, …`, each quarter's elements
-/// still in order, so that consecutive multiply-adds go to different chains) (for Q8_0, `$f!(e, value)` from the quants at `$q`). A macro, not a closure: a closure
-/// is compiled without the kernel's `#[target_feature]`s unless LLVM chooses to inline it, and
-/// at eight tokens a chunk it did not (see [`super::avx512_grouped`]).
+/// Invokes the macro `$f!(e, index)` for the 32 fields of a block's quant words `$w` (for Q8_0,
+/// `$f!(e, value)` from the quants at `$q`), in element order, or with `quarters`
+/// quarter-interleaved (`0, 8, 16, 24, 1, 9, …`, each quarter's elements still in order, so that
+/// consecutive multiply-adds go to different chains). A macro, not a closure: a closure is
+/// compiled without the kernel's `#[target_feature]`s unless LLVM chooses to inline it, and at
+/// eight tokens a chunk it did not (see [`super::avx512_grouped`]).
 macro_rules! fields {
     (8, $q:expr, $f:ident) => {{
         let q = $q;
