@@ -141,12 +141,13 @@ pub(super) unsafe fn attention(
             }
         }
     }
-    // Values tasks: (row, KV head, lanes), the lanes in runs of `unit`, enough runs for two
-    // tasks per thread.
+    // Values tasks: (row, KV head, lanes), the lanes in runs of `unit`, as few runs as give
+    // every thread a task: a task that takes part of each value row reads it in pieces that
+    // the other tasks' share, which costs more than the imbalance of whole rows.
     let unit = lane_unit(kv.layout().dtype);
     let units = d / unit;
     let pairs = rows.len() * s.kv_heads;
-    let runs = (2 * threads).div_ceil(pairs).clamp(1, units);
+    let runs = threads.div_ceil(pairs).clamp(1, units);
     let per_run = units.div_ceil(runs);
     let level = simd::clamp(simd::level());
     // Taken out of the thread-local for the call rather than borrowed across its parallel
