@@ -279,7 +279,7 @@ mod tests {
         // Meta's published parameter count for Llama 3.2 1B.
         assert_eq!(c.num_params(), 1_235_814_400);
         let (s, _) = shape_config("smollm2-135m").unwrap();
-        // The demo model's count (SmolLM2-135M-Instruct's published parameter count).
+        // The demo model's count (the parameters its GGUF file holds).
         assert_eq!(s.num_params(), 134_515_008);
         assert_eq!((s.rope_theta, s.rope_scaling), (100000.0, None));
         assert_eq!(shape_names(), ["llama-3.2-1b", "smollm2-135m", "tiny"]);

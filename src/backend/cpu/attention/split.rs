@@ -142,8 +142,8 @@ pub(super) unsafe fn attention(
         }
     }
     // Values tasks: (row, KV head, lanes), the lanes in runs of `unit`, as few runs as give
-    // every thread a task: a task that takes part of each value row reads it in pieces that
-    // the other tasks' share, which costs more than the imbalance of whole rows.
+    // every thread a task: a task that takes part of each value row shares that row's cache lines
+    // with the tasks that take the rest, which costs more than the imbalance of whole rows.
     let unit = lane_unit(kv.layout().dtype);
     let units = d / unit;
     let pairs = rows.len() * s.kv_heads;

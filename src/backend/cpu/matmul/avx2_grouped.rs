@@ -16,17 +16,17 @@
 //! them, so a byte's low nibble needs only a mask; a high nibble is taken in place, as 16 times
 //! its value, against activations whose odd elements were divided by 16 once per call
 //! ([`Activations`]). A 5- or 6-bit field is shifted to the top of its lane and back down, the
-//! offset coming with an arithmetic shift ([`top`]). Then one FMA per token with the broadcast activation. The
-//! 16 registers hold four quarter chains and an accumulator for two tokens of one half at a
-//! time ([`PAIRS`]); the quarter chains are held to the run's end and fed quarter-interleaved
-//! (`0, 8, 16, 24, 1, 9, …`: one element of each quarter in turn), so that consecutive FMAs
-//! are independent. Until 2026-11-29 the Q5, Q6_K and Q8_0 fields went in element order, eight
-//! dependent FMAs per quarter in a row; interleaved, one core of the 2-vCPU AMD EPYC (Zen 3)
-//! ran Q8_0 1536 × 576 at 15.3–15.6 → 19.0–19.1 GiB/s, Q5_0 1536 × 576 7.1–7.3 → 8.6–8.7 and
-//! Q6_K 896 × 4864 8.0–8.2 → 8.5–8.7 (weights in cache, best of 60 × 10 calls). A pass over
-//! both halves of one token (two chains of registers, every word loaded first) spilled: Q4_1
-//! ran 8.4 GiB/s where two passes ran 9.6. With each word loaded where it is used it does not,
-//! and one token's full groups of the 4-bit formats and Q8_0 take it ([`pass_both`]).
+//! offset coming with an arithmetic shift ([`top`]). Then one FMA per token with the broadcast
+//! activation. The 16 registers hold four quarter chains and an accumulator for two tokens of
+//! one half at a time ([`PAIRS`]); the quarter chains are held to the run's end and fed
+//! quarter-interleaved (`0, 8, 16, 24, 1, 9, …`: one element of each quarter in turn), so that
+//! consecutive FMAs are independent. Until 2026-11-29 the Q5, Q6_K and Q8_0 fields went in
+//! element order, eight dependent FMAs per quarter in a row; interleaved, one core of the 2-vCPU
+//! AMD EPYC (Zen 3) ran Q8_0 1536 × 576 at 15.3–15.6 → 19.0–19.1 GiB/s, Q5_0 1536 × 576
+//! 7.1–7.3 → 8.6–8.7 and Q6_K 896 × 4864 8.0–8.2 → 8.5–8.7 (weights in cache, best of 60 × 10
+//! calls). A pass over both halves of one token (two chains of registers, every word loaded first)
+//! spilled: Q4_1 ran 8.4 GiB/s where two passes ran 9.6. With each word loaded where it is used it
+//! does not, and one token's full groups of the 4-bit formats and Q8_0 take it ([`pass_both`]).
 //!
 //! Nothing here takes a closure (see [`super::avx512_groups`]).
 
