@@ -369,16 +369,11 @@ pub(super) fn run(
                 } => {
                     let x = view(&ins.inputs[0]);
                     let angles = if *local { &ws.angles_local } else { &ws.angles };
-                    for t in 0..rows_out {
-                        let dst = row_mut(&mut out, stride, out_slot, t);
+                    let style = plan.graph.rope.style;
+                    for_rows(&mut out, stride, out_slot, rows_out, |t, dst| {
                         dst.copy_from_slice(x.row(t));
-                        rope::apply(
-                            dst,
-                            *head_dim,
-                            plan.graph.rope.style,
-                            &angles[t * half..(t + 1) * half],
-                        );
-                    }
+                        rope::apply(dst, *head_dim, style, &angles[t * half..(t + 1) * half]);
+                    });
                 }
                 Op::Attention {
                     layer,
