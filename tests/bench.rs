@@ -70,6 +70,56 @@ fn json_has_every_column_and_the_samples() {
     assert_eq!(rows[1]["n_gen"], 4);
 }
 
+/// `--profile` breaks down a prefill as it does decode steps: one row per kind of instruction,
+/// with the plan's bytes and flops over the measured time.
+#[test]
+fn profile_breaks_down_prefill_and_decode() {
+    let model = fixtures().join("llama_tied");
+    let out = bench(&[
+        "-m",
+        model.to_str().unwrap(),
+        "-p",
+        "8",
+        "-n",
+        "4",
+        "-r",
+        "2",
+        "-t",
+        "1",
+        "--bandwidth-mib",
+        "32",
+        "--profile",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    for header in [
+        "prefill profile over 2 runs of 8 tokens",
+        "decode profile over 5 steps of 1 sequences",
+    ] {
+        let at = err
+            .find(header)
+            .unwrap_or_else(|| panic!("{header}:\n{err}"));
+        let table: Vec<&str> = err[at..]
+            .lines()
+            .skip(1)
+            .take_while(|l| l.starts_with('|'))
+            .collect();
+        assert_eq!(
+            table[0], "| op | count | ms/step | share | bytes/step | GB/s | GFLOP/s |",
+            "{err}"
+        );
+        // A matmul row: count, times and rates parse, flops measured.
+        let row = table
+            .iter()
+            .find(|l| l.contains("(matmul)"))
+            .unwrap_or_else(|| panic!("no matmul row:\n{err}"));
+        let cells: Vec<&str> = row.trim_matches('|').split('|').map(str::trim).collect();
+        assert_eq!(cells.len(), 7, "{row}");
+        assert!(cells[1].parse::<usize>().unwrap() >= 1, "{row}");
+        assert!(cells[6].parse::<f64>().unwrap() > 0.0, "{row}");
+    }
+}
+
 #[test]
 fn markdown_table_and_disabled_tests() {
     let model = fixtures().join("nanochat");

@@ -170,9 +170,9 @@ struct Args {
     /// Seed for the random prompt and decode token ids, and for --synthetic weights.
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// Also time every instruction of the decode plan (each tg test at its batch) and print, per
-    /// op, milliseconds per step, share of the step, bytes per step and achieved bandwidth
-    /// (stderr).
+    /// Also time every instruction of the plan (each tg test's decode steps at its batch, each pp
+    /// test's prefill, run -r times more) and print, per op, milliseconds per step, share of the
+    /// step, bytes per step, achieved bandwidth and GFLOP/s (stderr).
     #[arg(long)]
     profile: bool,
     /// Time nothing: print, per model, batch and tgN test, the fewest bytes a GPU decode step
@@ -487,8 +487,8 @@ fn run() -> Result<()> {
                         samples.push(d);
                     }
                 }
-                if args.profile && test.n_gen > 0 {
-                    target.profile(test.batch, test.n_gen, args.seed)?;
+                if args.profile {
+                    target.profile(&test, args.repetitions, args.seed)?;
                 }
                 let (bytes_per_token, bytes_source) = target.bytes_per_token(&test);
                 let n = test.tokens() as f64;
@@ -600,9 +600,9 @@ trait Target {
     fn time(&self, test: &Test, seed: u64) -> Result<Duration>;
     /// Bytes a token of `test` must move, and which model of bytes that is.
     fn bytes_per_token(&self, test: &Test) -> (f64, String);
-    /// `--profile`: a per-op breakdown of decode at `batch` sequences on stderr, where the
-    /// backend has one.
-    fn profile(&self, _batch: usize, _n_gen: usize, _seed: u64) -> Result<()> {
+    /// `--profile`: a per-op breakdown of `test` (its decode steps, or `repetitions` runs of its
+    /// prefill) on stderr, where the backend has one.
+    fn profile(&self, _test: &Test, _repetitions: usize, _seed: u64) -> Result<()> {
         Ok(())
     }
     /// Refuses `test` when what it allocates in host memory does not fit.
@@ -655,8 +655,12 @@ impl Target for CpuTarget {
         (bytes, "CPU plan cost model".into())
     }
 
-    fn profile(&self, batch: usize, n_gen: usize, seed: u64) -> Result<()> {
-        profile_decode(&self.backend, batch, n_gen, seed)
+    fn profile(&self, test: &Test, repetitions: usize, seed: u64) -> Result<()> {
+        if test.n_prompt > 0 {
+            profile_prefill(&self.backend, test.n_prompt, repetitions.max(1), seed)
+        } else {
+            profile_decode(&self.backend, test.batch, test.n_gen, seed)
+        }
     }
 
     fn check_memory(&self, test: &Test) -> Result<()> {
@@ -734,9 +738,8 @@ fn time_decode(b: &CpuBackend, batch: usize, n: usize, seed: u64) -> Result<Dura
 }
 
 /// Times each decode-plan instruction over `n` steps of `batch` sequences (sequence i in cache
-/// slot i) and prints a per-op summary to stderr; times are per step, bytes per token.
+/// slot i) and prints a per-op summary to stderr; times, bytes and flops are per step.
 fn profile_decode(b: &CpuBackend, batch: usize, n: usize, seed: u64) -> Result<()> {
-    use std::collections::BTreeMap;
     let ids = token_ids((n + 1) * batch, b.config().vocab_size, seed);
     let mut kv = b.new_cache(batch, n + 1)?;
     let mut ws = Workspace::new();
@@ -753,44 +756,85 @@ fn profile_decode(b: &CpuBackend, batch: usize, n: usize, seed: u64) -> Result<(
             &mut logits,
         )?;
     }
-    let plan = b.plan(PlanKind::Decode);
     let dims = Dims::decode(batch, n.div_ceil(2) + 1);
+    let what = format!("decode profile over {} steps of {batch} sequences", n + 1);
+    print_profile(&what, b.plan(PlanKind::Decode), &dims, &ws, n + 1);
+    Ok(())
+}
+
+/// Times each prefill-plan instruction over `runs` prefills of `n` tokens into one sequence
+/// (the cache and buffers reused from run to run, as a server reuses them) and prints a per-op
+/// summary to stderr; times are per run.
+fn profile_prefill(b: &CpuBackend, n: usize, runs: usize, seed: u64) -> Result<()> {
+    let ids = token_ids(n, b.config().vocab_size, seed);
+    let rows: Vec<TokenRow> = (0..n).map(|pos| TokenRow { slot: 0, pos }).collect();
+    let mut kv = b.new_cache(1, n)?;
+    let mut ws = Workspace::new();
+    let mut logits = Vec::new();
+    ws.enable_profile();
+    for _ in 0..runs {
+        kv.truncate(0, 0);
+        b.forward(
+            PlanKind::Prefill,
+            &mut ws,
+            &mut kv,
+            &ids,
+            &rows,
+            &mut logits,
+        )?;
+    }
+    let what = format!("prefill profile over {runs} runs of {n} tokens");
+    print_profile(
+        &what,
+        b.plan(PlanKind::Prefill),
+        &Dims::prefill(n),
+        &ws,
+        runs,
+    );
+    Ok(())
+}
+
+/// The per-op table of a profiled workspace after `steps` forward calls of `plan`: instructions
+/// grouped by what they are, not by layer (`layers.7.attn.q+k+v` → `attn.q+k+v`), with the
+/// plan's cost model's bytes and flops at `dims` over the measured time.
+fn print_profile(what: &str, plan: &ExecutionPlan, dims: &Dims, ws: &Workspace, steps: usize) {
+    use std::collections::BTreeMap;
     let times = ws.profile().unwrap_or(&[]);
-    // Group instructions by what they are, not by layer: `layers.7.attn.q+k+v` → `attn.q+k+v`.
-    let mut groups: BTreeMap<String, (usize, Duration, u64)> = BTreeMap::new();
+    let mut groups: BTreeMap<String, (usize, Duration, u64, u64)> = BTreeMap::new();
     for (ins, t) in plan.instrs.iter().zip(times) {
         let key = match ins.label.strip_prefix("layers.") {
             Some(rest) => rest.split_once('.').map_or(rest, |(_, r)| r).to_string(),
             None => ins.label.clone(),
         };
-        let node = &plan.graph.nodes[ins.node];
+        let cost = plan.graph.nodes[ins.node].cost(&plan.graph, dims);
         let e = groups
             .entry(format!("{key} ({})", ins.op.name()))
             .or_default();
         e.0 += 1;
         e.1 += *t;
-        e.2 += node.cost(&plan.graph, &dims).bytes;
+        e.2 += cost.bytes;
+        e.3 += cost.flops;
     }
     let total: Duration = times.iter().sum();
-    let steps = (n + 1) as f64;
+    let steps = steps.max(1) as f64;
     note!(
-        "kiln-bench: decode profile over {} steps of {batch} sequences, {:.3} ms/step in instructions",
-        n + 1,
+        "kiln-bench: {what}, {:.3} ms/step in instructions",
         total.as_secs_f64() * 1e3 / steps
     );
-    note!("| op | count | ms/step | share | bytes/step | GB/s |");
-    note!("|---|---:|---:|---:|---:|---:|");
+    note!("| op | count | ms/step | share | bytes/step | GB/s | GFLOP/s |");
+    note!("|---|---:|---:|---:|---:|---:|---:|");
     let mut rows: Vec<_> = groups.into_iter().collect();
     rows.sort_by(|a, b| b.1 .1.cmp(&a.1 .1).then(a.0.cmp(&b.0)));
-    for (name, (count, t, bytes)) in rows {
-        let ms = t.as_secs_f64() * 1e3 / steps;
+    for (name, (count, t, bytes, flops)) in rows {
+        let secs = (t.as_secs_f64() / steps).max(1e-12);
         note!(
-            "| {name} | {count} | {ms:.3} | {:.1}% | {bytes} | {:.1} |",
+            "| {name} | {count} | {:.3} | {:.1}% | {bytes} | {:.1} | {:.1} |",
+            secs * 1e3,
             100.0 * t.as_secs_f64() / total.as_secs_f64().max(1e-12),
-            bytes as f64 / (ms / 1e3) / 1e9
+            bytes as f64 / secs / 1e9,
+            flops as f64 / secs / 1e9
         );
     }
-    Ok(())
 }
 
 /// One row of `--bytes-per-token`.
