@@ -14,6 +14,7 @@ pub mod dump;
 pub mod engine;
 pub mod files;
 pub mod graph;
+pub mod huge_pages;
 pub mod kv;
 pub mod model;
 pub mod plan;

@@ -11,6 +11,7 @@
 
 use super::layout::{KvLayout, LayoutError};
 use super::storage::{decode_row, encode_row, KvDtype};
+use crate::huge_pages;
 
 /// Why a pool could not be made.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -32,15 +33,24 @@ pub enum KvBudget {
     Blocks(usize),
 }
 
-/// Grows `v` to `n` zeros, or fails instead of aborting when memory is short.
+/// Grows `v` to `n` zeros, or fails instead of aborting when memory is short. What it takes is
+/// advised for huge pages before it is written ([`huge_pages`]): attention reads the cache a
+/// head's block at a time from anywhere in the pool, a TLB miss per 4 KiB page otherwise.
 fn grow(v: &mut Vec<f32>, n: usize, blocks: usize) -> Result<(), PoolError> {
     v.try_reserve_exact(n.saturating_sub(v.len()))
         .map_err(|_| PoolError::Alloc {
             bytes: n.saturating_mul(4),
             blocks,
         })?;
+    advise_spare(v);
     v.resize(n, 0.0);
     Ok(())
+}
+
+/// [`huge_pages::advise`] over the capacity of `v` past its length (not yet written).
+fn advise_spare(v: &mut Vec<f32>) {
+    let spare = v.spare_capacity_mut();
+    huge_pages::advise(spare.as_ptr().cast(), std::mem::size_of_val(spare));
 }
 
 /// Blocks a pool takes memory for at first (and the least it grows by).
@@ -129,6 +139,18 @@ impl BlockPool {
         }
         if self.host_data {
             let words = (n * l.block_elems() * l.dtype.bytes_per_elem()).div_ceil(4);
+            if self.allocated == 0 {
+                // Address space for the whole ceiling at once where the system grants it (pages
+                // are only taken as blocks are written): the keys and values then never move,
+                // which would split their huge pages, and are advised once. Where it refuses,
+                // each growth reserves what it needs.
+                let all = (l.num_blocks * l.block_elems() * l.dtype.bytes_per_elem()).div_ceil(4);
+                for v in [&mut self.k, &mut self.v] {
+                    if v.try_reserve_exact(all).is_ok() {
+                        advise_spare(v);
+                    }
+                }
+            }
             let scales = l.dtype.group().map_or(0, |g| n * l.block_elems() / g);
             grow(&mut self.k, words, n)?;
             grow(&mut self.v, words, n)?;

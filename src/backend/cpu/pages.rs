@@ -20,8 +20,8 @@ use std::sync::Arc;
 
 use bytemuck::Pod;
 
-/// A huge page, the alignment of every chunk.
-const HUGE_PAGE: usize = 2 << 20;
+use crate::huge_pages::{self, HUGE_PAGE};
+
 /// Bytes of a shared chunk; a buffer at least this large gets a chunk of its own.
 const CHUNK: usize = 32 << 20;
 /// Alignment of each buffer within a chunk: a cache line (and the alignment of any `T`).
@@ -45,7 +45,7 @@ impl Chunk {
     fn huge(bytes: usize) -> Chunk {
         let size = bytes.max(1).next_multiple_of(HUGE_PAGE);
         let chunk = Chunk::alloc(Layout::from_size_align(size, HUGE_PAGE));
-        advise_huge_pages(chunk.ptr.as_ptr(), size);
+        huge_pages::advise(chunk.ptr.as_ptr(), size);
         chunk
     }
 
@@ -72,20 +72,6 @@ impl Drop for Chunk {
         unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
     }
 }
-
-/// Asks the kernel to back `len` bytes at `ptr` (untouched yet) with transparent huge pages.
-/// Advice only: a refusal (no THP support, `never` mode) leaves ordinary pages.
-#[cfg(target_os = "linux")]
-fn advise_huge_pages(ptr: *mut u8, len: usize) {
-    // SAFETY: the range is this process's own fresh allocation; the advice changes how it is
-    // backed, never its contents.
-    unsafe {
-        libc::madvise(ptr.cast(), len, libc::MADV_HUGEPAGE);
-    }
-}
-
-#[cfg(not(target_os = "linux"))]
-fn advise_huge_pages(_ptr: *mut u8, _len: usize) {}
 
 /// An immutable buffer of `T` in a [`WeightArena`] chunk (or its own, made from a `Vec`): what
 /// a `Vec<T>` of weights would be, on huge pages.
