@@ -11,11 +11,16 @@ pub const HUGE_PAGE: usize = 2 << 20;
 /// Advises the whole huge pages inside `len` bytes at `ptr` (this process's own memory, not
 /// yet touched where it should get them); a range holding none is left alone.
 pub fn advise(ptr: *const u8, len: usize) {
-    let start = (ptr as usize).next_multiple_of(HUGE_PAGE);
-    let end = (ptr as usize).saturating_add(len) / HUGE_PAGE * HUGE_PAGE;
-    if end > start {
-        advise_range(start, end - start);
+    if let Some((start, len)) = whole_pages(ptr as usize, len) {
+        advise_range(start, len);
     }
+}
+
+/// The whole huge pages of the `len` bytes at address `at`: their start and length, if any.
+fn whole_pages(at: usize, len: usize) -> Option<(usize, usize)> {
+    let start = at.checked_next_multiple_of(HUGE_PAGE)?;
+    let end = at.checked_add(len)? / HUGE_PAGE * HUGE_PAGE;
+    (end > start).then(|| (start, end - start))
 }
 
 #[cfg(target_os = "linux")]
@@ -34,13 +39,26 @@ fn advise_range(_start: usize, _len: usize) {}
 mod tests {
     use super::*;
 
-    /// Advice on ranges with and without a whole huge page inside leaves their contents alone.
+    /// Only whole, aligned huge pages are advised: none in a range shorter than one or
+    /// straddling a boundary without covering a page, the interior of an unaligned range.
+    #[test]
+    fn whole_pages_inside_a_range() {
+        const H: usize = HUGE_PAGE;
+        assert_eq!(whole_pages(4 * H, 3 * H), Some((4 * H, 3 * H)));
+        assert_eq!(whole_pages(4 * H + 5, 3 * H), Some((5 * H, 2 * H)));
+        assert_eq!(whole_pages(4 * H - 5, H + 10), Some((4 * H, H)));
+        assert_eq!(whole_pages(4 * H + 5, H), None);
+        assert_eq!(whole_pages(4 * H, H - 1), None);
+        assert_eq!(whole_pages(4 * H, 0), None);
+        assert_eq!(whole_pages(usize::MAX - 5, 3), None);
+        assert_eq!(whole_pages(H, usize::MAX), None);
+    }
+
+    /// Advice leaves the contents alone.
     #[test]
     fn advice_keeps_contents() {
         let mut v = vec![7u8; 3 * HUGE_PAGE];
         advise(v.as_ptr(), v.len());
-        advise(v.as_ptr(), 100);
-        advise(v.as_ptr().wrapping_add(5), HUGE_PAGE);
         v[2 * HUGE_PAGE] = 9;
         assert!(v
             .iter()
