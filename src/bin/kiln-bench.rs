@@ -41,7 +41,7 @@ use kiln::engine::{
     Session, SpecMethod, SpecOptions,
 };
 use kiln::graph::{human_bytes as human, Dims, Rows};
-use kiln::kv::KvOptions;
+use kiln::kv::{KvCache, KvOptions};
 use kiln::model::{synthetic, Model};
 use kiln::note;
 use kiln::plan::ExecutionPlan;
@@ -693,21 +693,46 @@ impl Target for CpuTarget {
     }
 }
 
+/// One sequence's prefill of `n` random tokens, with the cache and buffers it reuses from run
+/// to run (as a server reuses them).
+struct Prefill {
+    ids: Vec<u32>,
+    rows: Vec<TokenRow>,
+    kv: KvCache,
+    ws: Workspace,
+    logits: Vec<f32>,
+}
+
+impl Prefill {
+    fn new(b: &CpuBackend, n: usize, seed: u64) -> Result<Prefill> {
+        Ok(Prefill {
+            ids: token_ids(n, b.config().vocab_size, seed),
+            rows: (0..n).map(|pos| TokenRow { slot: 0, pos }).collect(),
+            kv: b.new_cache(1, n)?,
+            ws: Workspace::new(),
+            logits: Vec::new(),
+        })
+    }
+
+    /// The prefill from position 0, over whatever an earlier run left in the cache.
+    fn run(&mut self, b: &CpuBackend) -> Result<()> {
+        self.kv.truncate(0, 0);
+        b.forward(
+            PlanKind::Prefill,
+            &mut self.ws,
+            &mut self.kv,
+            &self.ids,
+            &self.rows,
+            &mut self.logits,
+        )?;
+        Ok(())
+    }
+}
+
 fn time_prefill(b: &CpuBackend, n: usize, seed: u64) -> Result<Duration> {
-    let ids = token_ids(n, b.config().vocab_size, seed);
-    let rows: Vec<TokenRow> = (0..n).map(|pos| TokenRow { slot: 0, pos }).collect();
-    let mut kv = b.new_cache(1, n)?;
-    let mut ws = Workspace::new();
-    let mut logits = Vec::new();
+    let mut p = Prefill::new(b, n, seed)?;
     let t0 = Instant::now();
-    b.forward(
-        PlanKind::Prefill,
-        &mut ws,
-        &mut kv,
-        &ids,
-        &rows,
-        &mut logits,
-    )?;
+    p.run(b)?;
     Ok(t0.elapsed())
 }
 
@@ -766,29 +791,17 @@ fn profile_decode(b: &CpuBackend, batch: usize, n: usize, seed: u64) -> Result<(
 /// (the cache and buffers reused from run to run, as a server reuses them) and prints a per-op
 /// summary to stderr; times are per run.
 fn profile_prefill(b: &CpuBackend, n: usize, runs: usize, seed: u64) -> Result<()> {
-    let ids = token_ids(n, b.config().vocab_size, seed);
-    let rows: Vec<TokenRow> = (0..n).map(|pos| TokenRow { slot: 0, pos }).collect();
-    let mut kv = b.new_cache(1, n)?;
-    let mut ws = Workspace::new();
-    let mut logits = Vec::new();
-    ws.enable_profile();
+    let mut p = Prefill::new(b, n, seed)?;
+    p.ws.enable_profile();
     for _ in 0..runs {
-        kv.truncate(0, 0);
-        b.forward(
-            PlanKind::Prefill,
-            &mut ws,
-            &mut kv,
-            &ids,
-            &rows,
-            &mut logits,
-        )?;
+        p.run(b)?;
     }
     let what = format!("prefill profile over {runs} runs of {n} tokens");
     print_profile(
         &what,
         b.plan(PlanKind::Prefill),
         &Dims::prefill(n),
-        &ws,
+        &p.ws,
         runs,
     );
     Ok(())

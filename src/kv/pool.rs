@@ -138,17 +138,16 @@ impl BlockPool {
             });
         }
         if self.host_data {
-            let words = (n * l.block_elems() * l.dtype.bytes_per_elem()).div_ceil(4);
+            let words_for =
+                |blocks: usize| (blocks * l.block_elems() * l.dtype.bytes_per_elem()).div_ceil(4);
+            let words = words_for(n);
             if self.allocated == 0 {
                 // Address space for the whole ceiling at once where the system grants it (pages
-                // are only taken as blocks are written): the keys and values then never move,
-                // which would split their huge pages, and are advised once. Where it refuses,
-                // each growth reserves what it needs.
-                let all = (l.num_blocks * l.block_elems() * l.dtype.bytes_per_elem()).div_ceil(4);
+                // are only taken as blocks are written, and `grow` advises the unwritten rest):
+                // the keys and values then never move, which would split their huge pages.
+                // Where it refuses, each growth reserves what it needs.
                 for v in [&mut self.k, &mut self.v] {
-                    if v.try_reserve_exact(all).is_ok() {
-                        advise_spare(v);
-                    }
+                    let _ = v.try_reserve_exact(words_for(l.num_blocks));
                 }
             }
             let scales = l.dtype.group().map_or(0, |g| n * l.block_elems() / g);
