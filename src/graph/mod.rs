@@ -12,6 +12,8 @@ mod cost;
 pub mod passes;
 mod print;
 pub mod rope;
+#[cfg(test)]
+pub(crate) mod test_graphs;
 
 pub use print::{human_bytes, human_flops, op_text, shape_text, write_text_with_cost};
 

@@ -1,72 +1,18 @@
 use super::*;
-use crate::graph::{Activation, Graph, KvSpec, Linear, Norm, Op, RopeSpec, Rows, Shape};
-use crate::model::RopeStyle;
-
-fn lin(name: &str, out: usize, inp: usize) -> Linear {
-    Linear {
-        weight: name.into(),
-        bias: None,
-        out,
-        inp,
-        weight_bytes: out * inp * 4,
-    }
-}
+use crate::graph::test_graphs::{embed, graph, matmul, rms_norm};
+use crate::graph::{Activation, Graph, Op, Rows, Shape};
 
 /// A two-layer residual MLP stack, the shape whose buffers a plan must juggle.
 fn tiny_graph() -> Graph {
-    let mut g = Graph::new(
-        RopeSpec {
-            theta: 1e4,
-            head_dim: 4,
-            style: RopeStyle::HalfSplit,
-            scaling: None,
-        },
-        KvSpec {
-            layers: 0,
-            kv_heads: 1,
-            head_dim: 4,
-            state_dim: 0,
-        },
-        10,
-    );
-    let ids = g.token_ids();
-    let mut x = g.push1(
-        Op::Embed {
-            table: "e".into(),
-            dim: 8,
-            row_bytes: 8 * 4,
-        },
-        vec![ids],
-        8,
-        "embed",
-    );
+    let mut g = graph(0, 1);
+    let mut x = embed(&mut g);
     for l in 0..2 {
-        let h = g.push1(
-            Op::RmsNorm(Norm {
-                weight: None,
-                eps: 1e-5,
-            }),
-            vec![x],
-            8,
-            format!("{l}.norm"),
-        );
-        let mm = |g: &mut Graph, name: &str, out, inp, x| {
-            g.push1(
-                Op::MatMul {
-                    linears: vec![lin(name, out, inp)],
-                    norm: None,
-                    epilogue: Epilogue::None,
-                },
-                vec![x],
-                out,
-                name.to_string(),
-            )
-        };
-        let gt = mm(&mut g, "gate", 16, 8, h);
-        let up = mm(&mut g, "up", 16, 8, h);
+        let h = rms_norm(&mut g, x, &format!("{l}.norm"));
+        let gt = matmul(&mut g, "gate", 16, h);
+        let up = matmul(&mut g, "up", 16, h);
         let a = g.push1(Op::Act(Activation::Silu), vec![gt], 16, "silu");
         let m = g.push1(Op::Mul, vec![a, up], 16, "mul");
-        let d = mm(&mut g, "down", 8, 16, m);
+        let d = matmul(&mut g, "down", 8, m);
         x = g.push1(Op::Add, vec![x, d], 8, "residual");
     }
     let last = g.push1(Op::LastRow, vec![x], 8, "last");

@@ -133,7 +133,7 @@ fn rebuild(g: &mut Graph, narrow: &[bool]) {
         moved[id] = Some(Value::new(new, 0));
         for (port, shape) in outputs.iter().enumerate() {
             let v = Value::new(id, port);
-            if !wanted.contains(&v) || last_of.contains_key(&v) {
+            if !wanted.contains(&v) {
                 continue;
             }
             g.nodes.push(Node {
@@ -160,73 +160,18 @@ fn is_alias(old: &[Node], id: NodeId, narrow: &[bool]) -> bool {
 mod tests {
     use super::*;
     use crate::graph::passes::optimize;
-    use crate::graph::{Activation, Epilogue, KvSpec, Linear, Norm, RopeSpec};
-    use crate::model::RopeStyle;
-
-    fn mm(g: &mut Graph, name: &str, out: usize, inp: usize, x: Value) -> Value {
-        g.push1(
-            Op::MatMul {
-                linears: vec![Linear {
-                    weight: format!("{name}.weight"),
-                    bias: None,
-                    out,
-                    inp,
-                    weight_bytes: out * inp * 4,
-                }],
-                norm: None,
-                epilogue: Epilogue::None,
-            },
-            vec![x],
-            out,
-            name.to_string(),
-        )
-    }
-
-    fn norm(g: &mut Graph, x: Value, label: &str) -> Value {
-        g.push1(
-            Op::RmsNorm(Norm {
-                weight: None,
-                eps: 1e-5,
-            }),
-            vec![x],
-            8,
-            label.to_string(),
-        )
-    }
+    use crate::graph::test_graphs::{embed, graph, matmul, rms_norm};
+    use crate::graph::{Activation, Epilogue};
 
     /// Two Llama-style layers (attention, SwiGLU MLP) and a head, logits for the last rows.
     fn two_layers() -> Graph {
-        let mut g = Graph::new(
-            RopeSpec {
-                theta: 1e4,
-                head_dim: 4,
-                style: RopeStyle::HalfSplit,
-                scaling: None,
-            },
-            KvSpec {
-                layers: 2,
-                kv_heads: 2,
-                head_dim: 4,
-                state_dim: 0,
-            },
-            10,
-        );
-        let ids = g.token_ids();
-        let mut x = g.push1(
-            Op::Embed {
-                table: "e".into(),
-                dim: 8,
-                row_bytes: 32,
-            },
-            vec![ids],
-            8,
-            "embed",
-        );
+        let mut g = graph(2, 2);
+        let mut x = embed(&mut g);
         for l in 0..2 {
-            let h = norm(&mut g, x, &format!("{l}.attn_norm"));
-            let q = mm(&mut g, &format!("{l}.q"), 8, 8, h);
-            let k = mm(&mut g, &format!("{l}.k"), 8, 8, h);
-            let v = mm(&mut g, &format!("{l}.v"), 8, 8, h);
+            let h = rms_norm(&mut g, x, &format!("{l}.attn_norm"));
+            let q = matmul(&mut g, &format!("{l}.q"), 8, h);
+            let k = matmul(&mut g, &format!("{l}.k"), 8, h);
+            let v = matmul(&mut g, &format!("{l}.v"), 8, h);
             let a = g.push1(
                 Op::Attention {
                     layer: l,
@@ -240,19 +185,19 @@ mod tests {
                 8,
                 format!("{l}.attn"),
             );
-            let o = mm(&mut g, &format!("{l}.o"), 8, 8, a);
+            let o = matmul(&mut g, &format!("{l}.o"), 8, a);
             x = g.push1(Op::Add, vec![x, o], 8, format!("{l}.attn_residual"));
-            let h = norm(&mut g, x, &format!("{l}.mlp_norm"));
-            let gate = mm(&mut g, &format!("{l}.gate"), 16, 8, h);
-            let up = mm(&mut g, &format!("{l}.up"), 16, 8, h);
+            let h = rms_norm(&mut g, x, &format!("{l}.mlp_norm"));
+            let gate = matmul(&mut g, &format!("{l}.gate"), 16, h);
+            let up = matmul(&mut g, &format!("{l}.up"), 16, h);
             let act = g.push1(Op::Act(Activation::Silu), vec![gate], 16, "silu");
             let m = g.push1(Op::Mul, vec![act, up], 16, "mul");
-            let d = mm(&mut g, &format!("{l}.down"), 8, 16, m);
+            let d = matmul(&mut g, &format!("{l}.down"), 8, m);
             x = g.push1(Op::Add, vec![x, d], 8, format!("{l}.mlp_residual"));
         }
         let x = g.push1(Op::LastRow, vec![x], 8, "last_row");
-        let h = norm(&mut g, x, "final_norm");
-        g.output = mm(&mut g, "head", 10, 8, h);
+        let h = rms_norm(&mut g, x, "final_norm");
+        g.output = matmul(&mut g, "head", 10, h);
         g
     }
 
