@@ -8,7 +8,8 @@
 //! k-unrolled accumulators per row and software prefetch of later rows. Calls of more
 //! tokens (prefill, and batched decode, whose rows are tokens too): on AVX2, weights packed
 //! k-major after BLIS, 6 tokens × 16 outputs ([`avx2_panel`]: broadcasts and FMAs, no
-//! reductions, one FMA chain per output in k order); on AVX-512, up to 16 tokens a 4 rows × 6
+//! reductions, one FMA chain per output in k order; from 24 tokens the activations packed too,
+//! once per call, and four panels a pass); on AVX-512, up to 16 tokens a 4 rows × 6
 //! tokens register tile of dot products (24 zmm accumulators, then 4- and 2-token tiles, 1-row /
 //! 1-token tails, masked k tails) whose sums are reduced 16 at a time by one shuffle tree, and
 //! above 16 tokens the packed panels at twice the AVX2 width ([`avx512_panel`], 12 tokens × 32
@@ -619,6 +620,9 @@ struct Prepared {
     /// The activations as the AVX2 grouped kernels read them.
     #[cfg(target_arch = "x86_64")]
     xg: Option<avx2_grouped::Activations>,
+    /// The activations' full tiles as the AVX2 panels read them.
+    #[cfg(target_arch = "x86_64")]
+    xp: Option<avx2_panel::PackedTokens>,
 }
 
 impl Prepared {
@@ -637,6 +641,8 @@ impl Prepared {
             sums: grouped_block_sums(level, w, x, ldx, tokens),
             #[cfg(target_arch = "x86_64")]
             xg: grouped_activations(level, w, x, ldx, tokens),
+            #[cfg(target_arch = "x86_64")]
+            xp: panel_activations(level, w, x, ldx, tokens),
         }
     }
 }
@@ -689,6 +695,28 @@ fn grouped_activations(
         tokens,
         w.cols,
     ))
+}
+
+/// The activations' full tiles packed for the AVX2 panels ([`avx2_panel::PackedTokens`]) when
+/// the call runs them: an AVX2 CPU (not AVX-512, whose panels are wider), at least
+/// [`avx2_panel::PACK_MIN_TOKENS`] tokens (more than the few-token, grouped and integer
+/// kernels take, so every format but interleaved weights reaches the panels).
+#[cfg(target_arch = "x86_64")]
+fn panel_activations(
+    level: Level,
+    w: &PackedMatrix,
+    x: &[f32],
+    ldx: usize,
+    tokens: usize,
+) -> Option<avx2_panel::PackedTokens> {
+    if simd::clamp(level) != Level::Avx2
+        || tokens < avx2_panel::PACK_MIN_TOKENS
+        || matches!(w.data, WeightData::Interleaved(_))
+        || x.len() < (tokens - 1) * ldx + w.cols
+    {
+        return None;
+    }
+    Some(avx2_panel::PackedTokens::new(x, ldx, tokens, w.cols))
 }
 
 /// A block's scale `d = amax / qmax` for rounding activations to integers up to `qmax`, and its
@@ -893,6 +921,8 @@ unsafe fn rows_job(
         sums: prepared.sums.as_deref(),
         #[cfg(target_arch = "x86_64")]
         xg: prepared.xg.as_ref(),
+        #[cfg(target_arch = "x86_64")]
+        xp: prepared.xp.as_ref(),
     };
     data_rows(level, &w.data, &job);
 }
@@ -1370,9 +1400,14 @@ unsafe fn tiled_rows<'w>(
     #[cfg(not(target_arch = "x86_64"))]
     let bf16_panels = false;
     TILE.with_borrow_mut(|tile| {
+        // On AVX2, as many rows as the panels take in one pass over the tokens.
+        let step = match level {
+            #[cfg(target_arch = "x86_64")]
+            Level::Avx2 => avx2_panel::rows_per_pass(job.k),
+            _ => tile_rows(level, job.tokens),
+        };
         let mut n0 = job.rows.start;
         while n0 < job.rows.end {
-            let step = tile_rows(level, job.tokens);
             let n1 = (n0 + step).min(job.rows.end);
             tile.resize((n1 - n0) * job.k, 0.0);
             dequantize(n0..n1, tile);
@@ -1435,6 +1470,10 @@ struct Job<'a> {
     /// kernels make their own otherwise.
     #[cfg(target_arch = "x86_64")]
     xg: Option<&'a avx2_grouped::Activations>,
+    /// The activations' full tiles as the AVX2 panels read them, where the call packed them;
+    /// the panels read the rows otherwise.
+    #[cfg(target_arch = "x86_64")]
+    xp: Option<&'a avx2_panel::PackedTokens>,
 }
 
 impl Job<'_> {

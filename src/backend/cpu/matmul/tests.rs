@@ -235,7 +235,13 @@ fn every_level_matches_f64_reference() {
 fn parallel_split_matches_reference() {
     for level in simd::available_levels() {
         for bf in [false, true] {
-            for (rows, cols, tokens) in [(70, 300, 1), (257, 96, 1), (150, 65, 5), (64, 33, 12)] {
+            for (rows, cols, tokens) in [
+                (70, 300, 1),
+                (257, 96, 1),
+                (150, 65, 5),
+                (64, 33, 12),
+                (150, 65, 30),
+            ] {
                 check(level, bf, rows, cols, tokens, true, true, true);
                 check(level, bf, rows, cols, tokens, false, false, true);
             }
@@ -350,7 +356,13 @@ fn quantized_every_level_matches_f64_reference() {
 fn quantized_parallel_split_matches_reference() {
     for level in simd::available_levels() {
         for kind in QuantKind::ALL {
-            for (rows, blocks, tokens) in [(70, 10, 1), (257, 3, 1), (150, 2, 5), (64, 1, 12)] {
+            for (rows, blocks, tokens) in [
+                (70, 10, 1),
+                (257, 3, 1),
+                (150, 2, 5),
+                (64, 1, 12),
+                (150, 18, 30),
+            ] {
                 let cols = blocks * kind.block_elems();
                 for (bias, acc) in [(true, true), (false, false)] {
                     let w = quant_matrix(kind, rows, cols, bias, rows as u64);
@@ -579,6 +591,67 @@ fn avx512_panels_round_like_avx2_panels() {
             let same = on_avx2
                 .iter()
                 .zip(&on_avx512)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "matrix {i} with {tokens} tokens");
+        }
+    }
+}
+
+/// On AVX2, calls of [`avx2_panel::PACK_MIN_TOKENS`] tokens or more read their activations
+/// packed tile by tile, and every call passes over several panels at a time: each token's
+/// outputs are bit for bit those of calls too short to pack (17 to 23 tokens, which also keep
+/// grouped weights off their few-token kernels), for f32, bf16, quantized and grouped weights,
+/// with partial panels and panel groups, bias, accumulation, and the split across threads.
+#[test]
+fn packed_tokens_round_like_short_calls() {
+    if !simd::available_levels().contains(&Level::Avx2) {
+        println!("skipped: this CPU has no AVX2");
+        return;
+    }
+    // 150 rows: nine whole panels and six rows; at 576 columns four panels a pass.
+    let (rows, cols) = (150, 576);
+    let f32_rows = rand_vec(rows * cols, 41);
+    let matrices = [
+        PackedMatrix {
+            rows,
+            cols,
+            data: WeightData::F32(f32_rows.clone().into()),
+            bias: Some(rand_vec(rows, 42)),
+        },
+        PackedMatrix {
+            rows,
+            cols,
+            data: WeightData::BF16(f32_rows.iter().map(|&v| bf16::from_f32(v)).collect()),
+            bias: None,
+        },
+        quant_matrix(QuantKind::Q4_1, rows, cols, true, 43),
+        quant_matrix(QuantKind::Q8_0, rows, cols, false, 44),
+        regrouped(quant_matrix(QuantKind::Q4_1, rows, cols, false, 45)),
+    ];
+    // Token counts and the short calls' length, which divides them.
+    for (tokens, short) in [(40, 20), (63, 21), (100, 20)] {
+        assert!(short < avx2_panel::PACK_MIN_TOKENS && short > grouped::MAX_TOKENS);
+        let x = rand_vec(tokens * cols, 50 + tokens as u64);
+        let start = rand_vec(tokens * rows, 51);
+        for (i, w) in matrices.iter().enumerate() {
+            let mut whole = start.clone();
+            matmul_at(Level::Avx2, w, &x, cols, tokens, &mut whole, rows, true);
+            let mut parts = start.clone();
+            for t in (0..tokens).step_by(short) {
+                matmul_at(
+                    Level::Avx2,
+                    w,
+                    &x[t * cols..],
+                    cols,
+                    short,
+                    &mut parts[t * rows..],
+                    rows,
+                    true,
+                );
+            }
+            let same = whole
+                .iter()
+                .zip(&parts)
                 .all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "matrix {i} with {tokens} tokens");
         }
@@ -1383,6 +1456,7 @@ fn int8_kernels_match_the_reference() {
                             x8: Some(&x8),
                             sums: None,
                             xg: None,
+                            xp: None,
                         };
                         let WeightData::Interleaved(m) = &w.data else {
                             unreachable!()
@@ -1662,6 +1736,7 @@ fn grouped_kernels_match_the_reference() {
                             x8: None,
                             sums: None,
                             xg: None,
+                            xp: None,
                         };
                         unsafe {
                             match kernel {
@@ -1783,6 +1858,7 @@ fn grouped_avx2_kernels_keep_their_bits_on_tiny_and_huge_activations() {
                         x8: None,
                         sums: None,
                         xg: None,
+                        xp: None,
                     };
                     unsafe {
                         if avx2 {
