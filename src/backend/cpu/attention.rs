@@ -968,14 +968,22 @@ unsafe fn attend<O: Ops>(o: &O, kv: &KvCache, job: &Task, scratch: &mut Scratch)
     }
     let lo_min = spans.iter().map(|p| p.0).min().unwrap_or(0);
     let n_max = spans.iter().map(|p| p.1).max().unwrap_or(0);
-    scores.clear();
-    scores.resize(total, 0.0);
+    // Every score is written below (each token's positions, every head): a reused buffer
+    // keeps its old contents meanwhile, instead of being zeroed (up to 48 KiB a prefill task).
+    if scores.len() < total {
+        scores.resize(total, 0.0);
+    }
     let qh = |i: usize, h: usize| &job.q[i * job.q_stride + h * d..i * job.q_stride + (h + 1) * d];
     let first_block = lo_min - lo_min % bs;
-    if f32_in_place {
-        // The task's keys, requested all at once: its blocks lie anywhere in the pool, and
-        // a decode row reads each once, so waiting on them one block after another left the
-        // 16-sequence decode step waiting on DRAM in its key and value loads (`perf`).
+    // A task of a few rows requests its keys all at once: its blocks lie anywhere in the pool,
+    // and a decode row reads each once, so waiting on them one block after another left the
+    // 16-sequence decode step waiting on DRAM in its key and value loads (`perf`). A task of
+    // more rows spends thousands of cycles on each block, and requesting everything up front
+    // (up to 128 KiB of keys and values, more than L1, for a 512-token prefill's last tasks)
+    // took 2–3% of a 512-token prefill's attention in the requests alone (`perf`, one
+    // thread): it requests each next block's keys while it scores the current one.
+    let upfront = f32_in_place && job.rows.len() < 4;
+    if upfront {
         prefetch_blocks(kv, (s, job.kv_head), table, first_block..n_max, Half::Keys);
     }
     let mut start = first_block;
@@ -983,6 +991,15 @@ unsafe fn attend<O: Ops>(o: &O, kv: &KvCache, job: &Task, scratch: &mut Scratch)
         let rows_here = bs.min(n_max - start);
         let (keys, _) = block_rows(kv, job, table[start / bs], rows_here, kbuf, vbuf);
         let end = start + rows_here;
+        if f32_in_place && !upfront && end < n_max {
+            prefetch_blocks(
+                kv,
+                (s, job.kv_head),
+                table,
+                end..n_max.min(end + bs),
+                Half::Keys,
+            );
+        }
         let mut j = start.max(lo_min);
         while j < end {
             let g = keys_at_once(j, end);
@@ -995,11 +1012,27 @@ unsafe fn attend<O: Ops>(o: &O, kv: &KvCache, job: &Task, scratch: &mut Scratch)
                         score_keys(o, qh(i, h), key, g, s.scale, at);
                     }
                 } else {
-                    for jj in j.max(lo)..(j + g).min(n) {
-                        let key = std::slice::from_raw_parts(keys.add((jj - start) * d), d);
+                    let (from, to) = (j.max(lo), (j + g).min(n));
+                    if g > 1 && (to.saturating_sub(from)) * 4 > g {
+                        // A token that attends part of the group (the causal diagonal): the
+                        // whole group (rows the cache holds) scored together, each key as
+                        // alone, and its own kept; one by one, a key cost several of a
+                        // group's.
+                        let key = keys.add((j - start) * d);
+                        let mut part = [0f32; 16];
                         for (ii, h) in job.heads.clone().enumerate() {
-                            scores[base + ii * positions + jj - lo] =
-                                o.dot(qh(i, h), key) * s.scale;
+                            score_keys(o, qh(i, h), key, g, s.scale, part.as_mut_ptr());
+                            let row = base + ii * positions;
+                            scores[row + from - lo..row + to - lo]
+                                .copy_from_slice(&part[from - j..to - j]);
+                        }
+                    } else {
+                        for jj in from..to {
+                            let key = std::slice::from_raw_parts(keys.add((jj - start) * d), d);
+                            for (ii, h) in job.heads.clone().enumerate() {
+                                scores[base + ii * positions + jj - lo] =
+                                    o.dot(qh(i, h), key) * s.scale;
+                            }
                         }
                     }
                 }
@@ -1008,7 +1041,7 @@ unsafe fn attend<O: Ops>(o: &O, kv: &KvCache, job: &Task, scratch: &mut Scratch)
         }
         start += bs;
     }
-    if f32_in_place {
+    if upfront {
         // The values, while the softmax runs.
         prefetch_blocks(
             kv,
