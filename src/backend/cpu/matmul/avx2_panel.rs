@@ -235,7 +235,7 @@ unsafe fn panels<W: Load>(w: *const W, job: &Job, panel: *mut Line, group: usize
                 _ => {}
             }
         }
-        n0 += ((end - n0).min(count * NR)).max(1);
+        n0 += (end - n0).min(count * NR);
     }
 }
 

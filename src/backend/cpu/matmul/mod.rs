@@ -1325,14 +1325,25 @@ fn prefetch(bytes: &[u8]) {
     let _ = bytes;
 }
 
-/// Rows dequantized per prefill tile for `tokens` at `level`: one packed panel's outputs (32 on
-/// AVX-512 above 16 tokens, 16 on AVX2), 16 for AVX-512's dot-product tiles and the scalar
-/// kernels; small enough (× cols f32) to stay in L1/L2 while every token passes over it.
+/// The multi-token kernels' unit of outputs for `tokens` at `level`, on which tasks split: one
+/// packed panel's outputs (32 on AVX-512 above 16 tokens, 16 on AVX2), 16 for AVX-512's
+/// dot-product tiles and the scalar kernels.
 fn tile_rows(level: Level, tokens: usize) -> usize {
     match level {
         #[cfg(target_arch = "x86_64")]
         Level::Avx512 | Level::Avx512Bf16 if tokens > avx512::TILE_TOKENS => avx512_panel::NR,
         _ => 16,
+    }
+}
+
+/// Rows of quantized weights dequantized per prefill tile of `k` columns: on AVX2 the panels
+/// that one pass over the tokens takes ([`avx2_panel::rows_per_pass`]), elsewhere one unit of
+/// [`tile_rows`]; small enough (× k f32) to stay in L2 while every token passes over it.
+fn dequantized_rows(level: Level, tokens: usize, k: usize) -> usize {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => avx2_panel::rows_per_pass(k),
+        _ => tile_rows(level, tokens),
     }
 }
 
@@ -1400,12 +1411,7 @@ unsafe fn tiled_rows<'w>(
     #[cfg(not(target_arch = "x86_64"))]
     let bf16_panels = false;
     TILE.with_borrow_mut(|tile| {
-        // On AVX2, as many rows as the panels take in one pass over the tokens.
-        let step = match level {
-            #[cfg(target_arch = "x86_64")]
-            Level::Avx2 => avx2_panel::rows_per_pass(job.k),
-            _ => tile_rows(level, job.tokens),
-        };
+        let step = dequantized_rows(level, job.tokens, job.k);
         let mut n0 = job.rows.start;
         while n0 < job.rows.end {
             let n1 = (n0 + step).min(job.rows.end);

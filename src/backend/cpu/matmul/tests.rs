@@ -391,10 +391,7 @@ fn quantized_tiles_dequantize_bit_exactly() {
             quant::dequantize_row(kind, &blocks, &mut want);
             let mut got = vec![f32::NAN; rows * cols];
             dequantize_rows(level, kind, &blocks, &mut got);
-            let same = want
-                .iter()
-                .zip(&got)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
+            let same = same_bits(&want, &got);
             assert!(same, "{level:?} {kind:?}");
         }
     }
@@ -532,14 +529,38 @@ fn tile_widths_round_alike(rows: usize, cols: usize, token_counts: &[usize]) {
                 );
                 let want = &part[(t - first) * rows..(t - first + 1) * rows];
                 let got = &all[t * rows..(t + 1) * rows];
-                let same = want
-                    .iter()
-                    .zip(got)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                let same = same_bits(want, got);
                 assert!(same, "{level:?} token {t} of {tokens}: {got:?} vs {want:?}");
             }
         }
     }
+}
+
+/// The weights the panel tests multiply by (seeds `seed..seed + 4`): f32 with a bias, the same
+/// values as bf16, Q4_1 with a bias and Q8_0 (the last two through dequantized tiles).
+fn panel_matrices(rows: usize, cols: usize, seed: u64) -> Vec<PackedMatrix> {
+    let f32_rows = rand_vec(rows * cols, seed);
+    vec![
+        PackedMatrix {
+            rows,
+            cols,
+            data: WeightData::F32(f32_rows.clone().into()),
+            bias: Some(rand_vec(rows, seed + 1)),
+        },
+        PackedMatrix {
+            rows,
+            cols,
+            data: WeightData::BF16(f32_rows.iter().map(|&v| bf16::from_f32(v)).collect()),
+            bias: None,
+        },
+        quant_matrix(QuantKind::Q4_1, rows, cols, true, seed + 2),
+        quant_matrix(QuantKind::Q8_0, rows, cols, false, seed + 3),
+    ]
+}
+
+/// Whether two results hold the same bits, element for element (and as many elements).
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
 /// The AVX-512 panels (32 outputs × 12 tokens, calls of more than 16 tokens) sum every output as
@@ -554,23 +575,7 @@ fn avx512_panels_round_like_avx2_panels() {
         return;
     }
     let (rows, cols) = (70, 320);
-    let f32_rows = rand_vec(rows * cols, 21);
-    let matrices = [
-        PackedMatrix {
-            rows,
-            cols,
-            data: WeightData::F32(f32_rows.clone().into()),
-            bias: Some(rand_vec(rows, 22)),
-        },
-        PackedMatrix {
-            rows,
-            cols,
-            data: WeightData::BF16(f32_rows.iter().map(|&v| bf16::from_f32(v)).collect()),
-            bias: None,
-        },
-        quant_matrix(QuantKind::Q4_1, rows, cols, true, 23),
-        quant_matrix(QuantKind::Q8_0, rows, cols, false, 24),
-    ];
+    let matrices = panel_matrices(rows, cols, 21);
     for (i, w) in matrices.iter().enumerate() {
         for tokens in [17, 23, 24, 35, 40] {
             let x = rand_vec(tokens * cols, 30 + tokens as u64);
@@ -588,10 +593,7 @@ fn avx512_panels_round_like_avx2_panels() {
                 rows,
                 true,
             );
-            let same = on_avx2
-                .iter()
-                .zip(&on_avx512)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
+            let same = same_bits(&on_avx2, &on_avx512);
             assert!(same, "matrix {i} with {tokens} tokens");
         }
     }
@@ -610,24 +612,14 @@ fn packed_tokens_round_like_short_calls() {
     }
     // 150 rows: nine whole panels and six rows; at 576 columns four panels a pass.
     let (rows, cols) = (150, 576);
-    let f32_rows = rand_vec(rows * cols, 41);
-    let matrices = [
-        PackedMatrix {
-            rows,
-            cols,
-            data: WeightData::F32(f32_rows.clone().into()),
-            bias: Some(rand_vec(rows, 42)),
-        },
-        PackedMatrix {
-            rows,
-            cols,
-            data: WeightData::BF16(f32_rows.iter().map(|&v| bf16::from_f32(v)).collect()),
-            bias: None,
-        },
-        quant_matrix(QuantKind::Q4_1, rows, cols, true, 43),
-        quant_matrix(QuantKind::Q8_0, rows, cols, false, 44),
-        regrouped(quant_matrix(QuantKind::Q4_1, rows, cols, false, 45)),
-    ];
+    let mut matrices = panel_matrices(rows, cols, 41);
+    matrices.push(regrouped(quant_matrix(
+        QuantKind::Q4_1,
+        rows,
+        cols,
+        false,
+        45,
+    )));
     // Token counts and the short calls' length, which divides them.
     for (tokens, short) in [(40, 20), (63, 21), (100, 20)] {
         assert!(short < avx2_panel::PACK_MIN_TOKENS && short > grouped::MAX_TOKENS);
@@ -649,10 +641,7 @@ fn packed_tokens_round_like_short_calls() {
                     true,
                 );
             }
-            let same = whole
-                .iter()
-                .zip(&parts)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
+            let same = same_bits(&whole, &parts);
             assert!(same, "matrix {i} with {tokens} tokens");
         }
     }
@@ -692,7 +681,7 @@ fn few_block_tokens_round_like_one_token_calls() {
                 let mut one = start[t * rows..(t + 1) * rows].to_vec();
                 matmul_at(level, &w, &x[t * cols..], cols, 1, &mut one, rows, true);
                 let got = &all[t * rows..(t + 1) * rows];
-                let same = one.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits());
+                let same = same_bits(&one, got);
                 assert!(same, "{level:?} {} token {t} of {tokens}", kind.name());
             }
         }
@@ -1174,10 +1163,7 @@ fn check_bf16_rounded(w: &PackedMatrix, wf: &[f64]) {
             true,
         );
         assert!(
-            alone
-                .iter()
-                .zip(&got)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            same_bits(&alone, &got),
             "{rows}x{cols}: a token's results depend on the call"
         );
     }
@@ -1193,7 +1179,7 @@ fn check_bf16_is_exact(m: &PackedMatrix, tokens: usize, what: &str) {
         matmul_with(level, numerics, m, &x, m.cols, tokens, out, m.rows, false);
     }
     assert!(
-        a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()),
+        same_bits(&a, &b),
         "{what}, {tokens} tokens: not the exact path"
     );
 }
