@@ -620,6 +620,9 @@ impl Target for CpuTarget {
     fn backend(&self) -> String {
         match self.backend.numerics() {
             Numerics::Exact => format!("CPU ({})", simd::level().name()),
+            n if kiln::backend::cpu::matmul::amx_tiles(n) => {
+                format!("CPU ({}, {}, amx)", simd::level().name(), n.name())
+            }
             n => format!("CPU ({}, {})", simd::level().name(), n.name()),
         }
     }

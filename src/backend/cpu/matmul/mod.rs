@@ -219,6 +219,18 @@ pub fn int8_kernels() -> bool {
     false
 }
 
+/// Whether `numerics`' calls of many tokens run on AMX tiles in this process (an AMX CPU, Linux
+/// granting the tile state, `KILN_AMX` not `0`): [`Numerics::Bf16`] at the AVX512-BF16 level.
+pub fn amx_tiles(numerics: Numerics) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return numerics == Numerics::Bf16 && simd::level() == Level::Avx512Bf16 && amx::enabled();
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = numerics;
+        false
+    }
+}
+
 /// Weight storage the kernels read directly (bf16 is never widened in memory, quantized blocks
 /// are never dequantized in memory).
 pub enum WeightData {
