@@ -40,7 +40,7 @@ pub(super) fn enabled() -> bool {
 }
 
 /// `KILN_AMX=0`: the process runs without the tiles.
-fn turned_off() -> bool {
+pub(super) fn turned_off() -> bool {
     std::env::var("KILN_AMX").is_ok_and(|v| v.trim() == "0")
 }
 
@@ -55,9 +55,10 @@ fn cpu_has_amx_bf16() -> bool {
     leaf.edx & (1 << 22) != 0 && leaf.edx & (1 << 24) != 0
 }
 
-/// Asks Linux for the tile data state (`ARCH_REQ_XCOMP_PERM`, `XFEATURE_XTILEDATA`).
+/// Asks Linux for the tile data state (`ARCH_REQ_XCOMP_PERM`, `XFEATURE_XTILEDATA`); asking
+/// again once granted is harmless.
 #[cfg(target_os = "linux")]
-fn permitted() -> bool {
+pub(super) fn permitted() -> bool {
     const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
     const XFEATURE_XTILEDATA: libc::c_long = 18;
     // SAFETY: a system call with integer arguments; it changes only this process's permission.
@@ -71,7 +72,7 @@ fn permitted() -> bool {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn permitted() -> bool {
+pub(super) fn permitted() -> bool {
     false
 }
 
@@ -101,12 +102,12 @@ pub(super) unsafe fn round_rows(x: &[f32], ldx: usize, tokens: usize, k: usize) 
 /// The tile configuration (`ldtilecfg`'s 64 bytes): palette 1, tiles 0..8 of 16 rows × 64
 /// bytes (0–3 the f32 sums, 4–5 the activations, 6–7 the weights).
 #[repr(C, align(64))]
-struct TileConfig {
-    palette: u8,
-    start_row: u8,
-    reserved: [u8; 14],
-    colsb: [u16; 16],
-    rows: [u8; 16],
+pub(super) struct TileConfig {
+    pub(super) palette: u8,
+    pub(super) start_row: u8,
+    pub(super) reserved: [u8; 14],
+    pub(super) colsb: [u16; 16],
+    pub(super) rows: [u8; 16],
 }
 
 const CONFIG: TileConfig = TileConfig {

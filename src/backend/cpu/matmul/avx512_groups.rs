@@ -92,13 +92,7 @@ pub(super) unsafe fn drive<K: GroupPass>(
 /// Writes token `t0 + t`'s outputs `n0 + lane` for the lanes set, as [`Job::put`] does:
 /// `(out + d) + bias` when accumulating, else `d + bias`.
 #[inline(always)]
-unsafe fn store<const N: usize>(
-    job: &Job,
-    t0: usize,
-    n0: usize,
-    lanes: __mmask16,
-    acc: &[__m512; N],
-) {
+pub(super) unsafe fn store(job: &Job, t0: usize, n0: usize, lanes: __mmask16, acc: &[__m512]) {
     let bias = job
         .bias
         .map(|b| _mm512_maskz_loadu_ps(lanes, b.as_ptr().add(n0)));

@@ -93,6 +93,8 @@ use crate::with_format;
 #[cfg(target_arch = "x86_64")]
 mod amx;
 #[cfg(target_arch = "x86_64")]
+mod amx_i8;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx2_grouped;
@@ -220,10 +222,15 @@ pub fn int8_kernels() -> bool {
 }
 
 /// Whether `numerics`' calls of many tokens run on AMX tiles in this process (an AMX CPU, Linux
-/// granting the tile state, `KILN_AMX` not `0`): [`Numerics::Bf16`] at the AVX512-BF16 level.
+/// granting the tile state, `KILN_AMX` not `0`): [`Numerics::Bf16`] at the AVX512-BF16 level
+/// (AMX-BF16), [`Numerics::Int8`] on interleaved weights (AMX-INT8).
 pub fn amx_tiles(numerics: Numerics) -> bool {
     #[cfg(target_arch = "x86_64")]
-    return numerics == Numerics::Bf16 && simd::level() == Level::Avx512Bf16 && amx::enabled();
+    return match numerics {
+        Numerics::Bf16 => simd::level() == Level::Avx512Bf16 && amx::enabled(),
+        Numerics::Int8 => amx_i8::enabled() && simd::level() >= Level::Avx512,
+        _ => false,
+    };
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = numerics;
@@ -627,6 +634,9 @@ struct Prepared {
     xb: Option<Vec<u32>>,
     /// The token rows rounded to 8 bits for interleaved weights.
     x8: Option<Vec<int8::XI8>>,
+    /// The same, laid out for the AMX-INT8 tiles, where a call takes them.
+    #[cfg(target_arch = "x86_64")]
+    x8t: Option<amx_i8::Tokens>,
     /// [`grouped_block_sums`].
     sums: Option<Vec<f32>>,
     /// The activations as the AVX2 grouped kernels read them.
@@ -646,10 +656,16 @@ impl Prepared {
         ldx: usize,
         tokens: usize,
     ) -> Prepared {
+        let x8 = int8_activations(w, x, ldx, tokens);
         Prepared {
             xq: rounded_activations(level, numerics, w, x, ldx, tokens),
             xb: bf16_activations(level, numerics, w, x, ldx, tokens),
-            x8: int8_activations(w, x, ldx, tokens),
+            #[cfg(target_arch = "x86_64")]
+            x8t: x8
+                .as_deref()
+                .filter(|_| simd::clamp(level) >= Level::Avx512 && amx_i8::takes(tokens))
+                .map(|x| amx_i8::Tokens::new(x, w.cols)),
+            x8,
             sums: grouped_block_sums(level, w, x, ldx, tokens),
             #[cfg(target_arch = "x86_64")]
             xg: grouped_activations(level, w, x, ldx, tokens),
@@ -930,6 +946,8 @@ unsafe fn rows_job(
         xq: prepared.xq.as_deref(),
         xb: prepared.xb.as_deref(),
         x8: prepared.x8.as_deref(),
+        #[cfg(target_arch = "x86_64")]
+        x8t: prepared.x8t.as_ref(),
         sums: prepared.sums.as_deref(),
         #[cfg(target_arch = "x86_64")]
         xg: prepared.xg.as_ref(),
@@ -991,7 +1009,11 @@ unsafe fn interleaved_rows(level: Level, m: &Interleaved, job: &Job) {
     };
     #[cfg(target_arch = "x86_64")]
     if simd::clamp(level) >= Level::Avx512 && avx512_i8::available() {
-        avx512_i8::rows(m, x8, job);
+        match job.x8t {
+            // SAFETY: the call's activations were laid out for the tiles only where they run.
+            Some(tiles) if job.tokens >= amx_i8::MIN_TOKENS => amx_i8::rows(m, tiles, job),
+            _ => avx512_i8::rows(m, x8, job),
+        }
         return;
     }
     let _ = level;
@@ -1481,6 +1503,9 @@ struct Job<'a> {
     xb: Option<&'a [u32]>,
     /// The token rows rounded to 8 bits for interleaved weights ([`Numerics::Int8`]).
     x8: Option<&'a [int8::XI8]>,
+    /// The same, laid out for the AMX-INT8 tiles, where the call takes them.
+    #[cfg(target_arch = "x86_64")]
+    x8t: Option<&'a amx_i8::Tokens>,
     /// Every token's 32-element block sums, token `t`'s at `t·k/32` ([`grouped_block_sums`]),
     /// where the call computed them; kernels that need them compute their own otherwise.
     sums: Option<&'a [f32]>,

@@ -1409,6 +1409,83 @@ fn int8_interleaving_keeps_every_row() {
     }
 }
 
+/// Interleaved weights times 8-bit activations on the AMX-INT8 tiles (calls of 16 tokens or
+/// more): the same bits as the scalar reference (and so as the VNNI kernel), with row ranges
+/// that cut groups, bias, accumulation, block counts that leave one to three blocks after the
+/// passes of four, and token counts that leave partial tiles.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn amx_int8_tiles_match_the_reference() {
+    if !super::amx_i8::enabled() {
+        println!("SKIPPED: no AMX-INT8 tiles in this process (the CPU, Linux or KILN_AMX=0)");
+        return;
+    }
+    for kind in INT8_KINDS {
+        for (rows, cols, tokens) in [
+            (16, 32, 16),
+            (37, 96, 17),
+            (40, 160, 33),
+            (70, 288, 20),
+            (33, 512, 48),
+        ] {
+            let seed = (rows * 100 + cols + tokens) as u64;
+            let mut w = quant_matrix(kind, rows, cols, true, seed);
+            w.data = w.data.interleaved(rows, cols);
+            let WeightData::Interleaved(m) = &w.data else {
+                unreachable!()
+            };
+            let ldx = cols + 3;
+            let x = rand_vec((tokens - 1) * ldx + cols, seed + 2);
+            let out0 = rand_vec(tokens * rows, seed + 3);
+            let x8: Vec<int8::XI8> = (0..tokens)
+                .map(|t| int8::quantize_ref(&x[t * ldx..t * ldx + cols]))
+                .collect();
+            let tiles = super::amx_i8::Tokens::new(&x8, cols);
+            for acc in [false, true] {
+                let mut reference = out0.clone();
+                let mut amx = out0.clone();
+                for rg in [
+                    0..rows.min(5),
+                    rows.min(5)..rows.min(21),
+                    rows.min(21)..rows,
+                ] {
+                    for (out, on_tiles) in [(&mut reference, false), (&mut amx, true)] {
+                        let job = Job {
+                            k: cols,
+                            bias: w.bias.as_deref(),
+                            x: x.as_ptr(),
+                            ldx,
+                            tokens,
+                            rows: rg.clone(),
+                            out: out.as_mut_ptr(),
+                            ldo: rows,
+                            accumulate: acc,
+                            xq: None,
+                            xb: None,
+                            x8: Some(&x8),
+                            x8t: Some(&tiles),
+                            sums: None,
+                            xg: None,
+                            xp: None,
+                        };
+                        unsafe {
+                            if on_tiles {
+                                super::amx_i8::rows(m, &tiles, &job)
+                            } else {
+                                int8::rows_ref(m, &x8, &job)
+                            }
+                        }
+                    }
+                }
+                assert!(
+                    same_bits(&amx, &reference),
+                    "{kind:?} {rows}x{cols} x{tokens}, accumulate {acc}"
+                );
+            }
+        }
+    }
+}
+
 /// Interleaved weights times 8-bit activations: the AVX512-VNNI kernel equals the scalar
 /// reference bit for bit (row ranges that cut groups, bias, accumulation, 1 to 20 tokens:
 /// chunks of 8 and rests), the reference equals the f64 product of the dequantized weights with
@@ -1465,6 +1542,7 @@ fn int8_kernels_match_the_reference() {
                             xq: None,
                             xb: None,
                             x8: Some(&x8),
+                            x8t: None,
                             sums: None,
                             xg: None,
                             xp: None,
@@ -1745,6 +1823,7 @@ fn grouped_kernels_match_the_reference() {
                             xq: None,
                             xb: None,
                             x8: None,
+                            x8t: None,
                             sums: None,
                             xg: None,
                             xp: None,
@@ -1867,6 +1946,7 @@ fn grouped_avx2_kernels_keep_their_bits_on_tiny_and_huge_activations() {
                         xq: None,
                         xb: None,
                         x8: None,
+                        x8t: None,
                         sums: None,
                         xg: None,
                         xp: None,
