@@ -138,11 +138,11 @@ const Q5_1: u8 = 4;
 /// Every output of `job` over interleaved `w`, activations `x` (`job.tokens` of them).
 ///
 /// # Safety
-/// [`enabled`] holds; `job`'s output must be valid for writes at `t·ldo + n` for every token
-/// and row of the job, its bias (if any) for reads up to `w.rows`.
+/// [`enabled`] holds and `w.cols > 0`; `job`'s output must be valid for writes at `t·ldo + n`
+/// for every token and row of the job, its bias (if any) for reads up to `w.rows`.
 pub(super) unsafe fn rows(w: &Interleaved, x: &Tokens, job: &Job) {
     assert!(
-        x.k == w.cols && x.padded >= job.tokens,
+        x.k == w.cols && w.cols > 0 && x.padded >= job.tokens,
         "AMX activations for {} tokens of {}, a call of {} tokens of {}",
         x.padded,
         x.k,
@@ -153,8 +153,8 @@ pub(super) unsafe fn rows(w: &Interleaved, x: &Tokens, job: &Job) {
     B_TILES.with_borrow_mut(|tiles| {
         tiles.resize(groups * (w.cols / BLOCK), BTile([0; B_TILE]));
         // SAFETY: as this function's; `tiles` holds one B tile per block of every group the
-        // job reaches. In a function of its
-        // own because a closure is compiled without the caller's target features.
+        // job reaches. In a function of its own because a closure is compiled without the
+        // caller's target features.
         unsafe {
             match w.kind {
                 QuantKind::Q4_0 => rows_of::<Q4_0>(w, x, job, tiles),

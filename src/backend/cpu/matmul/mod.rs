@@ -77,7 +77,10 @@
 //! [`Numerics::Int8`] engines hold their Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices regrouped sixteen
 //! rows to a group ([`WeightData::Interleaved`], [`int8`]) and run every call on them through one
 //! AVX512-VNNI kernel ([`avx512_i8`]) whose 16 lanes are 16 output rows, against 8-bit activations:
-//! decode at the memory's speed, batched steps and prefill on `vpdpbusd`.
+//! decode at the memory's speed, batched steps and prefill on `vpdpbusd`. On AMX CPUs calls of
+//! 16 tokens or more take the integer sums from AMX-INT8 tiles instead ([`amx_i8`], the same
+//! bits), and [`Numerics::Bf16`]'s products from AMX-BF16 tiles ([`amx`]); `KILN_AMX=0` turns
+//! both off.
 
 use std::cell::RefCell;
 use std::ops::Range;
@@ -1011,7 +1014,9 @@ unsafe fn interleaved_rows(level: Level, m: &Interleaved, job: &Job) {
     if simd::clamp(level) >= Level::Avx512 && avx512_i8::available() {
         match job.x8t {
             // SAFETY: the call's activations were laid out for the tiles only where they run.
-            Some(tiles) if job.tokens >= amx_i8::MIN_TOKENS => amx_i8::rows(m, tiles, job),
+            Some(tiles) if job.tokens >= amx_i8::MIN_TOKENS && m.cols > 0 => {
+                amx_i8::rows(m, tiles, job)
+            }
             _ => avx512_i8::rows(m, x8, job),
         }
         return;
