@@ -99,24 +99,38 @@ pub(super) unsafe fn round_rows(x: &[f32], ldx: usize, tokens: usize, k: usize) 
     out
 }
 
-/// The tile configuration (`ldtilecfg`'s 64 bytes): palette 1, tiles 0..8 of 16 rows × 64
-/// bytes (0–3 the f32 sums, 4–5 the activations, 6–7 the weights).
+/// A tile configuration (`ldtilecfg`'s 64 bytes).
 #[repr(C, align(64))]
 pub(super) struct TileConfig {
-    pub(super) palette: u8,
-    pub(super) start_row: u8,
-    pub(super) reserved: [u8; 14],
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
     pub(super) colsb: [u16; 16],
     pub(super) rows: [u8; 16],
 }
 
-const CONFIG: TileConfig = TileConfig {
-    palette: 1,
-    start_row: 0,
-    reserved: [0; 14],
-    colsb: [64, 64, 64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0],
-    rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
-};
+impl TileConfig {
+    /// Palette 1 with tiles 0..8 of `rows[i]` rows × `colsb[i]` bytes, the others unused.
+    pub(super) const fn palette1(colsb: [u16; 8], rows: [u8; 8]) -> TileConfig {
+        let mut c = TileConfig {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            colsb: [0; 16],
+            rows: [0; 16],
+        };
+        let mut i = 0;
+        while i < 8 {
+            c.colsb[i] = colsb[i];
+            c.rows[i] = rows[i];
+            i += 1;
+        }
+        c
+    }
+}
+
+/// Tiles 0..8 of 16 rows × 64 bytes (0–3 the f32 sums, 4–5 the activations, 6–7 the weights).
+const CONFIG: TileConfig = TileConfig::palette1([64; 8], [16; 8]);
 
 /// Every token of `job` against one packed panel of outputs `n..n + nr` (`panel`: `k / 2`
 /// lines of 32 words), written to the output through [`put`].

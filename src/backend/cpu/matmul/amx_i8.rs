@@ -31,7 +31,6 @@ use super::int8::{
     GROUP, XI8,
 };
 use super::Job;
-use crate::backend::cpu::simd::{self, Level};
 use crate::model::quant::QuantKind;
 
 /// Tokens per tile (an A tile's 16 rows).
@@ -45,7 +44,7 @@ const B_TILE: usize = 8 * 64;
 
 /// Calls of at least this many tokens take the tiles (fewer run the VNNI kernel, whose passes
 /// of up to eight tokens waste no tile rows).
-pub(super) const MIN_TOKENS: usize = 16;
+const MIN_TOKENS: usize = 16;
 
 /// Whether this process runs the tiles: the VNNI kernels' CPU (AVX-512 F/BW/VL and VNNI at the
 /// kernels' level), AMX-TILE and AMX-INT8, the tile state granted, `KILN_AMX` not `0`.
@@ -58,7 +57,7 @@ pub(super) fn enabled() -> bool {
 
 /// Whether a call of `tokens` tokens on interleaved weights takes the tiles.
 pub(super) fn takes(tokens: usize) -> bool {
-    tokens >= MIN_TOKENS && enabled() && simd::level() >= Level::Avx512
+    tokens >= MIN_TOKENS && enabled()
 }
 
 /// CPUID leaf 7: EDX bit 24 AMX-TILE, bit 25 AMX-INT8.
@@ -107,13 +106,10 @@ impl Tokens {
 
 /// Tiles 0–3 the four blocks' i32 sums (16 tokens × 16 rows), 4–5 activations (16 tokens × 32
 /// bytes), 6–7 weights (8 rows × 64 bytes).
-const CONFIG: TileConfig = TileConfig {
-    palette: 1,
-    start_row: 0,
-    reserved: [0; 14],
-    colsb: [64, 64, 64, 64, 32, 32, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0],
-    rows: [16, 16, 16, 16, 16, 16, 8, 8, 0, 0, 0, 0, 0, 0, 0, 0],
-};
+const CONFIG: TileConfig = TileConfig::palette1(
+    [64, 64, 64, 64, 32, 32, 64, 64],
+    [16, 16, 16, 16, 16, 16, 8, 8],
+);
 
 /// One block's B tile, 64-byte aligned.
 #[derive(Clone, Copy)]

@@ -231,7 +231,7 @@ pub fn amx_tiles(numerics: Numerics) -> bool {
     #[cfg(target_arch = "x86_64")]
     return match numerics {
         Numerics::Bf16 => simd::level() == Level::Avx512Bf16 && amx::enabled(),
-        Numerics::Int8 => amx_i8::enabled() && simd::level() >= Level::Avx512,
+        Numerics::Int8 => amx_i8::enabled(),
         _ => false,
     };
     #[cfg(not(target_arch = "x86_64"))]
@@ -1013,10 +1013,9 @@ unsafe fn interleaved_rows(level: Level, m: &Interleaved, job: &Job) {
     #[cfg(target_arch = "x86_64")]
     if simd::clamp(level) >= Level::Avx512 && avx512_i8::available() {
         match job.x8t {
-            // SAFETY: the call's activations were laid out for the tiles only where they run.
-            Some(tiles) if job.tokens >= amx_i8::MIN_TOKENS && m.cols > 0 => {
-                amx_i8::rows(m, tiles, job)
-            }
+            // SAFETY: the call's activations are laid out for the tiles only where they run
+            // (`amx_i8::takes`).
+            Some(tiles) if m.cols > 0 => amx_i8::rows(m, tiles, job),
             _ => avx512_i8::rows(m, x8, job),
         }
         return;

@@ -1442,41 +1442,13 @@ fn amx_int8_tiles_match_the_reference() {
                 .collect();
             let tiles = super::amx_i8::Tokens::new(&x8, cols);
             for acc in [false, true] {
-                let mut reference = out0.clone();
-                let mut amx = out0.clone();
-                for rg in [
-                    0..rows.min(5),
-                    rows.min(5)..rows.min(21),
-                    rows.min(21)..rows,
-                ] {
-                    for (out, on_tiles) in [(&mut reference, false), (&mut amx, true)] {
-                        let job = Job {
-                            k: cols,
-                            bias: w.bias.as_deref(),
-                            x: x.as_ptr(),
-                            ldx,
-                            tokens,
-                            rows: rg.clone(),
-                            out: out.as_mut_ptr(),
-                            ldo: rows,
-                            accumulate: acc,
-                            xq: None,
-                            xb: None,
-                            x8: Some(&x8),
-                            x8t: Some(&tiles),
-                            sums: None,
-                            xg: None,
-                            xp: None,
-                        };
-                        unsafe {
-                            if on_tiles {
-                                super::amx_i8::rows(m, &tiles, &job)
-                            } else {
-                                int8::rows_ref(m, &x8, &job)
-                            }
-                        }
-                    }
-                }
+                let run = |x8t, kernel: &dyn Fn(&Job)| {
+                    int8_job_outputs(&w, &x, ldx, tokens, &x8, x8t, &out0, acc, kernel)
+                };
+                let reference = run(None, &|job| unsafe { int8::rows_ref(m, &x8, job) });
+                let amx = run(Some(&tiles), &|job| unsafe {
+                    super::amx_i8::rows(m, &tiles, job)
+                });
                 assert!(
                     same_bits(&amx, &reference),
                     "{kind:?} {rows}x{cols} x{tokens}, accumulate {acc}"
@@ -1484,6 +1456,51 @@ fn amx_int8_tiles_match_the_reference() {
             }
         }
     }
+}
+
+/// `out0` with every output of `w` written by `kernel`, called once per row range that cuts
+/// groups (at 5 and 21: groups entered and left in the middle), with the jobs the integer
+/// kernels' tests share.
+#[allow(clippy::too_many_arguments)]
+fn int8_job_outputs(
+    w: &PackedMatrix,
+    x: &[f32],
+    ldx: usize,
+    tokens: usize,
+    x8: &[int8::XI8],
+    x8t: Option<&super::amx_i8::Tokens>,
+    out0: &[f32],
+    accumulate: bool,
+    kernel: &dyn Fn(&Job),
+) -> Vec<f32> {
+    let (rows, cols) = (w.rows, w.cols);
+    let mut out = out0.to_vec();
+    for rg in [
+        0..rows.min(5),
+        rows.min(5)..rows.min(21),
+        rows.min(21)..rows,
+    ] {
+        let job = Job {
+            k: cols,
+            bias: w.bias.as_deref(),
+            x: x.as_ptr(),
+            ldx,
+            tokens,
+            rows: rg,
+            out: out.as_mut_ptr(),
+            ldo: rows,
+            accumulate,
+            xq: None,
+            xb: None,
+            x8: Some(x8),
+            x8t,
+            sums: None,
+            xg: None,
+            xp: None,
+        };
+        kernel(&job);
+    }
+    out
 }
 
 /// Interleaved weights times 8-bit activations: the AVX512-VNNI kernel equals the scalar
@@ -1513,53 +1530,19 @@ fn int8_kernels_match_the_reference() {
             let ldx = cols + 3;
             let x = rand_vec((tokens - 1) * ldx + cols, seed + 2);
             let out0 = rand_vec(tokens * rows, seed + 3);
+            let WeightData::Interleaved(m) = &w.data else {
+                unreachable!()
+            };
+            let x8: Vec<int8::XI8> = (0..tokens)
+                .map(|t| int8::quantize_ref(&x[t * ldx..t * ldx + cols]))
+                .collect();
             for acc in [false, true] {
-                let mut reference = out0.clone();
-                let mut vector = out0.clone();
-                let x8: Vec<int8::XI8> = (0..tokens)
-                    .map(|t| int8::quantize_ref(&x[t * ldx..t * ldx + cols]))
-                    .collect();
-                // Rows cut at 5 and 21: groups entered and left in the middle.
-                for rg in [
-                    0..rows.min(5),
-                    rows.min(5)..rows.min(21),
-                    rows.min(21)..rows,
-                ] {
-                    for (out, simd) in [(&mut reference, false), (&mut vector, true)] {
-                        if simd && !vnni {
-                            continue;
-                        }
-                        let job = Job {
-                            k: cols,
-                            bias: w.bias.as_deref(),
-                            x: x.as_ptr(),
-                            ldx,
-                            tokens,
-                            rows: rg.clone(),
-                            out: out.as_mut_ptr(),
-                            ldo: rows,
-                            accumulate: acc,
-                            xq: None,
-                            xb: None,
-                            x8: Some(&x8),
-                            x8t: None,
-                            sums: None,
-                            xg: None,
-                            xp: None,
-                        };
-                        let WeightData::Interleaved(m) = &w.data else {
-                            unreachable!()
-                        };
-                        unsafe {
-                            if simd {
-                                avx512_i8::rows(m, &x8, &job)
-                            } else {
-                                int8::rows_ref(m, &x8, &job)
-                            }
-                        }
-                    }
-                }
+                let run = |kernel: &dyn Fn(&Job)| {
+                    int8_job_outputs(&w, &x, ldx, tokens, &x8, None, &out0, acc, kernel)
+                };
+                let reference = run(&|job| unsafe { int8::rows_ref(m, &x8, job) });
                 if vnni {
+                    let vector = run(&|job| unsafe { avx512_i8::rows(m, &x8, job) });
                     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                     assert_eq!(
                         bits(&vector),
