@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use half::{bf16, f16};
-use kiln::backend::cpu::matmul::{groupable, matmul_rows_with, Numerics, PackedMatrix, WeightData};
+use kiln::backend::cpu::matmul::{
+    amx_tiles, groupable, matmul_rows_with, Numerics, PackedMatrix, WeightData,
+};
 use kiln::backend::cpu::simd::{self, Level};
 use kiln::model::quant::QuantKind;
 
@@ -257,10 +259,13 @@ fn gemm(c: &mut Criterion) {
             let mut out = vec![0f32; tokens * rows];
             // Report FLOP-ish work as "elements": multiply-adds.
             g.throughput(Throughput::Elements((rows * cols * tokens) as u64));
-            // Level::Avx512Bf16 runs the same FMA kernel as Avx512 (see matmul.rs), so skip it;
-            // grouped weights only ever meet AVX-512.
+            // Level::Avx512Bf16 runs the same FMA kernel as Avx512 (see matmul.rs), so skip it,
+            // except for bf16 weights where AMX serves exact products of many tokens; grouped
+            // weights only ever meet AVX-512.
+            let exact_amx = *dt == "bf16" && tokens > 16 && amx_tiles(Numerics::Exact);
             for level in levels(false).into_iter().filter(|&l| {
-                l != Level::Avx512Bf16 && (!dt.ends_with("-grouped") || l >= Level::Avx512)
+                (l != Level::Avx512Bf16 || exact_amx)
+                    && (!dt.ends_with("-grouped") || l >= Level::Avx512)
             }) {
                 let id = BenchmarkId::new(format!("{dt}/{rows}x{cols}x{tokens}"), level.name());
                 g.bench_function(id, |b| {

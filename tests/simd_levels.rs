@@ -284,8 +284,9 @@ fn every_simd_level_runs_whole_models() {
         println!("demo model absent (scripts/fetch_demo_model.sh): fixtures only");
     }
     let _ = std::fs::remove_dir_all(&dir);
-    // The AMX tiles serve `--numerics bf16` and `int8` (tests/numerics.rs runs both modes
-    // through the demo model, the matmul unit tests each kernel against its reference).
+    // The AMX tiles serve `--numerics bf16` and `int8`, and exact products with bf16 weights
+    // (tests/numerics.rs runs the modes through the demo model, the matmul unit tests each
+    // kernel against its reference).
     let amx = |n| {
         if kiln::backend::cpu::matmul::amx_tiles(n) {
             "on"
@@ -294,13 +295,14 @@ fn every_simd_level_runs_whole_models() {
         }
     };
     println!(
-        "SIMD levels tested through whole models: {}; not supported by this CPU: {}; AMX tiles: bf16 {}, int8 {}",
+        "SIMD levels tested through whole models: {}; not supported by this CPU: {}; AMX tiles: exact bf16 weights {}, bf16 {}, int8 {}",
         tested.join(", "),
         if untested.is_empty() {
             "none".to_string()
         } else {
             untested.join(", ")
         },
+        amx(kiln::backend::cpu::matmul::Numerics::Exact),
         amx(kiln::backend::cpu::matmul::Numerics::Bf16),
         amx(kiln::backend::cpu::matmul::Numerics::Int8),
     );

@@ -619,6 +619,9 @@ struct CpuTarget {
 impl Target for CpuTarget {
     fn backend(&self) -> String {
         match self.backend.numerics() {
+            Numerics::Exact if kiln::backend::cpu::matmul::amx_tiles(Numerics::Exact) => {
+                format!("CPU ({}, amx for bf16 weights)", simd::level().name())
+            }
             Numerics::Exact => format!("CPU ({})", simd::level().name()),
             n if kiln::backend::cpu::matmul::amx_tiles(n) => {
                 format!("CPU ({}, {}, amx)", simd::level().name(), n.name())

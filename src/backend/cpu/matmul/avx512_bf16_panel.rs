@@ -122,32 +122,78 @@ pub(super) unsafe fn round_weights(src: &[f32], dst: &mut [bf16]) {
 /// `job.rows.end` rows of `job.k` elements.
 #[inline(always)]
 pub(super) unsafe fn panel_rows(w: *const bf16, job: &Job) {
-    PANEL.with_borrow_mut(|panel| {
-        panel.resize(pairs(job.k), Line([0; NR]));
-        // SAFETY: as this function's; the panel holds `⌈k/2⌉` lines. The work is in a function
-        // of its own because a closure is compiled without the caller's target features.
-        unsafe { panels(w, job, panel.as_mut_ptr()) }
+    let xb = job.xb.expect("Numerics::Bf16 calls carry bf16 activations");
+    let kp = pairs(job.k);
+    if amx::takes(job.k) {
+        with_panels(amx::panels_per_block(kp) * kp, |panel| unsafe {
+            amx_blocks::<1>(w, job, panel, xb)
+        })
+    } else {
+        with_panels(kp, |panel| unsafe { panels(w, job, panel, xb) })
+    }
+}
+
+/// Exact products of bf16 weights on the AMX tiles: `job.rows` against the activations cut
+/// into three bf16 parts ([`amx::split_rows`], in `job.xs`), in blocks of panels packed as
+/// [`panel_rows`] packs them.
+///
+/// # Safety
+/// As [`panel_rows`], with `job.xs` holding [`amx::split_rows`]'s rows for `job.tokens` tokens
+/// and AMX [`amx::enabled`].
+#[inline(always)]
+pub(super) unsafe fn exact_panel_rows(w: *const bf16, job: &Job) {
+    let xs = job.xs.expect("exact AMX calls carry split activations");
+    let kp = pairs(job.k);
+    with_panels(amx::panels_per_block(kp) * kp, |panel| unsafe {
+        amx_blocks::<{ amx::EXACT_PARTS }>(w, job, panel, xs)
     })
 }
 
+/// `f` with this thread's panel buffer, resized to `lines` lines.
+#[inline(always)]
+fn with_panels(lines: usize, f: impl FnOnce(*mut Line)) {
+    PANEL.with_borrow_mut(|panel| {
+        panel.resize(lines, Line([0; NR]));
+        // The work is in a function of its own because a closure is compiled without the
+        // caller's target features.
+        f(panel.as_mut_ptr())
+    })
+}
+
+/// `job.rows` on the AMX tiles ([`amx::block_tokens`]), a block of panels at a time, each block
+/// packed into `panel` first.
+///
 /// # Safety
-/// As [`panel_rows`], with `panel` valid for `⌈k/2⌉` lines.
+/// As [`panel_rows`] with `xb` the activations `amx::block_tokens::<PARTS>` reads, and `panel`
+/// valid for [`amx::panels_per_block`] panels of `⌈k/2⌉` lines.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
-unsafe fn panels(w: *const bf16, job: &Job, panel: *mut Line) {
-    let xb = job.xb.expect("Numerics::Bf16 calls carry bf16 activations");
+unsafe fn amx_blocks<const PARTS: usize>(w: *const bf16, job: &Job, panel: *mut Line, xb: &[u32]) {
+    let kp = pairs(job.k);
+    let block_rows = amx::panels_per_block(kp) * NR;
+    let end = job.rows.end;
+    let mut n = job.rows.start;
+    while n < end {
+        let block_end = (n + block_rows).min(end);
+        for (i, o) in (n..block_end).step_by(NR).enumerate() {
+            pack(w, job.k, o, (block_end - o).min(NR), panel.add(i * kp));
+        }
+        amx::block_tokens::<PARTS>(panel as *const u32, xb, kp, job, n, block_end);
+        n = block_end;
+    }
+}
+
+/// # Safety
+/// As [`panel_rows`], with `panel` valid for `⌈k/2⌉` lines and `xb` [`round_rows`]'s
+/// register-tile layout.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+unsafe fn panels(w: *const bf16, job: &Job, panel: *mut Line, xb: &[u32]) {
     let kp = pairs(job.k);
     assert!(xb.len() >= job.tokens * kp, "bf16 activations too short");
     let end = job.rows.end;
-    let amx = amx::takes(job.k);
     let mut n = job.rows.start;
     while n < end {
         let nr = (end - n).min(NR);
         pack(w, job.k, n, nr, panel);
-        if amx {
-            amx::panel_tokens(panel as *const u32, xb, kp, job, n, nr);
-            n += nr;
-            continue;
-        }
         for (t, width) in tiles(job.tokens) {
             let x = xb.as_ptr().add(t * kp);
             match width {

@@ -79,7 +79,8 @@
 //! AVX512-VNNI kernel ([`avx512_i8`]) whose 16 lanes are 16 output rows, against 8-bit activations:
 //! decode at the memory's speed, batched steps and prefill on `vpdpbusd`. On AMX CPUs calls of
 //! 16 tokens or more take the integer sums from AMX-INT8 tiles instead ([`amx_i8`], the same
-//! bits), and [`Numerics::Bf16`]'s products from AMX-BF16 tiles ([`amx`]); `KILN_AMX=0` turns
+//! bits), and the products with bf16 weights from AMX-BF16 tiles ([`amx`]: rounded activations
+//! for [`Numerics::Bf16`], exact three-part products otherwise); `KILN_AMX=0` turns
 //! both off.
 
 use std::cell::RefCell;
@@ -139,7 +140,11 @@ mod x86;
 pub enum Numerics {
     /// f32 activations (never rounded): every product equals the f32 product of the
     /// dequantized weights with the activations, up to the rounding of the sums. The default:
-    /// it is what the tests hold kiln to against transformers and nanochat.
+    /// it is what the tests hold kiln to against transformers and nanochat. On AMX CPUs the
+    /// products with bf16 weights in calls of more than 16 tokens run on AMX-BF16 tiles, each
+    /// activation cut into three bf16 parts that sum to it exactly ([`amx`]): the terms stay
+    /// exact, but the tiles read bf16 subnormals as zero, so activations below 2⁻¹¹⁰ in
+    /// magnitude lose their low bits there (below 2⁻¹²⁶, all of them).
     #[default]
     Exact,
     /// Activations rounded to 16-bit integers per 32-element block (`x ≈ d·q`,
@@ -225,14 +230,15 @@ pub fn int8_kernels() -> bool {
 }
 
 /// Whether `numerics`' calls of many tokens run on AMX tiles in this process (an AMX CPU, Linux
-/// granting the tile state, `KILN_AMX` not `0`): [`Numerics::Bf16`] at the AVX512-BF16 level
-/// (AMX-BF16), [`Numerics::Int8`] on interleaved weights (AMX-INT8).
+/// granting the tile state, `KILN_AMX` not `0`): at the AVX512-BF16 level every numerics'
+/// products with bf16 weights (AMX-BF16: rounded activations for [`Numerics::Bf16`], which
+/// also rounds quantized weights onto them, exact three-part products otherwise), and
+/// [`Numerics::Int8`] on interleaved weights (AMX-INT8).
 pub fn amx_tiles(numerics: Numerics) -> bool {
     #[cfg(target_arch = "x86_64")]
     return match numerics {
-        Numerics::Bf16 => simd::level() == Level::Avx512Bf16 && amx::enabled(),
-        Numerics::Int8 => amx_i8::enabled(),
-        _ => false,
+        Numerics::Int8 if amx_i8::enabled() => true,
+        _ => simd::level() == Level::Avx512Bf16 && amx::enabled(),
     };
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -333,6 +339,15 @@ impl WeightData {
             }
         }
         Ok(())
+    }
+
+    /// Whether these weights, or one of their parts, are bf16.
+    fn has_bf16(&self) -> bool {
+        match self {
+            WeightData::BF16(_) => true,
+            WeightData::Parts(parts) => parts.iter().any(|p| p.data.has_bf16()),
+            _ => false,
+        }
     }
 
     /// Whether [`Numerics::Bf16`] rounds these weights' values to bf16 (bf16 and quantized
@@ -635,6 +650,8 @@ struct Prepared {
     xq: Option<Vec<int16::XI16>>,
     /// The token rows rounded to bf16 pairs for [`Numerics::Bf16`].
     xb: Option<Vec<u32>>,
+    /// The token rows cut into three bf16 parts for exact products on AMX tiles.
+    xs: Option<Vec<u32>>,
     /// The token rows rounded to 8 bits for interleaved weights.
     x8: Option<Vec<int8::XI8>>,
     /// The same, laid out for the AMX-INT8 tiles, where a call takes them.
@@ -663,6 +680,7 @@ impl Prepared {
         Prepared {
             xq: rounded_activations(level, numerics, w, x, ldx, tokens),
             xb: bf16_activations(level, numerics, w, x, ldx, tokens),
+            xs: split_activations(level, numerics, w, x, ldx, tokens),
             #[cfg(target_arch = "x86_64")]
             x8t: x8
                 .as_deref()
@@ -834,6 +852,42 @@ fn bf16_activations(
     None
 }
 
+/// The token rows cut into three bf16 parts ([`amx::split_rows`]) for exact products of bf16
+/// weights on AMX tiles ([`exact_amx_call`]).
+fn split_activations(
+    level: Level,
+    numerics: Numerics,
+    w: &PackedMatrix,
+    x: &[f32],
+    ldx: usize,
+    tokens: usize,
+) -> Option<Vec<u32>> {
+    #[cfg(target_arch = "x86_64")]
+    if exact_amx_call(level, numerics, tokens, w.cols)
+        && w.data.has_bf16()
+        && x.len() >= (tokens - 1) * ldx + w.cols
+    {
+        // SAFETY: the clamped level says the CPU has AVX-512 F/BW; `x` holds the rows (checked).
+        return Some(unsafe { amx::split_rows(x, ldx, tokens, w.cols) });
+    }
+    let _ = (level, numerics, w, x, ldx, tokens);
+    None
+}
+
+/// Whether a call of `tokens` rows multiplies bf16 weights exactly on AMX-BF16 tiles, the
+/// activations cut into three bf16 parts: a call that does not round for [`Numerics::Bf16`], more
+/// than [`avx512::TILE_TOKENS`] rows (where the f32 panels would run), `k` a multiple of 32, at
+/// the AVX512-BF16 level with AMX [`amx::enabled`]. Each product is exact, as on the f32
+/// panels; the sums round in another order (per 32-element step, the CPU's), so the results
+/// differ from the panels' in the last bits.
+#[cfg(target_arch = "x86_64")]
+fn exact_amx_call(level: Level, numerics: Numerics, tokens: usize, k: usize) -> bool {
+    !bf16_call(level, numerics, tokens)
+        && simd::clamp(level) == Level::Avx512Bf16
+        && tokens > avx512::TILE_TOKENS
+        && amx::takes(k)
+}
+
 /// The single-threaded kernel over a block of output rows.
 ///
 /// # Safety
@@ -948,6 +1002,7 @@ unsafe fn rows_job(
         accumulate,
         xq: prepared.xq.as_deref(),
         xb: prepared.xb.as_deref(),
+        xs: prepared.xs.as_deref(),
         x8: prepared.x8.as_deref(),
         #[cfg(target_arch = "x86_64")]
         x8t: prepared.x8t.as_ref(),
@@ -1093,6 +1148,10 @@ unsafe fn dense_rows(level: Level, data: Dense, job: &Job) {
         #[cfg(target_arch = "x86_64")]
         (Level::Avx512Bf16, Dense::BF16(v)) if job.xb.is_some() => {
             avx512_bf16_panel::panel_rows(v.as_ptr(), job)
+        }
+        #[cfg(target_arch = "x86_64")]
+        (Level::Avx512Bf16, Dense::BF16(v)) if job.xs.is_some() => {
+            avx512_bf16_panel::exact_panel_rows(v.as_ptr(), job)
         }
         #[cfg(target_arch = "x86_64")]
         (Level::Avx512 | Level::Avx512Bf16, Dense::BF16(v)) => avx512::dense_rows(v.as_ptr(), job),
@@ -1505,6 +1564,8 @@ struct Job<'a> {
     xq: Option<&'a [int16::XI16]>,
     /// The token rows rounded to bf16 pairs for [`Numerics::Bf16`], if rounded.
     xb: Option<&'a [u32]>,
+    /// The token rows cut into three bf16 parts for exact AMX products, if cut.
+    xs: Option<&'a [u32]>,
     /// The token rows rounded to 8 bits for interleaved weights ([`Numerics::Int8`]).
     x8: Option<&'a [int8::XI8]>,
     /// The same, laid out for the AMX-INT8 tiles, where the call takes them.

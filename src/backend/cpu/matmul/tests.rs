@@ -1012,7 +1012,7 @@ fn bf16_activations_match_rounded_reference() {
             .map(|v| bf16::from_f64(v).to_f64())
             .collect()
     };
-    for (rows, cols) in [(70, 320), (33, 77), (64, 1536)] {
+    for (rows, cols) in [(70, 320), (33, 77), (64, 1536), (260, 1536)] {
         let w = PackedMatrix {
             rows,
             cols,
@@ -1192,6 +1192,159 @@ fn bf16_panels_without_amx() {
         "the panels without AMX:\n{text}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// `n` f32 with every significand bit random, random signs and exponents over 2⁻³⁰..2¹⁰: the
+/// low bits the AMX three-part split must keep.
+fn full_bits(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let (sign, exp, mant) = ((s >> 63) as u32, 97 + (s >> 32) as u32 % 40, s as u32);
+            f32::from_bits(sign << 31 | exp << 23 | (mant & 0x007f_ffff))
+        })
+        .collect()
+}
+
+/// Exact products of bf16 weights on AMX-BF16 tiles (calls of more than 16 tokens at the
+/// AVX512-BF16 level, activations cut into three bf16 parts): every product is exact, so
+/// one-hot weights give back each activation bit for bit; random weights against activations
+/// with all 24 significant bits match the f64 reference within 10⁻⁶ of `Σ|terms|` (dropping the
+/// low parts would miss by about 8·10⁻⁶: truncation is biased), with partial panels and
+/// tail steps, bias and accumulation; an infinity or NaN gives what the f32 kernels give; a
+/// token's results do not depend on the call's other tokens.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn exact_amx_products_are_exact() {
+    if !super::amx::enabled() {
+        println!("SKIPPED: no AMX-BF16 tiles in this process (the CPU, Linux or KILN_AMX=0)");
+        return;
+    }
+    let level = Level::Avx512Bf16;
+    let bf16_matrix =
+        |rows: usize, cols: usize, v: &dyn Fn(usize) -> f32, bias: bool| PackedMatrix {
+            rows,
+            cols,
+            data: WeightData::BF16((0..rows * cols).map(|i| bf16::from_f32(v(i))).collect()),
+            bias: bias.then(|| rand_vec(rows, 7)),
+        };
+    // One-hot weights: output n of each token is its activation n % cols.
+    let (rows, cols, tokens) = (96, 64, 40);
+    let one_hot = bf16_matrix(
+        rows,
+        cols,
+        &|i| f32::from(i % cols == (i / cols) % cols),
+        false,
+    );
+    let x = full_bits(tokens * cols, 11);
+    let mut out = vec![0f32; tokens * rows];
+    matmul_at(level, &one_hot, &x, cols, tokens, &mut out, rows, false);
+    for t in 0..tokens {
+        for n in 0..rows {
+            let (got, want) = (out[t * rows + n], x[t * cols + n % cols]);
+            assert_eq!(
+                got.to_bits(),
+                want.to_bits(),
+                "token {t}, output {n}: {got} for {want}"
+            );
+        }
+    }
+    // Random weights, the f64 reference, within 1e-6 of the terms' magnitude.
+    for (rows, cols) in [(70, 64), (70, 320), (33, 1536), (300, 1536)] {
+        let wv = rand_vec(rows * cols, 12);
+        for tokens in [17, 31, 32, 33, 70] {
+            let acc = tokens % 2 == 1;
+            let w = bf16_matrix(rows, cols, &|i| wv[i], acc);
+            let ldx = cols + 3;
+            let x = full_bits((tokens - 1) * ldx + cols, 13 + tokens as u64);
+            let out0 = rand_vec(tokens * rows, 14);
+            let mut out = out0.clone();
+            matmul_at(level, &w, &x, ldx, tokens, &mut out, rows, acc);
+            let wf = weights_f64(&w);
+            for t in 0..tokens {
+                for n in 0..rows {
+                    let mut want = if acc { out0[t * rows + n] as f64 } else { 0.0 };
+                    let mut mag = want.abs();
+                    if let Some(b) = &w.bias {
+                        want += b[n] as f64;
+                        mag += b[n].abs() as f64;
+                    }
+                    for k in 0..cols {
+                        let p = wf[n * cols + k] * x[t * ldx + k] as f64;
+                        want += p;
+                        mag += p.abs();
+                    }
+                    let got = out[t * rows + n] as f64;
+                    assert!(
+                        (got - want).abs() <= 1e-6 * mag,
+                        "{rows}x{cols}, {tokens} tokens, out[{t},{n}] = {got}, want {want} (mag {mag})"
+                    );
+                }
+            }
+            // The last 17 tokens alone: the same bits.
+            let alone_from = tokens - 17;
+            let mut alone = out0[alone_from * rows..].to_vec();
+            matmul_at(
+                level,
+                &w,
+                &x[alone_from * ldx..],
+                ldx,
+                17,
+                &mut alone,
+                rows,
+                acc,
+            );
+            assert!(
+                same_bits(&alone, &out[alone_from * rows..]),
+                "{rows}x{cols}, {tokens} tokens: the last 17 alone differ"
+            );
+        }
+    }
+    // Non-finite activations against all-one weights: a sum with +∞ is +∞, with +∞ and −∞ or a
+    // NaN it is NaN (the scalar kernel gives the same), and the other tokens keep their values.
+    let (rows, cols, tokens) = (32, 64, 20);
+    let ones = bf16_matrix(rows, cols, &|_| 1.0, false);
+    let mut x = full_bits(tokens * cols, 15);
+    x[3 * cols + 5] = f32::INFINITY;
+    x[4 * cols + 1] = f32::INFINITY;
+    x[4 * cols + 9] = f32::NEG_INFINITY;
+    x[5 * cols + 7] = f32::NAN;
+    x[6 * cols + 2] = f32::NEG_INFINITY;
+    let mut amx = vec![0f32; tokens * rows];
+    let mut scalar = vec![0f32; tokens * rows];
+    matmul_at(level, &ones, &x, cols, tokens, &mut amx, rows, false);
+    matmul_at(
+        Level::Scalar,
+        &ones,
+        &x,
+        cols,
+        tokens,
+        &mut scalar,
+        rows,
+        false,
+    );
+    for t in 0..tokens {
+        for n in 0..rows {
+            let (a, r) = (amx[t * rows + n], scalar[t * rows + n]);
+            let want = match t {
+                3 => Some(f32::INFINITY),
+                6 => Some(f32::NEG_INFINITY),
+                4 | 5 => None,
+                _ => Some(r),
+            };
+            match want {
+                Some(v) if v.is_infinite() => assert_eq!(a, v, "token {t}"),
+                Some(v) => assert!(
+                    (a - v).abs() <= 1e-5 * v.abs().max(1.0),
+                    "token {t}: {a} {v}"
+                ),
+                None => assert!(a.is_nan() && r.is_nan(), "token {t}: {a} (scalar {r})"),
+            }
+        }
+    }
 }
 
 /// A `Numerics::Bf16` call of `tokens` tokens on `m` gives the exact path's bits.
@@ -1492,6 +1645,7 @@ fn int8_job_outputs(
             accumulate,
             xq: None,
             xb: None,
+            xs: None,
             x8: Some(x8),
             x8t,
             sums: None,
@@ -1805,6 +1959,7 @@ fn grouped_kernels_match_the_reference() {
                             accumulate: acc,
                             xq: None,
                             xb: None,
+                            xs: None,
                             x8: None,
                             x8t: None,
                             sums: None,
@@ -1928,6 +2083,7 @@ fn grouped_avx2_kernels_keep_their_bits_on_tiny_and_huge_activations() {
                         accumulate: false,
                         xq: None,
                         xb: None,
+                        xs: None,
                         x8: None,
                         x8t: None,
                         sums: None,
