@@ -209,8 +209,8 @@ pub enum NumericsArg {
     /// rounding of the sums (the default).
     Exact,
     /// Activations rounded to 16-bit integers per 32 values, integer dot products on Q8_0,
-    /// Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K weights in one-token steps (AVX2 CPUs): faster
-    /// decode, not bit-equal to exact.
+    /// Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K weights in one-token steps (AVX2 CPUs): not
+    /// bit-equal to exact, and no longer faster than exact on the CPUs measured.
     Int16,
     /// Activations rounded to bf16 against bf16 weights (quantized weights: their dequantized
     /// values rounded to bf16) in prefill (calls of more than 16 tokens), multiplied by

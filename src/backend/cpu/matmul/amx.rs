@@ -378,7 +378,11 @@ mod tests {
                 + p * STEP_TOKENS * kp
                 + (t % 32) * kp
                 + e / 2];
-            f32::from_bits(if e.is_multiple_of(2) { w << 16 } else { w & 0xffff_0000 })
+            f32::from_bits(if e.is_multiple_of(2) {
+                w << 16
+            } else {
+                w & 0xffff_0000
+            })
         };
         for t in 0..2 * STEP_TOKENS {
             for e in 0..k {
