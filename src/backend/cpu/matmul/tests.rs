@@ -3,15 +3,21 @@
 
 use super::*;
 
-fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+/// A xorshift64 stream from `seed`: the random bits every generator here draws from.
+fn xorshift(seed: u64) -> impl Iterator<Item = u64> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
+    std::iter::repeat_with(move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    })
+}
+
+fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+    xorshift(seed)
+        .take(n)
+        .map(|s| ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0)
         .collect()
 }
 
@@ -182,6 +188,22 @@ fn compare(
     ldo: usize,
     acc: bool,
 ) -> Result<(), String> {
+    compare_within(w, x, ldx, tokens, out0, out, ldo, acc, 1e-5)
+}
+
+/// [`compare`] with the error bound `tol · Σ|terms|`.
+#[allow(clippy::too_many_arguments)]
+fn compare_within(
+    w: &PackedMatrix,
+    x: &[f32],
+    ldx: usize,
+    tokens: usize,
+    out0: &[f32],
+    out: &[f32],
+    ldo: usize,
+    acc: bool,
+    tol: f64,
+) -> Result<(), String> {
     let (rows, cols) = (w.rows, w.cols);
     let wf = weights_f64(w);
     for (i, (&o, &o0)) in out.iter().zip(out0).enumerate() {
@@ -204,7 +226,8 @@ fn compare(
             mag += p.abs();
         }
         let err = (o as f64 - want).abs();
-        if err > 1e-5 * mag {
+        // A NaN output (or reference) fails too.
+        if err.is_nan() || err > tol * mag {
             return Err(format!(
                 "out[{t},{n}] = {o}, want {want} (err {err:e}, mag {mag})"
             ));
@@ -1197,12 +1220,9 @@ fn bf16_panels_without_amx() {
 /// `n` f32 with every significand bit random, random signs and exponents over 2⁻³⁰..2¹⁰: the
 /// low bits the AMX three-part split must keep.
 fn full_bits(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
+    xorshift(seed)
+        .take(n)
+        .map(|s| {
             let (sign, exp, mant) = ((s >> 63) as u32, 97 + (s >> 32) as u32 % 40, s as u32);
             f32::from_bits(sign << 31 | exp << 23 | (mant & 0x007f_ffff))
         })
@@ -1263,26 +1283,8 @@ fn exact_amx_products_are_exact() {
             let out0 = rand_vec(tokens * rows, 14);
             let mut out = out0.clone();
             matmul_at(level, &w, &x, ldx, tokens, &mut out, rows, acc);
-            let wf = weights_f64(&w);
-            for t in 0..tokens {
-                for n in 0..rows {
-                    let mut want = if acc { out0[t * rows + n] as f64 } else { 0.0 };
-                    let mut mag = want.abs();
-                    if let Some(b) = &w.bias {
-                        want += b[n] as f64;
-                        mag += b[n].abs() as f64;
-                    }
-                    for k in 0..cols {
-                        let p = wf[n * cols + k] * x[t * ldx + k] as f64;
-                        want += p;
-                        mag += p.abs();
-                    }
-                    let got = out[t * rows + n] as f64;
-                    assert!(
-                        (got - want).abs() <= 1e-6 * mag,
-                        "{rows}x{cols}, {tokens} tokens, out[{t},{n}] = {got}, want {want} (mag {mag})"
-                    );
-                }
+            if let Err(e) = compare_within(&w, &x, ldx, tokens, &out0, &out, rows, acc, 1e-6) {
+                panic!("{rows}x{cols}, {tokens} tokens: {e}");
             }
             // The last 17 tokens alone: the same bits.
             let alone_from = tokens - 17;
