@@ -154,8 +154,9 @@ pub enum Numerics {
     /// is the same whichever call it is in), on Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K
     /// weights where the CPU has AVX2. It was the faster decode until the exact kernels moved
     /// to grouped weights; now it is slower (whole decodes on an AVX2 Zen 3, the legacy formats'
-    /// kernels on an AVX-512 Xeon; README), since its engines keep the blocks as stored. Everything else (f32/bf16 weights, other
-    /// formats, calls of more tokens such as prefill, CPUs without AVX2) runs as
+    /// kernels on an AVX-512 Xeon; README), since its engines keep the blocks as stored.
+    /// Everything else (f32/bf16 weights, other formats, calls of more tokens such as prefill,
+    /// CPUs without AVX2) runs as
     /// [`Numerics::Exact`]. What it costs in agreement with the exact path is measured in the
     /// README.
     Int16,
