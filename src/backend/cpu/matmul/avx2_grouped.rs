@@ -34,16 +34,17 @@ use std::arch::x86_64::*;
 
 use super::grouped::format::{kind_of, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0};
 use super::grouped::{
-    block_ahead, elems, fields, group_block_bytes, job_sums, prefetch_distance, prefetch_part,
-    quants_at, value_offset, Grouped, BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB,
-    K4_SUB_BYTES, K6_PAIR_BYTES, K6_QUANTS, K6_SCALES, K6_SUB, MAX_TOKENS,
+    block_ahead, elems, fields, group_block_bytes, halves_place, job_sums, prefetch_distance,
+    prefetch_part, quants_at, value_offset, Grouped, Layout, BLOCK, GROUP, K4_DMIN, K4_MINS,
+    K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES, K6_PAIR_BYTES, K6_QUANTS, K6_SCALES, K6_SUB,
+    MAX_TOKENS,
 };
 use super::int8::has_min;
 use super::Job;
 use crate::model::quant::QuantKind;
 
 /// Rows per half group: the lanes of a 256-bit vector.
-const LANES: usize = 8;
+pub(crate) const LANES: usize = 8;
 
 /// Tokens per pass: four quarter chains and an accumulator each, ten of the 16 registers, the
 /// rest for the activations, masks and fields in flight.
@@ -62,6 +63,9 @@ pub(crate) unsafe fn rows(w: &Grouped, job: &Job) {
         "{} tokens for the grouped kernel",
         job.tokens
     );
+    if w.layout == Layout::Halves {
+        return super::avx2_halves::rows(w, job);
+    }
     match w.kind {
         QuantKind::Q4_0 => rows_of::<Q4_0>(w, job),
         QuantKind::Q4_1 => rows_of::<Q4_1>(w, job),
@@ -116,47 +120,71 @@ const fn high_in_place(kind: QuantKind) -> bool {
 /// get measurably faster: their GEMVs, reading weights from memory, wait on it.
 pub(crate) struct Activations {
     /// Every token's activations, token `t`'s at `t·k`, each odd element divided by 16; `None`
-    /// where a division would round (see [`sixteenths_exact`]) or no part is in a 4-bit format.
+    /// where a division would round (see [`scaled_exact`]) or no part is in a 4-bit format.
     high: Option<Vec<f32>>,
+    /// Every token's activations, token `t`'s at `t·k`, element `e` of each block divided by
+    /// `2^halves_place(e)`, for Q5_0 in [`Layout::Halves`] ([`super::avx2_halves`]); `None` where
+    /// a division would round or no part is in that layout.
+    pub(crate) halves: Option<Vec<f32>>,
 }
 
 impl Activations {
-    /// What kernels on `kinds` need of the `tokens` rows of `k` values at `x`, `ldx` apart.
+    /// What kernels on `kinds` (each part's format and layout) need of the `tokens` rows of `k`
+    /// values at `x`, `ldx` apart.
     pub(crate) fn new(
-        mut kinds: impl Iterator<Item = QuantKind>,
+        kinds: impl Iterator<Item = (QuantKind, Layout)>,
         x: &[f32],
         ldx: usize,
         tokens: usize,
         k: usize,
     ) -> Activations {
-        if !kinds.any(high_in_place) || tokens == 0 || x.len() < (tokens - 1) * ldx + k {
-            return Activations { high: None };
+        let (mut high, mut halves) = (false, false);
+        for (kind, layout) in kinds {
+            high |= high_in_place(kind);
+            halves |= layout == Layout::Halves;
+        }
+        let none = Activations {
+            high: None,
+            halves: None,
+        };
+        if tokens == 0 || x.len() < (tokens - 1) * ldx + k {
+            return none;
         }
         let rows = || (0..tokens).map(|t| &x[t * ldx..t * ldx + k]);
-        if !sixteenths_exact(rows()) {
-            return Activations { high: None };
+        let scaled = |place: fn(usize) -> u32| {
+            let mut v = Vec::with_capacity(tokens * k);
+            for row in rows() {
+                v.extend(
+                    row.iter()
+                        .enumerate()
+                        .map(|(e, &x)| x * (1.0 / (1u32 << place(e % BLOCK)) as f32)),
+                );
+            }
+            v
+        };
+        Activations {
+            high: (high && scaled_exact(rows(), 4, |e| e % 2 == 1))
+                .then(|| scaled(|e| 4 * (e % 2) as u32)),
+            halves: (halves && scaled_exact(rows(), 10, |e| halves_place(e % BLOCK) > 0))
+                .then(|| scaled(halves_place)),
         }
-        let mut v = Vec::with_capacity(tokens * k);
-        for row in rows() {
-            v.extend(
-                row.iter()
-                    .enumerate()
-                    .map(|(e, &x)| if e % 2 == 1 { x * 0.0625 } else { x }),
-            );
-        }
-        Activations { high: Some(v) }
     }
 }
 
-/// Whether every odd activation divides by 16 exactly: is 0 (or not finite) or at least
-/// 2⁻¹²² in magnitude, so that its sixteenth is not subnormal.
-fn sixteenths_exact<'a>(mut rows: impl Iterator<Item = &'a [f32]>) -> bool {
-    const SMALLEST: f32 = 1.0 / (1u128 << 122) as f32;
+/// Whether every activation whose element `e` is `divided(e)` divides by `2^bits` exactly:
+/// is 0 (or not finite) or at least `2^(bits − 126)` in magnitude, so that the quotient is not
+/// subnormal.
+fn scaled_exact<'a>(
+    mut rows: impl Iterator<Item = &'a [f32]>,
+    bits: i32,
+    divided: impl Fn(usize) -> bool,
+) -> bool {
+    let smallest = f32::MIN_POSITIVE * (1u32 << bits) as f32;
     rows.all(|row| {
         row.iter()
-            .skip(1)
-            .step_by(2)
-            .all(|&x| x == 0.0 || x.is_nan() || x.abs() >= SMALLEST)
+            .enumerate()
+            .filter(|&(e, _)| divided(e))
+            .all(|(_, &x)| x == 0.0 || x.is_nan() || x.abs() >= smallest)
     })
 }
 
@@ -171,7 +199,13 @@ unsafe fn rows_of<const F: u8>(w: &Grouped, job: &Job) {
         Some(a) => a,
         None => {
             let x = std::slice::from_raw_parts(job.x, (job.tokens - 1) * job.ldx + job.k);
-            own = Activations::new(std::iter::once(w.kind), x, job.ldx, job.tokens, job.k);
+            own = Activations::new(
+                std::iter::once((w.kind, w.layout)),
+                x,
+                job.ldx,
+                job.tokens,
+                job.k,
+            );
             &own
         }
     };
@@ -186,7 +220,7 @@ unsafe fn rows_of<const F: u8>(w: &Grouped, job: &Job) {
 #[inline(always)]
 unsafe fn rows_with<const F: u8, const H: bool>(w: &Grouped, job: &Job, x: *const f32, ldx: usize) {
     let kind = kind_of(F);
-    let sums = job_sums(kind, job);
+    let sums = job_sums(w, job);
     let blocks = w.cols / BLOCK;
     let m = Matrix {
         nb: w.cols / elems(kind),
@@ -242,7 +276,7 @@ unsafe fn rows_with<const F: u8, const H: bool>(w: &Grouped, job: &Job, x: *cons
 /// Writes tokens `t0..t0 + N`'s outputs `r0 + lane` for `lanes`, as [`Job::put`] does:
 /// `(out + d) + bias` when accumulating, else `d + bias`.
 #[inline(always)]
-unsafe fn store<const N: usize>(
+pub(crate) unsafe fn store<const N: usize>(
     job: &Job,
     t0: usize,
     r0: usize,
@@ -440,7 +474,7 @@ unsafe fn run_both<const F: u8, const H: bool>(q: *const u8, x: *const f32) -> [
 
 /// Half `h` of the 16 f16 values at `p`, widened.
 #[inline(always)]
-unsafe fn half_f16(p: *const u8, h: usize) -> __m256 {
+pub(crate) unsafe fn half_f16(p: *const u8, h: usize) -> __m256 {
     _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * LANES * h) as *const __m128i))
 }
 
@@ -841,6 +875,9 @@ impl Sink for Dequantized<'_> {
 /// values.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dequantize(w: &Grouped, rows: std::ops::Range<usize>, out: &mut [f32]) {
+    if w.layout == Layout::Halves {
+        return dequantize_with::<super::avx2_halves::Halves>(w, rows, out);
+    }
     match w.kind {
         QuantKind::Q4_0 => dequantize_with::<Legacy<Q4_0>>(w, rows, out),
         QuantKind::Q4_1 => dequantize_with::<Legacy<Q4_1>>(w, rows, out),
@@ -855,7 +892,7 @@ pub(crate) unsafe fn dequantize(w: &Grouped, rows: std::ops::Range<usize>, out: 
 
 /// How a format's group block splits into runs of 32 elements for [`dequantize_with`], and
 /// each run's values for half `h` of the group.
-trait Pieces {
+pub(crate) trait Pieces {
     /// Runs of 32 elements per group block.
     const PIECES: usize;
     /// Run `i` of half `h` of the group block at `blk`, element-major (8 rows each), exactly
@@ -926,7 +963,7 @@ impl Pieces for PairsK6 {
 /// half group computed element-major by `P` and transposed into its rows' places in `out`.
 #[inline(always)]
 unsafe fn dequantize_with<P: Pieces>(w: &Grouped, rows: std::ops::Range<usize>, out: &mut [f32]) {
-    let (k, n, bb) = (w.cols, elems(w.kind), group_block_bytes(w.kind));
+    let (k, n, bb) = (w.cols, elems(w.kind), w.block_bytes());
     let nb = k / n;
     assert!(rows.end <= w.rows && out.len() >= rows.len() * k);
     for g in rows.start / GROUP..rows.end.div_ceil(GROUP) {
@@ -960,7 +997,7 @@ unsafe fn dequantize_with<P: Pieces>(w: &Grouped, rows: std::ops::Range<usize>, 
 /// The transpose of an 8 × 8 matrix held as 8 row vectors: lane `c` of row `r` to lane `r` of
 /// row `c`.
 #[inline(always)]
-unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+pub(crate) unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
     let mut t = [_mm256_setzero_ps(); 8];
     for i in 0..4 {
         t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);

@@ -44,7 +44,7 @@ use super::avx512_groups::{drive, GroupPass};
 use super::grouped::format::{kind_of, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0};
 use super::grouped::{
     block_ahead, elems, fields, group_block_bytes, job_sums, prefetch_part, quants_at,
-    value_offset, Grouped, BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB,
+    value_offset, Grouped, Layout, BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB,
     K4_SUB_BYTES, K6_PAIR_BYTES, K6_QUANTS, K6_SCALES, K6_SUB, MAX_TOKENS,
 };
 use super::Job;
@@ -67,6 +67,10 @@ pub(crate) unsafe fn rows(w: &Grouped, job: &Job) {
         "{} tokens for the grouped kernel",
         job.tokens
     );
+    assert!(
+        w.layout == Layout::Streams,
+        "the AVX-512 grouped kernels read only the streams layout"
+    );
     match w.kind {
         QuantKind::Q4_0 => rows_of::<Q4_0>(w, job),
         QuantKind::Q4_1 => rows_of::<Q4_1>(w, job),
@@ -83,7 +87,7 @@ pub(crate) unsafe fn rows(w: &Grouped, job: &Job) {
 unsafe fn rows_of<const F: u8>(w: &Grouped, job: &Job) {
     let kind = kind_of(F);
     let nb = w.cols / elems(kind);
-    let sums = job_sums(kind, job);
+    let sums = job_sums(w, job);
     let blocks = w.cols / BLOCK;
     let kernel = Pass::<F> {
         nb,
@@ -578,6 +582,10 @@ unsafe fn store_rows(
 /// `rows.len() · w.cols` values.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 pub(crate) unsafe fn dequantize(w: &Grouped, rows: std::ops::Range<usize>, out: &mut [f32]) {
+    assert!(
+        w.layout == Layout::Streams,
+        "the AVX-512 grouped kernels read only the streams layout"
+    );
     match w.kind {
         QuantKind::Q4_0 => dequantize_with::<Legacy<Q4_0>>(w, rows, out),
         QuantKind::Q4_1 => dequantize_with::<Legacy<Q4_1>>(w, rows, out),

@@ -25,7 +25,8 @@
 //! then each lane a stream of 6-bit fields (`q − 32` from the field by one ternary-logic op and
 //! one subtraction: the bits go into the mantissa of 2²³). The same bytes as the ggml blocks,
 //! reordered (Q4_K: 4 more a row and super-block): no memory is added but that and the padding of
-//! a last group of fewer than 16 rows.
+//! a last group of fewer than 16 rows. On CPUs whose best kernels are AVX2's, Q5_0 is grouped in
+//! [`Layout::Halves`] instead (2 bytes more a row and block), whose chain differs (below).
 //!
 //! **Bits.** Each (row, token) output is one chain over the blocks in order, whatever the call's
 //! token count: per block, four partial sums `p_i = Σ_{8i ≤ e < 8i+8} q_e·x_e` (each in element
@@ -34,7 +35,10 @@
 //! `acc ← fma(m, Σx_block, acc)` (the block sums summed in element order). Q4_K's sub-blocks
 //! go as blocks with `d·sc_j` for `d` and `−dmin·m_j` for `m`; Q6_K's pairs of 16-element
 //! sub-blocks as blocks whose two halves `p_0 + p_1` and `p_2 + p_3` each take their own
-//! `d·sc_j` (no min). [`rows_ref`] is that
+//! `d·sc_j` (no min). Q5_0 in [`Layout::Halves`] sums its unsigned quants `q` (not `q − 16`)
+//! into `p_i = Σ_{e ≡ i mod 4} q_e·x_e` (each in element order: consecutive elements go to
+//! different chains in the order the fields lie), then `acc ← fma(d, (p_0 + p_1) + (p_2 + p_3),
+//! acc)` and `acc ← fma(−16·d, Σx_block, acc)`: its `−16` taken as a min. [`rows_ref`] is that
 //! chain in scalar Rust, which the AVX-512 and AVX2 kernels are tested against bit for bit. Products of more
 //! tokens than [`MAX_TOKENS`] (prefill) dequantize tiles of rows exactly, as for blocks as
 //! stored, and run the dense kernels.
@@ -392,14 +396,83 @@ pub(crate) const fn group_block_bytes(kind: QuantKind) -> usize {
     }
 }
 
+/// Bytes of one group block of `kind` in `layout`.
+pub(crate) const fn block_bytes(kind: QuantKind, layout: Layout) -> usize {
+    match layout {
+        Layout::Streams => group_block_bytes(kind),
+        Layout::Halves => HALVES_BLOCK_BYTES,
+    }
+}
+
 /// Zeroed bytes after the last group, never part of a value: the AVX-512 and AVX2 kernels read
 /// each 4-bit quant word at byte offsets 0–3 as well (so that a byte's low nibble needs no
 /// shift), and the last word's reads at offsets 1–3 end up to 3 bytes past it.
 pub(crate) const READ_SLACK: usize = 64;
 
+/// How a group block's quants lie in its lanes.
+///
+/// **Why a second layout.** In [`Layout::Streams`] a Q5_0 field is two shifts from its value
+/// (to the top of the lane and back down, four of 32 fields spliced from two words), and on AVX2
+/// that ran at 9.2 GiB/s a core where Q8_0 ran 23 (one core of the 2-vCPU AMD EPYC, Zen 3,
+/// `cargo bench --bench kernels -- 'gemv/Q5_0-grouped/4864x896/avx2$'`): Qwen2.5-Coder-0.5B's
+/// Q5_0 gate and up projections took 44% of its decode step, at half the memory's speed. In
+/// [`Layout::Halves`] every field is one mask from 2^p times its value, p one of three, so it
+/// costs what a 4-bit field does ([`super::avx2_halves`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Each lane a stream of `bits`-wide fields (the module doc); every format, and what the
+    /// AVX-512 kernels read.
+    Streams,
+    /// Q5_0 on CPUs whose best kernels are AVX2's: each lane's 32-bit word holds three unsigned
+    /// 5-bit fields in each 16-bit half (bits 0, 5, 10 and 16, 21, 26), elements `6w .. 6w + 6`
+    /// in word `w` (five 64-byte vectors after the 16 `d`s), and elements 30 and 31 of row `r`
+    /// in one 32-byte vector shared by the two halves of the group: row `r < 8` in lane `r`'s
+    /// low 16 bits, row `r + 8` in its high 16. 24 bytes a row and block against ggml's 22.
+    Halves,
+}
+
+impl Layout {
+    /// The layout that the kernels of `level` read fastest for `kind`.
+    pub fn native(kind: QuantKind, level: super::Level) -> Layout {
+        if kind == QuantKind::Q5_0 && level == super::Level::Avx2 {
+            Layout::Halves
+        } else {
+            Layout::Streams
+        }
+    }
+}
+
+/// Bytes of one [`Layout::Halves`] group block: the 16 `d`s, five 64-byte words and the shared
+/// 32-byte one.
+pub(crate) const HALVES_BLOCK_BYTES: usize = 2 * GROUP + HALVES_WORDS * 4 * GROUP + 2 * GROUP;
+/// Full 64-byte words of a [`Layout::Halves`] block (six fields a lane each).
+pub(crate) const HALVES_WORDS: usize = 5;
+/// Where a [`Layout::Halves`] block's quants start (after the `d`s).
+pub(crate) const HALVES_QUANTS: usize = 2 * GROUP;
+
+/// Where row `r`'s element `e` lies in a [`Layout::Halves`] block: the byte offset of its lane's
+/// word and its shift there.
+pub(crate) const fn halves_field_at(r: usize, e: usize) -> (usize, usize) {
+    if e < 6 * HALVES_WORDS {
+        let shift = 5 * (e % 6 % 3) + 16 * (e % 6 / 3);
+        (HALVES_QUANTS + (e / 6) * 4 * GROUP + 4 * r, shift)
+    } else {
+        let at = HALVES_QUANTS + HALVES_WORDS * 4 * GROUP + 4 * (r % 8);
+        (at, 5 * (e - 6 * HALVES_WORDS) + 16 * (r / 8))
+    }
+}
+
+/// The place value of element `e`'s field once its lane (read at byte offset 0 or 2 of its
+/// word, [`super::avx2_halves`]) is masked: `2^halves_place(e)` times the quant.
+pub(crate) const fn halves_place(e: usize) -> u32 {
+    5 * (e % 6 % 3) as u32
+}
+
 /// Weights of a block format regrouped for the grouped kernels (see the module doc).
 pub struct Grouped {
     pub kind: QuantKind,
+    /// How the quants lie in the lanes ([`Layout::Halves`] only for Q5_0).
+    pub layout: Layout,
     /// Rows of the matrix (the last group is padded to [`GROUP`] rows with zero blocks).
     pub rows: usize,
     pub cols: usize,
@@ -482,8 +555,12 @@ fn k6_quant(blk: &[u8], r: usize, e: usize) -> u32 {
     v & 0x3f
 }
 
-/// Lane `r`'s field `e` of a group block (not Q8_0 or the K formats).
-fn field(kind: QuantKind, blk: &[u8], r: usize, e: usize) -> u32 {
+/// Lane `r`'s field `e` of a group block in `layout` (not Q8_0 or the K formats).
+fn field(kind: QuantKind, layout: Layout, blk: &[u8], r: usize, e: usize) -> u32 {
+    if layout == Layout::Halves {
+        let (at, shift) = halves_field_at(r, e);
+        return word_at(blk, at) >> shift & 0x1f;
+    }
     let (at, shift) = field_at(kind, r, e);
     let mut v = word_at(blk, at) >> shift;
     if shift + bits(kind) > 32 {
@@ -499,7 +576,8 @@ fn f16_at(p: &[u8], i: usize) -> f32 {
 
 impl Grouped {
     /// Regroups `rows` rows of `cols` columns of ggml blocks (`kind` must be [`groupable`]; the
-    /// shape checked by the caller), into `arena`.
+    /// shape checked by the caller), into `arena`, in the layout that this CPU's kernels read
+    /// fastest ([`Layout::native`]).
     pub fn new(
         kind: QuantKind,
         rows: usize,
@@ -507,9 +585,27 @@ impl Grouped {
         blocks: &[u8],
         arena: &mut WeightArena,
     ) -> Grouped {
+        let layout = Layout::native(kind, super::simd::level());
+        Grouped::with_layout(kind, layout, rows, cols, blocks, arena)
+    }
+
+    /// [`Grouped::new`] in `layout` ([`Layout::Halves`] only for Q5_0).
+    pub fn with_layout(
+        kind: QuantKind,
+        layout: Layout,
+        rows: usize,
+        cols: usize,
+        blocks: &[u8],
+        arena: &mut WeightArena,
+    ) -> Grouped {
         assert!(groupable(kind), "{} cannot be grouped", kind.name());
+        assert!(
+            layout == Layout::Streams || kind == QuantKind::Q5_0,
+            "{} in the halves layout",
+            kind.name()
+        );
         let nb = cols / elems(kind);
-        let (gb, bb) = (kind.block_bytes(), group_block_bytes(kind));
+        let (gb, bb) = (kind.block_bytes(), block_bytes(kind, layout));
         let groups = rows.div_ceil(GROUP);
         let bytes = arena.filled::<u8>(groups * nb * bb + READ_SLACK, |bytes| {
             for n in 0..rows {
@@ -563,6 +659,16 @@ impl Grouped {
                         }
                         continue;
                     }
+                    if layout == Layout::Halves {
+                        for e in 0..BLOCK {
+                            let (at, shift) = halves_field_at(r, e);
+                            let q = ggml_quant(kind, src, e) << shift;
+                            for (i, byte) in q.to_le_bytes().into_iter().enumerate() {
+                                dst[at + i] |= byte;
+                            }
+                        }
+                        continue;
+                    }
                     for e in 0..BLOCK {
                         let q = u64::from(ggml_quant(kind, src, e));
                         let (at, shift) = field_at(kind, r, e);
@@ -580,15 +686,32 @@ impl Grouped {
         });
         Grouped {
             kind,
+            layout,
             rows,
             cols,
             bytes,
         }
     }
 
+    /// Bytes of one group block.
+    pub(crate) fn block_bytes(&self) -> usize {
+        block_bytes(self.kind, self.layout)
+    }
+
+    /// Bytes of one group (every block of its 16 rows).
+    pub(crate) fn group_bytes(&self) -> usize {
+        self.cols / elems(self.kind) * self.block_bytes()
+    }
+
+    /// Whether the kernels multiply block sums of the activations: a min, Q4_K's, or
+    /// [`Layout::Halves`]'s unsigned Q5_0 fields (whose `−16` is `−16·d` times the block sum).
+    pub(crate) fn takes_sums(&self) -> bool {
+        takes_sums(self.kind) || self.layout == Layout::Halves
+    }
+
     /// Group `g`'s block `b`.
     fn group_block(&self, g: usize, b: usize) -> &[u8] {
-        let (nb, bb) = (self.cols / elems(self.kind), group_block_bytes(self.kind));
+        let (nb, bb) = (self.cols / elems(self.kind), self.block_bytes());
         &self.bytes[(g * nb + b) * bb..(g * nb + b + 1) * bb]
     }
 
@@ -614,7 +737,7 @@ impl Grouped {
             }
             let mut qh = 0u32;
             for e in 0..BLOCK {
-                let q = field(kind, src, r, e);
+                let q = field(kind, self.layout, src, r, e);
                 let nibble = (q & 0x0f) as u8;
                 if e < 16 {
                     dst[qa + e] |= nibble;
@@ -668,8 +791,7 @@ impl Grouped {
     /// Whether the bytes fit the shape.
     pub fn check(&self) -> Result<(), String> {
         let n = elems(self.kind);
-        let want =
-            self.rows.div_ceil(GROUP) * (self.cols / n) * group_block_bytes(self.kind) + READ_SLACK;
+        let want = self.rows.div_ceil(GROUP) * (self.cols / n) * self.block_bytes() + READ_SLACK;
         if !self.cols.is_multiple_of(n) || self.bytes.len() != want {
             return Err(format!(
                 "{} bytes of grouped {} for a {}x{} matrix, expected {want}",
@@ -705,10 +827,10 @@ pub(crate) fn token_block_sums<'a>(rows: impl IntoIterator<Item = &'a [f32]>) ->
 ///
 /// # Safety
 /// `job`'s input must be valid for reads of `job.k` values per token.
-pub(crate) unsafe fn job_sums<'a>(kind: QuantKind, job: &'a Job) -> Cow<'a, [f32]> {
+pub(crate) unsafe fn job_sums<'a>(w: &Grouped, job: &'a Job) -> Cow<'a, [f32]> {
     let blocks = job.k / BLOCK;
     match job.sums {
-        _ if !takes_sums(kind) => Cow::Borrowed(&[]),
+        _ if !w.takes_sums() => Cow::Borrowed(&[]),
         Some(s) if s.len() >= job.tokens * blocks => Cow::Borrowed(s),
         _ => Cow::Owned(token_block_sums((0..job.tokens).map(|t| job.xrow(t)))),
     }
@@ -777,6 +899,9 @@ fn dot_ref(w: &Grouped, n: usize, x: &[f32], sums: &[f32]) -> f32 {
     if w.kind == QuantKind::Q6_K {
         return dot_ref_k6(w, g, r, x);
     }
+    if w.layout == Layout::Halves {
+        return dot_ref_halves(w, g, r, x, sums);
+    }
     let off = value_offset(w.kind);
     let mut acc = 0f32;
     for b in 0..w.cols / BLOCK {
@@ -786,7 +911,7 @@ fn dot_ref(w: &Grouped, n: usize, x: &[f32], sums: &[f32]) -> f32 {
             if w.kind == QuantKind::Q8_0 {
                 blk[q8_at(r, e)] as i8 as f32
             } else {
-                (field(w.kind, blk, r, e) as i32 + off) as f32
+                (field(w.kind, w.layout, blk, r, e) as i32 + off) as f32
             }
         };
         let quarter = |i: usize| (8 * i..8 * i + 8).fold(0f32, |p, e| q(e).mul_add(xb[e], p));
@@ -795,6 +920,26 @@ fn dot_ref(w: &Grouped, n: usize, x: &[f32], sums: &[f32]) -> f32 {
         if has_min(w.kind) {
             acc = f16_at(&blk[2 * GROUP..], r).mul_add(sums[b], acc);
         }
+    }
+    acc
+}
+
+/// [`dot_ref`] for Q5_0 in [`Layout::Halves`]: per block, four partial sums of the unsigned
+/// quants, `p_i = Σ_{e ≡ i mod 4} q_e·x_e` in element order, then
+/// `acc ← fma(d, (p_0 + p_1) + (p_2 + p_3), acc)` and `acc ← fma(−16·d, Σx_block, acc)`.
+#[cfg(test)]
+fn dot_ref_halves(w: &Grouped, g: usize, r: usize, x: &[f32], sums: &[f32]) -> f32 {
+    let mut acc = 0f32;
+    for b in 0..w.cols / BLOCK {
+        let blk = w.group_block(g, b);
+        let mut p = [0f32; 4];
+        for e in 0..BLOCK {
+            let q = field(w.kind, w.layout, blk, r, e) as f32;
+            p[e % 4] = q.mul_add(x[b * BLOCK + e], p[e % 4]);
+        }
+        let d = f16_at(blk, r);
+        acc = d.mul_add((p[0] + p[1]) + (p[2] + p[3]), acc);
+        acc = (-16.0 * d).mul_add(sums[b], acc);
     }
     acc
 }

@@ -103,6 +103,8 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx2_grouped;
 #[cfg(target_arch = "x86_64")]
+mod avx2_halves;
+#[cfg(target_arch = "x86_64")]
 mod avx2_i16;
 #[cfg(target_arch = "x86_64")]
 mod avx2_panel;
@@ -433,16 +435,16 @@ impl WeightData {
     /// of the activations (a min: Q4_1, Q5_1, Q4_K).
     fn takes_grouped_sums(&self) -> bool {
         match self {
-            WeightData::Grouped(g) => grouped::takes_sums(g.kind),
+            WeightData::Grouped(g) => g.takes_sums(),
             WeightData::Parts(parts) => parts.iter().any(|p| p.data.takes_grouped_sums()),
             _ => false,
         }
     }
 
-    /// The formats of the part's [`WeightData::Grouped`] parts, pushed onto `kinds`.
-    fn grouped_kinds(&self, kinds: &mut Vec<QuantKind>) {
+    /// The formats and layouts of the part's [`WeightData::Grouped`] parts, pushed onto `kinds`.
+    fn grouped_kinds(&self, kinds: &mut Vec<(QuantKind, grouped::Layout)>) {
         match self {
-            WeightData::Grouped(g) => kinds.push(g.kind),
+            WeightData::Grouped(g) => kinds.push((g.kind, g.layout)),
             WeightData::Parts(parts) => parts.iter().for_each(|p| p.data.grouped_kinds(kinds)),
             _ => {}
         }
@@ -1092,7 +1094,9 @@ unsafe fn grouped_rows(level: Level, m: &Grouped, job: &Job) {
     let level = simd::clamp(level);
     #[cfg(target_arch = "x86_64")]
     if level >= Level::Avx2 {
-        let avx512 = level >= Level::Avx512;
+        // Only the AVX2 kernels read the halves layout (which an AVX-512 CPU runs too, where
+        // a test or `KILN_SIMD` built the weights for a lower level than it runs).
+        let avx512 = level >= Level::Avx512 && m.layout == grouped::Layout::Streams;
         if job.tokens <= grouped::MAX_TOKENS {
             if avx512 {
                 avx512_grouped::rows(m, job);
@@ -1100,7 +1104,7 @@ unsafe fn grouped_rows(level: Level, m: &Grouped, job: &Job) {
                 avx2_grouped::rows(m, job);
             }
         } else {
-            let group_bytes = m.cols / grouped::elems(m.kind) * grouped::group_block_bytes(m.kind);
+            let group_bytes = m.group_bytes();
             tiled_rows(
                 level,
                 job,

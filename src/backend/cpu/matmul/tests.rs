@@ -1,6 +1,7 @@
 //! Every kernel at every SIMD level this CPU supports against an f64 reference, for dense and
 //! every quantized format, with row, column and token counts that are not multiples of the tiles.
 
+use super::grouped::Layout;
 use super::*;
 
 /// A xorshift64 stream from `seed`: the random bits every generator here draws from.
@@ -1796,6 +1797,33 @@ const GROUPED_KINDS: [QuantKind; 7] = [
     QuantKind::Q6_K,
 ];
 
+/// Every grouped format in each layout it is grouped in somewhere: the streams layout, and
+/// Q5_0's halves layout (AVX2 CPUs).
+fn grouped_layouts() -> Vec<(QuantKind, Layout)> {
+    let mut all: Vec<_> = GROUPED_KINDS.map(|k| (k, Layout::Streams)).to_vec();
+    all.push((QuantKind::Q5_0, Layout::Halves));
+    all
+}
+
+/// `w`'s blocks regrouped sixteen rows to a group in `layout`.
+fn regrouped_in(w: PackedMatrix, layout: Layout) -> PackedMatrix {
+    let WeightData::Quant { kind, blocks } = &w.data else {
+        panic!("only block formats regroup")
+    };
+    let g = Grouped::with_layout(
+        *kind,
+        layout,
+        w.rows,
+        w.cols,
+        blocks,
+        &mut WeightArena::new(),
+    );
+    PackedMatrix {
+        data: WeightData::Grouped(g),
+        ..w
+    }
+}
+
 /// `cols` rounded up to whole blocks of `kind` (the super-block formats' 256).
 fn whole_blocks(kind: QuantKind, cols: usize) -> usize {
     cols.div_ceil(kind.block_elems()) * kind.block_elems()
@@ -1808,12 +1836,12 @@ fn whole_blocks(kind: QuantKind, cols: usize) -> usize {
 /// groupable part.
 #[test]
 fn grouping_keeps_every_row() {
-    for kind in GROUPED_KINDS {
+    for (kind, layout) in grouped_layouts() {
         for rows in [1, 15, 16, 17, 40] {
             let cols = whole_blocks(kind, 96);
             let w = quant_matrix(kind, rows, cols, false, rows as u64);
             let want = weights_f64(&w);
-            let data = w.data.grouped(rows, cols);
+            let data = regrouped_in(w, layout).data;
             let WeightData::Grouped(m) = &data else {
                 panic!("{kind:?} not grouped")
             };
@@ -1825,15 +1853,21 @@ fn grouping_keeps_every_row() {
             let unpacked = rows.div_ceil(16) * 16 * cols / kind.block_elems() * 4;
             let want_bytes = if kind == QuantKind::Q4_K {
                 padded + unpacked
+            } else if layout == Layout::Halves {
+                // 24 bytes a row and block for ggml's 22.
+                padded / 22 * 24
             } else {
                 padded
             };
             assert_eq!(
                 data.bytes(),
                 want_bytes + grouped::READ_SLACK,
-                "{kind:?} {rows} rows"
+                "{kind:?} {layout:?} {rows} rows"
             );
             for level in [Level::Avx512, Level::Avx2] {
+                if level == Level::Avx512 && layout == Layout::Halves {
+                    continue;
+                }
                 if simd::level() < level {
                     println!(
                         "SKIPPED ({} tile dequantization): not on this CPU",
@@ -1856,7 +1890,7 @@ fn grouping_keeps_every_row() {
                         .all(|(&g, &w)| g as f64 == w && g.to_bits() == (w as f32).to_bits());
                     assert!(
                         same,
-                        "{kind:?} rows {r:?}: {} tile dequantization",
+                        "{kind:?} {layout:?} rows {r:?}: {} tile dequantization",
                         level.name()
                     );
                 }
@@ -1905,7 +1939,7 @@ fn grouped_kernels_match_the_reference() {
     if simd::level() < Level::Avx512 {
         println!("SKIPPED (AVX-512 grouped kernels): not on this CPU");
     }
-    for kind in GROUPED_KINDS {
+    for (kind, layout) in grouped_layouts() {
         for (rows, cols, tokens) in [
             (1, 32, 1),
             (16, 64, 3),
@@ -1922,10 +1956,12 @@ fn grouped_kernels_match_the_reference() {
         ] {
             let cols = whole_blocks(kind, cols);
             let seed = (rows * 100 + cols + tokens) as u64;
-            let w = regrouped(quant_matrix(kind, rows, cols, true, seed));
+            let w = regrouped_in(quant_matrix(kind, rows, cols, true, seed), layout);
             let WeightData::Grouped(m) = &w.data else {
                 unreachable!()
             };
+            // The AVX-512 kernels read only the streams layout.
+            let avx512 = simd::level() >= Level::Avx512 && layout == Layout::Streams;
             let ldx = cols + 3;
             let x = rand_vec((tokens - 1) * ldx + cols, seed + 2);
             let out0 = rand_vec(tokens * rows, seed + 3);
@@ -1946,7 +1982,7 @@ fn grouped_kernels_match_the_reference() {
                         (&mut vector, Level::Avx512),
                         (&mut vector2, Level::Avx2),
                     ] {
-                        if simd::level() < kernel {
+                        if simd::level() < kernel || (kernel == Level::Avx512 && !avx512) {
                             continue;
                         }
                         let job = Job {
@@ -1978,7 +2014,7 @@ fn grouped_kernels_match_the_reference() {
                     }
                 }
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                if simd::level() >= Level::Avx512 {
+                if avx512 {
                     assert_eq!(
                         bits(&vector),
                         bits(&reference),
@@ -1988,10 +2024,10 @@ fn grouped_kernels_match_the_reference() {
                 assert_eq!(
                     bits(&vector2),
                     bits(&reference),
-                    "{kind:?} {rows}x{cols} x{tokens}: AVX2"
+                    "{kind:?} {layout:?} {rows}x{cols} x{tokens}: AVX2"
                 );
                 if let Err(e) = compare(&w, &x, ldx, tokens, &out0, &reference, rows, acc) {
-                    panic!("{kind:?} {rows}x{cols} x{tokens} reference: {e}");
+                    panic!("{kind:?} {layout:?} {rows}x{cols} x{tokens} reference: {e}");
                 }
                 // Through the entry point at each level, each token alone gives the same bits
                 // (tasks of whole groups: one token's go through the AVX2 kernels' pass over
@@ -2002,7 +2038,7 @@ fn grouped_kernels_match_the_reference() {
                     assert_eq!(
                         bits(&all),
                         bits(&reference),
-                        "{kind:?} {rows}x{cols} x{tokens}: {} entry point",
+                        "{kind:?} {layout:?} {rows}x{cols} x{tokens}: {} entry point",
                         level.name()
                     );
                     for t in 0..tokens {
@@ -2012,7 +2048,7 @@ fn grouped_kernels_match_the_reference() {
                         assert_eq!(
                             bits(&one),
                             bits(&all[t * rows..(t + 1) * rows]),
-                            "{kind:?} token {t} alone, {}",
+                            "{kind:?} {layout:?} token {t} alone, {}",
                             level.name()
                         );
                     }
@@ -2023,9 +2059,11 @@ fn grouped_kernels_match_the_reference() {
 }
 
 /// The AVX2 grouped kernels take 4-bit high nibbles in place against activations divided by
-/// 16: still the reference's bits where activations are tiny (odd ones whose sixteenth would
-/// be subnormal, where the kernels must keep the shift; even ones and exact sixteenths, where
-/// they need not), huge or zero, for one token and two.
+/// 16 (and the halves layout's Q5_0 fields against activations divided by 2^5 and 2^10):
+/// still the reference's bits where activations are tiny (odd ones whose sixteenth would be
+/// subnormal, where the kernels must keep the shift; even ones and exact sixteenths, where they
+/// need not), huge or zero, for one token and two; and the halves kernel divides activations
+/// down to the least whose 1024th is normal.
 #[test]
 fn grouped_avx2_kernels_keep_their_bits_on_tiny_and_huge_activations() {
     if simd::level() < Level::Avx2 {
@@ -2042,12 +2080,15 @@ fn grouped_avx2_kernels_keep_their_bits_on_tiny_and_huge_activations() {
         0.0,
         -0.0,
     ];
-    for kind in GROUPED_KINDS {
+    // 2^-116: its 1024th is 2^-126, normal.
+    let least_halved = f32::from_bits(11 << 23);
+    let halves_exact = [least_halved, -least_halved * 1.5, 3.0e37, 0.0, -0.0];
+    for (kind, layout) in grouped_layouts() {
         for (cols, tokens) in [(64, 1), (576, 1), (1536, 1), (576, 2)] {
             let (rows, cols) = (24, whole_blocks(kind, cols));
             let seed = (cols + tokens) as u64;
             // No bias: it would hide the last bits of tiny outputs.
-            let w = regrouped(quant_matrix(kind, rows, cols, false, seed));
+            let w = regrouped_in(quant_matrix(kind, rows, cols, false, seed), layout);
             let WeightData::Grouped(m) = &w.data else {
                 unreachable!()
             };
@@ -2055,20 +2096,35 @@ fn grouped_avx2_kernels_keep_their_bits_on_tiny_and_huge_activations() {
             // activation scaled by 1.37·2^-124 (most of them normal with every mantissa bit
             // used, their sixteenths subnormal, the outputs normal: a sixteenth rounded
             // would show) and by 2^100.
+            // Last, for the halves layout: values the kernel divides exactly, everywhere.
             let cases = [
-                (Some(1), 1.0),
-                (Some(0), 1.0),
-                (None, 1.0),
-                (Some(2), 1.37 * f32::from_bits(3 << 23)),
-                (Some(2), f32::from_bits(227 << 23)),
+                (Some(1), 1.0, &specials[..]),
+                (Some(0), 1.0, &specials[..]),
+                (None, 1.0, &specials[..]),
+                (Some(2), 1.37 * f32::from_bits(3 << 23), &specials[..]),
+                (Some(2), f32::from_bits(227 << 23), &specials[..]),
+                (None, 1.0, &halves_exact[..]),
             ];
-            for (case, (parity, scale)) in cases.into_iter().enumerate() {
+            for (case, (parity, scale, specials)) in cases.into_iter().enumerate() {
                 let mut x = rand_vec(tokens * cols, seed + case as u64);
                 for (i, v) in x.iter_mut().enumerate() {
                     *v *= scale;
                     if parity.is_none_or(|p| i % 2 == p) && (i / 2) % 3 == 0 {
                         *v = specials[(i / 2 / 3) % specials.len()];
                     }
+                }
+                if layout == Layout::Halves {
+                    // The last case runs the divided activations, the tiny ones the shifts.
+                    let divided = avx2_grouped::Activations::new(
+                        std::iter::once((kind, layout)),
+                        &x,
+                        cols,
+                        tokens,
+                        cols,
+                    )
+                    .halves
+                    .is_some();
+                    assert_eq!(divided, case == 4 || case == 5, "case {case}");
                 }
                 let mut reference = vec![0f32; tokens * rows];
                 let mut vector = reference.clone();
@@ -2104,7 +2160,7 @@ fn grouped_avx2_kernels_keep_their_bits_on_tiny_and_huge_activations() {
                 assert_eq!(
                     bits(&vector),
                     bits(&reference),
-                    "{kind:?} {rows}x{cols} x{tokens}, case {case}"
+                    "{kind:?} {layout:?} {rows}x{cols} x{tokens}, case {case}"
                 );
             }
         }
