@@ -28,6 +28,10 @@
 //! spilled: Q4_1 ran 8.4 GiB/s where two passes ran 9.6. With each word loaded where it is used it
 //! does not, and one token's full groups of the 4-bit formats and Q8_0 take it ([`pass_both`]).
 //!
+//! These kernels read the streams layout, what AVX-512 CPUs hold; engines on AVX2 CPUs hold
+//! Q4_0, Q4_1, Q4_K and Q5_0 in [`Layout::Halves`], which [`rows`] hands to
+//! [`super::avx2_halves`].
+//!
 //! Nothing here takes a closure (see [`super::avx512_groups`]).
 
 use std::arch::x86_64::*;
@@ -123,9 +127,11 @@ pub(crate) struct Activations {
     /// where a division would round (see [`scaled_exact`]) or no part is in a 4-bit format.
     high: Option<Vec<f32>>,
     /// Every token's activations, token `t`'s at `t·k`, element `e` of each block divided by
-    /// `2^halves_place(e)`, for Q5_0 in [`Layout::Halves`] ([`super::avx2_halves`]); `None` where
-    /// a division would round or no part is in that layout.
-    pub(crate) halves: Option<Vec<f32>>,
+    /// `2^halves_place(kind, e)`, for the 4-bit formats (`halves4`) and Q5_0 (`halves5`) in
+    /// [`Layout::Halves`] ([`super::avx2_halves`]); `None` where a division would round or no
+    /// part is in that layout.
+    halves4: Option<Vec<f32>>,
+    halves5: Option<Vec<f32>>,
 }
 
 impl Activations {
@@ -138,14 +144,17 @@ impl Activations {
         tokens: usize,
         k: usize,
     ) -> Activations {
-        let (mut high, mut halves) = (false, false);
+        let (mut high, mut halves4, mut halves5) = (false, false, false);
         for (kind, layout) in kinds {
-            high |= high_in_place(kind);
-            halves |= layout == Layout::Halves;
+            let halves = layout == Layout::Halves;
+            high |= high_in_place(kind) && !halves;
+            halves4 |= halves && kind != QuantKind::Q5_0;
+            halves5 |= halves && kind == QuantKind::Q5_0;
         }
         let none = Activations {
             high: None,
-            halves: None,
+            halves4: None,
+            halves5: None,
         };
         if tokens == 0 || x.len() < (tokens - 1) * ldx + k {
             return none;
@@ -165,8 +174,20 @@ impl Activations {
         Activations {
             high: (high && scaled_exact(rows(), 4, |e| e % 2 == 1))
                 .then(|| scaled(|e| 4 * (e % 2) as u32)),
-            halves: (halves && scaled_exact(rows(), 10, |e| halves_place(e % BLOCK) > 0))
-                .then(|| scaled(halves_place)),
+            halves4: (halves4 && scaled_exact(rows(), 12, |e| e % 4 > 0))
+                .then(|| scaled(|e| halves_place(QuantKind::Q4_0, e))),
+            halves5: (halves5
+                && scaled_exact(rows(), 10, |e| halves_place(QuantKind::Q5_0, e % BLOCK) > 0))
+            .then(|| scaled(|e| halves_place(QuantKind::Q5_0, e))),
+        }
+    }
+
+    /// The divided activations that the halves kernel of `kind` reads, where they were made.
+    pub(crate) fn halves(&self, kind: QuantKind) -> Option<&[f32]> {
+        if kind == QuantKind::Q5_0 {
+            self.halves5.as_deref()
+        } else {
+            self.halves4.as_deref()
         }
     }
 }
@@ -492,7 +513,7 @@ unsafe fn half_bytes<const SIGNED: bool>(p: *const u8, h: usize) -> __m256 {
 /// Half `h` of a Q4_K group super-block's `d·sc_j` and `dmin·m_j` for sub-block `j` (both
 /// exact in f32: an f16 times a 6-bit integer).
 #[inline(always)]
-unsafe fn k4_scales(blk: *const u8, h: usize, j: usize) -> (__m256, __m256) {
+pub(crate) unsafe fn k4_scales(blk: *const u8, h: usize, j: usize) -> (__m256, __m256) {
     (
         _mm256_mul_ps(
             half_f16(blk, h),
@@ -875,7 +896,8 @@ impl Sink for Dequantized<'_> {
 /// values.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dequantize(w: &Grouped, rows: std::ops::Range<usize>, out: &mut [f32]) {
-    if w.layout == Layout::Halves {
+    if w.layout == Layout::Halves && w.kind == QuantKind::Q5_0 {
+        // The 4-bit formats keep the streams bytes in the halves layout.
         return dequantize_with::<super::avx2_halves::Halves>(w, rows, out);
     }
     match w.kind {

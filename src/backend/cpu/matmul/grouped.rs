@@ -25,8 +25,9 @@
 //! then each lane a stream of 6-bit fields (`q − 32` from the field by one ternary-logic op and
 //! one subtraction: the bits go into the mantissa of 2²³). The same bytes as the ggml blocks,
 //! reordered (Q4_K: 4 more a row and super-block): no memory is added but that and the padding of
-//! a last group of fewer than 16 rows. On CPUs whose best kernels are AVX2's, Q5_0 is grouped in
-//! [`Layout::Halves`] instead (2 bytes more a row and block), whose chain differs (below).
+//! a last group of fewer than 16 rows. On CPUs whose best kernels are AVX2's, Q4_0, Q4_1, Q4_K
+//! and Q5_0 are grouped in [`Layout::Halves`] instead (the same bytes for the 4-bit formats, 2
+//! more a row and block for Q5_0), whose chain differs (below).
 //!
 //! **Bits.** Each (row, token) output is one chain over the blocks in order, whatever the call's
 //! token count: per block, four partial sums `p_i = Σ_{8i ≤ e < 8i+8} q_e·x_e` (each in element
@@ -35,10 +36,10 @@
 //! `acc ← fma(m, Σx_block, acc)` (the block sums summed in element order). Q4_K's sub-blocks
 //! go as blocks with `d·sc_j` for `d` and `−dmin·m_j` for `m`; Q6_K's pairs of 16-element
 //! sub-blocks as blocks whose two halves `p_0 + p_1` and `p_2 + p_3` each take their own
-//! `d·sc_j` (no min). Q5_0 in [`Layout::Halves`] sums its unsigned quants `q` (not `q − 16`)
-//! into `p_i = Σ_{e ≡ i mod 4} q_e·x_e` (each in element order: consecutive elements go to
-//! different chains in the order the fields lie), then `acc ← fma(d, (p_0 + p_1) + (p_2 + p_3),
-//! acc)` and `acc ← fma(−16·d, Σx_block, acc)`: its `−16` taken as a min. [`rows_ref`] is that
+//! `d·sc_j` (no min). In [`Layout::Halves`] the partial sums are `p_i = Σ_{e ≡ i mod 4} q_e·x_e`
+//! instead (each in element order: consecutive elements go to different chains in the order the
+//! fields lie) over the unsigned quants, Q4_0's `−8` and Q5_0's `−16` taken as a min
+//! (`acc ← fma(−8·d, Σx_block, acc)`, `−16·d`). [`rows_ref`] is that
 //! chain in scalar Rust, which the AVX-512 and AVX2 kernels are tested against bit for bit. Products of more
 //! tokens than [`MAX_TOKENS`] (prefill) dequantize tiles of rows exactly, as for blocks as
 //! stored, and run the dense kernels.
@@ -398,9 +399,10 @@ pub(crate) const fn group_block_bytes(kind: QuantKind) -> usize {
 
 /// Bytes of one group block of `kind` in `layout`.
 pub(crate) const fn block_bytes(kind: QuantKind, layout: Layout) -> usize {
-    match layout {
-        Layout::Streams => group_block_bytes(kind),
-        Layout::Halves => HALVES_BLOCK_BYTES,
+    if halves_bytes(kind, layout) {
+        HALVES_BLOCK_BYTES
+    } else {
+        group_block_bytes(kind)
     }
 }
 
@@ -409,37 +411,55 @@ pub(crate) const fn block_bytes(kind: QuantKind, layout: Layout) -> usize {
 /// shift), and the last word's reads at offsets 1–3 end up to 3 bytes past it.
 pub(crate) const READ_SLACK: usize = 64;
 
-/// How a group block's quants lie in its lanes.
+/// How a group block's quants lie in its lanes, and which chain its kernels follow.
 ///
 /// **Why a second layout.** In [`Layout::Streams`] a Q5_0 field is two shifts from its value
 /// (to the top of the lane and back down, four of 32 fields spliced from two words), and on AVX2
 /// that ran at 9.2 GiB/s a core where Q8_0 ran 23 (one core of the 2-vCPU AMD EPYC, Zen 3,
 /// `cargo bench --bench kernels -- 'gemv/Q5_0-grouped/4864x896/avx2$'`): Qwen2.5-Coder-0.5B's
 /// Q5_0 gate and up projections took 44% of its decode step, at half the memory's speed. In
-/// [`Layout::Halves`] every field is one mask from 2^p times its value, p one of three, so it
-/// costs what a 4-bit field does ([`super::avx2_halves`]).
+/// [`Layout::Halves`] every field is one mask from 2^p times its value, p one of three (Q5_0)
+/// or four (the 4-bit formats), against activations divided by 2^p ([`super::avx2_halves`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Layout {
     /// Each lane a stream of `bits`-wide fields (the module doc); every format, and what the
     /// AVX-512 kernels read.
     Streams,
-    /// Q5_0 on CPUs whose best kernels are AVX2's: each lane's 32-bit word holds three unsigned
-    /// 5-bit fields in each 16-bit half (bits 0, 5, 10 and 16, 21, 26), elements `6w .. 6w + 6`
-    /// in word `w` (five 64-byte vectors after the 16 `d`s), and elements 30 and 31 of row `r`
-    /// in one 32-byte vector shared by the two halves of the group: row `r < 8` in lane `r`'s
-    /// low 16 bits, row `r + 8` in its high 16. 24 bytes a row and block against ggml's 22.
+    /// Q4_0, Q4_1, Q4_K and Q5_0 on CPUs whose best kernels are AVX2's, read from the 16-bit
+    /// halves of each lane (a word loaded at byte offsets 0 and 2), with the halves chain of the
+    /// module doc. The 4-bit formats keep the streams bytes: each 16-bit half holds four
+    /// nibbles, elements `8w + 4k .. 8w + 4k + 4` of word `w` in half `k`. Q5_0's lanes hold
+    /// three unsigned 5-bit fields in each 16-bit half (bits 0, 5, 10 and 16, 21, 26), elements
+    /// `6w .. 6w + 6` in word `w` (five 64-byte vectors after the 16 `d`s), and elements 30 and
+    /// 31 of row `r` in one 32-byte vector shared by the two halves of the group: row `r < 8` in
+    /// lane `r`'s low 16 bits, row `r + 8` in its high 16. 24 bytes a row and block against
+    /// ggml's 22.
     Halves,
 }
 
 impl Layout {
     /// The layout that the kernels of `level` read fastest for `kind`.
     pub fn native(kind: QuantKind, level: super::Level) -> Layout {
-        if kind == QuantKind::Q5_0 && level == super::Level::Avx2 {
+        if halves_kind(kind) && level == super::Level::Avx2 {
             Layout::Halves
         } else {
             Layout::Streams
         }
     }
+}
+
+/// Whether `kind` can be grouped in [`Layout::Halves`].
+pub(crate) const fn halves_kind(kind: QuantKind) -> bool {
+    matches!(
+        kind,
+        QuantKind::Q4_0 | QuantKind::Q4_1 | QuantKind::Q4_K | QuantKind::Q5_0
+    )
+}
+
+/// Whether a group block of `kind` in `layout` has [`Layout::Halves`]'s own bytes (Q5_0's; the
+/// 4-bit formats keep the streams bytes).
+const fn halves_bytes(kind: QuantKind, layout: Layout) -> bool {
+    matches!(layout, Layout::Halves) && matches!(kind, QuantKind::Q5_0)
 }
 
 /// Bytes of one [`Layout::Halves`] group block: the 16 `d`s, five 64-byte words and the shared
@@ -462,16 +482,21 @@ pub(crate) const fn halves_field_at(r: usize, e: usize) -> (usize, usize) {
     }
 }
 
-/// The place value of element `e`'s field once its lane (read at byte offset 0 or 2 of its
-/// word, [`super::avx2_halves`]) is masked: `2^halves_place(e)` times the quant.
-pub(crate) const fn halves_place(e: usize) -> u32 {
-    5 * (e % 6 % 3) as u32
+/// The place value of element `e`'s field of `kind` in [`Layout::Halves`] once its lane (read at
+/// byte offset 0 or 2 of its word, [`super::avx2_halves`]) is masked: `2^halves_place(e)` times
+/// the quant (`e` within its 32-element block).
+pub(crate) const fn halves_place(kind: QuantKind, e: usize) -> u32 {
+    if matches!(kind, QuantKind::Q5_0) {
+        5 * (e % 6 % 3) as u32
+    } else {
+        4 * (e % 4) as u32
+    }
 }
 
 /// Weights of a block format regrouped for the grouped kernels (see the module doc).
 pub struct Grouped {
     pub kind: QuantKind,
-    /// How the quants lie in the lanes ([`Layout::Halves`] only for Q5_0).
+    /// How the quants lie in the lanes ([`Layout::Halves`] only for [`halves_kind`]s).
     pub layout: Layout,
     /// Rows of the matrix (the last group is padded to [`GROUP`] rows with zero blocks).
     pub rows: usize,
@@ -557,7 +582,7 @@ fn k6_quant(blk: &[u8], r: usize, e: usize) -> u32 {
 
 /// Lane `r`'s field `e` of a group block in `layout` (not Q8_0 or the K formats).
 fn field(kind: QuantKind, layout: Layout, blk: &[u8], r: usize, e: usize) -> u32 {
-    if layout == Layout::Halves {
+    if halves_bytes(kind, layout) {
         let (at, shift) = halves_field_at(r, e);
         return word_at(blk, at) >> shift & 0x1f;
     }
@@ -589,7 +614,7 @@ impl Grouped {
         Grouped::with_layout(kind, layout, rows, cols, blocks, arena)
     }
 
-    /// [`Grouped::new`] in `layout` ([`Layout::Halves`] only for Q5_0).
+    /// [`Grouped::new`] in `layout` ([`Layout::Halves`] only for [`halves_kind`]s).
     pub fn with_layout(
         kind: QuantKind,
         layout: Layout,
@@ -600,7 +625,7 @@ impl Grouped {
     ) -> Grouped {
         assert!(groupable(kind), "{} cannot be grouped", kind.name());
         assert!(
-            layout == Layout::Streams || kind == QuantKind::Q5_0,
+            layout == Layout::Streams || halves_kind(kind),
             "{} in the halves layout",
             kind.name()
         );
@@ -659,7 +684,7 @@ impl Grouped {
                         }
                         continue;
                     }
-                    if layout == Layout::Halves {
+                    if halves_bytes(kind, layout) {
                         for e in 0..BLOCK {
                             let (at, shift) = halves_field_at(r, e);
                             let q = ggml_quant(kind, src, e) << shift;
@@ -704,7 +729,8 @@ impl Grouped {
     }
 
     /// Whether the kernels multiply block sums of the activations: a min, Q4_K's, or
-    /// [`Layout::Halves`]'s unsigned Q5_0 fields (whose `−16` is `−16·d` times the block sum).
+    /// [`Layout::Halves`]'s unsigned Q4_0 and Q5_0 fields (whose `−8` and `−16` are `−8·d` and
+    /// `−16·d` times the block sum).
     pub(crate) fn takes_sums(&self) -> bool {
         takes_sums(self.kind) || self.layout == Layout::Halves
     }
@@ -896,11 +922,11 @@ fn dot_ref(w: &Grouped, n: usize, x: &[f32], sums: &[f32]) -> f32 {
     if w.kind == QuantKind::Q4_K {
         return dot_ref_k4(w, g, r, x, sums);
     }
-    if w.kind == QuantKind::Q6_K {
-        return dot_ref_k6(w, g, r, x);
-    }
     if w.layout == Layout::Halves {
         return dot_ref_halves(w, g, r, x, sums);
+    }
+    if w.kind == QuantKind::Q6_K {
+        return dot_ref_k6(w, g, r, x);
     }
     let off = value_offset(w.kind);
     let mut acc = 0f32;
@@ -924,27 +950,39 @@ fn dot_ref(w: &Grouped, n: usize, x: &[f32], sums: &[f32]) -> f32 {
     acc
 }
 
-/// [`dot_ref`] for Q5_0 in [`Layout::Halves`]: per block, four partial sums of the unsigned
-/// quants, `p_i = Σ_{e ≡ i mod 4} q_e·x_e` in element order, then
-/// `acc ← fma(d, (p_0 + p_1) + (p_2 + p_3), acc)` and `acc ← fma(−16·d, Σx_block, acc)`.
+/// The halves chain's `(p_0 + p_1) + (p_2 + p_3)` of one block's 32 unsigned quants `q(e)`
+/// against `x`: `p_i = Σ_{e ≡ i mod 4} q_e·x_e` in element order.
+#[cfg(test)]
+fn halves_sum(q: impl Fn(usize) -> u32, x: &[f32]) -> f32 {
+    let mut p = [0f32; 4];
+    for (e, &xe) in x.iter().enumerate().take(BLOCK) {
+        p[e % 4] = (q(e) as f32).mul_add(xe, p[e % 4]);
+    }
+    (p[0] + p[1]) + (p[2] + p[3])
+}
+
+/// [`dot_ref`] for Q4_0, Q4_1 and Q5_0 in [`Layout::Halves`]: per block [`halves_sum`], then
+/// `acc ← fma(d, s, acc)` and `acc ← fma(m, Σx_block, acc)`, `m` Q4_1's min, `−8·d` (Q4_0) or
+/// `−16·d` (Q5_0).
 #[cfg(test)]
 fn dot_ref_halves(w: &Grouped, g: usize, r: usize, x: &[f32], sums: &[f32]) -> f32 {
     let mut acc = 0f32;
     for b in 0..w.cols / BLOCK {
         let blk = w.group_block(g, b);
-        let mut p = [0f32; 4];
-        for e in 0..BLOCK {
-            let q = field(w.kind, w.layout, blk, r, e) as f32;
-            p[e % 4] = q.mul_add(x[b * BLOCK + e], p[e % 4]);
-        }
+        let s = halves_sum(|e| field(w.kind, w.layout, blk, r, e), &x[b * BLOCK..]);
         let d = f16_at(blk, r);
-        acc = d.mul_add((p[0] + p[1]) + (p[2] + p[3]), acc);
-        acc = (-16.0 * d).mul_add(sums[b], acc);
+        let m = match w.kind {
+            QuantKind::Q4_1 => f16_at(&blk[2 * GROUP..], r),
+            k => value_offset(k) as f32 * d,
+        };
+        acc = d.mul_add(s, acc);
+        acc = m.mul_add(sums[b], acc);
     }
     acc
 }
 
-/// [`dot_ref`] for Q4_K: per sub-block `j`, the quarters' sums as a legacy block's, then
+/// [`dot_ref`] for Q4_K: per sub-block `j`, the quarters' sums as a legacy block's (in
+/// [`Layout::Halves`], [`halves_sum`]), then
 /// `acc ← fma(d·sc_j, s, acc)` and `acc ← fma(−dmin·m_j, Σx_j, acc)`.
 #[cfg(test)]
 fn dot_ref_k4(w: &Grouped, g: usize, r: usize, x: &[f32], sums: &[f32]) -> f32 {
@@ -958,7 +996,11 @@ fn dot_ref_k4(w: &Grouped, g: usize, r: usize, x: &[f32], sums: &[f32]) -> f32 {
             let q = |e: usize| k4_quant(blk, r, j * BLOCK + e) as f32;
             let quarter =
                 |i: usize| (8 * i..8 * i + 8).fold(0f32, |p, e| q(e).mul_add(x[base + e], p));
-            let s = (quarter(0) + quarter(1)) + (quarter(2) + quarter(3));
+            let s = if w.layout == Layout::Halves {
+                halves_sum(|e| k4_quant(blk, r, j * BLOCK + e), &x[base..])
+            } else {
+                (quarter(0) + quarter(1)) + (quarter(2) + quarter(3))
+            };
             let d1 = d * blk[K4_SCALES + GROUP * j + r] as f32;
             let m1 = dmin * blk[K4_MINS + GROUP * j + r] as f32;
             acc = d1.mul_add(s, acc);

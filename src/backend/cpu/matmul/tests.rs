@@ -1798,10 +1798,14 @@ const GROUPED_KINDS: [QuantKind; 7] = [
 ];
 
 /// Every grouped format in each layout it is grouped in somewhere: the streams layout, and
-/// Q5_0's halves layout (AVX2 CPUs).
+/// the halves layout of Q4_0, Q4_1, Q4_K and Q5_0 (AVX2 CPUs).
 fn grouped_layouts() -> Vec<(QuantKind, Layout)> {
     let mut all: Vec<_> = GROUPED_KINDS.map(|k| (k, Layout::Streams)).to_vec();
-    all.push((QuantKind::Q5_0, Layout::Halves));
+    for kind in GROUPED_KINDS {
+        if grouped::halves_kind(kind) {
+            all.push((kind, Layout::Halves));
+        }
+    }
     all
 }
 
@@ -1853,7 +1857,7 @@ fn grouping_keeps_every_row() {
             let unpacked = rows.div_ceil(16) * 16 * cols / kind.block_elems() * 4;
             let want_bytes = if kind == QuantKind::Q4_K {
                 padded + unpacked
-            } else if layout == Layout::Halves {
+            } else if layout == Layout::Halves && kind == QuantKind::Q5_0 {
                 // 24 bytes a row and block for ggml's 22.
                 padded / 22 * 24
             } else {
@@ -2059,7 +2063,7 @@ fn grouped_kernels_match_the_reference() {
 }
 
 /// The AVX2 grouped kernels take 4-bit high nibbles in place against activations divided by
-/// 16 (and the halves layout's Q5_0 fields against activations divided by 2^5 and 2^10):
+/// 16 (and the halves layout's fields against activations divided by up to 2^10 or 2^12):
 /// still the reference's bits where activations are tiny (odd ones whose sixteenth would be
 /// subnormal, where the kernels must keep the shift; even ones and exact sixteenths, where they
 /// need not), huge or zero, for one token and two; and the halves kernel divides activations
@@ -2080,10 +2084,12 @@ fn grouped_avx2_kernels_keep_their_bits_on_tiny_and_huge_activations() {
         0.0,
         -0.0,
     ];
-    // 2^-116: its 1024th is 2^-126, normal.
-    let least_halved = f32::from_bits(11 << 23);
-    let halves_exact = [least_halved, -least_halved * 1.5, 3.0e37, 0.0, -0.0];
     for (kind, layout) in grouped_layouts() {
+        // The least activation that the halves kernel divides exactly (by 2^10 for Q5_0, by
+        // 2^12 for the 4-bit formats): the quotient is 2^-126, normal.
+        let bits = if kind == QuantKind::Q5_0 { 10 } else { 12 };
+        let least_halved = f32::MIN_POSITIVE * (1u32 << bits) as f32;
+        let halves_exact = [least_halved, -least_halved * 1.5, 3.0e37, 0.0, -0.0];
         for (cols, tokens) in [(64, 1), (576, 1), (1536, 1), (576, 2)] {
             let (rows, cols) = (24, whole_blocks(kind, cols));
             let seed = (cols + tokens) as u64;
@@ -2122,7 +2128,7 @@ fn grouped_avx2_kernels_keep_their_bits_on_tiny_and_huge_activations() {
                         tokens,
                         cols,
                     )
-                    .halves
+                    .halves(kind)
                     .is_some();
                     assert_eq!(divided, case == 4 || case == 5, "case {case}");
                 }
