@@ -38,10 +38,10 @@ use std::arch::x86_64::*;
 
 use super::grouped::format::{kind_of, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0};
 use super::grouped::{
-    block_ahead, elems, fields, group_block_bytes, halves_place, job_sums, prefetch_distance,
-    prefetch_part, quants_at, value_offset, Grouped, Layout, BLOCK, GROUP, K4_DMIN, K4_MINS,
-    K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES, K6_PAIR_BYTES, K6_QUANTS, K6_SCALES, K6_SUB,
-    MAX_TOKENS,
+    block_ahead, elems, fields, group_block_bytes, group_spans, halves_place, job_sums,
+    prefetch_part, quants_at, value_offset, GroupSpan, Grouped, Layout, BLOCK, GROUP, K4_DMIN,
+    K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES, K6_PAIR_BYTES, K6_QUANTS, K6_SCALES,
+    K6_SUB, MAX_TOKENS,
 };
 use super::int8::has_min;
 use super::Job;
@@ -182,6 +182,26 @@ impl Activations {
         }
     }
 
+    /// The call's activations as `job` carries them, or (a caller that made none: a test) made
+    /// here for `w` into `own`.
+    ///
+    /// # Safety
+    /// `job`'s input must be valid for reads of `job.k` values per token.
+    pub(crate) unsafe fn of_job<'a>(
+        w: &Grouped,
+        job: &Job<'a>,
+        own: &'a mut Option<Activations>,
+    ) -> &'a Activations {
+        match job.xg {
+            Some(a) => a,
+            None => {
+                let x = std::slice::from_raw_parts(job.x, (job.tokens - 1) * job.ldx + job.k);
+                let once = std::iter::once((w.kind, w.layout));
+                own.insert(Activations::new(once, x, job.ldx, job.tokens, job.k))
+            }
+        }
+    }
+
     /// The divided activations that the halves kernel of `kind` reads, where they were made.
     pub(crate) fn halves(&self, kind: QuantKind) -> Option<&[f32]> {
         if kind == QuantKind::Q5_0 {
@@ -214,22 +234,8 @@ unsafe fn rows_of<const F: u8>(w: &Grouped, job: &Job) {
     if job.tokens == 0 {
         return;
     }
-    // A caller that did not make the call's activations (a test) has them made here.
-    let own;
-    let made = match job.xg {
-        Some(a) => a,
-        None => {
-            let x = std::slice::from_raw_parts(job.x, (job.tokens - 1) * job.ldx + job.k);
-            own = Activations::new(
-                std::iter::once((w.kind, w.layout)),
-                x,
-                job.ldx,
-                job.tokens,
-                job.k,
-            );
-            &own
-        }
-    };
+    let mut own = None;
+    let made = Activations::of_job(w, job, &mut own);
     match &made.high {
         Some(x) if high_in_place(kind_of(F)) => rows_with::<F, true>(w, job, x.as_ptr(), job.k),
         _ => rows_with::<F, false>(w, job, job.xptr(0), job.ldx),
@@ -250,23 +256,12 @@ unsafe fn rows_with<const F: u8, const H: bool>(w: &Grouped, job: &Job, x: *cons
         sums: &sums,
         blocks,
     };
-    let gb = m.nb * group_block_bytes(kind);
-    let distance = prefetch_distance(gb);
-    let (g0, g1) = (job.rows.start / GROUP, job.rows.end.div_ceil(GROUP));
-    for g in g0..g1 {
-        let n0 = g * GROUP;
-        let (lo, hi) = (
-            job.rows.start.max(n0) - n0,
-            job.rows.end.min(n0 + GROUP) - n0,
-        );
-        let base = w.bytes.as_ptr().add(g * gb);
-        // The first pass over a group fetches the bytes `distance` ahead as it goes; only
-        // addresses are formed past the weights' end, never dereferenced.
-        let mut ahead = if g + 1 < g1 || distance < gb {
-            base.wrapping_add(distance)
-        } else {
-            std::ptr::null()
-        };
+    for span in group_spans(w, job.rows.clone()) {
+        let GroupSpan {
+            n0, lo, hi, base, ..
+        } = span;
+        // The first pass over a group fetches the bytes ahead as it goes.
+        let mut ahead = span.ahead;
         if job.tokens == 1 && lo == 0 && hi == GROUP && both_halves(kind_of(F)) {
             let acc = pass_both::<F, H>(&m, base, ahead, m.token(0));
             store(job, 0, n0, 0..LANES, &[acc[0]]);

@@ -31,7 +31,7 @@ use std::arch::x86_64::*;
 use super::avx2_grouped::{half_f16, k4_scales, store, Activations, Pieces, LANES};
 use super::grouped::format::{kind_of, Q4_0, Q4_1, Q4_K, Q5_0};
 use super::grouped::{
-    block_ahead, elems, job_sums, prefetch_distance, prefetch_part, quants_at, value_offset,
+    block_ahead, elems, group_spans, job_sums, prefetch_part, quants_at, value_offset, GroupSpan,
     Grouped, Layout, BLOCK, GROUP, HALVES_QUANTS, HALVES_WORDS, K4_QUANTS, K4_SUB, K4_SUB_BYTES,
     MAX_TOKENS,
 };
@@ -67,22 +67,8 @@ unsafe fn rows_of<const F: u8>(w: &Grouped, job: &Job) {
     if job.tokens == 0 {
         return;
     }
-    // A caller that did not make the call's activations (a test) has them made here.
-    let own;
-    let made = match job.xg {
-        Some(a) => a,
-        None => {
-            let x = std::slice::from_raw_parts(job.x, (job.tokens - 1) * job.ldx + job.k);
-            own = Activations::new(
-                std::iter::once((w.kind, w.layout)),
-                x,
-                job.ldx,
-                job.tokens,
-                job.k,
-            );
-            &own
-        }
-    };
+    let mut own = None;
+    let made = Activations::of_job(w, job, &mut own);
     match made.halves(w.kind) {
         Some(x) => rows_with::<F, true>(w, job, x.as_ptr(), job.k),
         None => rows_with::<F, false>(w, job, job.xptr(0), job.ldx),
@@ -97,23 +83,12 @@ unsafe fn rows_with<const F: u8, const H: bool>(w: &Grouped, job: &Job, x: *cons
     let blocks = w.cols / BLOCK;
     let token = |t: usize| (x.add(t * ldx), sums.as_ptr().add(t * blocks));
     let nb = w.cols / elems(w.kind);
-    let gb = w.group_bytes();
-    let distance = prefetch_distance(gb);
-    let (g0, g1) = (job.rows.start / GROUP, job.rows.end.div_ceil(GROUP));
-    for g in g0..g1 {
-        let n0 = g * GROUP;
-        let (lo, hi) = (
-            job.rows.start.max(n0) - n0,
-            job.rows.end.min(n0 + GROUP) - n0,
-        );
-        let base = w.bytes.as_ptr().add(g * gb);
-        // The first pass over a group fetches the bytes `distance` ahead as it goes; only
-        // addresses are formed past the weights' end, never dereferenced.
-        let mut ahead = if g + 1 < g1 || distance < gb {
-            base.wrapping_add(distance)
-        } else {
-            std::ptr::null()
-        };
+    for span in group_spans(w, job.rows.clone()) {
+        let GroupSpan {
+            n0, lo, hi, base, ..
+        } = span;
+        // The first pass over a group fetches the bytes ahead as it goes.
+        let mut ahead = span.ahead;
         if job.tokens == 1 && lo == 0 && hi == GROUP {
             let acc = pass::<F, 2, 1, H>(base, nb, w.block_bytes(), ahead, [0, 1], [token(0)]);
             store(job, 0, n0, 0..LANES, &[acc[0]]);

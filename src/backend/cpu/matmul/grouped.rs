@@ -871,6 +871,48 @@ pub(crate) fn prefetch_distance(group_bytes: usize) -> usize {
     group_bytes.min(PREFETCH_SPAN)
 }
 
+/// One group's share of a call's rows, as the AVX2 kernels walk them.
+#[cfg(target_arch = "x86_64")]
+pub(crate) struct GroupSpan {
+    /// The group's first row.
+    pub(crate) n0: usize,
+    /// The call's rows within the group, `lo..hi` of its 16.
+    pub(crate) lo: usize,
+    pub(crate) hi: usize,
+    /// The group's bytes.
+    pub(crate) base: *const u8,
+    /// Where its first pass prefetches from, [`prefetch_distance`] ahead (null: nothing, at the
+    /// last group of a call when the distance reaches past it).
+    pub(crate) ahead: *const u8,
+}
+
+/// The groups of `w` that `rows` touch, in order. Only addresses are formed past the weights'
+/// end, never dereferenced.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn group_spans(
+    w: &Grouped,
+    rows: std::ops::Range<usize>,
+) -> impl Iterator<Item = GroupSpan> + '_ {
+    let gb = w.group_bytes();
+    let distance = prefetch_distance(gb);
+    let (g0, g1) = (rows.start / GROUP, rows.end.div_ceil(GROUP));
+    (g0..g1).map(move |g| {
+        let n0 = g * GROUP;
+        let base = w.bytes.as_ptr().wrapping_add(g * gb);
+        GroupSpan {
+            n0,
+            lo: rows.start.max(n0) - n0,
+            hi: rows.end.min(n0 + GROUP) - n0,
+            base,
+            ahead: if g + 1 < g1 || distance < gb {
+                base.wrapping_add(distance)
+            } else {
+                std::ptr::null()
+            },
+        }
+    })
+}
+
 /// The farthest a group pass prefetches ahead.
 const PREFETCH_SPAN: usize = 12 << 10;
 
