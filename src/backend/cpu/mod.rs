@@ -131,19 +131,18 @@ impl CpuBackend {
         // Pack every distinct weight once; each plan instruction then names its matrix by index, so
         // a step never builds a key or hashes a name to find its weights. `Numerics::Int8` regroups
         // the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks for its kernels, where the CPU has them (elsewhere
-        // those weights run exact); on AVX-512 and AVX2 CPUs everything that runs exact decode
-        // (exact and bf16 numerics, int8 without VNNI) regroups the
-        // Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K blocks for the exact grouped kernels
-        // (`matmul::grouped`). `Numerics::Int16` keeps the
-        // blocks as stored, which its kernels read.
+        // those weights run exact); on AVX-512 and AVX2 CPUs every other block matrix that runs
+        // exact decode (exact and bf16 numerics, and int8's Q4_K and Q6_K) is regrouped for the
+        // exact grouped kernels (`matmul::grouped`). (Int8 engines kept their K-quant matrices
+        // as stored until 2026-12-03: Qwen2.5-Coder-0.5B Q4_K_M's down projection then took 6.9
+        // ms a decode step against 4.4 in exact engines, on a Zen 3 at two threads.)
+        // `Numerics::Int16` keeps the blocks as stored, which its kernels read.
         // Every matrix on huge pages, the small ones sharing them (see `pages`).
         let interleave = opts.numerics == Numerics::Int8 && matmul::int8_kernels();
         let mut packer = Packer {
             format: opts.weights,
             interleave,
-            group: !interleave
-                && opts.numerics != Numerics::Int16
-                && simd::level() >= simd::Level::Avx2,
+            group: opts.numerics != Numerics::Int16 && simd::level() >= simd::Level::Avx2,
             arena: WeightArena::new(),
         };
         let mut matrices: Vec<PackedMatrix> = Vec::new();
@@ -344,7 +343,8 @@ struct Packer {
     format: WeightFormat,
     /// Regroup the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks for `Numerics::Int8`'s kernels.
     interleave: bool,
-    /// Regroup the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K blocks for the exact AVX-512 kernels.
+    /// Regroup the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K blocks that `interleave` leaves for the
+    /// exact AVX-512 and AVX2 kernels.
     group: bool,
     arena: WeightArena,
 }
@@ -476,7 +476,7 @@ fn pack_data(
             let n: usize = tensors.iter().map(|(_, r)| r).sum();
             matmul::check_blocks(kind, blocks.len(), n, cols)
                 .map_err(|e| LoadError::tensor(&weights.source, &first.name, e))?;
-            if packer.interleave {
+            if packer.interleave && matmul::interleavable(kind) {
                 WeightData::Interleaved(Interleaved::new(kind, n, cols, blocks, arena))
             } else {
                 WeightData::Grouped(Grouped::new(kind, n, cols, blocks, arena))
