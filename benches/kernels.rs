@@ -188,6 +188,29 @@ fn gemv(c: &mut Criterion) {
                     });
                 }
             }
+            // Regrouped for `Numerics::Int8`'s kernels (8-bit activations; the rounding of the
+            // activations is part of each call), at each level that has one.
+            if kiln::backend::cpu::matmul::interleavable(kind)
+                && kiln::backend::cpu::matmul::int8_kernels()
+            {
+                let m = quant_matrix(rows, cols, kind);
+                let interleaved = PackedMatrix {
+                    data: m.data.interleaved(rows, cols),
+                    ..m
+                };
+                for level in [Level::Avx512, Level::Avx2] {
+                    if simd::level() < level {
+                        continue;
+                    }
+                    let id = BenchmarkId::new(
+                        format!("{}-interleaved/{rows}x{cols}", kind.name()),
+                        level.name(),
+                    );
+                    g.bench_function(id, |b| {
+                        b.iter(|| run(level, &interleaved, black_box(&x), 1, &mut out))
+                    });
+                }
+            }
         }
     }
     g.finish();

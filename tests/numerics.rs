@@ -13,8 +13,8 @@
 //! (max 2.8·10⁻³), on the Q4_1 file 1,021 with 1.4·10⁻⁴ (max 2.7·10⁻³); the bounds (mean 10⁻³,
 //! max 3·10⁻², 95% top-1) leave several times that.
 //!
-//! `Numerics::Int8` (8-bit activations against interleaved Q4_0/Q4_1/Q8_0 weights,
-//! AVX512-VNNI CPUs) likewise, in lockstep decoding: on a Zen 5 the four prompts of
+//! `Numerics::Int8` (8-bit activations against interleaved Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights,
+//! AVX512-VNNI or AVX2 CPUs, the same bits on either) likewise, in lockstep decoding: on a Zen 5 the four prompts of
 //! `kiln-bench --numerics int8 --agreement 256` on the demo model had a mean KL of 1.9·10⁻³
 //! (1.3·10⁻³ to 2.3·10⁻³, max 2.5·10⁻²) and 98% top-1 agreement (247 to 254 of 256 steps): the
 //! rounding of llama.cpp's activations, four orders of magnitude above int16's. The bounds
@@ -165,7 +165,9 @@ fn int8_follows_exact_on_qwen2_5_coder() {
 /// `mean_kl`, no step above 0.1, top-1 equal at nine steps of ten or more.
 fn check_int8(path: &std::path::Path, prompts: usize, steps: usize, mean_kl: f64) {
     if !kiln::backend::cpu::matmul::int8_kernels() {
-        eprintln!("SKIPPED: this CPU has no AVX512-VNNI (int8 numerics run as exact)");
+        eprintln!(
+            "SKIPPED: this CPU has neither AVX512-VNNI nor AVX2 (int8 numerics run as exact)"
+        );
         return;
     }
     let load = |numerics| {

@@ -217,7 +217,7 @@ pub enum NumericsArg {
     /// `vdpbf16ps` (AVX512-BF16 CPUs): faster prefill, not bit-equal to exact.
     Bf16,
     /// Activations rounded to 8-bit integers per 32 values against Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0
-    /// weights regrouped at load, in every step (AVX512-VNNI CPUs): llama.cpp's arithmetic,
+    /// weights regrouped at load, in every step (AVX512-VNNI or AVX2 CPUs): llama.cpp's arithmetic,
     /// faster decode and batched steps, not bit-equal to exact.
     Int8,
 }

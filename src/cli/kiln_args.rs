@@ -110,7 +110,7 @@ pub struct Common {
     /// activations rounded to 16-bit integers against quantized weights), bf16 (prefill
     /// activations, and quantized weights, rounded to bf16; AVX512-BF16 CPUs) or int8 (every step's
     /// activations rounded to 8-bit integers against Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights; AVX512-VNNI
-    /// CPUs); the last three are faster and not bit-equal. The CUDA backend has one numerics and
+    /// or AVX2 CPUs); the last three are faster and not bit-equal. The CUDA backend has one numerics and
     /// ignores it.
     #[arg(long, value_enum, default_value_t = NumericsArg::Exact)]
     pub numerics: NumericsArg,

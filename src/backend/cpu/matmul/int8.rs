@@ -1,6 +1,7 @@
 //! [`Numerics::Int8`](super::Numerics::Int8): 8-bit integer activations against Q4_0, Q4_1,
 //! Q5_0, Q5_1 and Q8_0 weights interleaved at load, sixteen rows to a group, for AVX512-VNNI's
-//! `vpdpbusd`.
+//! `vpdpbusd` ([`super::avx512_i8`]) and, on CPUs without it, AVX2's `vpmaddubsw`
+//! ([`super::avx2_i8`]).
 //!
 //! **Activations.** Each token row is rounded per 32-element block to `q = round(x / d)`,
 //! `d = max|x| / 127` (at most `d/2` per element, a relative 0.4% of the block's largest
@@ -31,8 +32,9 @@
 //! the call's token count or the row's place in its group: integer sums are exact, and
 //! `acc ← fma(float(Σ), d_w·d_x, acc)` (then `acc ← fma(m_w, d_x·Σq, acc)` for Q4_1 and Q5_1)
 //! is computed lane by lane. [`rows_ref`] is that chain in scalar Rust, the reference the AVX-512 kernel
-//! ([`super::avx512_i8`]) is tested against bit for bit, and what runs where VNNI is missing (a
-//! level forced below AVX-512).
+//! ([`super::avx512_i8`]) and the AVX2 one ([`super::avx2_i8`], whose integer sums are taken
+//! in 16-bit pairs, each bounded so that none saturates) are tested against bit for bit, and
+//! what runs at the scalar level.
 
 use half::f16;
 
@@ -124,6 +126,16 @@ pub(crate) fn quantize(x: &[f32]) -> XI8 {
         );
         // SAFETY: the CPU has AVX-512 F/BW/VL and VNNI; `x` is whole blocks.
         return unsafe { super::avx512_i8::quantize(x) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if super::avx2_i8::available() {
+        assert!(
+            x.len().is_multiple_of(BLOCK),
+            "activation row of {} is not whole blocks",
+            x.len()
+        );
+        // SAFETY: the CPU has AVX2; `x` is whole blocks.
+        return unsafe { super::avx2_i8::quantize(x) };
     }
     quantize_ref(x)
 }
@@ -372,7 +384,7 @@ fn dot_ref(w: &Interleaved, n: usize, x: &XI8) -> f32 {
 }
 
 /// Every output of `job` over interleaved `w` with activations `x` (one per token), in scalar
-/// Rust: the reference, and the kernel without VNNI.
+/// Rust: the reference, and the kernel below AVX2 (a level forced to scalar).
 ///
 /// # Safety
 /// `job`'s output must be valid for writes at `t·ldo + n` for every token and row of the job.

@@ -77,7 +77,9 @@
 //! [`Numerics::Int8`] engines hold their Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices regrouped sixteen
 //! rows to a group ([`WeightData::Interleaved`], [`int8`]) and run every call on them through one
 //! AVX512-VNNI kernel ([`avx512_i8`]) whose 16 lanes are 16 output rows, against 8-bit activations:
-//! decode at the memory's speed, batched steps and prefill on `vpdpbusd`. On AMX CPUs calls of
+//! decode at the memory's speed, batched steps and prefill on `vpdpbusd`; CPUs with AVX2 but not
+//! AVX512-VNNI run the same bytes through `vpmaddubsw` ([`avx2_i8`], two halves of eight rows),
+//! bit for bit the same results. On AMX CPUs calls of
 //! 16 tokens or more take the integer sums from AMX-INT8 tiles instead ([`amx_i8`], the same
 //! bits), and the products with bf16 weights from AMX-BF16 tiles ([`amx`]: rounded activations
 //! for [`Numerics::Bf16`], exact three-part products otherwise); `KILN_AMX=0` turns
@@ -106,6 +108,8 @@ mod avx2_grouped;
 mod avx2_halves;
 #[cfg(target_arch = "x86_64")]
 mod avx2_i16;
+#[cfg(target_arch = "x86_64")]
+mod avx2_i8;
 #[cfg(target_arch = "x86_64")]
 mod avx2_panel;
 #[cfg(target_arch = "x86_64")]
@@ -176,9 +180,10 @@ pub enum Numerics {
     /// Activations rounded to 8-bit integers per 32-element block (`d = max|x| / 127`: at most a
     /// relative 0.4% of the block's largest value per element, llama.cpp's activations) against
     /// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights, which the engine regroups at load sixteen rows to a
-    /// group for AVX512-VNNI's `vpdpbusd` ([`int8`]), in every call (decode, batched steps and
-    /// prefill; each token's result is the same whichever call it is in). Other formats, and CPUs
-    /// without AVX512-VNNI (whose engines keep the weights as stored), run as [`Numerics::Exact`].
+    /// group for AVX512-VNNI's `vpdpbusd` or AVX2's `vpmaddubsw` ([`int8`]), in every call (decode,
+    /// batched steps and prefill; each token's result is the same whichever call it is in, and the
+    /// same bits on either kind of CPU). Other formats, and CPUs without AVX2, run as
+    /// [`Numerics::Exact`].
     /// What it costs in agreement with the exact path is measured in the README.
     Int8,
 }
@@ -225,11 +230,11 @@ fn bf16_call(level: Level, numerics: Numerics, tokens: usize) -> bool {
     }
 }
 
-/// Whether this CPU runs [`Numerics::Int8`]'s kernels (AVX512-VNNI at the kernels' SIMD level):
-/// an engine interleaves its weights for them only then.
+/// Whether this CPU runs [`Numerics::Int8`]'s kernels (AVX512-VNNI, or AVX2, at the kernels' SIMD
+/// level): an engine interleaves its weights for them only then.
 pub fn int8_kernels() -> bool {
     #[cfg(target_arch = "x86_64")]
-    return avx512_i8::available();
+    return avx512_i8::available() || avx2_i8::available();
     #[cfg(not(target_arch = "x86_64"))]
     false
 }
@@ -272,11 +277,13 @@ pub enum WeightData {
     /// layers). Each part keeps its own format and the kernels run part by part within one
     /// call; widening every part to f32 instead moved 5× the bytes of those layers' qkv.
     Parts(Vec<MatrixPart>),
-    /// Q4_0, Q4_1 or Q8_0 blocks regrouped for [`Numerics::Int8`]'s kernels (engines loaded
-    /// in that numerics on CPUs with AVX512-VNNI): every call rounds its activations to 8 bits.
+    /// Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 blocks regrouped for [`Numerics::Int8`]'s kernels (engines
+    /// loaded in that numerics on CPUs with AVX512-VNNI or AVX2): every call rounds its
+    /// activations to 8 bits.
     Interleaved(Interleaved),
-    /// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K blocks regrouped for the exact AVX-512 kernels
-    /// of [`grouped`] (engines whose decode is exact, on AVX-512 CPUs).
+    /// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K blocks regrouped for the exact AVX-512 and AVX2
+    /// kernels of [`grouped`] (engines whose decode is exact, on AVX-512 and AVX2 CPUs; int8
+    /// engines' K-quant matrices).
     Grouped(Grouped),
 }
 
@@ -1053,8 +1060,8 @@ unsafe fn data_rows(level: Level, data: &WeightData, job: &Job) {
     }
 }
 
-/// The [`Numerics::Int8`] kernels: AVX512-VNNI where the CPU (and `level`) has it, else the
-/// scalar reference, bit-identical.
+/// The [`Numerics::Int8`] kernels: AVX512-VNNI where the CPU (and `level`) has it, else AVX2's
+/// (`vpmaddubsw`, [`avx2_i8`]), else the scalar reference, all bit-identical.
 ///
 /// # Safety
 /// As [`dense_rows`].
@@ -1078,6 +1085,12 @@ unsafe fn interleaved_rows(level: Level, m: &Interleaved, job: &Job) {
             Some(tiles) if m.cols > 0 => amx_i8::rows(m, tiles, job),
             _ => avx512_i8::rows(m, x8, job),
         }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if simd::clamp(level) >= Level::Avx2 {
+        // SAFETY: the clamped level says the CPU has AVX2, FMA and F16C.
+        avx2_i8::rows(m, x8, job);
         return;
     }
     let _ = level;

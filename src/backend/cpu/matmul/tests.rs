@@ -1452,16 +1452,26 @@ fn int8_rounding_matches_reference() {
             }
         }
     }
-    if !avx512_i8::available() {
-        println!("SKIPPED (vector rounding): this CPU has no AVX512-VNNI");
-        return;
-    }
-    let v = int8::quantize(&x);
-    assert_eq!(v.q, r.q);
-    assert_eq!(v.qsums, r.qsums);
     let bits = |d: &[f32]| d.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    assert_eq!(bits(&v.d), bits(&r.d));
-    assert_eq!(bits(&v.sums), bits(&r.sums));
+    let mut vectors: Vec<(&str, int8::XI8)> = Vec::new();
+    if avx512_i8::available() {
+        // SAFETY: the CPU has AVX-512 F/BW/VL; `x` is whole blocks.
+        vectors.push(("avx512", unsafe { avx512_i8::quantize(&x) }));
+    } else {
+        println!("SKIPPED (AVX-512 rounding): this CPU has no AVX512-VNNI");
+    }
+    if avx2_i8::available() {
+        // SAFETY: the CPU has AVX2; `x` is whole blocks.
+        vectors.push(("avx2", unsafe { avx2_i8::quantize(&x) }));
+    } else {
+        println!("SKIPPED (AVX2 rounding): this CPU has no AVX2");
+    }
+    for (name, v) in vectors {
+        assert_eq!(v.q, r.q, "{name}");
+        assert_eq!(v.qsums, r.qsums, "{name}");
+        assert_eq!(bits(&v.d), bits(&r.d), "{name}");
+        assert_eq!(bits(&v.sums), bits(&r.sums), "{name}");
+    }
 }
 
 /// Interleaving keeps every weight: each row dequantizes exactly as its ggml blocks do, the
@@ -1670,7 +1680,11 @@ fn int8_job_outputs(
 fn int8_kernels_match_the_reference() {
     let vnni = avx512_i8::available();
     if !vnni {
-        println!("SKIPPED (vector kernel): this CPU has no AVX512-VNNI; the reference is checked");
+        println!("SKIPPED (AVX-512 kernel): this CPU has no AVX512-VNNI; the reference is checked");
+    }
+    let avx2 = avx2_i8::available();
+    if !avx2 {
+        println!("SKIPPED (AVX2 kernel): this CPU has no AVX2; the reference is checked");
     }
     for kind in INT8_KINDS {
         for (rows, cols, tokens) in [
@@ -1698,13 +1712,21 @@ fn int8_kernels_match_the_reference() {
                     int8_job_outputs(&w, &x, ldx, tokens, &x8, None, &out0, acc, kernel)
                 };
                 let reference = run(&|job| unsafe { int8::rows_ref(m, &x8, job) });
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 if vnni {
                     let vector = run(&|job| unsafe { avx512_i8::rows(m, &x8, job) });
-                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                     assert_eq!(
                         bits(&vector),
                         bits(&reference),
-                        "{kind:?} {rows}x{cols} x{tokens}"
+                        "avx512 {kind:?} {rows}x{cols} x{tokens}"
+                    );
+                }
+                if avx2 {
+                    let vector = run(&|job| unsafe { avx2_i8::rows(m, &x8, job) });
+                    assert_eq!(
+                        bits(&vector),
+                        bits(&reference),
+                        "avx2 {kind:?} {rows}x{cols} x{tokens}"
                     );
                 }
                 let mut exact = out0.clone();
@@ -1783,6 +1805,67 @@ fn int8_kernels_match_the_reference() {
                     );
                 }
             }
+        }
+    }
+}
+
+/// The AVX2 integer kernel's 16-bit sums at their bounds: every quant at its largest magnitude
+/// (Q4 nibbles 15, Q5 quants 31 with every fifth bit set, Q8_0 −128 and 127) and at zero,
+/// against activations of ±127 (every element positive, negative, or alternating), equal to
+/// the scalar reference bit for bit: a saturated or wrapped 16-bit sum would differ.
+#[test]
+fn int8_avx2_sums_at_their_bounds() {
+    if !avx2_i8::available() {
+        println!("SKIPPED: this CPU has no AVX2");
+        return;
+    }
+    let (rows, cols, tokens) = (24, 96, 3);
+    let x: Vec<f32> = (0..tokens * cols)
+        .map(|i| match i / cols {
+            0 => 1.0,
+            1 => -1.0,
+            _ if i % 2 == 0 => 1.0,
+            _ => -1.0,
+        })
+        .collect();
+    let x8: Vec<int8::XI8> = x.chunks_exact(cols).map(int8::quantize_ref).collect();
+    assert!(x8.iter().all(|t| t.q.iter().all(|&q| q.abs() == 127)));
+    for kind in INT8_KINDS {
+        for fill in [0x00u8, 0xff, 0x80, 0x7f] {
+            let mut blocks = rand_blocks(kind, rows, cols, u64::from(fill));
+            for c in blocks.chunks_exact_mut(kind.block_bytes()) {
+                let from = if int8::has_fifth_bit(kind) {
+                    int8::ggml_fifth_at(kind)
+                } else {
+                    int8::ggml_quants_at(kind)
+                };
+                c[from..].fill(fill);
+            }
+            let mut w = PackedMatrix {
+                rows,
+                cols,
+                data: WeightData::Quant {
+                    kind,
+                    blocks: blocks.into(),
+                },
+                bias: None,
+            };
+            w.data = w.data.interleaved(rows, cols);
+            let WeightData::Interleaved(m) = &w.data else {
+                unreachable!()
+            };
+            let out0 = vec![0f32; tokens * rows];
+            let run = |kernel: &dyn Fn(&Job)| {
+                int8_job_outputs(&w, &x, cols, tokens, &x8, None, &out0, false, kernel)
+            };
+            let reference = run(&|job| unsafe { int8::rows_ref(m, &x8, job) });
+            let vector = run(&|job| unsafe { avx2_i8::rows(m, &x8, job) });
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&vector),
+                bits(&reference),
+                "{kind:?} quants {fill:#04x}"
+            );
         }
     }
 }
