@@ -1812,16 +1812,18 @@ fn int8_kernels_match_the_reference() {
 /// The AVX2 integer kernel's 16-bit sums at their bounds: every quant at its largest magnitude
 /// (Q4 nibbles 15, Q5 quants 31 with every fifth bit set, Q8_0 −128 and 127) and at zero,
 /// against activations of ±127 (every element positive, negative, or alternating), equal to
-/// the scalar reference bit for bit: a saturated or wrapped 16-bit sum would differ.
+/// the scalar reference bit for bit in calls of few and of many tokens: a saturated or wrapped
+/// 16-bit sum would differ.
 #[test]
 fn int8_avx2_sums_at_their_bounds() {
     if !avx2_i8::available() {
         println!("SKIPPED: this CPU has no AVX2");
         return;
     }
-    let (rows, cols, tokens) = (24, 96, 3);
+    // Three activation patterns, repeated: 18 tokens reach the many-token pass too.
+    let (rows, cols, tokens) = (24, 96, 18);
     let x: Vec<f32> = (0..tokens * cols)
-        .map(|i| match i / cols {
+        .map(|i| match i / cols % 3 {
             0 => 1.0,
             1 => -1.0,
             _ if i % 2 == 0 => 1.0,
