@@ -7,11 +7,11 @@
 //! **Integer sums without VNNI.** `vpmaddubsw` multiplies unsigned bytes by signed ones and adds
 //! pairs into 16-bit lanes, saturating: so each product must be bounded. The activations are in
 //! `−127..=127` ([`super::int8::quantize_ref`] never rounds to −128). A 4-bit quant (`0..=15`;
-//! Q4_0's stored `q + 8`) times an activation is at most 1,905 in magnitude, so all 32 of a
-//! block's products (16 pairs to a lane over eight vectors) add up in 16 bits (at most 30,480),
-//! and one `vpmaddwd` by ones widens each lane's two halves into its 32-bit block sum. Q5's
-//! quants (`0..=31`, the fifth bit added as 16 to the bytes its mask marks) are summed in two
-//! runs of four vectors (at most 31,496 each). Q8_0's signed quants (`−128..=127`) go as
+//! Q4_0's stored `q + 8`) times an activation is at most 1,905 in magnitude, so a row's 32
+//! products of a block, 16 in each of its two 16-bit lanes over the block's eight vectors, add
+//! up in 16 bits (at most 30,480), and one `vpmaddwd` by ones widens the two lanes into the
+//! row's 32-bit block sum. Q5's quants (`0..=31`, the fifth bit added as 16 to the bytes its
+//! mask marks) are summed in two runs of four vectors (8 products a lane, at most 31,496). Q8_0's signed quants (`−128..=127`) go as
 //! `|w|` (unsigned, at most 128) against the activation with `w`'s sign (`vpsignb`, which
 //! cannot overflow on an activation), so each pair is at most 32,512 and is widened at once.
 //! Every integer sum is exact, so the block's `Σ q_w·q_x` is [`super::int8::rows_ref`]'s; the
