@@ -22,6 +22,7 @@ use std::arch::x86_64::*;
 
 use super::avx2_grouped::{store, LANES};
 use super::grouped::prefetch_distance;
+use super::int8::format::{kind_of, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 use super::int8::{
     self, group_block_bytes, group_masks_at, group_quants_at, has_min, stored_offset, Interleaved,
     BLOCK, GROUP, XI8,
@@ -91,13 +92,6 @@ pub(crate) unsafe fn quantize(x: &[f32]) -> XI8 {
     }
     out
 }
-
-/// The formats, as the kernels' const parameter.
-const Q4_0: u8 = 0;
-const Q4_1: u8 = 1;
-const Q8_0: u8 = 2;
-const Q5_0: u8 = 3;
-const Q5_1: u8 = 4;
 
 /// Tokens that one pass over a group half's blocks computes: their accumulators and 16-bit
 /// sums, with a pass's weight and activation vectors, fit the 16 vector registers. Q8_0 keeps
@@ -255,13 +249,7 @@ unsafe fn pass<const F: u8, const K: usize, const N: usize>(
     let ds: [*const f32; N] = std::array::from_fn(|t| x[t].d.as_ptr());
     let sums: [*const f32; N] = std::array::from_fn(|t| x[t].sums.as_ptr());
     let qsums: [*const i32; N] = std::array::from_fn(|t| x[t].qsums.as_ptr());
-    let kind = match F {
-        Q4_0 => QuantKind::Q4_0,
-        Q4_1 => QuantKind::Q4_1,
-        Q5_0 => QuantKind::Q5_0,
-        Q5_1 => QuantKind::Q5_1,
-        _ => QuantKind::Q8_0,
-    };
+    let kind = kind_of(F);
     let (quants, masks) = (group_quants_at(kind), group_masks_at(kind));
     let min = has_min(kind);
     let offset = if F == Q8_0 { 0 } else { stored_offset(kind) };

@@ -7,6 +7,7 @@ use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
 use super::avx512_groups::{drive, GroupPass};
+use super::int8::format::{kind_of, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 use super::int8::{
     self, group_block_bytes, group_masks_at, group_quants_at, has_min, stored_offset, Interleaved,
     BLOCK, GROUP, XI8,
@@ -59,13 +60,6 @@ pub(crate) unsafe fn quantize(x: &[f32]) -> XI8 {
     }
     out
 }
-
-/// The formats, as the kernels' const parameter.
-const Q4_0: u8 = 0;
-const Q4_1: u8 = 1;
-const Q8_0: u8 = 2;
-const Q5_0: u8 = 3;
-const Q5_1: u8 = 4;
 
 /// Every output of `job` over interleaved `w` with activations `x` (one per token).
 ///
@@ -132,13 +126,7 @@ unsafe fn chunk<const F: u8, const N: usize>(
     let mut acc = [_mm512_setzero_ps(); N];
     let nibble = _mm512_set1_epi8(0x0f);
     let sixteen = _mm512_set1_epi8(16);
-    let kind = match F {
-        Q4_0 => QuantKind::Q4_0,
-        Q4_1 => QuantKind::Q4_1,
-        Q5_0 => QuantKind::Q5_0,
-        Q5_1 => QuantKind::Q5_1,
-        _ => QuantKind::Q8_0,
-    };
+    let kind = kind_of(F);
     let (quants, masks) = (group_quants_at(kind), group_masks_at(kind));
     let min = has_min(kind);
     let offset = stored_offset(kind);

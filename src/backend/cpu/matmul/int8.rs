@@ -41,6 +41,29 @@ use half::f16;
 use super::{Job, Pages, WeightArena};
 use crate::model::quant::{self, QuantKind};
 
+/// The interleaved formats as the kernels' const parameter (the AVX-512 and AVX2 kernels are
+/// each compiled once per format).
+pub(crate) mod format {
+    use crate::model::quant::QuantKind;
+
+    pub(crate) const Q4_0: u8 = 0;
+    pub(crate) const Q4_1: u8 = 1;
+    pub(crate) const Q8_0: u8 = 2;
+    pub(crate) const Q5_0: u8 = 3;
+    pub(crate) const Q5_1: u8 = 4;
+
+    /// The format a const parameter stands for.
+    pub(crate) const fn kind_of(format: u8) -> QuantKind {
+        match format {
+            Q4_0 => QuantKind::Q4_0,
+            Q4_1 => QuantKind::Q4_1,
+            Q5_0 => QuantKind::Q5_0,
+            Q5_1 => QuantKind::Q5_1,
+            _ => QuantKind::Q8_0,
+        }
+    }
+}
+
 /// Elements per activation block (one scale each): every interleaved format's block.
 pub(crate) const BLOCK: usize = 32;
 
