@@ -25,6 +25,12 @@
 //! the same bench, Q4_1 1536 × 576 12.8 → 13.2 GiB/s, 49152 × 576 13.1 → 13.6, Q4_K 896 × 4864
 //! 11.2 → 11.5; SmolLM2-135M Q4_1 decode (`kiln-bench -t 2 -p 0 -n 128 -r 3`, both layouts in one
 //! build alternating three times) 216 / 197 / 204 → 232 / 212 / 233 tok/s.
+//!
+//! The speed depends on how LLVM compiles [`rows_with`]'s loops: an iterator shared with the
+//! other AVX2 kernels for the walk over a group's halves (tried on 2026-12-03) took the same
+//! bench from 12.2–12.6 to 10.1–10.2 GiB/s on Q4_1 1536 × 576 and from 13.8 to 10.7–11.0 on Q5_0
+//! 4864 × 896 (old and new builds alternating twice), so a change here is compared build
+//! against build.
 
 use std::arch::x86_64::*;
 
