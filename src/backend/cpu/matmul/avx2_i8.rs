@@ -11,9 +11,10 @@
 //! products of a block, 16 in each of its two 16-bit lanes over the block's eight vectors, add
 //! up in 16 bits (at most 30,480), and one `vpmaddwd` by ones widens the two lanes into the
 //! row's 32-bit block sum. Q5's quants (`0..=31`, the fifth bit added as 16 to the bytes its
-//! mask marks) are summed in two runs of four vectors (8 products a lane, at most 31,496). Q8_0's signed quants (`−128..=127`) go as
-//! `|w|` (unsigned, at most 128) against the activation with `w`'s sign (`vpsignb`, which
-//! cannot overflow on an activation), so each pair is at most 32,512 and is widened at once.
+//! mask marks) are summed in two runs of four vectors (8 products a lane, at most 31,496).
+//! Q8_0's signed quants (`−128..=127`) go as `|w|` (unsigned, at most 128) against the
+//! activation with `w`'s sign (`vpsignb`, which cannot overflow on an activation), so each pair
+//! is at most 32,512 and is widened at once.
 //! Every integer sum is exact, so the block's `Σ q_w·q_x` is [`super::int8::rows_ref`]'s; the
 //! stored offsets of Q4_0 and Q5_0 are taken back in integers, Q8_0's is never added (its sign
 //! bit is flipped back on load).

@@ -31,10 +31,10 @@
 //! **Bits.** Each (row, token) result is one chain over the blocks in order, the same whatever
 //! the call's token count or the row's place in its group: integer sums are exact, and
 //! `acc ← fma(float(Σ), d_w·d_x, acc)` (then `acc ← fma(m_w, d_x·Σq, acc)` for Q4_1 and Q5_1)
-//! is computed lane by lane. [`rows_ref`] is that chain in scalar Rust, the reference the AVX-512 kernel
-//! ([`super::avx512_i8`]) and the AVX2 one ([`super::avx2_i8`], whose integer sums are taken
-//! in 16-bit pairs, each bounded so that none saturates) are tested against bit for bit, and
-//! what runs at the scalar level.
+//! is computed lane by lane. [`rows_ref`] is that chain in scalar Rust, the reference the
+//! AVX-512 kernel ([`super::avx512_i8`]) and the AVX2 one ([`super::avx2_i8`], whose integer
+//! sums are taken in 16-bit pairs, each bounded so that none saturates) are tested against bit
+//! for bit, and what runs at the scalar level.
 
 use half::f16;
 
