@@ -22,7 +22,7 @@
 use std::arch::x86_64::*;
 
 use super::avx2_grouped::{store, LANES};
-use super::grouped::prefetch_distance;
+use super::grouped::{spans_of, GroupSpan};
 use super::int8::format::{kind_of, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 use super::int8::{
     self, group_block_bytes, group_masks_at, group_quants_at, has_min, stored_offset, Interleaved,
@@ -128,7 +128,7 @@ pub(crate) unsafe fn rows(w: &Interleaved, x: &[XI8], job: &Job) {
 
 /// The groups the job's rows reach: one token over a whole group in one pass over both halves,
 /// anything else half by half in passes of up to [`chunk`] tokens. The first pass over a group
-/// asks the bytes [`prefetch_distance`] ahead into the cache (a second half reads the lines the
+/// asks the bytes [`super::grouped::prefetch_distance`] ahead into the cache (a second half reads the lines the
 /// first brought in).
 #[inline(always)]
 unsafe fn rows_of<const F: u8>(w: &Interleaved, x: &[XI8], job: &Job) {
@@ -140,22 +140,12 @@ unsafe fn rows_of<const F: u8>(w: &Interleaved, x: &[XI8], job: &Job) {
     );
     let nb = w.cols / BLOCK;
     let bb = group_block_bytes(w.kind);
-    let gb = nb * bb;
-    let distance = prefetch_distance(gb);
-    let (g0, g1) = (job.rows.start / GROUP, job.rows.end.div_ceil(GROUP));
-    for g in g0..g1 {
-        let n0 = g * GROUP;
-        let (lo, hi) = (
-            job.rows.start.max(n0) - n0,
-            job.rows.end.min(n0 + GROUP) - n0,
-        );
-        let base = w.bytes.as_ptr().add(g * gb);
-        // Only addresses are formed past the weights' end, never dereferenced.
-        let mut ahead = if g + 1 < g1 || distance < gb {
-            base.wrapping_add(distance)
-        } else {
-            std::ptr::null()
-        };
+    const { assert!(GROUP == super::grouped::GROUP) };
+    for span in spans_of(w.bytes.as_ptr(), nb * bb, job.rows.clone()) {
+        let GroupSpan {
+            n0, lo, hi, base, ..
+        } = span;
+        let mut ahead = span.ahead;
         if job.tokens == 1 && lo == 0 && hi == GROUP {
             // One token over a whole group (decode): both halves in one pass.
             let acc = pass::<F, 2, 1>((base, ahead, nb, bb), [0, 1], &x[..1]);

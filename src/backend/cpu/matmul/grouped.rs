@@ -893,12 +893,22 @@ pub(crate) fn group_spans(
     w: &Grouped,
     rows: std::ops::Range<usize>,
 ) -> impl Iterator<Item = GroupSpan> + '_ {
-    let gb = w.group_bytes();
+    spans_of(w.bytes.as_ptr(), w.group_bytes(), rows)
+}
+
+/// [`group_spans`] over any weights of [`GROUP`]-row groups, group `g` at `bytes + g · gb` (the
+/// int8 kernels' interleaved groups too).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn spans_of(
+    bytes: *const u8,
+    gb: usize,
+    rows: std::ops::Range<usize>,
+) -> impl Iterator<Item = GroupSpan> {
     let distance = prefetch_distance(gb);
     let (g0, g1) = (rows.start / GROUP, rows.end.div_ceil(GROUP));
     (g0..g1).map(move |g| {
         let n0 = g * GROUP;
-        let base = w.bytes.as_ptr().wrapping_add(g * gb);
+        let base = bytes.wrapping_add(g * gb);
         GroupSpan {
             n0,
             lo: rows.start.max(n0) - n0,

@@ -140,23 +140,18 @@ pub(crate) fn quantize_ref(x: &[f32]) -> XI8 {
 
 /// Rounds `x` with the fastest kernel the CPU has (bit-identical to [`quantize_ref`]).
 pub(crate) fn quantize(x: &[f32]) -> XI8 {
+    assert!(
+        x.len().is_multiple_of(BLOCK),
+        "activation row of {} is not whole blocks",
+        x.len()
+    );
     #[cfg(target_arch = "x86_64")]
     if super::avx512_i8::available() {
-        assert!(
-            x.len().is_multiple_of(BLOCK),
-            "activation row of {} is not whole blocks",
-            x.len()
-        );
         // SAFETY: the CPU has AVX-512 F/BW/VL and VNNI; `x` is whole blocks.
         return unsafe { super::avx512_i8::quantize(x) };
     }
     #[cfg(target_arch = "x86_64")]
     if super::avx2_i8::available() {
-        assert!(
-            x.len().is_multiple_of(BLOCK),
-            "activation row of {} is not whole blocks",
-            x.len()
-        );
         // SAFETY: the CPU has AVX2; `x` is whole blocks.
         return unsafe { super::avx2_i8::quantize(x) };
     }
