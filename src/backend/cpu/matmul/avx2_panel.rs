@@ -19,7 +19,12 @@
 //! Together: SmolLM2-135M pp512 at 2 threads from ~390 to ~486 tok/s (BF16) and ~406 to ~492
 //! (Q4_1) (medians of five or six interleaved `kiln-bench -p 512 -n 0 -t 2 -r 2` pairs, the old
 //! paths behind a temporary switch, AMD EPYC Zen 3). The matmuls alone reach ~140 GFLOP/s of
-//! the two cores' 188 (one core's FMA peak, measured, is 94).
+//! the two cores' 188 (one core's FMA peak, measured, is 94). A later host of the same kind
+//! (2026-12-03) clocked higher: ten independent FMA chains ran at 120 GFLOP/s a core, this
+//! kernel's inner loop alone (a C copy over 86 packed tiles, one to four panels a pass) at
+//! 94–100, `cargo bench --bench kernels -- 'gemm/f32/1536x576x512'` at 81–88, and SmolLM2
+//! Q8_0's pp512 matmuls at 2 threads (`kiln-bench --profile`) at 151–162 of the 240. Blocking k
+//! so that a panel's block stays in L1 (96 to 192 positions) changed nothing measurable.
 //!
 //! Each output is summed in k order by one fused multiply-add chain from zero, whatever the tile
 //! width, the token's place in the call or the number of tokens, so every token of a
