@@ -2,7 +2,7 @@
 //! GEMM, and dot products, at every SIMD level worth comparing on this CPU.
 //!
 //! `cargo bench --bench kernels -- gemv` runs only the GEMV group; `-- attention` the
-//! attention over a cache in L2 (one thread, the process's SIMD level).
+//! attention over a warm KV cache (one thread, the process's SIMD level).
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -326,8 +326,8 @@ fn dots(c: &mut Criterion) {
 /// Attention of SmolLM2-135M's shape (9 query heads, 3 KV heads of 64) on one thread: a
 /// 512-token causal prefill, and one decode row after 512 cached positions. Throughput in
 /// multiply-adds (scores and weighted values of the positions each token attends). On one core
-/// of the 2-vCPU AMD EPYC (Zen 3, AVX2) on 2026-12-03: prefill 15.9–18.2 Gelem/s (32–36
-/// GFLOP/s, under a third of the core's 120 GFLOP/s FMA peak), decode 9–11 Gelem/s.
+/// of the 2-vCPU AMD EPYC (Zen 3, AVX2) over the morning of 2026-12-03: prefill 15.9–21.2
+/// Gelem/s (32–42 GFLOP/s, about a third of the core's 120 GFLOP/s FMA peak), decode 9–13.
 fn attention(c: &mut Criterion) {
     use kiln::backend::cpu::attention::{attention, AttentionShape};
     use kiln::backend::TokenRow;
@@ -356,35 +356,37 @@ fn attention(c: &mut Criterion) {
         .num_threads(1)
         .build()
         .expect("a one-thread pool");
+    // Rows at positions `positions` of slot 0, with activations drawn from `seed`: their keys
+    // and values appended to `kv`, then attended.
+    let rows_at = |positions: std::ops::Range<usize>, seed: u64| {
+        let t = positions.len();
+        let rows: Vec<TokenRow> = positions.map(|pos| TokenRow { slot: 0, pos }).collect();
+        let qkv =
+            [(heads, 0), (kv_heads, 1), (kv_heads, 2)].map(|(h, i)| rand_vec(t * h * d, seed + i));
+        (rows, qkv, vec![0f32; t * heads * d])
+    };
+    let attend =
+        |kv: &mut KvCache, rows: &[TokenRow], [q, k, v]: &[Vec<f32>; 3], out: &mut [f32]| {
+            attention(
+                Numerics::Exact,
+                &shape,
+                rows,
+                (black_box(q), heads * d, 0),
+                (k, kv_heads * d, 0),
+                (v, kv_heads * d, 0),
+                kv,
+                (out, heads * d, 0),
+            )
+        };
     for (name, first, tokens) in [("prefill", 0, n), ("decode", n, 1)] {
         let mut kv = KvCache::new(spec, 1, n + 1).expect("a cache");
         kv.prepare(0, first + tokens).expect("cache blocks");
         // The decode row's cached positions, written by a prefill first.
         if first > 0 {
-            let rows: Vec<TokenRow> = (0..first).map(|pos| TokenRow { slot: 0, pos }).collect();
-            let (q, k) = (
-                rand_vec(first * heads * d, 5),
-                rand_vec(first * kv_heads * d, 6),
-            );
-            let mut out = vec![0f32; first * heads * d];
-            attention(
-                Numerics::Exact,
-                &shape,
-                &rows,
-                (&q, heads * d, 0),
-                (&k, kv_heads * d, 0),
-                (&k, kv_heads * d, 0),
-                &mut kv,
-                (&mut out, heads * d, 0),
-            );
+            let (rows, qkv, mut out) = rows_at(0..first, 5);
+            attend(&mut kv, &rows, &qkv, &mut out);
         }
-        let rows: Vec<TokenRow> = (first..first + tokens)
-            .map(|pos| TokenRow { slot: 0, pos })
-            .collect();
-        let q = rand_vec(tokens * heads * d, 7);
-        let k = rand_vec(tokens * kv_heads * d, 8);
-        let v = rand_vec(tokens * kv_heads * d, 9);
-        let mut out = vec![0f32; tokens * heads * d];
+        let (rows, qkv, mut out) = rows_at(first..first + tokens, 7);
         let attended: usize = rows.iter().map(|r| r.pos + 1).sum();
         g.throughput(Throughput::Elements((2 * attended * heads * d) as u64));
         let id = BenchmarkId::new(
@@ -392,20 +394,7 @@ fn attention(c: &mut Criterion) {
             simd::level().name(),
         );
         g.bench_function(id, |b| {
-            b.iter(|| {
-                pool.install(|| {
-                    attention(
-                        Numerics::Exact,
-                        &shape,
-                        &rows,
-                        (black_box(&q), heads * d, 0),
-                        (&k, kv_heads * d, 0),
-                        (&v, kv_heads * d, 0),
-                        &mut kv,
-                        (&mut out, heads * d, 0),
-                    )
-                })
-            })
+            b.iter(|| pool.install(|| attend(&mut kv, &rows, &qkv, &mut out)))
         });
     }
     g.finish();
