@@ -1,7 +1,7 @@
-//! AVX-512 F/BW/VL kernels (16 f32 lanes, masked k tails). Decode GEMV runs 2R k-unrolled FMA
-//! chains with software prefetch; calls of up to 16 tokens run a 4 rows × 6 tokens tile (24 zmm
-//! accumulators) whose sums are reduced together ([`hsum16_512`], shared with attention), more tokens the packed panels
-//! of [`super::avx512_panel`].
+//! AVX-512 F/BW/VL kernels (16 f32 lanes, masked k tails). The one-token f32/bf16 GEMV reads
+//! one row at a time as one stream ([`gemv_row_512`]); calls of up to 16 tokens run a 4 rows × 6
+//! tokens tile (24 zmm accumulators) whose sums are reduced together ([`hsum16_512`], shared
+//! with attention), more tokens the packed panels of [`super::avx512_panel`].
 //! The drivers are shared with AVX2 (see [`super::x86`]); the entry points here instantiate
 //! them with this file's kernels under `#[target_feature]`.
 
@@ -68,9 +68,38 @@ impl Lanes for Avx512 {
     }
 }
 
-/// `R` rows against one activation row: 2R independent FMA chains over k.
+/// `R` rows against one activation row: 2R independent FMA chains over k, prefetching the same
+/// position of the next group of rows (rows are contiguous, so that is 4 rows ahead).
 #[inline(always)]
 unsafe fn gemv_512<W: Load, const R: usize>(w: [*const W; R], x: *const f32, k: usize) -> [f32; R] {
+    gemv_512_by::<W, R, true>(w, x, k)
+}
+
+/// One row against one activation row, without software prefetch: the one-token GEMV reads its
+/// rows in order, so the matrix is one stream, which the hardware prefetchers follow. The
+/// arithmetic of [`gemv_512`] for one row, so the same bits.
+///
+/// SmolLM2 BF16 decode on a 2-vCPU AMD EPYC Zen 4 (AVX-512 BF16), `kiln-bench -m
+/// SmolLM2-135M-Instruct.BF16.gguf -t 2 -p 0 -n 128 -r 3`: 56–60 tok/s through [`gemv_512`]
+/// (four interleaved rows prefetching the next four; its matmuls at 14–19 GB/s of a 30 GB/s
+/// read). One row at a time, five rounds alternating: no prefetch 95–103 tok/s, 256 bytes ahead
+/// 88–110, `avx2`'s 2 KiB ahead once a line (which helped on Zen 3) 71–94, and the AVX2 GEMV
+/// itself (`KILN_SIMD=avx2`) 76–106. A C model of the loop (both cores, a 226 MB bf16 matrix
+/// of 576-element rows, means of 7 passes) agreed: no prefetch 27–31 GB/s, 512–2,048 bytes
+/// ahead 21–26, four interleaved rows 13–19.
+#[inline(always)]
+unsafe fn gemv_row_512<W: Load>(w: *const W, x: *const f32, k: usize) -> f32 {
+    gemv_512_by::<W, 1, false>([w], x, k)[0]
+}
+
+/// [`gemv_512`] and [`gemv_row_512`]: `AHEAD` prefetches the same position of the rows `4·k`
+/// on (the next group of four rows) while reading.
+#[inline(always)]
+unsafe fn gemv_512_by<W: Load, const R: usize, const AHEAD: bool>(
+    w: [*const W; R],
+    x: *const f32,
+    k: usize,
+) -> [f32; R] {
     let mut a0 = [_mm512_setzero_ps(); R];
     let mut a1 = [_mm512_setzero_ps(); R];
     let mut i = 0;
@@ -78,16 +107,14 @@ unsafe fn gemv_512<W: Load, const R: usize>(w: [*const W; R], x: *const f32, k: 
         let x0 = _mm512_loadu_ps(x.add(i));
         let x1 = _mm512_loadu_ps(x.add(i + 16));
         for r in 0..R {
-            // Decode streams each weight once from DRAM: prefetch the same position of the
-            // next group of rows (rows are contiguous, so that is 4 rows ahead), as the AVX2
-            // GEMV did; a fixed 1 KiB distance within the row reached 68% of the measured
-            // bandwidth on SmolLM2 BF16 (Zen 5), below the AVX2 kernel's 77% on the same CPU.
-            // The AVX2 GEMV now reads one row at a time (`avx2::STREAM_PREFETCH`: a third more
-            // bandwidth on Zen 3); this one has not been tried that way on an AVX-512 CPU.
-            let p = w[r].wrapping_add(i + 4 * k) as *const i8;
-            _mm_prefetch::<_MM_HINT_T0>(p);
-            if size_of::<W>() == 4 {
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64));
+            if AHEAD {
+                // Decode streams each weight once from DRAM: the same position of the next
+                // group of rows. 32 elements are one cache line of bf16, two of f32.
+                let p = w[r].wrapping_add(i + 4 * k) as *const i8;
+                _mm_prefetch::<_MM_HINT_T0>(p);
+                if size_of::<W>() == 4 {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64));
+                }
             }
             a0[r] = _mm512_fmadd_ps(W::ld16(w[r].add(i)), x0, a0[r]);
             a1[r] = _mm512_fmadd_ps(W::ld16(w[r].add(i + 16)), x1, a1[r]);
@@ -214,12 +241,17 @@ unsafe fn tile4_put_512<W: Load, const T: usize>(w: [*const W; 4], job: &Job, n:
 /// were faster (pp32 950 against 1,010, pp512 +20%).
 pub(super) const TILE_TOKENS: usize = 16;
 
-/// f32/bf16 rows (any token count): the GEMV for one token, register tiles of dot products up to
-/// [`TILE_TOKENS`] tokens (the first `tokens − tokens mod 4` through tiles, the rest through the
-/// GEMV), packed panels for more ([`super::avx512_panel`]).
+/// f32/bf16 rows (any token count): one row at a time for one token ([`gemv_row_512`]), register
+/// tiles of dot products up to [`TILE_TOKENS`] tokens (the first `tokens − tokens mod 4` through
+/// tiles, the rest through the four-row GEMV), packed panels for more ([`super::avx512_panel`]).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 pub(super) unsafe fn dense_rows<W: Load>(w: *const W, job: &Job) {
-    if job.tokens <= TILE_TOKENS {
+    if job.tokens == 1 {
+        let x = job.xptr(0);
+        for n in job.rows.clone() {
+            job.put(0, n, gemv_row_512(w.add(n * job.k), x, job.k));
+        }
+    } else if job.tokens <= TILE_TOKENS {
         x86::dense_rows::<W, Avx512, 6, 4, 2>(w, job)
     } else {
         super::avx512_panel::panel_rows(w, job)
