@@ -1164,7 +1164,9 @@ enum Dense<'a> {
 unsafe fn dense_rows(level: Level, data: Dense, job: &Job) {
     match (simd::clamp(level), data) {
         #[cfg(target_arch = "x86_64")]
-        (Level::Avx512 | Level::Avx512Bf16, Dense::F32(v)) => avx512::dense_rows(v.as_ptr(), job),
+        (Level::Avx512 | Level::Avx512Bf16, Dense::F32(v)) => {
+            avx512::streamed_rows(v.as_ptr(), job)
+        }
         #[cfg(target_arch = "x86_64")]
         (Level::Avx512Bf16, Dense::BF16(v)) if job.xb.is_some() => {
             avx512_bf16_panel::panel_rows(v.as_ptr(), job)
@@ -1174,7 +1176,9 @@ unsafe fn dense_rows(level: Level, data: Dense, job: &Job) {
             avx512_bf16_panel::exact_panel_rows(v.as_ptr(), job)
         }
         #[cfg(target_arch = "x86_64")]
-        (Level::Avx512 | Level::Avx512Bf16, Dense::BF16(v)) => avx512::dense_rows(v.as_ptr(), job),
+        (Level::Avx512 | Level::Avx512Bf16, Dense::BF16(v)) => {
+            avx512::streamed_rows(v.as_ptr(), job)
+        }
         #[cfg(target_arch = "x86_64")]
         (Level::Avx2, Dense::F32(v)) => avx2::dense_rows(v.as_ptr(), job),
         #[cfg(target_arch = "x86_64")]
@@ -1471,6 +1475,20 @@ thread_local! {
     static TILE_BF16: RefCell<Vec<bf16>> = const { RefCell::new(Vec::new()) };
 }
 
+/// [`dense_rows`] for an f32 tile already in cache (dequantized weights): the AVX-512 kernels'
+/// four-row tiles, which load each activation once per four rows, instead of the one stream
+/// of [`avx512::streamed_rows`] that weights read from memory take (the same bits either way).
+///
+/// # Safety
+/// As [`dense_rows`].
+unsafe fn resident_rows(level: Level, tile: &[f32], job: &Job) {
+    match simd::clamp(level) {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 | Level::Avx512Bf16 => avx512::dense_rows(tile.as_ptr(), job),
+        _ => dense_rows(level, Dense::F32(tile), job),
+    }
+}
+
 /// Quantized weights: GEMV on the blocks at decode, dequantized tiles + f32 kernels otherwise.
 ///
 /// # Safety
@@ -1555,7 +1573,7 @@ unsafe fn tiled_rows<'w>(
                     avx512_bf16_panel::panel_rows(tb.as_ptr(), &sub);
                 });
             } else {
-                dense_rows(level, Dense::F32(tile), &sub);
+                resident_rows(level, tile, &sub);
             }
             n0 = n1;
         }
