@@ -261,8 +261,10 @@ pub(super) unsafe fn dense_rows<W: Load>(w: *const W, job: &Job) {
 /// then the GEMV for the last `tokens mod 4` tokens, so the matrix is read once, as one stream
 /// ([`gemv_row_512`] says why). Every output has the same arithmetic as in [`dense_rows`] (a
 /// tile's output is one chain over k whatever the tile's rows, and the GEMV's is
-/// [`gemv_512`]'s), so the same bits; the tiles load each token's activations once per row
-/// instead of once per four rows, which the two loads a cycle of AVX-512 CPUs absorb.
+/// [`gemv_512`]'s), so the same bits. The tiles load each token's activations once per row
+/// instead of once per four rows: about one load per FMA, which a CPU with two FMA units
+/// (Zen 5, Intel) may feel where the call is bound by arithmetic rather than by the memory
+/// (8–16 tokens); measured only on the Zen 4 below, where 8 tokens did not move.
 ///
 /// SmolLM2 BF16 decode of several sequences on a 2-vCPU AMD EPYC Zen 4 (AVX-512 BF16),
 /// `kiln-bench -m SmolLM2-135M-Instruct.BF16.gguf -t 2 -p 0 -n 64 -r 3 --batch B`, old and new
