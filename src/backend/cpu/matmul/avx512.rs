@@ -1,7 +1,8 @@
-//! AVX-512 F/BW/VL kernels (16 f32 lanes, masked k tails). The one-token f32/bf16 GEMV reads
-//! one row at a time as one stream ([`gemv_row_512`]); calls of up to 16 tokens run a 4 rows × 6
-//! tokens tile (24 zmm accumulators) whose sums are reduced together ([`hsum16_512`], shared
-//! with attention), more tokens the packed panels of [`super::avx512_panel`].
+//! AVX-512 F/BW/VL kernels (16 f32 lanes, masked k tails). f32/bf16 weights read from memory
+//! go one row at a time as one stream in calls of up to 16 tokens ([`streamed_rows`]); in-cache
+//! tiles run a 4 rows × 6 tokens tile (24 zmm accumulators) whose sums are reduced together
+//! ([`hsum16_512`], shared with attention); more tokens the packed panels of
+//! [`super::avx512_panel`].
 //! The drivers are shared with AVX2 (see [`super::x86`]); the entry points here instantiate
 //! them with this file's kernels under `#[target_feature]`.
 
@@ -68,38 +69,20 @@ impl Lanes for Avx512 {
     }
 }
 
-/// `R` rows against one activation row: 2R independent FMA chains over k, prefetching the same
-/// position of the next group of rows (rows are contiguous, so that is 4 rows ahead).
-#[inline(always)]
-unsafe fn gemv_512<W: Load, const R: usize>(w: [*const W; R], x: *const f32, k: usize) -> [f32; R] {
-    gemv_512_by::<W, R, true>(w, x, k)
-}
-
-/// One row against one activation row, without software prefetch: the one-token GEMV reads its
-/// rows in order, so the matrix is one stream, which the hardware prefetchers follow. The
-/// arithmetic of [`gemv_512`] for one row, so the same bits.
+/// `R` rows against one activation row: 2R independent FMA chains over k. Four rows at a time
+/// prefetch the same position of the next group of rows (rows are contiguous, so that is 4
+/// rows ahead); one row at a time (the drivers' one-row groups) prefetches nothing: the rows
+/// are then read in order, one stream, which the hardware prefetchers follow.
 ///
 /// SmolLM2 BF16 decode on a 2-vCPU AMD EPYC Zen 4 (AVX-512 BF16), `kiln-bench -m
-/// SmolLM2-135M-Instruct.BF16.gguf -t 2 -p 0 -n 128 -r 3`: 56–60 tok/s through [`gemv_512`]
-/// (four interleaved rows prefetching the next four; its matmuls at 14–19 GB/s of a 30 GB/s
-/// read). One row at a time, five rounds alternating: no prefetch 95–103 tok/s, 256 bytes ahead
-/// 88–110, `avx2`'s 2 KiB ahead once a line (which helped on Zen 3) 71–94, and the AVX2 GEMV
-/// itself (`KILN_SIMD=avx2`) 76–106. A C model of the loop (both cores, a 226 MB bf16 matrix
-/// of 576-element rows, means of 7 passes) agreed: no prefetch 27–31 GB/s, 512–2,048 bytes
-/// ahead 21–26, four interleaved rows 13–19.
+/// SmolLM2-135M-Instruct.BF16.gguf -t 2 -p 0 -n 128 -r 3`: 56–60 tok/s four rows at a time
+/// (its matmuls at 14–19 GB/s of a 30 GB/s read). One row at a time, five rounds alternating:
+/// no prefetch 95–103 tok/s, 256 bytes ahead 88–110, `avx2`'s 2 KiB ahead once a line (which
+/// helped on Zen 3) 71–94, and the AVX2 GEMV itself (`KILN_SIMD=avx2`) 76–106. A C model of the
+/// loop (both cores, a 226 MB bf16 matrix of 576-element rows, means of 7 passes) agreed: no
+/// prefetch 27–31 GB/s, 512–2,048 bytes ahead 21–26, four interleaved rows 13–19.
 #[inline(always)]
-unsafe fn gemv_row_512<W: Load>(w: *const W, x: *const f32, k: usize) -> f32 {
-    gemv_512_by::<W, 1, false>([w], x, k)[0]
-}
-
-/// [`gemv_512`] and [`gemv_row_512`]: `AHEAD` prefetches the same position of the rows `4·k`
-/// on (the next group of four rows) while reading.
-#[inline(always)]
-unsafe fn gemv_512_by<W: Load, const R: usize, const AHEAD: bool>(
-    w: [*const W; R],
-    x: *const f32,
-    k: usize,
-) -> [f32; R] {
+unsafe fn gemv_512<W: Load, const R: usize>(w: [*const W; R], x: *const f32, k: usize) -> [f32; R] {
     let mut a0 = [_mm512_setzero_ps(); R];
     let mut a1 = [_mm512_setzero_ps(); R];
     let mut i = 0;
@@ -107,7 +90,7 @@ unsafe fn gemv_512_by<W: Load, const R: usize, const AHEAD: bool>(
         let x0 = _mm512_loadu_ps(x.add(i));
         let x1 = _mm512_loadu_ps(x.add(i + 16));
         for r in 0..R {
-            if AHEAD {
+            if R > 1 {
                 // Decode streams each weight once from DRAM: the same position of the next
                 // group of rows. 32 elements are one cache line of bf16, two of f32.
                 let p = w[r].wrapping_add(i + 4 * k) as *const i8;
@@ -241,82 +224,40 @@ unsafe fn tile4_put_512<W: Load, const T: usize>(w: [*const W; 4], job: &Job, n:
 /// were faster (pp32 950 against 1,010, pp512 +20%).
 pub(super) const TILE_TOKENS: usize = 16;
 
-/// f32/bf16 rows (any token count) already in cache (the dequantized tiles of quantized weights):
-/// the GEMV one row at a time for one token ([`gemv_row_512`]), register tiles of 4 rows × up to
-/// 6 tokens up to [`TILE_TOKENS`] tokens (the first `tokens − tokens mod 4` through tiles, the
-/// rest through the four-row GEMV), packed panels for more ([`super::avx512_panel`]).
+/// f32/bf16 rows (any token count) already in cache (the dequantized tiles of quantized
+/// weights): register tiles of 4 rows × up to 6 tokens up to [`TILE_TOKENS`] tokens (the first
+/// `tokens − tokens mod 4` through tiles, the rest through the four-row GEMV), packed panels for
+/// more ([`super::avx512_panel`]).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 pub(super) unsafe fn dense_rows<W: Load>(w: *const W, job: &Job) {
-    if job.tokens == 1 {
-        gemv_rows(w, job);
-    } else if job.tokens <= TILE_TOKENS {
-        x86::dense_rows::<W, Avx512, 6, 4, 2>(w, job)
+    if job.tokens <= TILE_TOKENS {
+        x86::dense_rows::<W, Avx512, 6, 4, 2, 4>(w, job)
     } else {
         super::avx512_panel::panel_rows(w, job)
     }
 }
 
-/// f32/bf16 weight rows read from memory: as [`dense_rows`], but calls of 2 to [`TILE_TOKENS`]
-/// tokens walk the rows one at a time, each row through tiles of 1 row × up to 6 tokens and
-/// then the GEMV for the last `tokens mod 4` tokens, so the matrix is read once, as one stream
-/// ([`gemv_row_512`] says why). Every output has the same arithmetic as in [`dense_rows`] (a
-/// tile's output is one chain over k whatever the tile's rows, and the GEMV's is
-/// [`gemv_512`]'s), so the same bits. The tiles load each token's activations once per row
-/// instead of once per four rows: about one load per FMA, which a CPU with two FMA units
-/// (Zen 5, Intel) may feel where the call is bound by arithmetic rather than by the memory
-/// (8–16 tokens); measured only on the Zen 4 below, where 8 tokens did not move.
+/// f32/bf16 weight rows read from memory: as [`dense_rows`], but calls of up to
+/// [`TILE_TOKENS`] tokens walk the rows one at a time (one-row groups of the driver: tiles of
+/// 1 row × up to 6 tokens, then the one-row GEMV for the last `tokens mod 4` tokens), so the
+/// matrix is read once, as one stream ([`gemv_512`] says why), with the same bits. The tiles
+/// load each token's activations once per row instead of once per four rows: about one load
+/// per FMA, which a CPU with two FMA units (Zen 5, Intel) may feel where the call is bound by
+/// arithmetic rather than by the memory (8–16 tokens); measured only on the Zen 4 below, where
+/// 8 tokens did not move.
 ///
 /// SmolLM2 BF16 decode of several sequences on a 2-vCPU AMD EPYC Zen 4 (AVX-512 BF16),
 /// `kiln-bench -m SmolLM2-135M-Instruct.BF16.gguf -t 2 -p 0 -n 64 -r 3 --batch B`, old and new
-/// builds alternating twice: `B = 2` 104–107 → 141–149 tok/s (through [`dense_rows`] both
-/// tokens took the four-row GEMV, reading the matrix twice), `B = 4` 158–166 → 211–232, `B = 8`
+/// builds alternating twice: `B = 2` 104–107 → 141–149 tok/s (four rows at a time both tokens
+/// took the four-row GEMV, reading the matrix twice), `B = 4` 158–166 → 211–232, `B = 8`
 /// 222–224 → 212–237 (the host's spread).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 pub(super) unsafe fn streamed_rows<W: Load>(w: *const W, job: &Job) {
-    if job.tokens == 1 {
-        gemv_rows(w, job);
-    } else if job.tokens <= TILE_TOKENS {
-        let k = job.k;
-        let tiled = job.tokens - job.tokens % 4;
-        for n in job.rows.clone() {
-            let row = w.add(n * k);
-            let mut t = 0;
-            while t + 6 <= tiled {
-                row_tile::<W, 6>(row, job, n, t);
-                t += 6;
-            }
-            if t + 4 <= tiled {
-                row_tile::<W, 4>(row, job, n, t);
-                t += 4;
-            }
-            if t + 2 <= tiled {
-                row_tile::<W, 2>(row, job, n, t);
-                t += 2;
-            }
-            while t < job.tokens {
-                job.put(t, n, gemv_row_512(row, job.xptr(t), k));
-                t += 1;
-            }
-        }
+    if job.tokens <= TILE_TOKENS {
+        x86::dense_rows::<W, Avx512, 6, 4, 2, 1>(w, job)
     } else {
         super::avx512_panel::panel_rows(w, job)
     }
-}
-
-/// The one-token GEMV over the job's rows, one row at a time.
-#[inline(always)]
-unsafe fn gemv_rows<W: Load>(w: *const W, job: &Job) {
-    let x = job.xptr(0);
-    for n in job.rows.clone() {
-        job.put(0, n, gemv_row_512(w.add(n * job.k), x, job.k));
-    }
-}
-
-/// Row `n` (at `row`) against tokens `t..t + T` through a 1-row register tile.
-#[inline(always)]
-unsafe fn row_tile<W: Load, const T: usize>(row: *const W, job: &Job, n: usize, t: usize) {
-    let s = tile_512::<W, 1, T>([row], x86::tok_ptrs(job, t), job.k);
-    x86::put_tile(job, n, t, s);
 }
 
 // ----- Quantized blocks -----

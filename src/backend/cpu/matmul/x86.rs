@@ -83,9 +83,11 @@ unsafe fn dense_tile<W, K: DenseKernels<W>, const T: usize>(
     }
 }
 
-/// The dense driver: groups of 4 rows; the first `tokens − tokens mod T2` tokens go `T` at a time
-/// through the register tile, then through `T2`- and `T3`-token tiles, and the last
-/// `tokens mod T2` one at a time (GEMV); a group of fewer than 4 rows runs row by row.
+/// The dense driver: groups of `ROWS` rows (4, or 1 to read the rows one at a time as one
+/// stream); the first `tokens − tokens mod T2` tokens go `T` at a time through the register
+/// tile, then through `T2`- and `T3`-token tiles, and the last `tokens mod T2` one at a time
+/// (GEMV); a group of fewer than 4 rows runs row by row, as every tile's output and every GEMV
+/// row are one chain over k whatever the rows beside them, so `ROWS` does not move a bit.
 /// `T > T2 > T3 > 1`, or equal values where an ISA has fewer tile widths. Every tile width sums a
 /// dot product in the same order, so which tokens take the GEMV (whose order differs) is what
 /// fixes the rounding: it is the same set as with `T2`-wide tiles alone.
@@ -96,13 +98,14 @@ pub(super) unsafe fn dense_rows<
     const T: usize,
     const T2: usize,
     const T3: usize,
+    const ROWS: usize,
 >(
     w: *const W,
     job: &Job,
 ) {
-    let end = job.rows.end;
     let mut n = job.rows.start;
-    while n < end {
+    while n < job.rows.end {
+        let end = (n + ROWS).min(job.rows.end);
         let tiled = job.tokens - job.tokens % T2;
         let mut t = 0;
         while t + T <= tiled {
@@ -118,7 +121,7 @@ pub(super) unsafe fn dense_rows<
             t += T3;
         }
         gemv_tokens::<W, K>(w, job, n, end, t);
-        n = (n + 4).min(end);
+        n = end;
     }
 }
 
