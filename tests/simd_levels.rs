@@ -283,6 +283,45 @@ fn every_simd_level_runs_whole_models() {
     } else {
         println!("demo model absent (scripts/fetch_demo_model.sh): fixtures only");
     }
+    // Prefetches are hints: the other prefetch policy (`KILN_PREFETCH`, l2 by default on Intel
+    // CPUs, l1 elsewhere) at the best level must give the same logits, bit for bit.
+    let best = simd::detected();
+    let policy = kiln::backend::cpu::matmul::prefetch_policy();
+    let other = if policy == "l2" { "l1" } else { "l2" };
+    if best >= Level::Avx2 {
+        let out = dir.join(format!("{}-prefetch-{other}.logits", best.name()));
+        let result = Command::new(&exe)
+            .args([
+                "--exact",
+                "whole_models_at_the_forced_level",
+                "--ignored",
+                "--test-threads",
+                "1",
+            ])
+            .env("KILN_SIMD", best.name())
+            .env("KILN_PREFETCH", other)
+            .env(CHILD_OUT, &out)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&result.stdout);
+        assert!(
+            result.status.success() && stdout.contains("1 passed"),
+            "level {} with KILN_PREFETCH={other}: {stdout}\n{}",
+            best.name(),
+            String::from_utf8_lossy(&result.stderr)
+        );
+        if let Some((_, same_level)) = demo.iter().find(|(l, _)| *l == best) {
+            assert!(
+                read_rows(&out) == read_rows(same_level),
+                "demo model at {}: prefetch {other} changed the logits against {policy}",
+                best.name()
+            );
+            println!(
+                "demo model at {}: prefetch policies {policy} (this CPU's) and {other}: the same logits bit for bit",
+                best.name()
+            );
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
     // The AMX tiles serve `--numerics bf16` and `int8`, and exact products with bf16 weights
     // (tests/numerics.rs runs the modes through the demo model, the matmul unit tests each
@@ -295,7 +334,7 @@ fn every_simd_level_runs_whole_models() {
         }
     };
     println!(
-        "SIMD levels tested through whole models: {}; not supported by this CPU: {}; AMX tiles: exact bf16 weights {}, bf16 {}, int8 {}",
+        "SIMD levels tested through whole models: {}; not supported by this CPU: {}; AMX tiles: exact bf16 weights {}, bf16 {}, int8 {}; prefetch policy {policy}",
         tested.join(", "),
         if untested.is_empty() {
             "none".to_string()

@@ -618,15 +618,20 @@ struct CpuTarget {
 
 impl Target for CpuTarget {
     fn backend(&self) -> String {
+        let level = format!(
+            "{} prefetch-{}",
+            simd::level().name(),
+            kiln::backend::cpu::matmul::prefetch_policy()
+        );
         match self.backend.numerics() {
             Numerics::Exact if kiln::backend::cpu::matmul::amx_tiles(Numerics::Exact) => {
-                format!("CPU ({}, amx for bf16 weights)", simd::level().name())
+                format!("CPU ({level}, amx for bf16 weights)")
             }
-            Numerics::Exact => format!("CPU ({})", simd::level().name()),
+            Numerics::Exact => format!("CPU ({level})"),
             n if kiln::backend::cpu::matmul::amx_tiles(n) => {
-                format!("CPU ({}, {}, amx)", simd::level().name(), n.name())
+                format!("CPU ({level}, {}, amx)", n.name())
             }
-            n => format!("CPU ({}, {})", simd::level().name(), n.name()),
+            n => format!("CPU ({level}, {})", n.name()),
         }
     }
 

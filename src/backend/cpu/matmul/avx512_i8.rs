@@ -130,12 +130,13 @@ unsafe fn chunk<const F: u8, const N: usize>(
     let (quants, masks) = (group_quants_at(kind), group_masks_at(kind));
     let min = has_min(kind);
     let offset = stored_offset(kind);
+    let to_l2 = super::prefetch::policy().to_l2;
     for b in 0..nb {
         let blk = base.add(b * bb);
         if !ahead.is_null() {
             let next = ahead.wrapping_add(b * bb);
             for line in (0..bb).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line) as *const i8);
+                super::prefetch::line(next.wrapping_add(line), to_l2);
             }
         }
         let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));

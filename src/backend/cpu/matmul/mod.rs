@@ -130,6 +130,7 @@ mod avx512_panel;
 mod grouped;
 mod int16;
 mod int8;
+mod prefetch;
 mod scalar;
 
 pub use grouped::{groupable, Grouped};
@@ -237,6 +238,13 @@ pub fn int8_kernels() -> bool {
     return avx512_i8::available() || avx2_i8::available();
     #[cfg(not(target_arch = "x86_64"))]
     false
+}
+
+/// Which prefetch policy the streaming kernels follow in this process, as `KILN_PREFETCH`
+/// spells it: `l2` (Intel CPUs: next weights into L2, the one-row GEMV's stream prefetched
+/// ahead) or `l1` (others). See `prefetch.rs` for what each was measured to do.
+pub fn prefetch_policy() -> &'static str {
+    prefetch::policy().name()
 }
 
 /// Whether `numerics`' calls of many tokens run on AMX tiles in this process (an AMX CPU, Linux

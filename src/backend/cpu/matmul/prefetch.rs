@@ -1,0 +1,128 @@
+//! Where the streaming kernels ask for weights ahead of their loads, chosen once per process by
+//! CPU vendor, since the two vendors measured want opposite things.
+//!
+//! A decode step reads every weight once from DRAM; how much of the memory's bandwidth a core
+//! gets depends on how many lines it has in flight.
+//!
+//! - **Intel** (a 2-vCPU Xeon with AVX-512 and AMX, family 6 model 167, 2026-12-04): software
+//!   prefetches into L2 (`prefetcht1`) beat prefetches into L1 (`prefetcht0`), which hold one of
+//!   the few L1 fill buffers each until the line lands, and the one-row dense GEMV wants a
+//!   prefetch of its row stream well ahead. `kiln-bench -t 2 -p 0 -n 128 -r 3`, variants
+//!   alternating twice, tokens/s: SmolLM2-135M BF16 76–80 without prefetch, 91–92 with
+//!   `prefetcht0` 2 KiB ahead, 108–120 with `prefetcht1` 4–32 KiB ahead (8 KiB: 113–119);
+//!   the grouped kernels' one-group-ahead prefetch into L2 instead of L1: Q8_0 156–179 →
+//!   200–228, Qwen2.5-Coder-0.5B Q4_K_M 46.2–46.5 → 51.3–54.0, Q4_1 within the host's spread
+//!   (251–301 either way); without any prefetch the grouped Q4_1 kernel ran 155–162.
+//! - **Others** (measured on an AMD Zen 4, 2026-12-03): one row read as one stream without
+//!   software prefetch was fastest for bf16 weights (a C model of the GEMV: 27–31 GB/s against
+//!   21–26 with prefetches 512–2048 B ahead), and the grouped kernels keep their L1 prefetch,
+//!   which that session's distance trials did not move beyond noise. Zen 5 is unmeasured.
+//!
+//! `KILN_PREFETCH=l1` or `KILN_PREFETCH=l2` sets the policy for a process (`l1`: the second
+//! above, `l2`: Intel's), for measuring one against the other on the CPU in hand. Prefetches
+//! change no result: the kernels' sums are the same bits under either policy.
+
+use std::sync::OnceLock;
+
+/// How far ahead the one-row dense GEMV (f32/bf16 weights) prefetches its row stream under the
+/// L2 policy: the middle of the 4–32 KiB plateau measured on the Intel Xeon above.
+const ROW_AHEAD_L2: usize = 8 << 10;
+
+/// The process's prefetch policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Policy {
+    /// Whether the grouped and int8 kernels' next-group prefetches go into L2 (else L1).
+    pub(crate) to_l2: bool,
+    /// How many bytes ahead of its loads the one-row dense GEMV and the one-row tiles of
+    /// few-token calls prefetch (into L2); 0: none.
+    pub(crate) row_ahead: usize,
+}
+
+impl Policy {
+    const L1: Policy = Policy {
+        to_l2: false,
+        row_ahead: 0,
+    };
+    const L2: Policy = Policy {
+        to_l2: true,
+        row_ahead: ROW_AHEAD_L2,
+    };
+
+    /// The policy `KILN_PREFETCH` names (`l1` or `l2`, any case), if it names one.
+    fn parse(s: &str) -> Option<Policy> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "l1" => Some(Policy::L1),
+            "l2" => Some(Policy::L2),
+            _ => None,
+        }
+    }
+
+    /// The policy's name, as `KILN_PREFETCH` spells it.
+    pub(crate) fn name(self) -> &'static str {
+        if self.to_l2 {
+            "l2"
+        } else {
+            "l1"
+        }
+    }
+}
+
+/// The policy of this process: `KILN_PREFETCH` where it names one, else by CPU vendor.
+pub(crate) fn policy() -> Policy {
+    static POLICY: OnceLock<Policy> = OnceLock::new();
+    *POLICY.get_or_init(|| {
+        std::env::var("KILN_PREFETCH")
+            .ok()
+            .and_then(|s| Policy::parse(&s))
+            .unwrap_or_else(|| if intel() { Policy::L2 } else { Policy::L1 })
+    })
+}
+
+/// Whether the CPU's vendor string is Intel's.
+#[cfg(target_arch = "x86_64")]
+fn intel() -> bool {
+    // CPUID leaf 0 (the vendor string) exists on every x86_64 CPU.
+    let r = std::arch::x86_64::__cpuid(0);
+    let mut vendor = [0u8; 12];
+    vendor[0..4].copy_from_slice(&r.ebx.to_le_bytes());
+    vendor[4..8].copy_from_slice(&r.edx.to_le_bytes());
+    vendor[8..12].copy_from_slice(&r.ecx.to_le_bytes());
+    &vendor == b"GenuineIntel"
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn intel() -> bool {
+    false
+}
+
+/// Asks for the line at `p` into L2 (`to_l2`) or L1; never faults, whatever the address.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn line(p: *const u8, to_l2: bool) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+    // SAFETY: a prefetch is a hint; it never faults.
+    unsafe {
+        if to_l2 {
+            _mm_prefetch::<_MM_HINT_T1>(p as *const i8)
+        } else {
+            _mm_prefetch::<_MM_HINT_T0>(p as *const i8)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_variable_names_either_policy() {
+        assert_eq!(Policy::parse("l1"), Some(Policy::L1));
+        assert_eq!(Policy::parse(" L2 "), Some(Policy::L2));
+        assert_eq!(Policy::parse("l3"), None);
+        assert_eq!(Policy::parse(""), None);
+        assert_eq!(Policy::L1.name(), "l1");
+        assert_eq!(Policy::L2.name(), "l2");
+        assert_eq!(Policy::L1.row_ahead, 0);
+        assert_eq!(Policy::L2.row_ahead, ROW_AHEAD_L2);
+    }
+}
