@@ -12,7 +12,9 @@
 //!   `prefetcht0` 2 KiB ahead, 108–120 with `prefetcht1` 4–32 KiB ahead (8 KiB: 113–119);
 //!   the grouped kernels' one-group-ahead prefetch into L2 instead of L1: Q8_0 156–179 →
 //!   200–228, Qwen2.5-Coder-0.5B Q4_K_M 46.2–46.5 → 51.3–54.0, Q4_1 within the host's spread
-//!   (251–301 either way); without any prefetch the grouped Q4_1 kernel ran 155–162.
+//!   (251–301 either way); without any prefetch the grouped Q4_1 kernel ran 155–162. The AVX2
+//!   one-row GEMV (`KILN_SIMD=avx2`) with its stream 8 KiB ahead into L2 instead of 2 KiB into
+//!   L1: BF16 95.7–96.5 → 103.7–107.7.
 //! - **Others** (measured on an AMD Zen 4, 2026-12-03): one row read as one stream without
 //!   software prefetch was fastest for bf16 weights (a C model of the GEMV: 27–31 GB/s against
 //!   21–26 with prefetches 512–2048 B ahead), and the grouped kernels keep their L1 prefetch,
@@ -33,8 +35,9 @@ const ROW_AHEAD_L2: usize = 8 << 10;
 pub(crate) struct Policy {
     /// Whether the grouped and int8 kernels' next-group prefetches go into L2 (else L1).
     pub(crate) to_l2: bool,
-    /// How many bytes ahead of its loads the one-row dense GEMV and the one-row tiles of
-    /// few-token calls prefetch (into L2); 0: none.
+    /// How many bytes ahead of its loads the one-row dense GEMVs and the AVX-512 one-row tiles
+    /// of few-token calls prefetch, into L2; 0: each kernel's L1 choice (AVX-512: none; the
+    /// AVX2 GEMV: 2 KiB ahead into L1, its best on a Zen 3).
     pub(crate) row_ahead: usize,
 }
 
