@@ -248,12 +248,13 @@ unsafe fn pass<const F: u8, const K: usize, const N: usize>(
     let ones = _mm256_set1_epi16(1);
     let five = F == Q5_0 || F == Q5_1;
     let mut acc = [[_mm256_setzero_ps(); N]; K];
+    let to_l2 = super::prefetch::policy().to_l2;
     for b in 0..nb {
         let blk = base.add(b * bb);
         if !ahead.is_null() {
             let next = ahead.wrapping_add(b * bb);
             for line in (0..bb).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line) as *const i8);
+                super::prefetch::line(next.wrapping_add(line), to_l2);
             }
         }
         // Vector `i`'s half `h`: elements 4i..4i + 4 of the half's rows (Q4 and Q5: bytes

@@ -14,7 +14,8 @@
 //!   200–228, Qwen2.5-Coder-0.5B Q4_K_M 46.2–46.5 → 51.3–54.0, Q4_1 within the host's spread
 //!   (251–301 either way); without any prefetch the grouped Q4_1 kernel ran 155–162. The AVX2
 //!   one-row GEMV (`KILN_SIMD=avx2`) with its stream 8 KiB ahead into L2 instead of 2 KiB into
-//!   L1: BF16 95.7–96.5 → 103.7–107.7.
+//!   L1: BF16 95.7–96.5 → 103.7–107.7; its int8 kernels' next-group prefetches into L2
+//!   (`--numerics int8`): Q8_0 184.6–187.1 → 221.1–224.5, Q4_1 377.5–397.0 either way.
 //! - **Others** (measured on an AMD Zen 4, 2026-12-03): one row read as one stream without
 //!   software prefetch was fastest for bf16 weights (a C model of the GEMV: 27–31 GB/s against
 //!   21–26 with prefetches 512–2048 B ahead), and the grouped kernels keep their L1 prefetch,
