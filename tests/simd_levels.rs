@@ -216,6 +216,37 @@ fn whole_models_at_the_forced_level() {
     }
 }
 
+/// Runs [`whole_models_at_the_forced_level`] in a child process at `level` with `env` besides,
+/// its demo logits written to `out`, and asserts that the child ran that test and it passed.
+fn run_child(exe: &Path, level: Level, out: &Path, env: &[(&str, &str)]) {
+    let result = Command::new(exe)
+        .args([
+            "--exact",
+            "whole_models_at_the_forced_level",
+            "--ignored",
+            "--test-threads",
+            "1",
+        ])
+        .env("KILN_SIMD", level.name())
+        .env(CHILD_OUT, out)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&result.stdout);
+    assert!(
+        result.status.success(),
+        "level {} {env:?}: {stdout}\n{}",
+        level.name(),
+        String::from_utf8_lossy(&result.stderr)
+    );
+    // The child ran the test (a filter matching nothing would also succeed).
+    assert!(
+        stdout.contains("1 passed"),
+        "level {} {env:?}: {stdout}",
+        level.name()
+    );
+}
+
 #[test]
 fn every_simd_level_runs_whole_models() {
     let exe = std::env::current_exe().unwrap();
@@ -230,32 +261,7 @@ fn every_simd_level_runs_whole_models() {
             continue;
         }
         let out = dir.join(format!("{}.logits", level.name()));
-        let result = Command::new(&exe)
-            .args([
-                "--exact",
-                "whole_models_at_the_forced_level",
-                "--ignored",
-                "--test-threads",
-                "1",
-            ])
-            .env("KILN_SIMD", level.name())
-            .env(CHILD_OUT, &out)
-            .output()
-            .unwrap();
-        assert!(
-            result.status.success(),
-            "level {}: {}\n{}",
-            level.name(),
-            String::from_utf8_lossy(&result.stdout),
-            String::from_utf8_lossy(&result.stderr)
-        );
-        // The child ran the test (a filter matching nothing would also succeed).
-        let stdout = String::from_utf8_lossy(&result.stdout);
-        assert!(
-            stdout.contains("1 passed"),
-            "level {}: {stdout}",
-            level.name()
-        );
+        run_child(&exe, level, &out, &[]);
         tested.push(level.name());
         if out.exists() {
             demo.push((level, out));
@@ -290,26 +296,7 @@ fn every_simd_level_runs_whole_models() {
     let other = if policy == "l2" { "l1" } else { "l2" };
     if best >= Level::Avx2 {
         let out = dir.join(format!("{}-prefetch-{other}.logits", best.name()));
-        let result = Command::new(&exe)
-            .args([
-                "--exact",
-                "whole_models_at_the_forced_level",
-                "--ignored",
-                "--test-threads",
-                "1",
-            ])
-            .env("KILN_SIMD", best.name())
-            .env("KILN_PREFETCH", other)
-            .env(CHILD_OUT, &out)
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&result.stdout);
-        assert!(
-            result.status.success() && stdout.contains("1 passed"),
-            "level {} with KILN_PREFETCH={other}: {stdout}\n{}",
-            best.name(),
-            String::from_utf8_lossy(&result.stderr)
-        );
+        run_child(&exe, best, &out, &[("KILN_PREFETCH", other)]);
         if let Some((_, same_level)) = demo.iter().find(|(l, _)| *l == best) {
             assert!(
                 read_rows(&out) == read_rows(same_level),
