@@ -541,8 +541,14 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
-/// The output rows of each task: about four tasks per thread, small enough to balance across
-/// threads, large enough that the per-task overhead vanishes next to the bytes streamed. Task
+/// The output rows of each task: about four tasks per thread (two in one-token calls), small
+/// enough to balance across threads, large enough that the per-task overhead vanishes next to
+/// the bytes streamed. A one-token call of a small model streams a few hundred KiB in a few
+/// tens of microseconds, where every task start (a rayon steal, a prefetch stream begun
+/// anew) shows: on the 2-vCPU Intel Xeon, SmolLM2 Q4_1 decode at two threads (with the
+/// grouped kernels' prefetch past a job's last group, [`avx512_groups`]), six runs
+/// alternating, median 215.5 tok/s at four tasks a thread, 224.6 at two, 218.8 at one; two
+/// still leave a thread that starts late a half task to take from the other. Task
 /// boundaries fall on multiples of the kernels' unit (4 rows, the GEMVs' row block; 16, a group
 /// of grouped or interleaved weights; with more than one token, one packed panel's outputs)
 /// and split the units as evenly as they can: rayon halves the list of tasks between threads,
@@ -561,7 +567,8 @@ fn task_rows(level: Level, w: &PackedMatrix, tokens: usize) -> Vec<std::ops::Ran
     let unit = if tokens > 1 { panel } else { one_token };
     let min_rows = if tokens > 1 { panel } else { 64 };
     let units = w.rows.div_ceil(unit);
-    let tasks = (threads * 4)
+    let per_thread = if tokens > 1 { 4 } else { 2 };
+    let tasks = (threads * per_thread)
         .min(w.rows.div_ceil(min_rows))
         .clamp(1, units.max(1));
     (0..tasks)
