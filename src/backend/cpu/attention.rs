@@ -94,10 +94,10 @@ pub fn attention(
     let _ = numerics;
     // Tasks take up to TILE_TOKENS consecutive rows of one slot (a prefill chunk's tokens share
     // every key and value they read). A few decode rows over long contexts are split by
-    // positions and output lanes instead ([`split`]). Otherwise a task takes a whole group of
-    // query heads when there are enough tasks to share among the threads, and a decode row
-    // with few KV heads over an f32 cache splits its group head by head (a short context, whose
-    // repeated reads hit the cache). A cache in another type keeps groups whole: each task
+    // positions and output lanes instead ([`split`]); over short contexts the calling thread
+    // attends them alone. Otherwise a task takes a whole group of query heads, or one head over
+    // an f32 cache where there are too few groups to share among the threads (a prefill of
+    // one tile). A cache in another type keeps groups whole: each task
     // decodes the blocks it reads to f32, and a task per head decoded each KV head's once per
     // query head (SmolLM2 with a bf16 cache, one sequence of 1,024 tokens, 2 threads on an
     // Intel Xeon: 80 → 103–110 tok/s).
@@ -109,43 +109,50 @@ pub fn attention(
         unsafe { split::attention(s, rows, q, kv, (ptr, out_stride, out_col), threads) };
         return;
     }
+    // Decode rows with too few KV heads to share that the split did not take (short
+    // contexts): the calling thread alone, a task per KV head ([`split::few_pairs`]).
+    let alone = split::few_pairs(s, rows, tiles.len(), threads);
     let decodes = kv.layout().dtype != KvDtype::F32;
-    let per_task = if decodes || tiles.len() * s.kv_heads >= 2 * threads {
+    let per_task = if alone || decodes || tiles.len() * s.kv_heads >= 2 * threads {
         group
     } else {
         1
     };
     let chunks = group / per_task;
     let level = simd::level();
-    (0..tiles.len() * s.kv_heads * chunks)
-        .into_par_iter()
-        .for_each(|task| {
-            let tile = tiles[task / (s.kv_heads * chunks)].clone();
-            let g = task % (s.kv_heads * chunks) / chunks;
-            let h0 = g * group + task % chunks * per_task;
-            let p = ptr;
-            let job = Task {
-                s,
-                rows: &rows[tile.clone()],
-                kv_head: g,
-                heads: h0..h0 + per_task,
-                q: &q.0[tile.start * q.1 + q.2..],
-                q_stride: q.1,
-                // SAFETY (of the writes through it): each task writes its own heads of its own
-                // rows; bounds asserted above.
-                out: unsafe { p.0.add(tile.start * out_stride + out_col) },
-                out_stride,
-            };
-            SCRATCH.with_borrow_mut(|scratch| match simd::clamp(level) {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: the clamped level says the CPU has AVX2 and FMA.
-                Level::Avx2 => unsafe { attend_avx2(kv, &job, scratch) },
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: the clamped level says the CPU has AVX-512 F/BW/VL.
-                Level::Avx512 | Level::Avx512Bf16 => unsafe { attend_avx512(kv, &job, scratch) },
-                other => unsafe { attend(&AtLevel(other), kv, &job, scratch) },
-            });
+    let task_of = |task: usize| {
+        let tile = tiles[task / (s.kv_heads * chunks)].clone();
+        let g = task % (s.kv_heads * chunks) / chunks;
+        let h0 = g * group + task % chunks * per_task;
+        let p = ptr;
+        let job = Task {
+            s,
+            rows: &rows[tile.clone()],
+            kv_head: g,
+            heads: h0..h0 + per_task,
+            q: &q.0[tile.start * q.1 + q.2..],
+            q_stride: q.1,
+            // SAFETY (of the writes through it): each task writes its own heads of its own
+            // rows; bounds asserted above.
+            out: unsafe { p.0.add(tile.start * out_stride + out_col) },
+            out_stride,
+        };
+        SCRATCH.with_borrow_mut(|scratch| match simd::clamp(level) {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the clamped level says the CPU has AVX2 and FMA.
+            Level::Avx2 => unsafe { attend_avx2(kv, &job, scratch) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the clamped level says the CPU has AVX-512 F/BW/VL.
+            Level::Avx512 | Level::Avx512Bf16 => unsafe { attend_avx512(kv, &job, scratch) },
+            other => unsafe { attend(&AtLevel(other), kv, &job, scratch) },
         });
+    };
+    let tasks = 0..tiles.len() * s.kv_heads * chunks;
+    if alone {
+        tasks.for_each(task_of);
+    } else {
+        tasks.into_par_iter().for_each(task_of);
+    }
 }
 
 /// The call's rows cut into runs of consecutive rows of one slot, at most `max` each: the
@@ -1226,6 +1233,86 @@ mod tests {
                         .all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(same, "d={d} {dtype:?} window={window:?}");
                 }
+            }
+        }
+    }
+
+    /// Decode rows on two threads, whichever way they go (alone over short contexts, split over
+    /// long ones, tasks of a group when there are enough rows to share), give bit for bit what
+    /// one head at a time gives.
+    #[test]
+    fn decode_rows_on_two_threads_round_like_one_head_at_a_time() {
+        let (heads, kv_heads, d) = (9, 3, 64);
+        let lens = [8usize, 40, 100, 200];
+        let spec = KvSpec {
+            layers: 1,
+            kv_heads,
+            head_dim: d,
+            state_dim: 0,
+        };
+        let wave = |n: usize, seed: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i * 2654435761 + seed) % 1000) as f32 / 500.0 - 1.0)
+                .collect()
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("a 2-thread pool");
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            let mut kv = KvCache::new_of(spec, dtype, lens.len(), 256).unwrap();
+            for (slot, &len) in lens.iter().enumerate() {
+                kv.prepare(slot, len).unwrap();
+                let k = wave(len * kv_heads * d, 2 + slot);
+                let v = wave(len * kv_heads * d, 5 + slot);
+                // The last position is written by the call.
+                for p in 0..len - 1 {
+                    let r = p * kv_heads * d..(p + 1) * kv_heads * d;
+                    kv.write(0, slot, p, &k[r.clone()], &v[r]);
+                }
+            }
+            let shape = AttentionShape {
+                layer: 0,
+                heads,
+                kv_heads,
+                head_dim: d,
+                scale: 0.125,
+                window: None,
+            };
+            let one = |slot: usize| TokenRow {
+                slot,
+                pos: lens[slot] - 1,
+            };
+            let calls: Vec<Vec<TokenRow>> = vec![
+                vec![one(0)],
+                vec![one(1)],
+                vec![one(2)],
+                vec![one(3)],
+                (0..lens.len()).map(one).collect(),
+            ];
+            for rows in calls {
+                let q = wave(rows.len() * heads * d, 1);
+                let k = wave(rows.len() * kv_heads * d, 7);
+                let v = wave(rows.len() * kv_heads * d, 9);
+                let mut out = vec![f32::NAN; rows.len() * heads * d];
+                pool.install(|| {
+                    attention(
+                        Numerics::Exact,
+                        &shape,
+                        &rows,
+                        (&q, heads * d, 0),
+                        (&k, kv_heads * d, 0),
+                        (&v, kv_heads * d, 0),
+                        &mut kv,
+                        (&mut out, heads * d, 0),
+                    )
+                });
+                let want = one_head_at_a_time(&kv, &shape, &rows, &q);
+                let same = out
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{dtype:?} rows {rows:?}");
             }
         }
     }

@@ -38,9 +38,12 @@ use crate::kv::{KvCache, KvDtype};
 /// Positions per scores task: four default blocks, 16 KiB of keys for a head of 64.
 const CHUNK: usize = 64;
 
-/// The fewest attended positions for which the split pays for its second parallel loop (below
-/// it, the reads that tasks repeat mostly hit the cache).
-const MIN_POSITIONS: usize = 64;
+/// The fewest attended positions for which the split pays for its second parallel loop; below
+/// it the caller attends such rows alone, a task per KV head ([`few_pairs`]). One SmolLM2
+/// decode row, 2 threads of the 2-vCPU Intel Xeon, every layer's cache cold, µs a layer,
+/// split / alone: 10.1 / 7.7 at 64 positions, 11.3 / 10.3 at 96, 12.8 / 14.2 at 128, 22.2 /
+/// 29.3 at 256.
+const MIN_POSITIONS: usize = 112;
 
 /// Whether [`attention`] takes these rows: every row its own tile (decode rows), fewer (row, KV
 /// head) pairs than twice the threads, a head size that is a multiple of [`lane_unit`], and
@@ -52,12 +55,26 @@ pub(super) fn applies(
     tiles: usize,
     threads: usize,
 ) -> bool {
-    threads >= 2
-        && !rows.is_empty()
-        && tiles == rows.len()
-        && rows.len() * s.kv_heads < 2 * threads
+    few_pairs(s, rows, tiles, threads)
         && s.head_dim.is_multiple_of(lane_unit(kv.layout().dtype))
         && rows.iter().all(|r| span(s, r).len() >= MIN_POSITIONS)
+}
+
+/// Whether the call's rows are decode rows (every row its own tile) with fewer (row, KV head)
+/// pairs than twice the threads (2 or more): too few tasks of a KV head each to share among the
+/// threads. Those the split does not take, over short contexts, are best attended by the
+/// calling thread alone, a task per KV head: splitting a group's query heads between threads
+/// had both cores fetch the same keys and values, which cost more than the work it shared
+/// (SmolLM2 decode, 2 threads of the 2-vCPU Intel Xeon, 30 layers' caches cold, µs a layer,
+/// query heads in parallel / KV heads alone: 5.2 / 1.4 at 8 positions, 6.9 / 3.3 at 32, 8.1 /
+/// 5.7 at 48; `kiln-bench -p 0 -n 48 --profile`, attention 0.30–0.33 → 0.21–0.22 ms a step).
+pub(super) fn few_pairs(
+    s: &AttentionShape,
+    rows: &[TokenRow],
+    tiles: usize,
+    threads: usize,
+) -> bool {
+    threads >= 2 && !rows.is_empty() && tiles == rows.len() && rows.len() * s.kv_heads < 2 * threads
 }
 
 /// Output lanes per value-task unit: 16 (a vector), or the storage type's group if larger, so
@@ -522,6 +539,18 @@ mod tests {
         assert!(applies(&kv, &shape, &[row(0, 500)], 1, 2));
         assert!(!applies(&kv, &shape, &[row(0, 500)], 1, 1), "one thread");
         assert!(!applies(&kv, &shape, &[row(0, 40)], 1, 2), "short context");
+        assert!(!applies(&kv, &shape, &[row(0, 100)], 1, 2), "short context");
+        assert!(applies(&kv, &shape, &[row(0, 111)], 1, 2));
+        assert!(few_pairs(&shape, &[row(0, 40)], 1, 2));
+        assert!(!few_pairs(&shape, &[row(0, 40)], 1, 1), "one thread");
+        assert!(
+            !few_pairs(&shape, &[row(0, 40), row(1, 40)], 2, 2),
+            "six pairs, two threads"
+        );
+        assert!(
+            !few_pairs(&shape, &[row(0, 40), row(0, 41)], 1, 8),
+            "a prefill tile"
+        );
         let two = [row(0, 500), row(1, 700)];
         assert!(
             !applies(&kv, &shape, &two, 2, 2),
