@@ -393,12 +393,11 @@ trait Sink {
 /// elements go to `inner` (line `l` of `lines` with element `⌊32·l / lines⌋`), rather than all
 /// its lines at once before them. A burst of five to nine prefetches at every block start waited
 /// on the line fill buffers ahead of the loads and conversions behind it. On the 2-vCPU Intel
-/// Xeon (family 6 model 167), two threads, runs alternating: one-token Q8_0 products over 141
-/// MB of weights (from DRAM) read 25.9–27.9 → 34.5–36.1 GB/s; `kiln-bench -p 0 -n 128` decode
-/// medians, SmolLM2 Q8_0 154.2 → 193.3 tok/s, Q4_1 279.1 → 285.1 (within the spread), and
+/// Xeon (family 6 model 167), two threads, builds alternating, `kiln-bench -p 0 -n 128` decode
+/// medians: SmolLM2 Q8_0 154.2 → 193.3 tok/s, Q4_1 279.1 → 285.1 (within the spread), and
 /// Qwen2.5-Coder-0.5B Q4_K_M 47.8 → 62.8 (its Q5_0/Q8_0 tensors, then the K formats' lines
-/// spread over each sub-block as well: 60.4 → 62.8). In L2 the extra branches cost a few
-/// percent (one thread, Q4_1 1536 × 576: 20.4 → 19.1 GB/s).
+/// spread over each sub-block as well: 60.4 → 62.8). With the weights in L2 the branches this
+/// adds cost a few percent (a one-off timing of one-thread Q4_1 products, 1536 × 576: 3–4%).
 struct Spread<'a, S> {
     inner: &'a mut S,
     /// The next group's block (null: nothing to ask for).
