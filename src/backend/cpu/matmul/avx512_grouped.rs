@@ -43,10 +43,11 @@ use std::arch::x86_64::*;
 use super::avx512_groups::{drive, GroupPass};
 use super::grouped::format::{kind_of, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0};
 use super::grouped::{
-    block_ahead, elems, fields, group_block_bytes, job_sums, quants_at, value_offset, Grouped,
-    Layout, BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES,
+    block_ahead, elems, fields, group_block_bytes, job_sums, part_lines, quants_at, value_offset,
+    Grouped, Layout, BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES,
     K6_PAIR_BYTES, K6_QUANTS, K6_SCALES, K6_SUB, MAX_TOKENS,
 };
+use super::prefetch::lines_at_step;
 use super::Job;
 use crate::model::quant::QuantKind;
 
@@ -267,10 +268,9 @@ unsafe fn k6_super_block<const N: usize, R: Run<N>>(
     b: usize,
     x: &[*const f32; N],
     acc: &mut [__m512; N],
-    next: *const u8,
+    (next, to_l2): (*const u8, bool),
 ) {
     let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
-    let to_l2 = super::prefetch::policy().to_l2;
     for pair in 0..K6_SUB / 2 {
         let xb: [*const f32; N] = std::array::from_fn(|t| x[t].add(b * 256 + pair * BLOCK));
         let mut c = R::new(xb);
@@ -407,8 +407,8 @@ struct Spread<'a, S> {
 }
 
 impl<'a, S> Spread<'a, S> {
-    /// The lines of part `i` of `parts` of the `bytes` bytes at `next`, as
-    /// [`prefetch_part`] splits them (a K super-block's next-group bytes over its sub-blocks).
+    /// The lines of part `i` of `parts` of the `bytes` bytes at `next` ([`part_lines`]: a
+    /// block's whole, or a K super-block's next-group bytes over its sub-blocks).
     #[inline(always)]
     fn part(
         inner: &'a mut S,
@@ -416,8 +416,7 @@ impl<'a, S> Spread<'a, S> {
         (bytes, i, parts): (usize, usize, usize),
         to_l2: bool,
     ) -> Self {
-        let lines = bytes.div_ceil(64).div_ceil(parts);
-        let next = block_ahead(next, 64 * lines * i);
+        let (next, lines) = part_lines(next, bytes, i, parts);
         Spread {
             inner,
             next,
@@ -431,16 +430,7 @@ impl<S: Sink> Sink for Spread<'_, S> {
     const INTERLEAVED: bool = S::INTERLEAVED;
     #[inline(always)]
     unsafe fn put(&mut self, e: usize, v: __m512) {
-        if !self.next.is_null() {
-            // The lines `l` with `⌊32·l / lines⌋ = e`.
-            let (from, to) = (
-                (e * self.lines).div_ceil(BLOCK),
-                ((e + 1) * self.lines).div_ceil(BLOCK),
-            );
-            for l in from..to {
-                super::prefetch::line(self.next.wrapping_add(64 * l), self.to_l2);
-            }
-        }
+        lines_at_step(self.next, self.lines, (e, BLOCK), self.to_l2);
         self.inner.put(e, v);
     }
 }
@@ -541,21 +531,16 @@ unsafe fn chunk<const F: u8, const N: usize, R: Run<N>>(
         let blk = base.add(b * bb);
         let next = block_ahead(ahead, b * bb);
         if F == Q4_K {
-            k4_super_block::<N, R>(blk, b, &x, &sums, &mut acc, next);
+            k4_super_block::<N, R>(blk, b, &x, &sums, &mut acc, (next, to_l2));
             continue;
         }
         if F == Q6_K {
-            k6_super_block::<N, R>(blk, b, &x, &mut acc, next);
+            k6_super_block::<N, R>(blk, b, &x, &mut acc, (next, to_l2));
             continue;
         }
         let xb: [*const f32; N] = std::array::from_fn(|t| x[t].add(b * BLOCK));
         let mut c = R::new(xb);
-        let mut spread = Spread {
-            inner: &mut c,
-            next,
-            lines: bb.div_ceil(64),
-            to_l2,
-        };
+        let mut spread = Spread::part(&mut c, next, (bb, 0, 1), to_l2);
         values::<F, _>(blk.add(qa), &mut spread);
         let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
         for (t, a) in acc.iter_mut().enumerate() {
@@ -605,10 +590,9 @@ unsafe fn k4_super_block<const N: usize, R: Run<N>>(
     x: &[*const f32; N],
     sums: &[*const f32; N],
     acc: &mut [__m512; N],
-    next: *const u8,
+    (next, to_l2): (*const u8, bool),
 ) {
     let dd = k4_super_scales(blk);
-    let to_l2 = super::prefetch::policy().to_l2;
     for j in 0..K4_SUB {
         let sub = b * K4_SUB + j;
         let xb: [*const f32; N] = std::array::from_fn(|t| x[t].add(sub * BLOCK));

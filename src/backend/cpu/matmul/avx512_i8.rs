@@ -139,14 +139,8 @@ unsafe fn chunk<const F: u8, const N: usize>(
         // them (see `Spread` in `super::avx512_grouped`): `--numerics int8` decode on the
         // 2-vCPU Intel Xeon, SmolLM2 Q8_0 212.3 → 226.6 tok/s, Q4_1 355.6 → 370.8 (medians of
         // four runs, alternating).
-        let next = ahead.wrapping_add(b * bb);
-        let ask = |i: usize| {
-            if !ahead.is_null() {
-                for l in (i * lines).div_ceil(8)..((i + 1) * lines).div_ceil(8) {
-                    super::prefetch::line(next.wrapping_add(64 * l), to_l2);
-                }
-            }
-        };
+        let next = super::grouped::block_ahead(ahead, b * bb);
+        let ask = |i: usize| super::prefetch::lines_at_step(next, lines, (i, 8), to_l2);
         let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
         let mw = if min {
             _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(2 * GROUP) as *const __m256i))

@@ -955,11 +955,24 @@ pub(crate) fn prefetch_part(next: *const u8, bytes: usize, i: usize, parts: usiz
         return;
     }
     let to_l2 = super::prefetch::policy().to_l2;
-    let per = bytes.div_ceil(64).div_ceil(parts);
-    let first = next.wrapping_add(64 * per * i);
+    let (first, per) = part_lines(next, bytes, i, parts);
     for line in 0..per {
         super::prefetch::line(first.wrapping_add(64 * line), to_l2);
     }
+}
+
+/// Where part `i` of `parts` of the `bytes` bytes at `next` starts (null where `next` is) and
+/// how many lines it has, as [`prefetch_part`] asks for them.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn part_lines(
+    next: *const u8,
+    bytes: usize,
+    i: usize,
+    parts: usize,
+) -> (*const u8, usize) {
+    let per = bytes.div_ceil(64).div_ceil(parts);
+    (block_ahead(next, 64 * per * i), per)
 }
 
 /// Whether grouped weights of `kind` multiply block sums of the activations (a min).

@@ -99,6 +99,26 @@ fn intel() -> bool {
     false
 }
 
+/// Step `i` of `steps` of asking for the `lines` lines from `next` (nothing where `next` is
+/// null): the lines `l` with `⌊steps·l / lines⌋ = i`, so that a kernel taking a step between
+/// its loads spreads the requests over them instead of issuing them in one burst, which waits on
+/// the line fill buffers ahead of the loads behind it.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn lines_at_step(
+    next: *const u8,
+    lines: usize,
+    (i, steps): (usize, usize),
+    to_l2: bool,
+) {
+    if next.is_null() {
+        return;
+    }
+    for l in (i * lines).div_ceil(steps)..((i + 1) * lines).div_ceil(steps) {
+        line(next.wrapping_add(64 * l), to_l2);
+    }
+}
+
 /// Asks for the line at `p` into L2 (`to_l2`) or L1; never faults, whatever the address.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
