@@ -1150,6 +1150,45 @@ mod tests {
     use super::*;
     use crate::graph::KvSpec;
 
+    /// `n` values in [−1, 1) from `seed`: test queries, keys and values.
+    pub(super) fn wave(n: usize, seed: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 2654435761 + seed) % 1000) as f32 / 500.0 - 1.0)
+            .collect()
+    }
+
+    /// [`attention`] in exact numerics over contiguous rows of `q`, `k` and `v`, checked bit for
+    /// bit against [`one_head_at_a_time`] (`what` names the case).
+    fn assert_rounds_like_one_head_at_a_time(
+        shape: &AttentionShape,
+        rows: &[TokenRow],
+        (q, k, v): (&[f32], &[f32], &[f32]),
+        kv: &mut KvCache,
+        what: &str,
+    ) {
+        let (hd, kd) = (
+            shape.heads * shape.head_dim,
+            shape.kv_heads * shape.head_dim,
+        );
+        let mut out = vec![f32::NAN; rows.len() * hd];
+        attention(
+            Numerics::Exact,
+            shape,
+            rows,
+            (q, hd, 0),
+            (k, kd, 0),
+            (v, kd, 0),
+            kv,
+            (&mut out, hd, 0),
+        );
+        let want = one_head_at_a_time(kv, shape, rows, q);
+        let same = out
+            .iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{what}");
+    }
+
     /// Every head of every row (queries `heads × head_dim` apart) attended on its own through
     /// the `simd` entry points at the process's level: the reference the task layouts match.
     pub(super) fn one_head_at_a_time(
@@ -1197,11 +1236,6 @@ mod tests {
                     };
                     let mut kv = KvCache::new_of(spec, dtype, 1, 32).unwrap();
                     kv.prepare(0, tokens).unwrap();
-                    let wave = |n: usize, seed: usize| -> Vec<f32> {
-                        (0..n)
-                            .map(|i| ((i * 2654435761 + seed) % 1000) as f32 / 500.0 - 1.0)
-                            .collect()
-                    };
                     let q = wave(tokens * heads * d, 1);
                     let k = wave(tokens * kv_heads * d, 2);
                     let v = wave(tokens * kv_heads * d, 3);
@@ -1215,23 +1249,13 @@ mod tests {
                         scale: 0.125,
                         window,
                     };
-                    let mut out = vec![0.0; tokens * heads * d];
-                    attention(
-                        Numerics::Exact,
+                    assert_rounds_like_one_head_at_a_time(
                         &shape,
                         &rows,
-                        (&q, heads * d, 0),
-                        (&k, kv_heads * d, 0),
-                        (&v, kv_heads * d, 0),
+                        (&q, &k, &v),
                         &mut kv,
-                        (&mut out, heads * d, 0),
+                        &format!("d={d} {dtype:?} window={window:?}"),
                     );
-                    let want = one_head_at_a_time(&kv, &shape, &rows, &q);
-                    let same = out
-                        .iter()
-                        .zip(&want)
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "d={d} {dtype:?} window={window:?}");
                 }
             }
         }
@@ -1249,11 +1273,6 @@ mod tests {
             kv_heads,
             head_dim: d,
             state_dim: 0,
-        };
-        let wave = |n: usize, seed: usize| -> Vec<f32> {
-            (0..n)
-                .map(|i| ((i * 2654435761 + seed) % 1000) as f32 / 500.0 - 1.0)
-                .collect()
         };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(2)
@@ -1294,25 +1313,15 @@ mod tests {
                 let q = wave(rows.len() * heads * d, 1);
                 let k = wave(rows.len() * kv_heads * d, 7);
                 let v = wave(rows.len() * kv_heads * d, 9);
-                let mut out = vec![f32::NAN; rows.len() * heads * d];
                 pool.install(|| {
-                    attention(
-                        Numerics::Exact,
+                    assert_rounds_like_one_head_at_a_time(
                         &shape,
                         &rows,
-                        (&q, heads * d, 0),
-                        (&k, kv_heads * d, 0),
-                        (&v, kv_heads * d, 0),
+                        (&q, &k, &v),
                         &mut kv,
-                        (&mut out, heads * d, 0),
+                        &format!("{dtype:?} rows {rows:?}"),
                     )
                 });
-                let want = one_head_at_a_time(&kv, &shape, &rows, &q);
-                let same = out
-                    .iter()
-                    .zip(&want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{dtype:?} rows {rows:?}");
             }
         }
     }

@@ -429,7 +429,7 @@ unsafe fn values<O: Ops>(o: &O, head: &Head, cols: Range<usize>, bufs: &mut Bufs
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::one_head_at_a_time;
+    use super::super::tests::{one_head_at_a_time, wave};
     use super::*;
     use crate::graph::KvSpec;
 
@@ -455,11 +455,6 @@ mod tests {
                         state_dim: 0,
                     };
                     let mut kv = KvCache::new_of(spec, dtype, 2, 320).unwrap();
-                    let wave = |n: usize, seed: usize| -> Vec<f32> {
-                        (0..n)
-                            .map(|i| ((i * 2654435761 + seed) % 1000) as f32 / 500.0 - 1.0)
-                            .collect()
-                    };
                     for (slot, &len) in lens.iter().enumerate() {
                         kv.prepare(slot, len).unwrap();
                         let k = wave(len * kv_heads * d, 2 + slot);
