@@ -190,10 +190,18 @@ fn attend(
     out[0]
 }
 
-/// One token attending over 512 cached positions with SmolLM2's heads (9 query, 3 KV, 64 wide);
-/// throughput is the K and V bytes read.
+/// One token attending over 64 and over 512 cached positions with SmolLM2's heads (9 query, 3
+/// KV, 64 wide), the cache in L2: what attention costs besides fetching it (64 positions is the
+/// mean context of a tg128 test). Throughput is the K and V bytes read.
 fn attention_decode(c: &mut Criterion) {
-    let (heads, kv_heads, d, ctx) = (SMOLLM2_HEADS, SMOLLM2_KV_HEADS, SMOLLM2_HEAD_DIM, 512);
+    for ctx in [64, 512] {
+        attention_decode_at(c, ctx);
+    }
+}
+
+/// [`attention_decode`] over `ctx` cached positions.
+fn attention_decode_at(c: &mut Criterion, ctx: usize) {
+    let (heads, kv_heads, d) = (SMOLLM2_HEADS, SMOLLM2_KV_HEADS, SMOLLM2_HEAD_DIM);
     let (mut kv, shape) = smollm2_attention(ctx);
     for pos in 0..ctx {
         let k = rand_vec(kv_heads * d, pos as u64 + 1);
