@@ -43,8 +43,8 @@ use std::arch::x86_64::*;
 use super::avx512_groups::{drive, GroupPass};
 use super::grouped::format::{kind_of, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0};
 use super::grouped::{
-    block_ahead, elems, fields, group_block_bytes, job_sums, part_lines, quants_at, value_offset,
-    Grouped, Layout, BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES,
+    elems, fields, group_block_bytes, job_sums, part_lines, quants_at, value_offset, Grouped,
+    Layout, BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES,
     K6_PAIR_BYTES, K6_QUANTS, K6_SCALES, K6_SUB, MAX_TOKENS,
 };
 use super::prefetch::lines_at_step;
@@ -90,17 +90,29 @@ unsafe fn rows_of<const F: u8>(w: &Grouped, job: &Job) {
     let nb = w.cols / elems(kind);
     let sums = job_sums(w, job);
     let blocks = w.cols / BLOCK;
-    let kernel = Pass::<F> {
-        nb,
-        job,
-        sums: &sums,
-        blocks,
-    };
-    drive(&kernel, w.bytes.as_ptr(), nb * group_block_bytes(kind), job);
+    let group_bytes = nb * group_block_bytes(kind);
+    // The prefetch hint as a constant of the kernel (see [`lines_at_step`]).
+    if super::prefetch::policy().to_l2 {
+        let kernel = Pass::<F, true> {
+            nb,
+            job,
+            sums: &sums,
+            blocks,
+        };
+        drive(&kernel, w.bytes.as_ptr(), group_bytes, job);
+    } else {
+        let kernel = Pass::<F, false> {
+            nb,
+            job,
+            sums: &sums,
+            blocks,
+        };
+        drive(&kernel, w.bytes.as_ptr(), group_bytes, job);
+    }
 }
 
-/// [`chunk`] as the shared group loop's pass.
-struct Pass<'a, const F: u8> {
+/// [`chunk`] as the shared group loop's pass, prefetching into L2 (`L2`) or L1.
+struct Pass<'a, const F: u8, const L2: bool> {
     /// Blocks (K formats: super-blocks) per row.
     nb: usize,
     job: &'a Job<'a>,
@@ -110,7 +122,7 @@ struct Pass<'a, const F: u8> {
     blocks: usize,
 }
 
-impl<const F: u8> GroupPass for Pass<'_, F> {
+impl<const F: u8, const L2: bool> GroupPass for Pass<'_, F, L2> {
     #[inline(always)]
     unsafe fn pass<const N: usize>(
         &self,
@@ -126,9 +138,9 @@ impl<const F: u8> GroupPass for Pass<'_, F> {
             s[t] = self.sums.as_ptr().wrapping_add((t0 + t) * self.blocks);
         }
         if N <= QUARTERS_MAX_TOKENS && matches!(F, Q4_0 | Q4_1 | Q4_K) {
-            chunk::<F, N, Quarters<N>>((base, ahead, self.nb), x, s)
+            chunk::<F, N, Quarters<N>, L2>((base, ahead, self.nb), x, s)
         } else {
-            chunk::<F, N, Chains<N>>((base, ahead, self.nb), x, s)
+            chunk::<F, N, Chains<N>, L2>((base, ahead, self.nb), x, s)
         }
     }
 }
@@ -263,22 +275,21 @@ unsafe fn k6_scale(blk: *const u8, d: __m512, j: usize) -> __m512 {
 /// sub-blocks the four quarters' partial sums, then `acc ← fma(d·sc_a, p_0 + p_1, acc)` and
 /// `acc ← fma(d·sc_b, p_2 + p_3, acc)`.
 #[inline(always)]
-unsafe fn k6_super_block<const N: usize, R: Run<N>>(
+unsafe fn k6_super_block<const N: usize, R: Run<N>, const L2: bool>(
     blk: *const u8,
     b: usize,
     x: &[*const f32; N],
     acc: &mut [__m512; N],
-    (next, to_l2): (*const u8, bool),
+    next: *const u8,
 ) {
     let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
     for pair in 0..K6_SUB / 2 {
         let xb: [*const f32; N] = std::array::from_fn(|t| x[t].add(b * 256 + pair * BLOCK));
         let mut c = R::new(xb);
-        let mut spread = Spread::part(
+        let mut spread = Spread::<_, L2>::part(
             &mut c,
             next,
             (group_block_bytes(QuantKind::Q6_K), pair, K6_SUB / 2),
-            to_l2,
         );
         values6(blk.add(K6_QUANTS + pair * K6_PAIR_BYTES), &mut spread);
         let (da, db) = (k6_scale(blk, d, 2 * pair), k6_scale(blk, d, 2 * pair + 1));
@@ -396,41 +407,30 @@ trait Sink {
 /// Xeon (family 6 model 167), two threads, builds alternating, `kiln-bench -p 0 -n 128` decode
 /// medians: SmolLM2 Q8_0 154.2 → 193.3 tok/s, Q4_1 279.1 → 285.1 (within the spread), and
 /// Qwen2.5-Coder-0.5B Q4_K_M 47.8 → 62.8 (its Q5_0/Q8_0 tensors, then the K formats' lines
-/// spread over each sub-block as well: 60.4 → 62.8). With the weights in L2 the branches this
-/// adds cost a few percent (a one-off timing of one-thread Q4_1 products, 1536 × 576: 3–4%).
-struct Spread<'a, S> {
+/// spread over each sub-block as well: 60.4 → 62.8). The hint and the address are constants of
+/// the pass (see [`lines_at_step`]), so that the prefetches put no branches between the loads.
+struct Spread<'a, S, const L2: bool> {
     inner: &'a mut S,
-    /// The next group's block (null: nothing to ask for).
+    /// The next group's block (or, on a later pass over the group, this one's, in cache).
     next: *const u8,
     lines: usize,
-    to_l2: bool,
 }
 
-impl<'a, S> Spread<'a, S> {
+impl<'a, S, const L2: bool> Spread<'a, S, L2> {
     /// The lines of part `i` of `parts` of the `bytes` bytes at `next` ([`part_lines`]: a
     /// block's whole, or a K super-block's next-group bytes over its sub-blocks).
     #[inline(always)]
-    fn part(
-        inner: &'a mut S,
-        next: *const u8,
-        (bytes, i, parts): (usize, usize, usize),
-        to_l2: bool,
-    ) -> Self {
+    fn part(inner: &'a mut S, next: *const u8, (bytes, i, parts): (usize, usize, usize)) -> Self {
         let (next, lines) = part_lines(next, bytes, i, parts);
-        Spread {
-            inner,
-            next,
-            lines,
-            to_l2,
-        }
+        Spread { inner, next, lines }
     }
 }
 
-impl<S: Sink> Sink for Spread<'_, S> {
+impl<S: Sink, const L2: bool> Sink for Spread<'_, S, L2> {
     const INTERLEAVED: bool = S::INTERLEAVED;
     #[inline(always)]
     unsafe fn put(&mut self, e: usize, v: __m512) {
-        lines_at_step(self.next, self.lines, (e, BLOCK), self.to_l2);
+        lines_at_step::<L2>(self.next, self.lines, (e, BLOCK));
         self.inner.put(e, v);
     }
 }
@@ -516,7 +516,7 @@ impl Sink for Dequantized<'_> {
 /// One group's 16 outputs for `N` tokens: the block chain of [`super::grouped`]'s module doc,
 /// lane by lane.
 #[inline(always)]
-unsafe fn chunk<const F: u8, const N: usize, R: Run<N>>(
+unsafe fn chunk<const F: u8, const N: usize, R: Run<N>, const L2: bool>(
     (base, ahead, nb): (*const u8, *const u8, usize),
     x: [*const f32; N],
     sums: [*const f32; N],
@@ -525,22 +525,21 @@ unsafe fn chunk<const F: u8, const N: usize, R: Run<N>>(
     let bb = group_block_bytes(kind);
     let qa = quants_at(kind);
     let min = super::int8::has_min(kind);
-    let to_l2 = super::prefetch::policy().to_l2;
     let mut acc = [_mm512_setzero_ps(); N];
     for b in 0..nb {
         let blk = base.add(b * bb);
-        let next = block_ahead(ahead, b * bb);
+        let next = ahead.wrapping_add(b * bb);
         if F == Q4_K {
-            k4_super_block::<N, R>(blk, b, &x, &sums, &mut acc, (next, to_l2));
+            k4_super_block::<N, R, L2>(blk, b, &x, &sums, &mut acc, next);
             continue;
         }
         if F == Q6_K {
-            k6_super_block::<N, R>(blk, b, &x, &mut acc, (next, to_l2));
+            k6_super_block::<N, R, L2>(blk, b, &x, &mut acc, next);
             continue;
         }
         let xb: [*const f32; N] = std::array::from_fn(|t| x[t].add(b * BLOCK));
         let mut c = R::new(xb);
-        let mut spread = Spread::part(&mut c, next, (bb, 0, 1), to_l2);
+        let mut spread = Spread::<_, L2>::part(&mut c, next, (bb, 0, 1));
         values::<F, _>(blk.add(qa), &mut spread);
         let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
         for (t, a) in acc.iter_mut().enumerate() {
@@ -584,24 +583,23 @@ unsafe fn k4_scales(blk: *const u8, (d, dmin): (__m512, __m512), j: usize) -> (_
 /// `j` as a Q4_1 block's quarters, then `acc ← fma(d·sc_j, s, acc)` and
 /// `acc ← fma(−dmin·m_j, Σx_j, acc)`.
 #[inline(always)]
-unsafe fn k4_super_block<const N: usize, R: Run<N>>(
+unsafe fn k4_super_block<const N: usize, R: Run<N>, const L2: bool>(
     blk: *const u8,
     b: usize,
     x: &[*const f32; N],
     sums: &[*const f32; N],
     acc: &mut [__m512; N],
-    (next, to_l2): (*const u8, bool),
+    next: *const u8,
 ) {
     let dd = k4_super_scales(blk);
     for j in 0..K4_SUB {
         let sub = b * K4_SUB + j;
         let xb: [*const f32; N] = std::array::from_fn(|t| x[t].add(sub * BLOCK));
         let mut c = R::new(xb);
-        let mut spread = Spread::part(
+        let mut spread = Spread::<_, L2>::part(
             &mut c,
             next,
             (group_block_bytes(QuantKind::Q4_K), j, K4_SUB),
-            to_l2,
         );
         values::<Q4_1, _>(blk.add(K4_QUANTS + j * K4_SUB_BYTES), &mut spread);
         let (d1, m1) = k4_scales(blk, dd, j);

@@ -21,7 +21,7 @@ pub(super) const CHUNK: usize = 8;
 pub(super) trait GroupPass {
     /// The 16 outputs (lane `r`: the group's row `r`) of tokens `t0..t0 + N` for the group whose
     /// bytes start at `base`, asking the bytes at `ahead` (as far from `base` as
-    /// [`prefetch_distance`]) into the cache as it goes (null: none).
+    /// [`prefetch_distance`], or `base` itself on a later pass) into the cache as it goes.
     ///
     /// # Safety
     /// `base` must point at whole groups of the kernel's weights; `ahead` is only prefetched
@@ -84,7 +84,10 @@ pub(super) unsafe fn drive<K: GroupPass>(
                 7 => pass!(7),
                 _ => pass!(8),
             }
-            ahead = std::ptr::null();
+            // Later passes ask for the group's own bytes, which the first pass brought into
+            // the cache: prefetches that cost a load slot each, where a null to test for
+            // would put branches in the blocks' body (see `super::prefetch::lines_at_step`).
+            ahead = base;
             t0 += n;
         }
     }

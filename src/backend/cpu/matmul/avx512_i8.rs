@@ -82,12 +82,26 @@ pub(crate) unsafe fn rows(w: &Interleaved, x: &[XI8], job: &Job) {
 unsafe fn rows_of<const F: u8>(w: &Interleaved, x: &[XI8], job: &Job) {
     let nb = w.cols / BLOCK;
     let bb = group_block_bytes(w.kind);
-    let kernel = Pass::<F> { nb, bb, x };
-    drive(&kernel, w.bytes.as_ptr(), nb * bb, job);
+    // The prefetch hint as a constant of the kernel (see `super::prefetch::lines_at_step`).
+    if super::prefetch::policy().to_l2 {
+        drive(
+            &Pass::<F, true> { nb, bb, x },
+            w.bytes.as_ptr(),
+            nb * bb,
+            job,
+        );
+    } else {
+        drive(
+            &Pass::<F, false> { nb, bb, x },
+            w.bytes.as_ptr(),
+            nb * bb,
+            job,
+        );
+    }
 }
 
-/// [`chunk`] as the shared group loop's pass.
-struct Pass<'a, const F: u8> {
+/// [`chunk`] as the shared group loop's pass, prefetching into L2 (`L2`) or L1.
+struct Pass<'a, const F: u8, const L2: bool> {
     /// Blocks per row, and bytes per group block.
     nb: usize,
     bb: usize,
@@ -95,7 +109,7 @@ struct Pass<'a, const F: u8> {
     x: &'a [XI8],
 }
 
-impl<const F: u8> GroupPass for Pass<'_, F> {
+impl<const F: u8, const L2: bool> GroupPass for Pass<'_, F, L2> {
     #[inline(always)]
     unsafe fn pass<const N: usize>(
         &self,
@@ -103,14 +117,14 @@ impl<const F: u8> GroupPass for Pass<'_, F> {
         ahead: *const u8,
         t0: usize,
     ) -> [__m512; N] {
-        chunk::<F, N>((base, ahead, self.nb, self.bb), &self.x[t0..t0 + N])
+        chunk::<F, N, L2>((base, ahead, self.nb, self.bb), &self.x[t0..t0 + N])
     }
 }
 
 /// One group's 16 outputs for `N` tokens: the block chain of [`super::int8`]'s module doc, lane by
 /// lane.
 #[inline(always)]
-unsafe fn chunk<const F: u8, const N: usize>(
+unsafe fn chunk<const F: u8, const N: usize, const L2: bool>(
     (base, ahead, nb, bb): (*const u8, *const u8, usize, usize),
     x: &[XI8],
 ) -> [__m512; N] {
@@ -130,8 +144,8 @@ unsafe fn chunk<const F: u8, const N: usize>(
     let (quants, masks) = (group_quants_at(kind), group_masks_at(kind));
     let min = has_min(kind);
     let offset = stored_offset(kind);
-    let to_l2 = super::prefetch::policy().to_l2;
-    let lines = bb.div_ceil(64);
+    // A constant, so that each step's lines are constant offsets.
+    let lines = group_block_bytes(kind).div_ceil(64);
     for b in 0..nb {
         let blk = base.add(b * bb);
         // The same block of the next group asked for a line at a time between the weights'
@@ -139,8 +153,8 @@ unsafe fn chunk<const F: u8, const N: usize>(
         // them (see `Spread` in `super::avx512_grouped`): `--numerics int8` decode on the
         // 2-vCPU Intel Xeon, SmolLM2 Q8_0 212.3 → 226.6 tok/s, Q4_1 355.6 → 370.8 (medians of
         // four runs, alternating).
-        let next = super::grouped::block_ahead(ahead, b * bb);
-        let ask = |i: usize| super::prefetch::lines_at_step(next, lines, (i, 8), to_l2);
+        let next = ahead.wrapping_add(b * bb);
+        let ask = |i: usize| super::prefetch::lines_at_step::<L2>(next, lines, (i, 8));
         let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
         let mw = if min {
             _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(2 * GROUP) as *const __m256i))
