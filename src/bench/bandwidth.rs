@@ -2,8 +2,12 @@
 //! scores it as (bytes the step must move / bandwidth) over the measured time; the bandwidth is
 //! measured on the machine the step ran on, or given on the command line:
 //!
-//! * [`BandwidthSource::CpuRead`]: a streaming read over a buffer far above the LLC, with the
-//!   same SIMD kernel the matmuls use, once per thread count.
+//! * [`BandwidthSource::CpuRead`]: the fastest of two streaming reads
+//!   ([`crate::backend::cpu::stream`]) over a buffer as large as the data the step reads, once
+//!   per thread count and size. The size matters: a CPU whose last-level cache holds a small
+//!   model's weights reads them from there, and a 1 GiB read scored such a step against DRAM
+//!   (the 2-vCPU Intel Xeon of 2026-12-06, family 6 model 167, 480 MiB of L3: 23.5 GB/s over 1
+//!   GiB, 55 over the demo model's 96 MiB, so its decode showed "130% of the roofline").
 //! * [`BandwidthSource::DeviceCopy`]: a device-to-device copy on GPU 0, counting bytes read plus
 //!   bytes written, the usual way to state a copy's bandwidth (PyTorch's `copy_` measured the
 //!   same way is the cross-check in `scripts/torch_compare.py --measure-bandwidth`).
@@ -14,7 +18,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::backend::cpu::simd;
+use crate::backend::cpu::stream;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BandwidthError {
@@ -35,13 +39,18 @@ pub struct Bandwidth {
     pub source: String,
 }
 
+/// The largest buffer a CPU read takes when sized by the step: far above any last-level cache,
+/// so a larger step reads DRAM as this does.
+pub const MAX_STEP_READ_MIB: usize = 1024;
+
 pub enum BandwidthSource {
     /// Bytes/s given by the user.
     Given(f64),
-    /// CPU streaming read of `mib` MiB, measured once per thread count.
+    /// CPU streaming read of `mib` MiB where given, else of the step's bytes
+    /// ([`step_read_mib`]), measured once per thread count and size.
     CpuRead {
-        mib: usize,
-        measured: BTreeMap<usize, f64>,
+        mib: Option<usize>,
+        measured: BTreeMap<(usize, usize), CpuRead>,
     },
     /// Device-to-device copy of `mib` MiB on GPU 0, measured once.
     DeviceCopy {
@@ -51,7 +60,8 @@ pub enum BandwidthSource {
 }
 
 impl BandwidthSource {
-    pub fn cpu_read(mib: usize) -> BandwidthSource {
+    /// A CPU read of `mib` MiB, or (`None`) of each step's bytes.
+    pub fn cpu_read(mib: Option<usize>) -> BandwidthSource {
         BandwidthSource::CpuRead {
             mib,
             measured: BTreeMap::new(),
@@ -65,30 +75,41 @@ impl BandwidthSource {
         }
     }
 
-    /// The bandwidth for a run with `threads` CPU threads (ignored by the device and given
-    /// sources), measuring it on first use and logging the measurement to stderr.
-    pub fn get(&mut self, threads: usize) -> Result<Bandwidth, BandwidthError> {
+    /// The bandwidth for a step of `threads` CPU threads that reads `step_bytes` (both ignored
+    /// by the device and given sources), measuring it on first use and logging the measurement
+    /// to stderr.
+    pub fn get(&mut self, threads: usize, step_bytes: u64) -> Result<Bandwidth, BandwidthError> {
         match self {
             BandwidthSource::Given(bw) => Ok(Bandwidth {
                 bytes_per_s: *bw,
                 source: format!("given: {:.1} GB/s", *bw / 1e9),
             }),
             BandwidthSource::CpuRead { mib, measured } => {
-                let bw = match measured.get(&threads) {
-                    Some(&bw) => bw,
+                let (size, sized_by) = match *mib {
+                    Some(m) => (m.max(1), "--bandwidth-mib"),
+                    None => (step_read_mib(step_bytes), "the step's bytes"),
+                };
+                let read = match measured.get(&(threads, size)) {
+                    Some(r) => *r,
                     None => {
-                        let bw = cpu_read(threads, *mib)?;
+                        let r = cpu_read(threads, size)?;
                         crate::note!(
-                            "kiln-bench: memory bandwidth {:.1} GB/s (streaming read of {mib} MiB, {threads} threads, median of 5)",
-                            bw / 1e9
+                            "kiln-bench: memory bandwidth {:.1} GB/s (streaming read of {size} MiB, {sized_by}, {threads} threads, median of 5; {}; {:.1} GB/s {})",
+                            r.bytes_per_s / 1e9,
+                            r.how(),
+                            r.other_bytes_per_s / 1e9,
+                            if r.prefetch { "without" } else { "with L2 requests" },
                         );
-                        measured.insert(threads, bw);
-                        bw
+                        measured.insert((threads, size), r);
+                        r
                     }
                 };
                 Ok(Bandwidth {
-                    bytes_per_s: bw,
-                    source: format!("CPU streaming read, {threads} threads"),
+                    bytes_per_s: read.bytes_per_s,
+                    source: format!(
+                        "CPU streaming read of {size} MiB ({sized_by}), {threads} threads, {}",
+                        read.how()
+                    ),
                 })
             }
             BandwidthSource::DeviceCopy { mib, measured } => {
@@ -110,10 +131,41 @@ impl BandwidthSource {
     }
 }
 
-/// Streaming-read bandwidth in bytes/s with `threads` threads: the median of 5 passes over a
-/// buffer of `mib` MiB (after one pass that faults the pages in), each thread reading its
-/// chunks with the same SIMD dot-product kernel the matmuls use.
-pub fn cpu_read(threads: usize, mib: usize) -> Result<f64, BandwidthError> {
+/// The buffer a CPU read of a step of `step_bytes` takes, in MiB: the step's bytes rounded up
+/// to a whole MiB, at most [`MAX_STEP_READ_MIB`]. Not rounded further: a buffer larger than the
+/// step straddles the last-level cache where the step does not (the BF16 demo model's 261 MiB
+/// read as 384 MiB on the Intel Xeon above, whose L3 holds part of either, measured 29.6 GB/s
+/// where the step itself read 32.3).
+pub fn step_read_mib(step_bytes: u64) -> usize {
+    let mib = step_bytes.div_ceil(1 << 20).max(1);
+    mib.min(MAX_STEP_READ_MIB as u64) as usize
+}
+
+/// One CPU read measurement: the faster of the two reads, and the other's figure.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CpuRead {
+    pub bytes_per_s: f64,
+    /// Whether the faster read asked for its lines into L2 ahead ([`stream::sum`]).
+    pub prefetch: bool,
+    /// The other read's bytes/s.
+    pub other_bytes_per_s: f64,
+}
+
+impl CpuRead {
+    fn how(&self) -> &'static str {
+        if self.prefetch {
+            "lines asked into L2 ahead"
+        } else {
+            "hardware prefetch alone"
+        }
+    }
+}
+
+/// Streaming-read bandwidth with `threads` threads over a buffer of `mib` MiB: after one pass of
+/// each read that faults the pages in (and fills the caches as a step's previous step would),
+/// five passes of each, alternating, each thread reading 1 MiB chunks with [`stream::sum`];
+/// the median of each read, and the faster of the two.
+pub fn cpu_read(threads: usize, mib: usize) -> Result<CpuRead, BandwidthError> {
     use rayon::prelude::*;
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
@@ -139,16 +191,33 @@ pub fn cpu_read(threads: usize, mib: usize) -> Result<f64, BandwidthError> {
                 .for_each(|(j, w)| *w = ((i + j) % 7) as f32)
         });
     });
-    let mut secs: Vec<f64> = (0..5)
-        .map(|_| {
-            let t0 = Instant::now();
-            let sum: f32 = pool.install(|| buf.par_chunks(chunk).map(simd::sum_sq).sum());
-            std::hint::black_box(sum);
-            t0.elapsed().as_secs_f64()
-        })
-        .collect();
-    secs.sort_by(f64::total_cmp);
-    Ok((floats * 4) as f64 / super::median(&secs))
+    let pass = |prefetch: bool| {
+        let t0 = Instant::now();
+        let sum: f32 = pool.install(|| {
+            buf.par_chunks(chunk)
+                .map(|c| stream::sum(c, prefetch))
+                .sum()
+        });
+        std::hint::black_box(sum);
+        t0.elapsed().as_secs_f64()
+    };
+    pass(false);
+    pass(true);
+    let (mut plain, mut ahead) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        plain.push(pass(false));
+        ahead.push(pass(true));
+    }
+    let rate = |mut secs: Vec<f64>| {
+        secs.sort_by(f64::total_cmp);
+        (floats * 4) as f64 / super::median(&secs)
+    };
+    let (plain, ahead) = (rate(plain), rate(ahead));
+    Ok(CpuRead {
+        bytes_per_s: plain.max(ahead),
+        prefetch: ahead > plain,
+        other_bytes_per_s: plain.min(ahead),
+    })
 }
 
 /// One device-to-device copy measurement.
@@ -260,20 +329,49 @@ mod tests {
     #[test]
     fn a_given_bandwidth_is_reported_as_given() {
         let mut s = BandwidthSource::Given(3.0e12);
-        let b = s.get(4).unwrap();
+        let b = s.get(4, 1 << 30).unwrap();
         assert_eq!(b.bytes_per_s, 3.0e12);
         assert_eq!(b.source, "given: 3000.0 GB/s");
     }
 
     #[test]
-    fn cpu_read_is_measured_once_per_thread_count() {
-        let mut s = BandwidthSource::cpu_read(8);
-        let a = s.get(1).unwrap();
+    fn cpu_read_is_measured_once_per_thread_count_and_size() {
+        let mut s = BandwidthSource::cpu_read(None);
+        let a = s.get(1, (5 << 20) - 1).unwrap();
         assert!(a.bytes_per_s > 1e8, "{a:?}");
-        assert_eq!(s.get(1).unwrap(), a);
+        assert!(
+            a.source
+                .starts_with("CPU streaming read of 5 MiB (the step's bytes), 1 threads, "),
+            "{}",
+            a.source
+        );
+        // A step of the same whole MiB shares the measurement; a larger one does not.
+        assert_eq!(s.get(1, 5 << 20).unwrap(), a);
+        s.get(1, (5 << 20) + 1).unwrap();
         match &s {
-            BandwidthSource::CpuRead { measured, .. } => assert_eq!(measured.len(), 1),
+            BandwidthSource::CpuRead { measured, .. } => {
+                assert_eq!(
+                    measured.keys().copied().collect::<Vec<_>>(),
+                    vec![(1, 5), (1, 6)]
+                )
+            }
             _ => unreachable!(),
         }
+        let mut given = BandwidthSource::cpu_read(Some(2));
+        let b = given.get(1, 1 << 30).unwrap();
+        assert!(b
+            .source
+            .starts_with("CPU streaming read of 2 MiB (--bandwidth-mib), 1 threads, "));
+    }
+
+    #[test]
+    fn a_step_reads_its_bytes_in_whole_mib_up_to_a_gib() {
+        assert_eq!(step_read_mib(0), 1);
+        assert_eq!(step_read_mib(1), 1);
+        assert_eq!(step_read_mib(1 << 20), 1);
+        assert_eq!(step_read_mib((1 << 20) + 1), 2);
+        assert_eq!(step_read_mib(101_200_000), 97);
+        assert_eq!(step_read_mib(5000 << 20), MAX_STEP_READ_MIB);
+        assert_eq!(step_read_mib(u64::MAX), MAX_STEP_READ_MIB);
     }
 }

@@ -157,9 +157,11 @@ struct Args {
     /// prefill of the exact path's sequence.
     #[arg(long, value_name = "N")]
     agreement: Option<usize>,
-    /// Size of the buffer used to measure bandwidth, in MiB (keep it far above the LLC).
-    #[arg(long, default_value_t = 1024)]
-    bandwidth_mib: usize,
+    /// Size of the buffer used to measure bandwidth, in MiB. Default: on the CPU, as many bytes
+    /// as the test's step reads (rounded up, at most 1024), so that a model the last-level
+    /// cache holds is scored against that cache; on a GPU, 1024.
+    #[arg(long)]
+    bandwidth_mib: Option<usize>,
     /// Compute roofline % against this bandwidth in GB/s (10^9 bytes/s) instead of measuring
     /// one, e.g. a device-to-device copy measured with --measure-gpu-bandwidth.
     #[arg(long, value_name = "GB/s")]
@@ -223,6 +225,9 @@ const MAX_REPETITIONS: usize = 10_000;
 /// The largest --bandwidth-mib (1 TiB).
 const MAX_BANDWIDTH_MIB: usize = 1 << 20;
 
+/// The buffer a GPU copy measurement takes without --bandwidth-mib, in MiB.
+const GPU_COPY_MIB: usize = 1024;
+
 fn main() {
     die_on_closed_pipe();
     if let Err(e) = run() {
@@ -246,11 +251,8 @@ fn check_sizes(args: &Args) -> Result<()> {
     if args.repetitions > MAX_REPETITIONS {
         bail!("-r {}: at most {MAX_REPETITIONS}", args.repetitions);
     }
-    if args.bandwidth_mib > MAX_BANDWIDTH_MIB {
-        bail!(
-            "--bandwidth-mib {}: at most {MAX_BANDWIDTH_MIB}",
-            args.bandwidth_mib
-        );
+    if let Some(mib) = args.bandwidth_mib.filter(|&m| m > MAX_BANDWIDTH_MIB) {
+        bail!("--bandwidth-mib {}: at most {MAX_BANDWIDTH_MIB}", mib);
     }
     for &t in args.threads.iter().flatten() {
         check_threads("-t", t)?;
@@ -371,12 +373,13 @@ fn run() -> Result<()> {
     };
     if let (Device::Cpu, None, Some(avail)) = (args.device, args.bandwidth_gbs, memory::available())
     {
-        let need = (args.bandwidth_mib.max(1) as u64) << 20;
+        let mib = args.bandwidth_mib.unwrap_or(bandwidth::MAX_STEP_READ_MIB);
+        let need = (mib.max(1) as u64) << 20;
         if need > avail.usable() {
             bail!(
                 "--bandwidth-mib {}: the buffer needs {} but may take at most {}, 3/4 of the {} \
                  available ({})",
-                args.bandwidth_mib,
+                mib,
                 human(need),
                 human(avail.usable()),
                 human(avail.bytes),
@@ -421,7 +424,9 @@ fn run() -> Result<()> {
         Some(gbs) => BandwidthSource::Given(gbs * 1e9),
         None => match args.device {
             Device::Cpu => BandwidthSource::cpu_read(args.bandwidth_mib),
-            Device::Cuda => BandwidthSource::device_copy(args.bandwidth_mib),
+            Device::Cuda => {
+                BandwidthSource::device_copy(args.bandwidth_mib.unwrap_or(GPU_COPY_MIB))
+            }
         },
     };
     let mut rows = Vec::new();
@@ -444,7 +449,6 @@ fn run() -> Result<()> {
             .iter()
             .flat_map(|t| args.numerics.iter().map(move |n| (t, n)))
         {
-            let bw = bandwidth.get(t)?;
             let target: Box<dyn Target> = match args.device {
                 Device::Cpu => {
                     let m = model.as_ref().expect("kept for every thread count");
@@ -491,6 +495,7 @@ fn run() -> Result<()> {
                     target.profile(&test, args.repetitions, args.seed)?;
                 }
                 let (bytes_per_token, bytes_source) = target.bytes_per_token(&test);
+                let bw = bandwidth.get(t, (bytes_per_token * test.step_tokens() as f64) as u64)?;
                 let n = test.tokens() as f64;
                 let ts: Vec<f64> = samples.iter().map(|d| n / d.as_secs_f64()).collect();
                 let mut ms: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1e3 / n).collect();
@@ -564,6 +569,15 @@ impl Test {
             self.n_prompt
         } else {
             self.n_gen.saturating_mul(self.batch)
+        }
+    }
+
+    /// Tokens of one step: the prompt for a pp test, a token per sequence for a tg test.
+    fn step_tokens(&self) -> usize {
+        if self.n_prompt > 0 {
+            self.n_prompt
+        } else {
+            self.batch
         }
     }
 }
@@ -973,7 +987,7 @@ fn precompile_cuda(_: &Args, _: &[Source], _: u32) -> Result<()> {
 }
 
 fn measure_gpu_bandwidth(args: &Args) -> Result<()> {
-    let copy = bandwidth::device_copy(args.bandwidth_mib, 20)?;
+    let copy = bandwidth::device_copy(args.bandwidth_mib.unwrap_or(GPU_COPY_MIB), 20)?;
     note!("kiln-bench: {}", copy.summary());
     match args.output {
         Output::Json => print_out(&(serde_json::to_string(&copy)? + "\n")),

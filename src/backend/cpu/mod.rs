@@ -15,6 +15,7 @@ pub mod norm;
 mod pages;
 mod rope;
 pub mod simd;
+pub mod stream;
 #[cfg(test)]
 mod synthetic_models;
 

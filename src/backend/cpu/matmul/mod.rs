@@ -135,6 +135,7 @@ mod scalar;
 
 pub use grouped::{groupable, Grouped};
 pub use int8::{interleavable, Interleaved};
+pub(crate) use prefetch::ROW_AHEAD_L2;
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]

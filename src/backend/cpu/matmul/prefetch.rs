@@ -29,7 +29,7 @@ use std::sync::OnceLock;
 
 /// How far ahead the one-row dense GEMV (f32/bf16 weights) prefetches its row stream under the
 /// L2 policy: the middle of the 4–32 KiB plateau measured on the Intel Xeon above.
-const ROW_AHEAD_L2: usize = 8 << 10;
+pub(crate) const ROW_AHEAD_L2: usize = 8 << 10;
 
 /// The process's prefetch policy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
