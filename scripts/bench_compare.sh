@@ -3,7 +3,8 @@
 # decode (tgN) tokens/s from kiln-bench and llama-bench, alternating between them, and the ratio
 # of kiln to the best llama.cpp build (native, or the no-AMX build where the native one crashes or
 # is slower). Prints a Markdown table, the CPU model and flags, with more than one round each
-# round's figures and the ratio within each round, and every command it ran.
+# round's figures and the ratio within each round, kiln's decode as a share of its memory
+# roofline (kiln-bench's roofline %), and every command it ran.
 #
 #   scripts/bench_compare.sh [--quick] [-t THREADS] [-r REPS] [--rounds N] [-p N] [-n N]
 #                            [--models LIST] [--builds native,noamx] [--cpus LIST]
@@ -126,7 +127,8 @@ for m in "${WANT_MODELS[@]}"; do
     esac
 done
 
-# --- one run of each tool: prints tokens/s, or a word saying why there is none
+# --- one run of each tool: prints tokens/s (kiln: tokens/s:roofline %:GB/s of the bandwidth it
+# was scored against), or a word saying why there is none
 # (Each run is in a command substitution, a subshell: the commands are collected in a file.)
 CMDLOG="${LOGS}/commands.txt"
 : > "${CMDLOG}"
@@ -140,7 +142,7 @@ run_kiln() { # model threads pp tg numerics
         echo failed
         return
     fi
-    "${PY}" -c 'import json,sys; print("%.2f" % json.load(open(sys.argv[1]))[0]["tokens_per_s"])' "${log}"
+    "${PY}" -c 'import json,sys; r = json.load(open(sys.argv[1]))[0]; print("%.2f:%.1f:%.1f" % (r["tokens_per_s"], r["roofline_pct"], r["bandwidth_bytes_per_s"] / 1e9))' "${log}"
 }
 run_llama() { # bindir build model threads pp tg
     local log="${LOGS}/llama-$2-$(basename "$3")-t$4-p$5-n$6.json" cmd rc=0
@@ -176,18 +178,21 @@ PYEOF
 # --- the runs, alternating tools within each round
 RESULTS=()   # "model|threads|test|kiln|build1|build2..."
 RAW=()       # the same with each tool's value in every round, space-separated
+ROOF=()      # "model|threads|test|numerics|roofline %s|GB/s" of kiln's tg runs, one per round
 IFS=, read -r -a THREAD_LIST <<< "${THREADS}"
 for file in "${MODEL_FILES[@]}"; do
     for t in "${THREAD_LIST[@]}"; do
         for test in "pp${PP}" "tg${TG}"; do
             if [[ "${test}" == pp* ]]; then p="${PP}"; n=0; else p=0; n="${TG}"; fi
-            declare -A K=() ; declare -A L=()
+            declare -A K=() ; declare -A L=() ; declare -A KR=() ; declare -A KB=()
             for b in "${BUILD_NAMES[@]}"; do L[$b]=""; done
-            for nm in "${NUMERICS_LIST[@]}"; do K[$nm]=""; done
+            for nm in "${NUMERICS_LIST[@]}"; do K[$nm]=""; KR[$nm]=""; KB[$nm]=""; done
             for round in $(seq 1 "${ROUNDS}"); do
                 echo "bench_compare: $(basename "${file}") t=${t} ${test} round ${round}/${ROUNDS}" >&2
                 for nm in "${NUMERICS_LIST[@]}"; do
-                    K[$nm]+=" $(run_kiln "${file}" "${t}" "${p}" "${n}" "${nm}")"
+                    v="$(run_kiln "${file}" "${t}" "${p}" "${n}" "${nm}")"
+                    IFS=: read -r tps roof gbs <<< "${v}"
+                    K[$nm]+=" ${tps}"; KR[$nm]+=" ${roof:-${tps}}"; KB[$nm]+=" ${gbs:-${tps}}"
                 done
                 for i in "${!BUILD_NAMES[@]}"; do
                     b="${BUILD_NAMES[$i]}"
@@ -208,7 +213,12 @@ for file in "${MODEL_FILES[@]}"; do
             for nm in "${NUMERICS_LIST[@]}"; do raw+="|${K[$nm]}"; done
             for b in "${BUILD_NAMES[@]}"; do raw+="|${L[$b]}"; done
             RAW+=("${raw}")
-            unset K L
+            if [[ "${test}" == tg* ]]; then
+                for nm in "${NUMERICS_LIST[@]}"; do
+                    ROOF+=("$(basename "${file}")|${t}|${test}|${nm}|${KR[$nm]}|${KB[$nm]}")
+                done
+            fi
+            unset K L KR KB
         done
     done
 done
@@ -291,6 +301,20 @@ for mode, k in zip(modes, kiln):
     label = test if len(modes) == 1 else "%s (%s)" % (test, mode)
     print("| %s | %s | %s | %s | %s (%s) | %s | %s |" % (model, threads, label, fmt(k), fmt(ref), builds[best], " ".join("%.2f" % x for x in ratios), span))
 PYEOF
+    done
+    echo
+fi
+if [[ "${#ROOF[@]}" -gt 0 ]]; then
+    # kiln-bench scores a decode step against a streaming read of as many bytes as the step
+    # reads (README, "Benchmarking"): the share of that read's speed the decode reached.
+    echo "kiln's decode against the memory roofline (kiln-bench's roofline %: the step's bytes at the speed of a streaming read of as many bytes, over the measured time; per round, and the read's GB/s):"
+    echo
+    echo "| model | threads | test | numerics | roofline % (median) | per round | read GB/s per round |"
+    echo "|---|---:|---|---|---:|---|---|"
+    for r in "${ROOF[@]}"; do
+        IFS='|' read -r m t test nm roofs gbs <<< "${r}"
+        # shellcheck disable=SC2086  # the list of rounds' values
+        echo "| ${m} | ${t} | ${test} | ${nm} | $(median ${roofs}) |${roofs} |${gbs} |"
     done
     echo
 fi
