@@ -6,8 +6,9 @@
 //!   ([`crate::backend::cpu::stream`]) over a buffer as large as the data the step reads, once
 //!   per thread count and size. The size matters: a CPU whose last-level cache holds a small
 //!   model's weights reads them from there, and a 1 GiB read scored such a step against DRAM
-//!   (the 2-vCPU Intel Xeon of 2026-12-06, family 6 model 167, 480 MiB of L3: 23.5 GB/s over 1
-//!   GiB, 55 over the demo model's 96 MiB, so its decode showed "130% of the roofline").
+//!   (the 2-vCPU Intel Xeon of 2026-12-06, family 6 model 167, 480 MiB of L3: the 1 GiB read
+//!   used before gave 23.5 GB/s and the demo Q4_1 decode "130% of the roofline"; a read of its
+//!   step's 97 MiB gives 52.6).
 //! * [`BandwidthSource::DeviceCopy`]: a device-to-device copy on GPU 0, counting bytes read plus
 //!   bytes written, the usual way to state a copy's bandwidth (PyTorch's `copy_` measured the
 //!   same way is the cross-check in `scripts/torch_compare.py --measure-bandwidth`).

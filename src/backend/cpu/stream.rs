@@ -7,7 +7,7 @@
 //! L2, as the one-row dense GEMV does under the L2 prefetch policy
 //! (`matmul/prefetch.rs`). On the 2-vCPU Intel Xeon of 2026-12-06 (family 6 model 167), two
 //! threads, a C model of both loops: over 1 GiB (DRAM) 27.5 GB/s without and 31.0 with the L2
-//! requests; over 96 MiB (held by its large L3) 45–47 without and 53–57 with.
+//! requests 8 KiB ahead; over 96 MiB (held by its large L3) 45–47 without and 55–56 with.
 
 /// How far ahead of its loads the prefetching read asks for lines: the one-row GEMV's distance
 /// under the L2 policy.
