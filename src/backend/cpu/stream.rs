@@ -60,7 +60,25 @@ mod x86 {
         unsafe { _mm_prefetch::<_MM_HINT_T1>((p as *const i8).wrapping_add(AHEAD)) }
     }
 
-    /// [`super::sum`] in 16-lane vectors, a 256-byte step (four lines) at a time.
+    /// Runs `$body` with `$i` at each 256-byte step (64 floats, four lines) of the whole steps of
+    /// `$p`'s `$whole` floats, asking for the step's lines [`AHEAD`] bytes on first when
+    /// `$prefetch`.
+    macro_rules! steps {
+        ($p:ident, $whole:ident, $prefetch:ident, |$i:ident| $body:block) => {
+            let mut $i = 0;
+            while $i < $whole {
+                if $prefetch {
+                    for l in 0..4 {
+                        ask($p.wrapping_add($i + 16 * l));
+                    }
+                }
+                $body
+                $i += 64;
+            }
+        };
+    }
+
+    /// [`super::sum`] in 16-lane vectors.
     ///
     /// # Safety
     /// The CPU must have AVX-512 F.
@@ -69,23 +87,16 @@ mod x86 {
         let p = x.as_ptr();
         let whole = x.len() / 64 * 64;
         let mut acc = [_mm512_setzero_ps(); 4];
-        let mut i = 0;
-        while i < whole {
-            if PREFETCH {
-                for l in 0..4 {
-                    ask(p.wrapping_add(i + 16 * l));
-                }
-            }
+        steps!(p, whole, PREFETCH, |i| {
             for (l, a) in acc.iter_mut().enumerate() {
                 *a = _mm512_add_ps(*a, _mm512_loadu_ps(p.add(i + 16 * l)));
             }
-            i += 64;
-        }
+        });
         let v = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
         _mm512_reduce_add_ps(v) + super::sum_portable(&x[whole..])
     }
 
-    /// [`super::sum`] in 8-lane vectors, a 256-byte step (four lines) at a time.
+    /// [`super::sum`] in 8-lane vectors.
     ///
     /// # Safety
     /// The CPU must have AVX2.
@@ -94,18 +105,11 @@ mod x86 {
         let p = x.as_ptr();
         let whole = x.len() / 64 * 64;
         let mut acc = [_mm256_setzero_ps(); 8];
-        let mut i = 0;
-        while i < whole {
-            if PREFETCH {
-                for l in 0..4 {
-                    ask(p.wrapping_add(i + 16 * l));
-                }
-            }
+        steps!(p, whole, PREFETCH, |i| {
             for (l, a) in acc.iter_mut().enumerate() {
                 *a = _mm256_add_ps(*a, _mm256_loadu_ps(p.add(i + 8 * l)));
             }
-            i += 64;
-        }
+        });
         let mut lanes = [0f32; 8];
         let mut v = acc[0];
         for a in &acc[1..] {
