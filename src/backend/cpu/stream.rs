@@ -52,12 +52,13 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::AHEAD;
+    use crate::backend::cpu::matmul::prefetch_line;
 
-    /// Asks for the line at `p` into L2; a hint, which never faults whatever the address.
+    /// Asks for the line [`AHEAD`] bytes past `p` into L2, as the one-row GEMV asks for its row
+    /// stream.
     #[inline(always)]
     fn ask(p: *const f32) {
-        // SAFETY: a prefetch never faults.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>((p as *const i8).wrapping_add(AHEAD)) }
+        prefetch_line::<true>((p as *const u8).wrapping_add(AHEAD))
     }
 
     /// Runs `$body` with `$i` at each 256-byte step (64 floats, four lines) of the whole steps of

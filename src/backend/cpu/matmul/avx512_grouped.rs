@@ -47,7 +47,7 @@ use super::grouped::{
     Layout, BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES,
     K6_PAIR_BYTES, K6_QUANTS, K6_SCALES, K6_SUB, MAX_TOKENS,
 };
-use super::prefetch::lines_at_step;
+use super::prefetch::{lines_at_step, with_hint};
 use super::Job;
 use crate::model::quant::QuantKind;
 
@@ -91,30 +91,15 @@ unsafe fn rows_of<const F: u8>(w: &Grouped, job: &Job) {
     let sums = job_sums(w, job);
     let blocks = w.cols / BLOCK;
     let group_bytes = nb * group_block_bytes(kind);
-    let (bytes, sums) = (w.bytes.as_ptr(), &sums[..]);
-    // The prefetch hint as a constant of the kernel (see [`lines_at_step`]).
-    if super::prefetch::policy().to_l2 {
-        drive_with::<F, true>((bytes, group_bytes), job, (nb, sums, blocks))
-    } else {
-        drive_with::<F, false>((bytes, group_bytes), job, (nb, sums, blocks))
-    }
-}
-
-/// [`drive`] of [`Pass`] with the prefetch hint `L2` over the groups at `bytes`, `group_bytes`
-/// apart.
-#[inline(always)]
-unsafe fn drive_with<const F: u8, const L2: bool>(
-    (bytes, group_bytes): (*const u8, usize),
-    job: &Job,
-    (nb, sums, blocks): (usize, &[f32], usize),
-) {
-    let kernel = Pass::<F, L2> {
-        nb,
-        job,
-        sums,
-        blocks,
-    };
-    drive(&kernel, bytes, group_bytes, job);
+    with_hint!(L2 => {
+        let kernel = Pass::<F, L2> {
+            nb,
+            job,
+            sums: &sums,
+            blocks,
+        };
+        drive(&kernel, w.bytes.as_ptr(), group_bytes, job)
+    })
 }
 
 /// [`chunk`] as the shared group loop's pass, prefetching into L2 (`L2`) or L1.

@@ -83,21 +83,7 @@ unsafe fn rows_of<const F: u8>(w: &Interleaved, x: &[XI8], job: &Job) {
     let nb = w.cols / BLOCK;
     let bb = group_block_bytes(w.kind);
     // The prefetch hint as a constant of the kernel (see `super::prefetch::lines_at_step`).
-    if super::prefetch::policy().to_l2 {
-        drive(
-            &Pass::<F, true> { nb, bb, x },
-            w.bytes.as_ptr(),
-            nb * bb,
-            job,
-        );
-    } else {
-        drive(
-            &Pass::<F, false> { nb, bb, x },
-            w.bytes.as_ptr(),
-            nb * bb,
-            job,
-        );
-    }
+    super::prefetch::with_hint!(L2 => drive(&Pass::<F, L2> { nb, bb, x }, w.bytes.as_ptr(), nb * bb, job))
 }
 
 /// [`chunk`] as the shared group loop's pass, prefetching into L2 (`L2`) or L1.

@@ -135,6 +135,8 @@ mod scalar;
 
 pub use grouped::{groupable, Grouped};
 pub use int8::{interleavable, Interleaved};
+#[cfg(target_arch = "x86_64")]
+pub(crate) use prefetch::line_to as prefetch_line;
 pub(crate) use prefetch::ROW_AHEAD_L2;
 #[cfg(test)]
 mod tests;

@@ -99,6 +99,21 @@ fn intel() -> bool {
     false
 }
 
+/// Evaluates `$e` with `$l2` a `const bool`: the process's [`policy`]'s hint (`true`: into L2),
+/// for kernels that take the hint as a constant parameter (see [`lines_at_step`]).
+macro_rules! with_hint {
+    ($l2:ident => $e:expr) => {
+        if $crate::backend::cpu::matmul::prefetch::policy().to_l2 {
+            const $l2: bool = true;
+            $e
+        } else {
+            const $l2: bool = false;
+            $e
+        }
+    };
+}
+pub(crate) use with_hint;
+
 /// Step `i` of `steps` of asking for the `lines` lines from `next`, into L2 (`L2`) or L1: the
 /// lines `l` with `⌊steps·l / lines⌋ = i`, so that a kernel taking a step between its loads
 /// spreads the requests over them instead of issuing them in one burst, which waits on the line
