@@ -188,6 +188,26 @@ fn gemv(c: &mut Criterion) {
                         b.iter(|| run(level, &grouped, black_box(&x), 1, &mut out))
                     });
                 }
+                // `Numerics::Int16` on the same bytes, where the CPU has its grouped kernel
+                // (the rounding of the activations is part of each call).
+                if kiln::backend::cpu::matmul::int16_grouped_kernels() {
+                    let id = BenchmarkId::new(
+                        format!("{}-grouped-int16/{rows}x{cols}", kind.name()),
+                        Level::Avx512.name(),
+                    );
+                    g.bench_function(id, |b| {
+                        b.iter(|| {
+                            run_with(
+                                Level::Avx512,
+                                Numerics::Int16,
+                                &grouped,
+                                black_box(&x),
+                                1,
+                                &mut out,
+                            )
+                        })
+                    });
+                }
             }
             // Regrouped for `Numerics::Int8`'s kernels (8-bit activations; the rounding of the
             // activations is part of each call), at each level that has one.

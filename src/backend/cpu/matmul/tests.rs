@@ -1662,6 +1662,7 @@ fn int8_job_outputs(
             ldo: rows,
             accumulate,
             xq: None,
+            x16g: None,
             xb: None,
             xs: None,
             x8: Some(x8),
@@ -2090,6 +2091,7 @@ fn grouped_kernels_match_the_reference() {
                             ldo: rows,
                             accumulate: acc,
                             xq: None,
+                            x16g: None,
                             xb: None,
                             xs: None,
                             x8: None,
@@ -2236,6 +2238,7 @@ fn grouped_avx2_kernels_keep_their_bits_on_tiny_and_huge_activations() {
                         ldo: rows,
                         accumulate: false,
                         xq: None,
+                        x16g: None,
                         xb: None,
                         xs: None,
                         x8: None,
@@ -2258,6 +2261,164 @@ fn grouped_avx2_kernels_keep_their_bits_on_tiny_and_huge_activations() {
                     bits(&reference),
                     "{kind:?} {layout:?} {rows}x{cols} x{tokens}, case {case}"
                 );
+            }
+        }
+    }
+}
+
+/// [`Numerics::Int16`] on grouped Q4_0/Q4_1 weights ([`grouped_i16`]): the AVX512-VNNI kernel
+/// equals the scalar chain bit for bit (row ranges that cut groups, bias, accumulation, 1 to 16
+/// tokens: passes of one token's four chains, of several tokens, chunks of 8 and rests); the
+/// entry point gives those bits at every level (below the kernel's, through the scalar chain),
+/// each token alone the same bits as in any call; and the chain is the f64 product of the
+/// dequantized weights with the activations within the rounding of the activations to 16 bits.
+#[test]
+fn grouped_int16_kernel_matches_the_reference() {
+    if simd::level() < Level::Avx2 {
+        println!("SKIPPED: this CPU has no AVX2, so Numerics::Int16 runs the exact kernels");
+        return;
+    }
+    let vnni = avx512_grouped_i16::available();
+    if !vnni {
+        println!("SKIPPED (AVX512-VNNI grouped int16 kernel): not on this CPU");
+    }
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for kind in [QuantKind::Q4_0, QuantKind::Q4_1] {
+        for (rows, cols, tokens) in [
+            (1, 32, 1),
+            (16, 64, 3),
+            (37, 96, 1),
+            (40, 160, 5),
+            (70, 64, 8),
+            (33, 576, 2),
+            (20, 96, 13),
+            (48, 64, 16),
+            (33, 4864, 1),
+        ] {
+            let seed = (rows * 100 + cols + tokens) as u64 + 7;
+            let w = regrouped_in(quant_matrix(kind, rows, cols, true, seed), Layout::Streams);
+            let WeightData::Grouped(m) = &w.data else {
+                unreachable!()
+            };
+            let ldx = cols + 3;
+            let mut x = rand_vec((tokens - 1) * ldx + cols, seed + 2);
+            // A block of zeros and one of a single large value among small ones.
+            x[..32].fill(0.0);
+            if cols >= 64 {
+                x[40] = 1e4;
+            }
+            let split: Vec<grouped_i16::Split> = (0..tokens)
+                .map(|t| grouped_i16::Split::new(&int16::quantize_ref(&x[t * ldx..t * ldx + cols])))
+                .collect();
+            let out0 = rand_vec(tokens * rows, seed + 3);
+            for acc in [false, true] {
+                let mut reference = out0.clone();
+                let mut vector = out0.clone();
+                for rg in [
+                    0..rows.min(5),
+                    rows.min(5)..rows.min(11),
+                    rows.min(11)..rows.min(21),
+                    rows.min(21)..rows,
+                ] {
+                    for (out, kernel) in [(&mut reference, false), (&mut vector, true)] {
+                        if kernel && !vnni {
+                            continue;
+                        }
+                        let job = Job {
+                            k: cols,
+                            bias: w.bias.as_deref(),
+                            x: x.as_ptr(),
+                            ldx,
+                            tokens,
+                            rows: rg.clone(),
+                            out: out.as_mut_ptr(),
+                            ldo: rows,
+                            accumulate: acc,
+                            xq: None,
+                            x16g: Some(&split),
+                            xb: None,
+                            xs: None,
+                            x8: None,
+                            x8t: None,
+                            sums: None,
+                            xg: None,
+                            xp: None,
+                        };
+                        unsafe {
+                            if kernel {
+                                avx512_grouped_i16::rows(m, &split, &job)
+                            } else {
+                                grouped_i16::rows_ref(m, &split, &job)
+                            }
+                        }
+                    }
+                }
+                if vnni {
+                    assert_eq!(
+                        bits(&vector),
+                        bits(&reference),
+                        "{kind:?} {rows}x{cols} x{tokens} acc {acc}"
+                    );
+                }
+                // Within the activations' rounding of the f64 product: each product off by at
+                // most |w|·d/2, d the block's scale.
+                let wf = weights_f64(&w);
+                for t in 0..tokens {
+                    for n in 0..rows {
+                        let mut want = if acc { out0[t * rows + n] as f64 } else { 0.0 };
+                        want += w.bias.as_ref().map_or(0.0, |b| b[n] as f64);
+                        let (mut mag, mut bound) = (want.abs(), 0f64);
+                        for k in 0..cols {
+                            let xv = x[t * ldx + k] as f64;
+                            want += wf[n * cols + k] * xv;
+                            mag += (wf[n * cols + k] * xv).abs();
+                            let b = k / 32 * 32;
+                            let amax = x[t * ldx + b..t * ldx + b + 32]
+                                .iter()
+                                .fold(0f32, |a, v| a.max(v.abs()));
+                            bound += wf[n * cols + k].abs() * amax as f64 / 32767.0 / 2.0;
+                        }
+                        let got = reference[t * rows + n] as f64;
+                        assert!(
+                            (got - want).abs() <= bound * 1.01 + 1e-5 * mag,
+                            "{kind:?} {rows}x{cols} out[{t},{n}] = {got}, want {want} \
+                             (bound {bound}, mag {mag})"
+                        );
+                    }
+                }
+                // The entry point, at the CPU's level and below the kernel's, and each token
+                // alone.
+                for level in [simd::level(), Level::Avx2] {
+                    let mut all = out0.clone();
+                    matmul_with(
+                        level,
+                        Numerics::Int16,
+                        &w,
+                        &x,
+                        ldx,
+                        tokens,
+                        &mut all,
+                        rows,
+                        acc,
+                    );
+                    assert_eq!(
+                        bits(&all),
+                        bits(&reference),
+                        "{kind:?} {rows}x{cols} x{tokens}: {} entry point",
+                        level.name()
+                    );
+                    for t in 0..tokens {
+                        let mut one = out0[t * rows..(t + 1) * rows].to_vec();
+                        let xt = &x[t * ldx..t * ldx + cols];
+                        matmul_with(level, Numerics::Int16, &w, xt, cols, 1, &mut one, rows, acc);
+                        assert_eq!(
+                            bits(&one),
+                            bits(&all[t * rows..(t + 1) * rows]),
+                            "{kind:?} token {t} alone, {}",
+                            level.name()
+                        );
+                    }
+                }
             }
         }
     }

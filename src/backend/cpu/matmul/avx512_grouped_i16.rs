@@ -1,0 +1,247 @@
+//! The AVX512-VNNI kernel of [`super::grouped_i16`]: 16-bit activations against grouped Q4_0 and
+//! Q4_1 weights, the 16 output rows in the 16 lanes of every vector, each (row, token) the chain
+//! of [`super::grouped_i16::rows_ref`] bit for bit.
+//!
+//! Per group and block: four 64-byte loads of quants, each unpacked by a mask (the even
+//! elements) and a 16-bit shift and a mask (the odd ones) into byte lanes, then per token
+//! 16 `vpdpbusd` against the block's broadcast activation bytes, one shift and add to join the
+//! high and low bytes' sums, one conversion, one multiply and one or two FMAs.
+
+use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+use super::avx512_groups::{drive, GroupPass};
+use super::grouped::{group_block_bytes, quants_at, value_offset, Grouped, BLOCK, GROUP};
+use super::grouped_i16::{takes, Split, SPLIT_BLOCK};
+use super::int16;
+use super::prefetch::{lines_at_step, with_hint};
+use super::Job;
+use crate::backend::cpu::simd::{self, Level};
+use crate::model::quant::QuantKind;
+
+/// Whether this CPU runs the kernel: AVX-512 F/BW/VL and VNNI, at the kernels' SIMD level.
+pub(crate) fn available() -> bool {
+    static VNNI: OnceLock<bool> = OnceLock::new();
+    *VNNI.get_or_init(|| is_x86_feature_detected!("avx512vnni")) && simd::level() >= Level::Avx512
+}
+
+/// `x` (whole blocks) rounded to 16-bit integers as [`super::int16::quantize_ref`] rounds it
+/// (the same scale, `vcvtps2dq`'s nearest-even rounding) and cut into the bytes of a [`Split`] in
+/// one pass: `vpmovdb` of each integer and of its top byte, each word's eight bytes put in the
+/// kernel's order (even elements, then odd) by one `vpshufb`. The block sums are the reference's
+/// (summed in element order).
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW/VL; `x` is whole blocks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) unsafe fn split(x: &[f32]) -> Split {
+    let nb = x.len() / BLOCK;
+    let mut bytes = vec![0u8; nb * SPLIT_BLOCK];
+    let mut d = vec![0f32; nb];
+    let mut qsums = vec![0i32; nb];
+    let abs = _mm512_set1_epi32(0x7fff_ffff);
+    let inf = _mm512_set1_ps(f32::INFINITY);
+    // Within each 8-byte word: elements 0, 2, 4, 6, then 1, 3, 5, 7 (`super::grouped_i16::split_at`).
+    let order = _mm256_setr_epi8(
+        0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15, 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12,
+        14, 9, 11, 13, 15,
+    );
+    for b in 0..nb {
+        let p = x.as_ptr().add(b * BLOCK);
+        let (lo, hi) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
+        let al = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(lo), abs));
+        let ah = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(hi), abs));
+        let finite =
+            _mm512_cmp_ps_mask::<_CMP_LT_OQ>(al, inf) & _mm512_cmp_ps_mask::<_CMP_LT_OQ>(ah, inf);
+        if finite != 0xffff {
+            // The reference's NaN scale and zero integers (its bytes are already zero).
+            d[b] = f32::NAN;
+            continue;
+        }
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(al, ah));
+        let (db, id) = int16::scale_of(amax);
+        d[b] = db;
+        let id = _mm512_set1_ps(id);
+        let ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, id));
+        let qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));
+        qsums[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+        let low = _mm256_set_m128i(_mm512_cvtepi32_epi8(qh), _mm512_cvtepi32_epi8(ql));
+        let top = _mm256_set_m128i(
+            _mm512_cvtepi32_epi8(_mm512_srai_epi32::<8>(qh)),
+            _mm512_cvtepi32_epi8(_mm512_srai_epi32::<8>(ql)),
+        );
+        let dst = bytes.as_mut_ptr().add(b * SPLIT_BLOCK) as *mut __m256i;
+        _mm256_storeu_si256(dst, _mm256_shuffle_epi8(low, order));
+        _mm256_storeu_si256(dst.add(1), _mm256_shuffle_epi8(top, order));
+    }
+    let mut sums = int16::block_sums(x);
+    sums.truncate(nb);
+    Split {
+        bytes,
+        d,
+        sums,
+        qsums,
+    }
+}
+
+/// Every output of `job` over grouped `w` ([`takes`]) with activations `x` (one per token).
+///
+/// # Safety
+/// [`available`] must hold; `job`'s output must be valid for writes at `t·ldo + n` for every
+/// token and row of the job, its bias (if any) for reads up to `w.rows`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
+pub(crate) unsafe fn rows(w: &Grouped, x: &[Split], job: &Job) {
+    assert!(takes(w), "{} has no grouped int16 products", w.kind.name());
+    assert!(
+        x.len() >= job.tokens,
+        "{} activation rows for {} tokens",
+        x.len(),
+        job.tokens
+    );
+    match w.kind {
+        QuantKind::Q4_0 => rows_of::<false>(w, x, job),
+        _ => rows_of::<true>(w, x, job),
+    }
+}
+
+#[inline(always)]
+unsafe fn rows_of<const MIN: bool>(w: &Grouped, x: &[Split], job: &Job) {
+    let nb = w.cols / BLOCK;
+    let bb = group_block_bytes(w.kind);
+    let off = value_offset(w.kind);
+    with_hint!(L2 => {
+        let kernel = Pass::<MIN, L2> { nb, bb, off, x };
+        drive(&kernel, w.bytes.as_ptr(), nb * bb, job)
+    })
+}
+
+/// [`chunk`] as the shared group loop's pass, prefetching into L2 (`L2`) or L1; `MIN`: Q4_1.
+struct Pass<'a, const MIN: bool, const L2: bool> {
+    /// Blocks per row, and bytes per group block.
+    nb: usize,
+    bb: usize,
+    /// What a stored quant adds to its value (Q4_0's `−8`).
+    off: i32,
+    /// Every token's activations.
+    x: &'a [Split],
+}
+
+impl<const MIN: bool, const L2: bool> GroupPass for Pass<'_, MIN, L2> {
+    #[inline(always)]
+    unsafe fn pass<const N: usize>(
+        &self,
+        base: *const u8,
+        ahead: *const u8,
+        t0: usize,
+    ) -> [__m512; N] {
+        chunk::<MIN, N, L2>(self, base, ahead, &self.x[t0..t0 + N])
+    }
+}
+
+/// The block's integer sums `Σ w·q` of the 16 rows for one token: `256·Σ w·h + Σ w·l` over the
+/// eight unpacked quant vectors `v` (vector `i`: the elements of dword `i` of the token's
+/// [`Split`] bytes `xb`), starting from `fix`.
+#[inline(always)]
+unsafe fn block_sum<const CHAINS: bool>(v: &[__m512i; 8], xb: *const u8, fix: i32) -> __m512i {
+    let lo = xb as *const i32;
+    let hi = xb.add(BLOCK) as *const i32;
+    // A macro, not a closure: a closure is compiled without the kernel's `#[target_feature]`s
+    // unless LLVM chooses to inline it.
+    macro_rules! word {
+        ($p:expr, $i:expr) => {
+            _mm512_set1_epi32(std::ptr::read_unaligned($p.add($i)))
+        };
+    }
+    let mut l = _mm512_set1_epi32(fix);
+    let mut h = _mm512_setzero_si512();
+    if CHAINS {
+        // One token: four chains, so the dependent products do not wait in line.
+        let (mut l1, mut h1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+        for i in (0..8).step_by(2) {
+            l = _mm512_dpbusd_epi32(l, word!(lo, i), v[i]);
+            h = _mm512_dpbusd_epi32(h, v[i], word!(hi, i));
+            l1 = _mm512_dpbusd_epi32(l1, word!(lo, i + 1), v[i + 1]);
+            h1 = _mm512_dpbusd_epi32(h1, v[i + 1], word!(hi, i + 1));
+        }
+        l = _mm512_add_epi32(l, l1);
+        h = _mm512_add_epi32(h, h1);
+    } else {
+        for (i, &w) in v.iter().enumerate() {
+            l = _mm512_dpbusd_epi32(l, word!(lo, i), w);
+            h = _mm512_dpbusd_epi32(h, w, word!(hi, i));
+        }
+    }
+    _mm512_add_epi32(_mm512_slli_epi32::<8>(h), l)
+}
+
+/// One group's 16 outputs for `N` tokens.
+#[inline(always)]
+unsafe fn chunk<const MIN: bool, const N: usize, const L2: bool>(
+    p: &Pass<'_, MIN, L2>,
+    base: *const u8,
+    ahead: *const u8,
+    x: &[Split],
+) -> [__m512; N] {
+    assert!(
+        x.len() == N,
+        "{} activation rows for a chunk of {N}",
+        x.len()
+    );
+    let xb: [*const u8; N] = std::array::from_fn(|t| x[t].bytes.as_ptr());
+    let ds: [*const f32; N] = std::array::from_fn(|t| x[t].d.as_ptr());
+    let sums: [*const f32; N] = std::array::from_fn(|t| x[t].sums.as_ptr());
+    let qsums: [*const i32; N] = std::array::from_fn(|t| x[t].qsums.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); N];
+    let nibble = _mm512_set1_epi8(0x0f);
+    let qa = quants_at(if MIN {
+        QuantKind::Q4_1
+    } else {
+        QuantKind::Q4_0
+    });
+    // A constant, so that each step's lines are constant offsets.
+    let lines = group_block_bytes(if MIN {
+        QuantKind::Q4_1
+    } else {
+        QuantKind::Q4_0
+    })
+    .div_ceil(64);
+    for b in 0..p.nb {
+        let blk = base.add(b * p.bb);
+        // The same block of the next group, a line at a time between the quants' loads (as the
+        // exact and int8 kernels ask for it).
+        let next = ahead.wrapping_add(b * p.bb);
+        let ask = |i: usize| lines_at_step::<L2>(next, lines, (i, 8));
+        let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
+        let q = blk.add(qa) as *const __m512i;
+        let mut v = [_mm512_setzero_si512(); 8];
+        for w in 0..4 {
+            let c = _mm512_loadu_si512(q.add(w));
+            v[2 * w] = _mm512_and_si512(c, nibble);
+            v[2 * w + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(c), nibble);
+            ask(2 * w);
+            ask(2 * w + 1);
+        }
+        let mw = if MIN {
+            _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(2 * GROUP) as *const __m256i))
+        } else {
+            _mm512_setzero_ps()
+        };
+        // Indexed by a constant range, so the tokens unroll and `acc` stays in registers.
+        #[allow(clippy::needless_range_loop)]
+        for t in 0..N {
+            let fix = if MIN { 0 } else { p.off * *qsums[t].add(b) };
+            let xt = xb[t].add(b * SPLIT_BLOCK);
+            let s = if N == 1 {
+                block_sum::<true>(&v, xt, fix)
+            } else {
+                block_sum::<false>(&v, xt, fix)
+            };
+            let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*ds[t].add(b)));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[t]);
+            if MIN {
+                acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*sums[t].add(b)), acc[t]);
+            }
+        }
+    }
+    acc
+}
