@@ -71,7 +71,7 @@ pub struct ServeArgs {
     pub threads: usize,
     /// How steps of up to 16 rows multiply activations by quantized weights: exact (f32
     /// activations) or int16 (rounded to 16-bit integers; not bit-equal; faster than exact on
-    /// Q4_0/Q4_1 weights on CPUs with AVX512-VNNI, slower elsewhere). Larger
+    /// Q4_0/Q4_1/Q8_0 weights on CPUs with AVX512-VNNI, slower elsewhere). Larger
     /// steps (prompt chunks) run exact either way.
     #[arg(long, value_enum, default_value_t = NumericsArg::Exact)]
     pub numerics: NumericsArg,

@@ -138,7 +138,7 @@ impl CpuBackend {
         // as stored until 2026-12-03: Qwen2.5-Coder-0.5B Q4_K_M's down projection then took 6.9
         // ms a decode step against 4.4 in exact engines, on a Zen 3 at two threads.)
         // `Numerics::Int16` keeps the blocks as stored, which its kernels read, except on
-        // AVX512-VNNI CPUs: there its Q4_0/Q4_1 products run on grouped weights
+        // AVX512-VNNI CPUs: there its Q4_0/Q4_1/Q8_0 products run on grouped weights
         // (`matmul::grouped_i16`) and its other formats run the exact grouped kernels, which
         // outran its kernels on the blocks as stored.
         // Every matrix on huge pages, the small ones sharing them (see `pages`).

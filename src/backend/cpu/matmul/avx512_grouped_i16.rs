@@ -1,11 +1,14 @@
-//! The AVX512-VNNI kernel of [`super::grouped_i16`]: 16-bit activations against grouped Q4_0 and
-//! Q4_1 weights, the 16 output rows in the 16 lanes of every vector, each (row, token) the chain
-//! of [`super::grouped_i16::rows_ref`] bit for bit.
+//! The AVX512-VNNI kernel of [`super::grouped_i16`]: 16-bit activations against grouped Q4_0,
+//! Q4_1 and Q8_0 weights, the 16 output rows in the 16 lanes of every vector, each (row, token)
+//! the chain of [`super::grouped_i16::rows_ref`] bit for bit.
 //!
-//! Per group and block: four 64-byte loads of quants, each unpacked by a mask (the even
-//! elements) and a 16-bit shift and a mask (the odd ones) into byte lanes, then per token
-//! 16 `vpdpbusd` against the block's broadcast activation bytes, one shift and add to join the
-//! high and low bytes' sums, one conversion, one multiply and one or two FMAs.
+//! Per group and block: the quants in eight vectors of byte lanes, four elements of each row in
+//! its lane in the order of the activations' [`Split`] bytes (4-bit: four 64-byte loads, each
+//! unpacked by a mask (the even elements) and a 16-bit shift and a mask (the odd ones); Q8_0,
+//! stored element-major: eight loads and eight two-source byte permutes (`vpermt2b`, AVX512-VBMI)
+//! that gather each row's bytes into its lane), then per token 16 `vpdpbusd` against the
+//! block's broadcast activation bytes, one shift and add to join the high and low bytes' sums,
+//! one conversion, one multiply and one or two FMAs.
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
@@ -19,10 +22,12 @@ use super::Job;
 use crate::backend::cpu::simd::{self, Level};
 use crate::model::quant::QuantKind;
 
-/// Whether this CPU runs the kernel: AVX-512 F/BW/VL and VNNI, at the kernels' SIMD level.
+/// Whether this CPU runs the kernel: AVX-512 F/BW/VL, VNNI and VBMI, at the kernels' SIMD level.
 pub(crate) fn available() -> bool {
     static VNNI: OnceLock<bool> = OnceLock::new();
-    *VNNI.get_or_init(|| is_x86_feature_detected!("avx512vnni")) && simd::level() >= Level::Avx512
+    *VNNI.get_or_init(|| {
+        is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vbmi")
+    }) && simd::level() >= Level::Avx512
 }
 
 /// `x` (whole blocks) rounded to 16-bit integers as [`super::int16::quantize_ref`] rounds it
@@ -39,6 +44,7 @@ pub(crate) unsafe fn split(x: &[f32]) -> Split {
     let mut bytes = vec![0u8; nb * SPLIT_BLOCK];
     let mut d = vec![0f32; nb];
     let mut qsums = vec![0i32; nb];
+    let mut hsums = vec![0i32; nb];
     let abs = _mm512_set1_epi32(0x7fff_ffff);
     let inf = _mm512_set1_ps(f32::INFINITY);
     // Within each 8-byte word: elements 0, 2, 4, 6, then 1, 3, 5, 7 (`super::grouped_i16::split_at`).
@@ -65,11 +71,10 @@ pub(crate) unsafe fn split(x: &[f32]) -> Split {
         let ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, id));
         let qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));
         qsums[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+        let (hl, hh) = (_mm512_srai_epi32::<8>(ql), _mm512_srai_epi32::<8>(qh));
+        hsums[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(hl, hh));
         let low = _mm256_set_m128i(_mm512_cvtepi32_epi8(qh), _mm512_cvtepi32_epi8(ql));
-        let top = _mm256_set_m128i(
-            _mm512_cvtepi32_epi8(_mm512_srai_epi32::<8>(qh)),
-            _mm512_cvtepi32_epi8(_mm512_srai_epi32::<8>(ql)),
-        );
+        let top = _mm256_set_m128i(_mm512_cvtepi32_epi8(hh), _mm512_cvtepi32_epi8(hl));
         let dst = bytes.as_mut_ptr().add(b * SPLIT_BLOCK) as *mut __m256i;
         _mm256_storeu_si256(dst, _mm256_shuffle_epi8(low, order));
         _mm256_storeu_si256(dst.add(1), _mm256_shuffle_epi8(top, order));
@@ -81,6 +86,7 @@ pub(crate) unsafe fn split(x: &[f32]) -> Split {
         d,
         sums,
         qsums,
+        hsums,
     }
 }
 
@@ -89,7 +95,7 @@ pub(crate) unsafe fn split(x: &[f32]) -> Split {
 /// # Safety
 /// [`available`] must hold; `job`'s output must be valid for writes at `t·ldo + n` for every
 /// token and row of the job, its bias (if any) for reads up to `w.rows`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c,fma")]
 pub(crate) unsafe fn rows(w: &Grouped, x: &[Split], job: &Job) {
     assert!(takes(w), "{} has no grouped int16 products", w.kind.name());
     assert!(
@@ -99,34 +105,46 @@ pub(crate) unsafe fn rows(w: &Grouped, x: &[Split], job: &Job) {
         job.tokens
     );
     match w.kind {
-        QuantKind::Q4_0 => rows_of::<false>(w, x, job),
-        _ => rows_of::<true>(w, x, job),
+        QuantKind::Q4_0 => rows_of::<Q4_0>(w, x, job),
+        QuantKind::Q4_1 => rows_of::<Q4_1>(w, x, job),
+        _ => rows_of::<Q8_0>(w, x, job),
+    }
+}
+
+/// The formats as the kernel's const parameter.
+const Q4_0: u8 = 0;
+const Q4_1: u8 = 1;
+const Q8_0: u8 = 2;
+
+/// The format a const parameter stands for.
+const fn kind_of(f: u8) -> QuantKind {
+    match f {
+        Q4_0 => QuantKind::Q4_0,
+        Q4_1 => QuantKind::Q4_1,
+        _ => QuantKind::Q8_0,
     }
 }
 
 #[inline(always)]
-unsafe fn rows_of<const MIN: bool>(w: &Grouped, x: &[Split], job: &Job) {
+unsafe fn rows_of<const F: u8>(w: &Grouped, x: &[Split], job: &Job) {
     let nb = w.cols / BLOCK;
-    let bb = group_block_bytes(w.kind);
-    let off = value_offset(w.kind);
+    let bb = group_block_bytes(kind_of(F));
     with_hint!(L2 => {
-        let kernel = Pass::<MIN, L2> { nb, bb, off, x };
+        let kernel = Pass::<F, L2> { nb, bb, x };
         drive(&kernel, w.bytes.as_ptr(), nb * bb, job)
     })
 }
 
-/// [`chunk`] as the shared group loop's pass, prefetching into L2 (`L2`) or L1; `MIN`: Q4_1.
-struct Pass<'a, const MIN: bool, const L2: bool> {
+/// [`chunk`] as the shared group loop's pass, prefetching into L2 (`L2`) or L1.
+struct Pass<'a, const F: u8, const L2: bool> {
     /// Blocks per row, and bytes per group block.
     nb: usize,
     bb: usize,
-    /// What a stored quant adds to its value (Q4_0's `−8`).
-    off: i32,
     /// Every token's activations.
     x: &'a [Split],
 }
 
-impl<const MIN: bool, const L2: bool> GroupPass for Pass<'_, MIN, L2> {
+impl<const F: u8, const L2: bool> GroupPass for Pass<'_, F, L2> {
     #[inline(always)]
     unsafe fn pass<const N: usize>(
         &self,
@@ -134,15 +152,20 @@ impl<const MIN: bool, const L2: bool> GroupPass for Pass<'_, MIN, L2> {
         ahead: *const u8,
         t0: usize,
     ) -> [__m512; N] {
-        chunk::<MIN, N, L2>(self, base, ahead, &self.x[t0..t0 + N])
+        chunk::<F, N, L2>(self, base, ahead, &self.x[t0..t0 + N])
     }
 }
 
 /// The block's integer sums `Σ w·q` of the 16 rows for one token: `256·Σ w·h + Σ w·l` over the
-/// eight unpacked quant vectors `v` (vector `i`: the elements of dword `i` of the token's
-/// [`Split`] bytes `xb`), starting from `fix`.
+/// eight quant vectors (vector `i`: the elements of dword `i` of the token's [`Split`] bytes
+/// `xb`), the quants as the signed side against the `l`s (`sw`) and as the unsigned side against
+/// the `h`s (`uw`: Q8_0's offset by 128, taken back in `fix_h`), starting from `fix_l`/`fix_h`.
 #[inline(always)]
-unsafe fn block_sum<const CHAINS: bool>(v: &[__m512i; 8], xb: *const u8, fix: i32) -> __m512i {
+unsafe fn block_sum<const CHAINS: bool>(
+    (sw, uw): (&[__m512i; 8], &[__m512i; 8]),
+    xb: *const u8,
+    (fix_l, fix_h): (i32, i32),
+) -> __m512i {
     let lo = xb as *const i32;
     let hi = xb.add(BLOCK) as *const i32;
     // A macro, not a closure: a closure is compiled without the kernel's `#[target_feature]`s
@@ -152,32 +175,50 @@ unsafe fn block_sum<const CHAINS: bool>(v: &[__m512i; 8], xb: *const u8, fix: i3
             _mm512_set1_epi32(std::ptr::read_unaligned($p.add($i)))
         };
     }
-    let mut l = _mm512_set1_epi32(fix);
-    let mut h = _mm512_setzero_si512();
+    let mut l = _mm512_set1_epi32(fix_l);
+    let mut h = _mm512_set1_epi32(fix_h);
     if CHAINS {
-        // One token: four chains, so the dependent products do not wait in line.
+        // One token: four chains, so the dependent products do not wait in line (two chains
+        // ran the Q4_1 kernel 5% slower on one core of the Intel Xeon).
         let (mut l1, mut h1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
         for i in (0..8).step_by(2) {
-            l = _mm512_dpbusd_epi32(l, word!(lo, i), v[i]);
-            h = _mm512_dpbusd_epi32(h, v[i], word!(hi, i));
-            l1 = _mm512_dpbusd_epi32(l1, word!(lo, i + 1), v[i + 1]);
-            h1 = _mm512_dpbusd_epi32(h1, v[i + 1], word!(hi, i + 1));
+            l = _mm512_dpbusd_epi32(l, word!(lo, i), sw[i]);
+            h = _mm512_dpbusd_epi32(h, uw[i], word!(hi, i));
+            l1 = _mm512_dpbusd_epi32(l1, word!(lo, i + 1), sw[i + 1]);
+            h1 = _mm512_dpbusd_epi32(h1, uw[i + 1], word!(hi, i + 1));
         }
         l = _mm512_add_epi32(l, l1);
         h = _mm512_add_epi32(h, h1);
     } else {
-        for (i, &w) in v.iter().enumerate() {
-            l = _mm512_dpbusd_epi32(l, word!(lo, i), w);
-            h = _mm512_dpbusd_epi32(h, w, word!(hi, i));
+        for i in 0..8 {
+            l = _mm512_dpbusd_epi32(l, word!(lo, i), sw[i]);
+            h = _mm512_dpbusd_epi32(h, uw[i], word!(hi, i));
         }
     }
     _mm512_add_epi32(_mm512_slli_epi32::<8>(h), l)
 }
 
+/// The `vpermt2b` indices that gather Q8_0 quants into vector `2w + parity`'s lanes: lane `r`'s
+/// byte `j` is element `8w + 2j + parity` of row `r`, at byte `16·(2j + parity) + r` of the two
+/// 64-byte vectors holding elements `8w .. 8w + 8` (the [`Split`] order).
+const fn q8_gather(parity: usize) -> [u8; 64] {
+    let mut idx = [0u8; 64];
+    let mut i = 0;
+    while i < 64 {
+        let (r, j) = (i / 4, i % 4);
+        idx[i] = (16 * (2 * j + parity) + r) as u8;
+        i += 1;
+    }
+    idx
+}
+
+/// [`q8_gather`] of the even and the odd elements.
+static Q8_GATHER: [[u8; 64]; 2] = [q8_gather(0), q8_gather(1)];
+
 /// One group's 16 outputs for `N` tokens.
 #[inline(always)]
-unsafe fn chunk<const MIN: bool, const N: usize, const L2: bool>(
-    p: &Pass<'_, MIN, L2>,
+unsafe fn chunk<const F: u8, const N: usize, const L2: bool>(
+    p: &Pass<'_, F, L2>,
     base: *const u8,
     ahead: *const u8,
     x: &[Split],
@@ -187,24 +228,21 @@ unsafe fn chunk<const MIN: bool, const N: usize, const L2: bool>(
         "{} activation rows for a chunk of {N}",
         x.len()
     );
+    let kind = kind_of(F);
     let xb: [*const u8; N] = std::array::from_fn(|t| x[t].bytes.as_ptr());
     let ds: [*const f32; N] = std::array::from_fn(|t| x[t].d.as_ptr());
     let sums: [*const f32; N] = std::array::from_fn(|t| x[t].sums.as_ptr());
     let qsums: [*const i32; N] = std::array::from_fn(|t| x[t].qsums.as_ptr());
+    let hsums: [*const i32; N] = std::array::from_fn(|t| x[t].hsums.as_ptr());
     let mut acc = [_mm512_setzero_ps(); N];
     let nibble = _mm512_set1_epi8(0x0f);
-    let qa = quants_at(if MIN {
-        QuantKind::Q4_1
-    } else {
-        QuantKind::Q4_0
-    });
+    let flip = _mm512_set1_epi8(-128);
+    let even = _mm512_loadu_si512(Q8_GATHER[0].as_ptr() as *const __m512i);
+    let odd = _mm512_loadu_si512(Q8_GATHER[1].as_ptr() as *const __m512i);
+    let qa = quants_at(kind);
+    let off = value_offset(kind);
     // A constant, so that each step's lines are constant offsets.
-    let lines = group_block_bytes(if MIN {
-        QuantKind::Q4_1
-    } else {
-        QuantKind::Q4_0
-    })
-    .div_ceil(64);
+    let lines = group_block_bytes(kind).div_ceil(64);
     for b in 0..p.nb {
         let blk = base.add(b * p.bb);
         // The same block of the next group, a line at a time between the quants' loads (as the
@@ -213,15 +251,32 @@ unsafe fn chunk<const MIN: bool, const N: usize, const L2: bool>(
         let ask = |i: usize| lines_at_step::<L2>(next, lines, (i, 8));
         let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
         let q = blk.add(qa) as *const __m512i;
-        let mut v = [_mm512_setzero_si512(); 8];
-        for w in 0..4 {
-            let c = _mm512_loadu_si512(q.add(w));
-            v[2 * w] = _mm512_and_si512(c, nibble);
-            v[2 * w + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(c), nibble);
-            ask(2 * w);
-            ask(2 * w + 1);
+        let mut sw = [_mm512_setzero_si512(); 8];
+        let mut uw = [_mm512_setzero_si512(); 8];
+        if F == Q8_0 {
+            for w in 0..4 {
+                let (a, c) = (
+                    _mm512_loadu_si512(q.add(2 * w)),
+                    _mm512_loadu_si512(q.add(2 * w + 1)),
+                );
+                sw[2 * w] = _mm512_permutex2var_epi8(a, even, c);
+                sw[2 * w + 1] = _mm512_permutex2var_epi8(a, odd, c);
+                uw[2 * w] = _mm512_xor_si512(sw[2 * w], flip);
+                uw[2 * w + 1] = _mm512_xor_si512(sw[2 * w + 1], flip);
+                ask(2 * w);
+                ask(2 * w + 1);
+            }
+        } else {
+            for w in 0..4 {
+                let c = _mm512_loadu_si512(q.add(w));
+                sw[2 * w] = _mm512_and_si512(c, nibble);
+                sw[2 * w + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(c), nibble);
+                ask(2 * w);
+                ask(2 * w + 1);
+            }
+            uw = sw;
         }
-        let mw = if MIN {
+        let mw = if F == Q4_1 {
             _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(2 * GROUP) as *const __m256i))
         } else {
             _mm512_setzero_ps()
@@ -229,16 +284,20 @@ unsafe fn chunk<const MIN: bool, const N: usize, const L2: bool>(
         // Indexed by a constant range, so the tokens unroll and `acc` stays in registers.
         #[allow(clippy::needless_range_loop)]
         for t in 0..N {
-            let fix = if MIN { 0 } else { p.off * *qsums[t].add(b) };
+            let fix = match F {
+                Q4_0 => (off * *qsums[t].add(b), 0),
+                Q8_0 => (0, -128 * *hsums[t].add(b)),
+                _ => (0, 0),
+            };
             let xt = xb[t].add(b * SPLIT_BLOCK);
             let s = if N == 1 {
-                block_sum::<true>(&v, xt, fix)
+                block_sum::<true>((&sw, &uw), xt, fix)
             } else {
-                block_sum::<false>(&v, xt, fix)
+                block_sum::<false>((&sw, &uw), xt, fix)
             };
             let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*ds[t].add(b)));
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[t]);
-            if MIN {
+            if F == Q4_1 {
                 acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*sums[t].add(b)), acc[t]);
             }
         }

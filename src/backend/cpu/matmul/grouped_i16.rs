@@ -1,4 +1,4 @@
-//! [`Numerics::Int16`](super::Numerics::Int16) on grouped Q4_0 and Q4_1 weights
+//! [`Numerics::Int16`](super::Numerics::Int16) on grouped Q4_0, Q4_1 and Q8_0 weights
 //! ([`super::grouped`]'s streams layout, the exact kernels' bytes): the activations rounded to
 //! 16-bit integers as [`super::int16`] rounds them, and each block's integer sums taken by
 //! AVX512-VNNI's 8-bit `vpdpbusd` ([`super::avx512_grouped_i16`]), the 16 output rows in the 16
@@ -14,11 +14,13 @@
 //! q & 255` an unsigned one. Per block and token, 16 `vpdpbusd` (eight with the broadcast `l`s as
 //! the unsigned side and the quants as the signed one, eight with the quants unsigned against the
 //! broadcast `h`s) give `Σ w·l` and `Σ w·h`, and `256·Σ w·h + Σ w·l = Σ w·q` exactly (at most
-//! 15·32768·32 in magnitude, far inside 32 bits). Q4_0's `−8` is taken back in integers
-//! (`−8·Σq`). The 4-bit words are read as stored: byte `j` of lane `r` of word `w` holds row `r`'s
-//! elements `8w + 2j` (low nibble) and `8w + 2j + 1` (high), so a mask gives the even elements and
-//! a shift and a mask the odd ones, and the activations' bytes are laid out in that order once
-//! per call ([`Split`]).
+//! 128·32768·32 in magnitude, far inside 32 bits). Q4_0's `−8` is taken back in integers
+//! (`−8·Σq`), and so is the 128 that Q8_0's signed quants carry as the unsigned side against the
+//! high bytes (`−128·Σh`). The 4-bit words are read as stored: byte `j` of lane `r` of word `w`
+//! holds row `r`'s elements `8w + 2j` (low nibble) and `8w + 2j + 1` (high), so a mask gives the
+//! even elements and a shift and a mask the odd ones, and the activations' bytes are laid out in
+//! that order once per call ([`Split`]); Q8_0's element-major bytes are gathered into that order
+//! by byte permutes.
 //!
 //! **Bits.** Each (row, token) output is one chain over the blocks in order: the block's exact
 //! integer sum `S`, then `acc ← fma(float(S), d_w·d_x, acc)` and, for Q4_1,
@@ -37,9 +39,10 @@ use crate::model::quant::QuantKind;
 /// Bytes of one block's activations in a [`Split`]: the 32 low bytes, then the 32 high ones.
 pub(crate) const SPLIT_BLOCK: usize = 2 * BLOCK;
 
-/// Whether grouped weights take the int16 products: Q4_0 and Q4_1 in the streams layout.
+/// Whether grouped weights take the int16 products: Q4_0, Q4_1 and Q8_0 in the streams layout.
 pub(crate) fn takes(w: &Grouped) -> bool {
-    w.layout == Layout::Streams && matches!(w.kind, QuantKind::Q4_0 | QuantKind::Q4_1)
+    w.layout == Layout::Streams
+        && matches!(w.kind, QuantKind::Q4_0 | QuantKind::Q4_1 | QuantKind::Q8_0)
 }
 
 /// Where element `e` (of a 32-element block) goes among the block's 32 bytes of a [`Split`]:
@@ -61,6 +64,9 @@ pub(crate) struct Split {
     pub sums: Vec<f32>,
     /// `Σ q` of each block: Q4_0's `−8` taken back in integers.
     pub qsums: Vec<i32>,
+    /// `Σ (q >> 8)` of each block: the kernel's Q8_0 quants against the high bytes are offset by
+    /// 128 (the unsigned side of `vpdpbusd`), taken back in integers.
+    pub hsums: Vec<i32>,
 }
 
 impl Split {
@@ -69,6 +75,7 @@ impl Split {
         let nb = x.q.len() / BLOCK;
         let mut bytes = vec![0u8; nb * SPLIT_BLOCK];
         let mut qsums = Vec::with_capacity(nb);
+        let mut hsums = Vec::with_capacity(nb);
         for (b, q) in x.q.chunks_exact(BLOCK).enumerate() {
             let dst = &mut bytes[b * SPLIT_BLOCK..(b + 1) * SPLIT_BLOCK];
             for (e, &v) in q.iter().enumerate() {
@@ -77,12 +84,14 @@ impl Split {
                 dst[BLOCK + split_at(e)] = hi;
             }
             qsums.push(q.iter().map(|&v| v as i32).sum());
+            hsums.push(q.iter().map(|&v| (v >> 8) as i32).sum());
         }
         Split {
             bytes,
             d: x.d[..nb].to_vec(),
             sums: x.sums[..nb].to_vec(),
             qsums,
+            hsums,
         }
     }
 
@@ -127,9 +136,14 @@ fn dot_ref(w: &Grouped, n: usize, x: &Split) -> f32 {
         let blk = &w.bytes[(g * nb + b) * bb..(g * nb + b + 1) * bb];
         let mut sum: i32 = off * x.qsums[b];
         for e in 0..BLOCK {
-            let at = qa + (e / 8) * 4 * GROUP + 4 * r;
-            let word = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
-            let quant = (word >> (4 * (e % 8)) & 0x0f) as i32;
+            let quant = if w.kind == QuantKind::Q8_0 {
+                // Element-major: element `e`'s 16 rows at `16e`, signed.
+                blk[qa + GROUP * e + r] as i8 as i32
+            } else {
+                let at = qa + (e / 8) * 4 * GROUP + 4 * r;
+                let word = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
+                (word >> (4 * (e % 8)) & 0x0f) as i32
+            };
             sum += quant * x.q(b, e);
         }
         acc = (sum as f32).mul_add(f16_at(blk, r) * x.d[b], acc);
@@ -177,6 +191,7 @@ mod tests {
         let fast = split(&x);
         assert_eq!(fast.bytes, s.bytes);
         assert_eq!(fast.qsums, s.qsums);
+        assert_eq!(fast.hsums, s.hsums);
         for b in 0..2 {
             for e in 0..BLOCK {
                 assert_eq!(
@@ -212,6 +227,7 @@ mod tests {
         let got = split(&x);
         assert_eq!(got.bytes, want.bytes);
         assert_eq!(got.qsums, want.qsums);
+        assert_eq!(got.hsums, want.hsums);
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&got.d), bits(&want.d));
         assert_eq!(bits(&got.sums), bits(&want.sums));

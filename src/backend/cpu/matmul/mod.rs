@@ -75,8 +75,8 @@
 //! AVX2 CPUs, int16 engines, and matrices built by hand.
 //!
 //! [`Numerics::Int16`] engines on AVX512-VNNI CPUs hold grouped weights too, and their calls of 1 to
-//! 16 tokens on grouped Q4_0 and Q4_1 round the activations to 16-bit integers and take each
-//! block's integer sums from `vpdpbusd` ([`grouped_i16`], [`avx512_grouped_i16`]): no quant is
+//! 16 tokens on grouped Q4_0, Q4_1 and Q8_0 round the activations to 16-bit integers and take
+//! each block's integer sums from `vpdpbusd` ([`grouped_i16`], [`avx512_grouped_i16`]): no quant is
 //! converted to f32, and one core of the 2-vCPU Intel Xeon (family 6 model 167) ran a Q4_1
 //! 1536 × 576 one-token product at 43 GiB/s against the exact grouped kernel's 19
 //! (`cargo bench --bench kernels -- 'gemv/Q4_1-grouped'`).
@@ -172,7 +172,7 @@ pub enum Numerics {
     /// element) and multiplied with the weights' integer quants in integer lanes, in calls of 1
     /// to 16 tokens (decode, small batched steps, speculative verification; each token's result
     /// is the same whichever call it is in). On CPUs with AVX512-VNNI the engine groups its
-    /// weights as exact engines do, and Q4_0 and Q4_1 take the rounded activations there
+    /// weights as exact engines do, and Q4_0, Q4_1 and Q8_0 take the rounded activations there
     /// ([`grouped_i16`]: `vpdpbusd` on each activation's two bytes, about twice the exact
     /// grouped kernel's speed on one core), while its other grouped formats run the exact
     /// kernels. On other AVX2 CPUs the engine keeps the blocks as stored, and Q8_0, Q4_0, Q4_1,
@@ -255,7 +255,7 @@ pub fn int8_kernels() -> bool {
     false
 }
 
-/// Whether this CPU runs [`Numerics::Int16`]'s products on grouped Q4_0 and Q4_1 weights
+/// Whether this CPU runs [`Numerics::Int16`]'s products on grouped Q4_0, Q4_1 and Q8_0 weights
 /// ([`grouped_i16`]: AVX512-VNNI at the kernels' SIMD level): an int16 engine then groups its
 /// weights as exact engines do, where it otherwise keeps the blocks as stored for the integer
 /// kernels on those.
@@ -888,7 +888,7 @@ fn rounded_activations(
 }
 
 /// The token rows rounded to 16-bit integers and cut into bytes for the int16 products of
-/// grouped Q4_0/Q4_1 weights ([`grouped_i16`]), under the conditions of
+/// grouped Q4_0/Q4_1/Q8_0 weights ([`grouped_i16`]), under the conditions of
 /// [`rounded_activations`].
 fn grouped_int16_activations(
     level: Level,

@@ -2266,7 +2266,7 @@ fn grouped_avx2_kernels_keep_their_bits_on_tiny_and_huge_activations() {
     }
 }
 
-/// [`Numerics::Int16`] on grouped Q4_0/Q4_1 weights ([`grouped_i16`]): the AVX512-VNNI kernel
+/// [`Numerics::Int16`] on grouped Q4_0/Q4_1/Q8_0 weights ([`grouped_i16`]): the AVX512-VNNI kernel
 /// equals the scalar chain bit for bit (row ranges that cut groups, bias, accumulation, 1 to 16
 /// tokens: passes of one token's four chains, of several tokens, chunks of 8 and rests); the
 /// entry point gives those bits at every level (below the kernel's, through the scalar chain),
@@ -2283,7 +2283,7 @@ fn grouped_int16_kernel_matches_the_reference() {
         println!("SKIPPED (AVX512-VNNI grouped int16 kernel): not on this CPU");
     }
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    for kind in [QuantKind::Q4_0, QuantKind::Q4_1] {
+    for kind in [QuantKind::Q4_0, QuantKind::Q4_1, QuantKind::Q8_0] {
         for (rows, cols, tokens) in [
             (1, 32, 1),
             (16, 64, 3),
