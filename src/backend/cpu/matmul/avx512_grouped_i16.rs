@@ -22,12 +22,18 @@ use super::Job;
 use crate::backend::cpu::simd::{self, Level};
 use crate::model::quant::QuantKind;
 
-/// Whether this CPU runs the kernel: AVX-512 F/BW/VL, VNNI and VBMI, at the kernels' SIMD level.
+/// Whether this CPU runs the kernel on Q4_0 and Q4_1: AVX-512 F/BW/VL and VNNI, at the kernels'
+/// SIMD level.
 pub(crate) fn available() -> bool {
     static VNNI: OnceLock<bool> = OnceLock::new();
-    *VNNI.get_or_init(|| {
-        is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vbmi")
-    }) && simd::level() >= Level::Avx512
+    *VNNI.get_or_init(|| is_x86_feature_detected!("avx512vnni")) && simd::level() >= Level::Avx512
+}
+
+/// Whether it runs it on Q8_0 too, whose bytes it gathers with AVX512-VBMI's `vpermt2b` (CPUs
+/// with VNNI but not VBMI, such as Cascade Lake, leave Q8_0 to the exact kernels).
+pub(crate) fn gathers() -> bool {
+    static VBMI: OnceLock<bool> = OnceLock::new();
+    *VBMI.get_or_init(|| is_x86_feature_detected!("avx512vbmi")) && available()
 }
 
 /// `x` (whole blocks) rounded to 16-bit integers as [`super::int16::quantize_ref`] rounds it
@@ -93,9 +99,10 @@ pub(crate) unsafe fn split(x: &[f32]) -> Split {
 /// Every output of `job` over grouped `w` ([`takes`]) with activations `x` (one per token).
 ///
 /// # Safety
-/// [`available`] must hold; `job`'s output must be valid for writes at `t·ldo + n` for every
-/// token and row of the job, its bias (if any) for reads up to `w.rows`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c,fma")]
+/// [`available`] must hold ([`gathers`] for Q8_0, which [`takes`] checks); `job`'s output must
+/// be valid for writes at `t·ldo + n` for every token and row of the job, its bias (if any) for
+/// reads up to `w.rows`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
 pub(crate) unsafe fn rows(w: &Grouped, x: &[Split], job: &Job) {
     assert!(takes(w), "{} has no grouped int16 products", w.kind.name());
     assert!(
@@ -107,8 +114,18 @@ pub(crate) unsafe fn rows(w: &Grouped, x: &[Split], job: &Job) {
     match w.kind {
         QuantKind::Q4_0 => rows_of::<Q4_0>(w, x, job),
         QuantKind::Q4_1 => rows_of::<Q4_1>(w, x, job),
-        _ => rows_of::<Q8_0>(w, x, job),
+        // SAFETY: `takes` held, so for Q8_0 the CPU has VBMI.
+        _ => rows_q8(w, x, job),
     }
+}
+
+/// [`rows`] on Q8_0, with AVX512-VBMI for its gathers.
+///
+/// # Safety
+/// As [`rows`], and [`gathers`] must hold.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c,fma")]
+unsafe fn rows_q8(w: &Grouped, x: &[Split], job: &Job) {
+    rows_of::<Q8_0>(w, x, job)
 }
 
 /// The formats as the kernel's const parameter.

@@ -39,10 +39,24 @@ use crate::model::quant::QuantKind;
 /// Bytes of one block's activations in a [`Split`]: the 32 low bytes, then the 32 high ones.
 pub(crate) const SPLIT_BLOCK: usize = 2 * BLOCK;
 
-/// Whether grouped weights take the int16 products: Q4_0, Q4_1 and Q8_0 in the streams layout.
+/// Whether grouped weights take the int16 products: Q4_0 and Q4_1 in the streams layout, and
+/// Q8_0 where the CPU runs the kernel's gathers (AVX512-VBMI; elsewhere Q8_0 runs exact, where
+/// the scalar chain would be far slower).
 pub(crate) fn takes(w: &Grouped) -> bool {
     w.layout == Layout::Streams
-        && matches!(w.kind, QuantKind::Q4_0 | QuantKind::Q4_1 | QuantKind::Q8_0)
+        && match w.kind {
+            QuantKind::Q4_0 | QuantKind::Q4_1 => true,
+            QuantKind::Q8_0 => q8_kernel(),
+            _ => false,
+        }
+}
+
+/// Whether this CPU runs the kernel on Q8_0.
+fn q8_kernel() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return super::avx512_grouped_i16::gathers();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// Where element `e` (of a 32-element block) goes among the block's 32 bytes of a [`Split`]:

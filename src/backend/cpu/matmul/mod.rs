@@ -75,9 +75,9 @@
 //! AVX2 CPUs, int16 engines, and matrices built by hand.
 //!
 //! [`Numerics::Int16`] engines on AVX512-VNNI CPUs hold grouped weights too, and their calls of 1 to
-//! 16 tokens on grouped Q4_0, Q4_1 and Q8_0 round the activations to 16-bit integers and take
-//! each block's integer sums from `vpdpbusd` ([`grouped_i16`], [`avx512_grouped_i16`]): no quant is
-//! converted to f32, and one core of the 2-vCPU Intel Xeon (family 6 model 167) ran a Q4_1
+//! 16 tokens on grouped Q4_0, Q4_1 and (with AVX512-VBMI) Q8_0 round the activations to 16-bit
+//! integers and take each block's integer sums from `vpdpbusd` ([`grouped_i16`],
+//! [`avx512_grouped_i16`]): no quant is converted to f32, and one core of the 2-vCPU Intel Xeon (family 6 model 167) ran a Q4_1
 //! 1536 × 576 one-token product at 43 GiB/s against the exact grouped kernel's 19
 //! (`cargo bench --bench kernels -- 'gemv/Q4_1-grouped'`).
 //!
@@ -172,12 +172,12 @@ pub enum Numerics {
     /// element) and multiplied with the weights' integer quants in integer lanes, in calls of 1
     /// to 16 tokens (decode, small batched steps, speculative verification; each token's result
     /// is the same whichever call it is in). On CPUs with AVX512-VNNI the engine groups its
-    /// weights as exact engines do, and Q4_0, Q4_1 and Q8_0 take the rounded activations there
-    /// ([`grouped_i16`]: `vpdpbusd` on each activation's two bytes, about twice the exact
-    /// grouped kernel's speed on one core), while its other grouped formats run the exact
-    /// kernels. On other AVX2 CPUs the engine keeps the blocks as stored, and Q8_0, Q4_0, Q4_1,
-    /// Q5_0, Q5_1, Q4_K and Q6_K take them through integer kernels on those, which are slower
-    /// than the exact grouped kernels there (README). Everything else (f32/bf16 weights, other
+    /// weights as exact engines do, and Q4_0, Q4_1 and (with AVX512-VBMI) Q8_0 take the rounded
+    /// activations there ([`grouped_i16`]: `vpdpbusd` on each activation's two bytes, about
+    /// twice the exact grouped kernel's speed on one core), while its other grouped formats run
+    /// the exact kernels. On other AVX2 CPUs the engine keeps the blocks as stored, and Q8_0,
+    /// Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K take them through integer kernels on those, which
+    /// are slower than the exact grouped kernels there (README). Everything else (f32/bf16 weights, other
     /// formats, calls of more tokens such as prefill, CPUs without AVX2) runs as
     /// [`Numerics::Exact`]. What it costs in agreement with the exact path is measured in the
     /// README.
