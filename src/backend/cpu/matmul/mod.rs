@@ -74,12 +74,12 @@
 //! (`kiln-bench --profile`). The kernels below, on the blocks as stored, run everywhere else:
 //! AVX2 CPUs, int16 engines, and matrices built by hand.
 //!
-//! [`Numerics::Int16`] engines on AVX512-VNNI CPUs hold grouped weights too, and their calls of 1 to
-//! 16 tokens on grouped Q4_0, Q4_1 and (with AVX512-VBMI) Q8_0 round the activations to 16-bit
+//! [`Numerics::Int16`] engines on AVX512-VNNI CPUs hold grouped weights too, and their calls of 1
+//! to 16 tokens on grouped Q4_0, Q4_1 and (with AVX512-VBMI) Q8_0 round the activations to 16-bit
 //! integers and take each block's integer sums from `vpdpbusd` ([`grouped_i16`],
-//! [`avx512_grouped_i16`]): no quant is converted to f32, and one core of the 2-vCPU Intel Xeon (family 6 model 167) ran a Q4_1
-//! 1536 × 576 one-token product at 43 GiB/s against the exact grouped kernel's 19
-//! (`cargo bench --bench kernels -- 'gemv/Q4_1-grouped'`).
+//! [`avx512_grouped_i16`]): no quant is converted to f32, and one core of the 2-vCPU Intel Xeon
+//! (family 6 model 167) ran a Q4_1 1536 × 576 one-token product at 39–43 GiB/s against the exact
+//! grouped kernel's 19 (`cargo bench --bench kernels -- 'gemv/Q4_1-grouped'`).
 //!
 //! [`Numerics::Int8`] engines hold their Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices regrouped sixteen
 //! rows to a group ([`WeightData::Interleaved`], [`int8`]) and run every call on them through one
