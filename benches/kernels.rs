@@ -316,6 +316,29 @@ fn gemm(c: &mut Criterion) {
                     b.iter(|| run(level, w, black_box(&x), tokens, &mut out))
                 });
             }
+            // `Numerics::Int16` on the grouped Q4_1 and Q8_0 bytes (calls of up to 16 tokens),
+            // where the CPU has its grouped kernel.
+            if matches!(*dt, "q4_1-grouped" | "q8_0-grouped")
+                && tokens <= 16
+                && kiln::backend::cpu::matmul::int16_grouped_kernels()
+            {
+                let id = BenchmarkId::new(
+                    format!("{dt}-int16/{rows}x{cols}x{tokens}"),
+                    Level::Avx512.name(),
+                );
+                g.bench_function(id, |b| {
+                    b.iter(|| {
+                        run_with(
+                            Level::Avx512,
+                            Numerics::Int16,
+                            w,
+                            black_box(&x),
+                            tokens,
+                            &mut out,
+                        )
+                    })
+                });
+            }
         }
     }
     g.finish();
