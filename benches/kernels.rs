@@ -7,7 +7,10 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::measurement::WallTime;
+use criterion::{
+    criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, Throughput,
+};
 use half::{bf16, f16};
 use kiln::backend::cpu::matmul::{
     amx_tiles, groupable, matmul_rows_with, Numerics, PackedMatrix, WeightData,
@@ -82,6 +85,21 @@ fn levels(include_scalar: bool) -> Vec<Level> {
 
 fn run(level: Level, w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]) {
     run_with(level, Numerics::Exact, w, x, tokens, out)
+}
+
+/// `Numerics::Int16` on grouped weights at the AVX-512 level, as bench `name` (the rounding of
+/// the activations is part of each call).
+fn bench_int16(
+    g: &mut BenchmarkGroup<WallTime>,
+    name: String,
+    w: &PackedMatrix,
+    x: &[f32],
+    tokens: usize,
+    out: &mut [f32],
+) {
+    g.bench_function(BenchmarkId::new(name, Level::Avx512.name()), |b| {
+        b.iter(|| run_with(Level::Avx512, Numerics::Int16, w, black_box(x), tokens, out))
+    });
 }
 
 fn run_with(
@@ -191,22 +209,8 @@ fn gemv(c: &mut Criterion) {
                 // `Numerics::Int16` on the same bytes, where the CPU has its grouped kernel
                 // (the rounding of the activations is part of each call).
                 if kiln::backend::cpu::matmul::int16_grouped_kernels() {
-                    let id = BenchmarkId::new(
-                        format!("{}-grouped-int16/{rows}x{cols}", kind.name()),
-                        Level::Avx512.name(),
-                    );
-                    g.bench_function(id, |b| {
-                        b.iter(|| {
-                            run_with(
-                                Level::Avx512,
-                                Numerics::Int16,
-                                &grouped,
-                                black_box(&x),
-                                1,
-                                &mut out,
-                            )
-                        })
-                    });
+                    let name = format!("{}-grouped-int16/{rows}x{cols}", kind.name());
+                    bench_int16(&mut g, name, &grouped, &x, 1, &mut out);
                 }
             }
             // Regrouped for `Numerics::Int8`'s kernels (8-bit activations; the rounding of the
@@ -322,22 +326,8 @@ fn gemm(c: &mut Criterion) {
                 && tokens <= 16
                 && kiln::backend::cpu::matmul::int16_grouped_kernels()
             {
-                let id = BenchmarkId::new(
-                    format!("{dt}-int16/{rows}x{cols}x{tokens}"),
-                    Level::Avx512.name(),
-                );
-                g.bench_function(id, |b| {
-                    b.iter(|| {
-                        run_with(
-                            Level::Avx512,
-                            Numerics::Int16,
-                            w,
-                            black_box(&x),
-                            tokens,
-                            &mut out,
-                        )
-                    })
-                });
+                let name = format!("{dt}-int16/{rows}x{cols}x{tokens}");
+                bench_int16(&mut g, name, w, &x, tokens, &mut out);
             }
         }
     }

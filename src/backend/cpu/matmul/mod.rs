@@ -848,6 +848,14 @@ pub(crate) fn block_scale(amax: f32, qmax: f32) -> (f32, f32) {
     (d, if id.is_finite() { id } else { 0.0 })
 }
 
+/// `f` of each of `tokens` rows of `cols` values, `ldx` apart in `x`: the activations a call
+/// prepares once for every task.
+fn per_token<T>(x: &[f32], ldx: usize, tokens: usize, cols: usize, f: fn(&[f32]) -> T) -> Vec<T> {
+    (0..tokens)
+        .map(|t| f(&x[t * ldx..t * ldx + cols]))
+        .collect()
+}
+
 /// The token rows rounded to 8-bit integers for interleaved weights (which only
 /// [`Numerics::Int8`] engines hold, and which have no other kernel).
 fn int8_activations(
@@ -859,11 +867,7 @@ fn int8_activations(
     if !w.data.takes_int8() || tokens == 0 || x.len() < (tokens - 1) * ldx + w.cols {
         return None;
     }
-    Some(
-        (0..tokens)
-            .map(|t| int8::quantize(&x[t * ldx..t * ldx + w.cols]))
-            .collect(),
-    )
+    Some(per_token(x, ldx, tokens, w.cols, int8::quantize))
 }
 
 /// The token rows rounded to 16-bit integers when `numerics` asks for it and a kernel will use
@@ -880,11 +884,7 @@ fn rounded_activations(
     if !int16_call(level, numerics, w, x, ldx, tokens) || !w.data.takes_int16() {
         return None;
     }
-    Some(
-        (0..tokens)
-            .map(|t| int16::quantize(&x[t * ldx..t * ldx + w.cols]))
-            .collect(),
-    )
+    Some(per_token(x, ldx, tokens, w.cols, int16::quantize))
 }
 
 /// The token rows rounded to 16-bit integers and cut into bytes for the int16 products of
@@ -901,11 +901,7 @@ fn grouped_int16_activations(
     if !int16_call(level, numerics, w, x, ldx, tokens) || !w.data.takes_grouped_int16() {
         return None;
     }
-    Some(
-        (0..tokens)
-            .map(|t| grouped_i16::split(&x[t * ldx..t * ldx + w.cols]))
-            .collect(),
-    )
+    Some(per_token(x, ldx, tokens, w.cols, grouped_i16::split))
 }
 
 /// Whether a call rounds its activations to 16-bit integers (for the kernels that take them):

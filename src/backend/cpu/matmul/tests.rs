@@ -1644,7 +1644,7 @@ fn int8_job_outputs(
     accumulate: bool,
     kernel: &dyn Fn(&Job),
 ) -> Vec<f32> {
-    let (rows, cols) = (w.rows, w.cols);
+    let rows = w.rows;
     let mut out = out0.to_vec();
     for rg in [
         0..rows.min(5),
@@ -1652,24 +1652,9 @@ fn int8_job_outputs(
         rows.min(21)..rows,
     ] {
         let job = Job {
-            k: cols,
-            bias: w.bias.as_deref(),
-            x: x.as_ptr(),
-            ldx,
-            tokens,
-            rows: rg,
-            out: out.as_mut_ptr(),
-            ldo: rows,
-            accumulate,
-            xq: None,
-            x16g: None,
-            xb: None,
-            xs: None,
             x8: Some(x8),
             x8t,
-            sums: None,
-            xg: None,
-            xp: None,
+            ..bare_job(w, x, ldx, tokens, rg, &mut out, rows, accumulate)
         };
         kernel(&job);
     }
@@ -2019,6 +2004,75 @@ fn grouping_keeps_every_row() {
     assert!(matches!(p[1].data, WeightData::Quant { .. }));
 }
 
+/// A job over rows `rows` of `w` for `tokens` rows of `x` (`ldx` apart) into `out` (`ldo` apart),
+/// with nothing a call prepares: each test sets what its kernel reads.
+#[allow(clippy::too_many_arguments)]
+fn bare_job<'a>(
+    w: &'a PackedMatrix,
+    x: &[f32],
+    ldx: usize,
+    tokens: usize,
+    rows: Range<usize>,
+    out: &mut [f32],
+    ldo: usize,
+    accumulate: bool,
+) -> Job<'a> {
+    Job {
+        k: w.cols,
+        bias: w.bias.as_deref(),
+        x: x.as_ptr(),
+        ldx,
+        tokens,
+        rows,
+        out: out.as_mut_ptr(),
+        ldo,
+        accumulate,
+        xq: None,
+        x16g: None,
+        xb: None,
+        xs: None,
+        x8: None,
+        x8t: None,
+        sums: None,
+        xg: None,
+        xp: None,
+    }
+}
+
+/// Through the entry point in `numerics`, at the CPU's level and at AVX2, a call of `tokens`
+/// rows of `x` over `w` (outputs starting as `out0`, accumulated into where `acc`) gives
+/// `reference`'s bits, and each token alone the same bits as in the call; `what` names the case.
+fn assert_entry_point_bits(
+    numerics: Numerics,
+    (w, x, ldx, tokens): (&PackedMatrix, &[f32], usize, usize),
+    (out0, reference, acc): (&[f32], &[f32], bool),
+    what: &str,
+) {
+    let (rows, cols) = (w.rows, w.cols);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for level in [simd::level(), Level::Avx2] {
+        let mut all = out0.to_vec();
+        matmul_with(level, numerics, w, x, ldx, tokens, &mut all, rows, acc);
+        assert_eq!(
+            bits(&all),
+            bits(reference),
+            "{what}: {} entry point",
+            level.name()
+        );
+        for t in 0..tokens {
+            let mut one = out0[t * rows..(t + 1) * rows].to_vec();
+            let xt = &x[t * ldx..t * ldx + cols];
+            matmul_with(level, numerics, w, xt, cols, 1, &mut one, rows, acc);
+            assert_eq!(
+                bits(&one),
+                bits(&all[t * rows..(t + 1) * rows]),
+                "{what}: token {t} alone, {}",
+                level.name()
+            );
+        }
+    }
+}
+
 /// Grouped weights: the AVX-512 and AVX2 kernels equal the scalar reference bit for bit (row
 /// ranges that cut groups and half groups, bias, accumulation, 1 to 16 tokens: chunks of 8 and
 /// rests, the passes of up to four tokens that hold every quarter chain among them, the AVX2
@@ -2080,26 +2134,7 @@ fn grouped_kernels_match_the_reference() {
                         if simd::level() < kernel || (kernel == Level::Avx512 && !avx512) {
                             continue;
                         }
-                        let job = Job {
-                            k: cols,
-                            bias: w.bias.as_deref(),
-                            x: x.as_ptr(),
-                            ldx,
-                            tokens,
-                            rows: rg.clone(),
-                            out: out.as_mut_ptr(),
-                            ldo: rows,
-                            accumulate: acc,
-                            xq: None,
-                            x16g: None,
-                            xb: None,
-                            xs: None,
-                            x8: None,
-                            x8t: None,
-                            sums: None,
-                            xg: None,
-                            xp: None,
-                        };
+                        let job = bare_job(&w, &x, ldx, tokens, rg.clone(), out, rows, acc);
                         unsafe {
                             match kernel {
                                 Level::Avx512 => avx512_grouped::rows(m, &job),
@@ -2128,27 +2163,12 @@ fn grouped_kernels_match_the_reference() {
                 // Through the entry point at each level, each token alone gives the same bits
                 // (tasks of whole groups: one token's go through the AVX2 kernels' pass over
                 // both halves, which the cuts above never enter).
-                for level in [simd::level(), Level::Avx2] {
-                    let mut all = out0.clone();
-                    matmul_at(level, &w, &x, ldx, tokens, &mut all, rows, acc);
-                    assert_eq!(
-                        bits(&all),
-                        bits(&reference),
-                        "{kind:?} {layout:?} {rows}x{cols} x{tokens}: {} entry point",
-                        level.name()
-                    );
-                    for t in 0..tokens {
-                        let mut one = out0[t * rows..(t + 1) * rows].to_vec();
-                        let xt = &x[t * ldx..t * ldx + cols];
-                        matmul_at(level, &w, xt, cols, 1, &mut one, rows, acc);
-                        assert_eq!(
-                            bits(&one),
-                            bits(&all[t * rows..(t + 1) * rows]),
-                            "{kind:?} {layout:?} token {t} alone, {}",
-                            level.name()
-                        );
-                    }
-                }
+                assert_entry_point_bits(
+                    Numerics::Exact,
+                    (&w, &x, ldx, tokens),
+                    (&out0, &reference, acc),
+                    &format!("{kind:?} {layout:?} {rows}x{cols} x{tokens}"),
+                );
             }
         }
     }
@@ -2227,26 +2247,7 @@ fn grouped_avx2_kernels_keep_their_bits_on_tiny_and_huge_activations() {
                 let mut reference = vec![0f32; tokens * rows];
                 let mut vector = reference.clone();
                 for (out, avx2) in [(&mut reference, false), (&mut vector, true)] {
-                    let job = Job {
-                        k: cols,
-                        bias: w.bias.as_deref(),
-                        x: x.as_ptr(),
-                        ldx: cols,
-                        tokens,
-                        rows: 0..rows,
-                        out: out.as_mut_ptr(),
-                        ldo: rows,
-                        accumulate: false,
-                        xq: None,
-                        x16g: None,
-                        xb: None,
-                        xs: None,
-                        x8: None,
-                        x8t: None,
-                        sums: None,
-                        xg: None,
-                        xp: None,
-                    };
+                    let job = bare_job(&w, &x, cols, tokens, 0..rows, out, rows, false);
                     unsafe {
                         if avx2 {
                             avx2_grouped::rows(m, &job)
@@ -2332,24 +2333,8 @@ fn grouped_int16_kernel_matches_the_reference() {
                             continue;
                         }
                         let job = Job {
-                            k: cols,
-                            bias: w.bias.as_deref(),
-                            x: x.as_ptr(),
-                            ldx,
-                            tokens,
-                            rows: rg.clone(),
-                            out: out.as_mut_ptr(),
-                            ldo: rows,
-                            accumulate: acc,
-                            xq: None,
                             x16g: Some(&split),
-                            xb: None,
-                            xs: None,
-                            x8: None,
-                            x8t: None,
-                            sums: None,
-                            xg: None,
-                            xp: None,
+                            ..bare_job(&w, &x, ldx, tokens, rg.clone(), out, rows, acc)
                         };
                         unsafe {
                             if kernel {
@@ -2395,37 +2380,12 @@ fn grouped_int16_kernel_matches_the_reference() {
                 }
                 // The entry point, at the CPU's level and below the kernel's, and each token
                 // alone.
-                for level in [simd::level(), Level::Avx2] {
-                    let mut all = out0.clone();
-                    matmul_with(
-                        level,
-                        Numerics::Int16,
-                        &w,
-                        &x,
-                        ldx,
-                        tokens,
-                        &mut all,
-                        rows,
-                        acc,
-                    );
-                    assert_eq!(
-                        bits(&all),
-                        bits(&reference),
-                        "{kind:?} {rows}x{cols} x{tokens}: {} entry point",
-                        level.name()
-                    );
-                    for t in 0..tokens {
-                        let mut one = out0[t * rows..(t + 1) * rows].to_vec();
-                        let xt = &x[t * ldx..t * ldx + cols];
-                        matmul_with(level, Numerics::Int16, &w, xt, cols, 1, &mut one, rows, acc);
-                        assert_eq!(
-                            bits(&one),
-                            bits(&all[t * rows..(t + 1) * rows]),
-                            "{kind:?} token {t} alone, {}",
-                            level.name()
-                        );
-                    }
-                }
+                assert_entry_point_bits(
+                    Numerics::Int16,
+                    (&w, &x, ldx, tokens),
+                    (&out0, &reference, acc),
+                    &format!("{kind:?} {rows}x{cols} x{tokens}"),
+                );
             }
         }
     }
