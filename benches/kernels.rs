@@ -320,10 +320,9 @@ fn gemm(c: &mut Criterion) {
                     b.iter(|| run(level, w, black_box(&x), tokens, &mut out))
                 });
             }
-            // `Numerics::Int16` on the grouped Q4_1 and Q8_0 bytes (calls of up to 16 tokens),
+            // `Numerics::Int16` on the grouped Q4_1 and Q8_0 bytes (calls of every size),
             // where the CPU has its grouped kernel.
             if matches!(*dt, "q4_1-grouped" | "q8_0-grouped")
-                && tokens <= 16
                 && kiln::backend::cpu::matmul::int16_grouped_kernels()
             {
                 let name = format!("{dt}-int16/{rows}x{cols}x{tokens}");

@@ -18,7 +18,7 @@
 #   --builds LIST llama.cpp builds to run (default native,noamx; see scripts/build_llama_cpp.sh)
 #   --cpus LIST   run every tool under `taskset -c LIST` (default: no pinning)
 #   --numerics L  kiln's numerics modes to run, each a column (default exact; see kiln-bench
-#                 --numerics: int16 rounds decode activations to 16-bit integers, bf16
+#                 --numerics: int16 rounds activations to 16-bit integers, bf16
 #                 rounds prefill activations, and quantized weights, to bf16, int8 rounds
 #                 every step's activations to 8-bit integers against Q4_0/Q4_1/Q5_0/Q5_1/Q8_0
 #                 weights)

@@ -145,7 +145,7 @@ struct Args {
     #[arg(long, value_enum, default_value_t = Weights::Auto)]
     weights: Weights,
     /// How the CPU multiplies activations by the weights (comma list, each a row of the table):
-    /// exact (f32 activations), int16 (16-bit integer decode activations), bf16 (bf16
+    /// exact (f32 activations), int16 (16-bit integer activations), bf16 (bf16
     /// prefill activations and weights) or int8 (8-bit integer activations in every step,
     /// Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "exact")]

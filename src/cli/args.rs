@@ -208,9 +208,11 @@ pub enum NumericsArg {
     /// f32 activations: results equal the f32 product with the dequantized weights up to the
     /// rounding of the sums (the default).
     Exact,
-    /// Activations rounded to 16-bit integers per 32 values, integer dot products on Q8_0,
-    /// Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K weights in one-token steps (AVX2 CPUs): not
-    /// bit-equal to exact, and no longer faster than exact on the CPUs measured.
+    /// Activations rounded to 16-bit integers per 32 values, integer dot products: on
+    /// AVX512-VNNI CPUs against Q4_0, Q4_1 and Q8_0 weights in every step, prefill included
+    /// (faster than exact where the step is not bound by memory); on other AVX2 CPUs against
+    /// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K in steps of up to 16 rows (slower than exact
+    /// there). Not bit-equal to exact.
     Int16,
     /// Activations rounded to bf16 against bf16 weights (quantized weights: their dequantized
     /// values rounded to bf16) in prefill (calls of more than 16 tokens), multiplied by

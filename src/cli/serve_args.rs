@@ -69,10 +69,10 @@ pub struct ServeArgs {
     /// CPU threads (0 = all cores).
     #[arg(short = 't', long, default_value_t = 0)]
     pub threads: usize,
-    /// How steps of up to 16 rows multiply activations by quantized weights: exact (f32
-    /// activations) or int16 (rounded to 16-bit integers; not bit-equal; faster than exact on
-    /// Q4_0/Q4_1/Q8_0 weights on CPUs with AVX512-VNNI, slower elsewhere). Larger
-    /// steps (prompt chunks) run exact either way.
+    /// How steps multiply activations by quantized weights: exact (f32 activations) or int16
+    /// (rounded to 16-bit integers; not bit-equal; on CPUs with AVX512-VNNI, Q4_0/Q4_1/Q8_0
+    /// weights in every step, prompt chunks included, faster than exact; on other AVX2 CPUs
+    /// steps of up to 16 rows only, slower than exact).
     #[arg(long, value_enum, default_value_t = NumericsArg::Exact)]
     pub numerics: NumericsArg,
     /// Speculative decoding for every request (each of n choices speculates on its own).

@@ -74,8 +74,8 @@
 //! (`kiln-bench --profile`). The kernels below, on the blocks as stored, run everywhere else:
 //! AVX2 CPUs, int16 engines, and matrices built by hand.
 //!
-//! [`Numerics::Int16`] engines on AVX512-VNNI CPUs hold grouped weights too, and their calls of 1
-//! to 16 tokens on grouped Q4_0, Q4_1 and (with AVX512-VBMI) Q8_0 round the activations to 16-bit
+//! [`Numerics::Int16`] engines on AVX512-VNNI CPUs hold grouped weights too, and their calls of
+//! every size on grouped Q4_0, Q4_1 and (with AVX512-VBMI) Q8_0 round the activations to 16-bit
 //! integers and take each block's integer sums from `vpdpbusd` ([`grouped_i16`],
 //! [`avx512_grouped_i16`]): no quant is converted to f32, and one core of the 2-vCPU Intel Xeon
 //! (family 6 model 167) ran a Q4_1 1536 × 576 one-token product at 39–43 GiB/s against the exact
@@ -169,18 +169,18 @@ pub enum Numerics {
     Exact,
     /// Activations rounded to 16-bit integers per 32-element block (`x ≈ d·q`,
     /// `d = max|x| / 32767`: at most a relative 1.5·10⁻⁵ of the block's largest value per
-    /// element) and multiplied with the weights' integer quants in integer lanes, in calls of 1
-    /// to 16 tokens (decode, small batched steps, speculative verification; each token's result
-    /// is the same whichever call it is in). On CPUs with AVX512-VNNI the engine groups its
-    /// weights as exact engines do, and Q4_0, Q4_1 and (with AVX512-VBMI) Q8_0 take the rounded
-    /// activations there ([`grouped_i16`]: `vpdpbusd` on each activation's two bytes, about
-    /// twice the exact grouped kernel's speed on one core), while its other grouped formats run
-    /// the exact kernels. On other AVX2 CPUs the engine keeps the blocks as stored, and Q8_0,
-    /// Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K take them through integer kernels on those, which
-    /// are slower than the exact grouped kernels there (README). Everything else (f32/bf16 weights, other
-    /// formats, calls of more tokens such as prefill, CPUs without AVX2) runs as
-    /// [`Numerics::Exact`]. What it costs in agreement with the exact path is measured in the
-    /// README.
+    /// element) and multiplied with the weights' integer quants in integer lanes. On CPUs with
+    /// AVX512-VNNI the engine groups its weights as exact engines do, and Q4_0, Q4_1 and (with
+    /// AVX512-VBMI) Q8_0 take the rounded activations there in calls of every size, prefill
+    /// included ([`grouped_i16`]: `vpdpbusd` on each activation's two bytes, about twice the
+    /// exact grouped kernel's speed on one core at one token, and above the f32 panels at many),
+    /// while its other grouped formats run the exact kernels. On other AVX2 CPUs the engine
+    /// keeps the blocks as stored, and Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K take them
+    /// through integer kernels on those in calls of 1 to 16 tokens, which are slower than the
+    /// exact grouped kernels there (README). Each token's result is the same whichever call it
+    /// is in, except on those stored blocks, whose calls of more tokens run exact. Everything
+    /// else (f32/bf16 weights, other formats, CPUs without AVX2) runs as [`Numerics::Exact`].
+    /// What it costs in agreement with the exact path is measured in the README.
     Int16,
     /// Activations rounded to bf16 (nearest even) against bf16 weights in calls of more than 16
     /// tokens (prefill chunks, large batched steps), multiplied in pairs by `vdpbf16ps` into
@@ -849,12 +849,28 @@ pub(crate) fn block_scale(amax: f32, qmax: f32) -> (f32, f32) {
 }
 
 /// `f` of each of `tokens` rows of `cols` values, `ldx` apart in `x`: the activations a call
-/// prepares once for every task.
-fn per_token<T>(x: &[f32], ldx: usize, tokens: usize, cols: usize, f: fn(&[f32]) -> T) -> Vec<T> {
-    (0..tokens)
-        .map(|t| f(&x[t * ldx..t * ldx + cols]))
-        .collect()
+/// prepares once for every task. Prefill-sized calls round their rows on every thread of the
+/// pool, in order: on one thread, while the others waited, a 512-token call's rounding took
+/// a tenth to a fifth of a SmolLM2 int16 projection at two threads (a Zen 4).
+fn per_token<T: Send>(
+    x: &[f32],
+    ldx: usize,
+    tokens: usize,
+    cols: usize,
+    f: fn(&[f32]) -> T,
+) -> Vec<T> {
+    let row = |t: usize| f(&x[t * ldx..t * ldx + cols]);
+    if tokens.saturating_mul(cols) < PARALLEL_ROUNDING {
+        (0..tokens).map(row).collect()
+    } else {
+        (0..tokens).into_par_iter().map(row).collect()
+    }
 }
+
+/// Activation values from which [`per_token`] splits its rows between threads: 32 tokens of
+/// 576 (SmolLM2's width), where a call is already a prefill chunk and its rounding tens of
+/// microseconds.
+const PARALLEL_ROUNDING: usize = 32 * 576;
 
 /// The token rows rounded to 8-bit integers for interleaved weights (which only
 /// [`Numerics::Int8`] engines hold, and which have no other kernel).
@@ -870,9 +886,10 @@ fn int8_activations(
     Some(per_token(x, ldx, tokens, w.cols, int8::quantize))
 }
 
-/// The token rows rounded to 16-bit integers when `numerics` asks for it and a kernel will use
-/// them: 1 to 16 tokens (more run the exact kernels, whose packed panels serve many tokens faster),
-/// quantized weights of a format with an integer kernel, an AVX2 CPU.
+/// The token rows rounded to 16-bit integers when `numerics` asks for it and a kernel on the
+/// blocks as stored will use them: 1 to 16 tokens (more run the exact kernels, whose packed
+/// panels serve many tokens faster), quantized weights of a format with an integer kernel, an
+/// AVX2 CPU.
 fn rounded_activations(
     level: Level,
     numerics: Numerics,
@@ -881,7 +898,11 @@ fn rounded_activations(
     ldx: usize,
     tokens: usize,
 ) -> Option<Vec<int16::XI16>> {
-    if !int16_call(level, numerics, w, x, ldx, tokens) || !w.data.takes_int16() {
+    #[cfg(target_arch = "x86_64")]
+    let max_tokens = avx2_i16::MAX_TOKENS;
+    #[cfg(not(target_arch = "x86_64"))]
+    let max_tokens = 0;
+    if !int16_call(level, numerics, w, x, ldx, tokens, max_tokens) || !w.data.takes_int16() {
         return None;
     }
     Some(per_token(x, ldx, tokens, w.cols, int16::quantize))
@@ -889,7 +910,10 @@ fn rounded_activations(
 
 /// The token rows rounded to 16-bit integers and cut into bytes for the int16 products of
 /// grouped Q4_0/Q4_1/Q8_0 weights ([`grouped_i16`]), under the conditions of
-/// [`rounded_activations`].
+/// [`rounded_activations`] but for any number of tokens: prefill and large batched steps take
+/// the same products as decode, so a token's result never depends on how many rows its call
+/// held, and the integer products outrun the exact panels at every size (one core of a Zen 4,
+/// Q4_1 1536 × 576: 86 Gelem/s at 16 tokens against the f32 panels' 52 at 512).
 fn grouped_int16_activations(
     level: Level,
     numerics: Numerics,
@@ -898,15 +922,15 @@ fn grouped_int16_activations(
     ldx: usize,
     tokens: usize,
 ) -> Option<Vec<grouped_i16::Split>> {
-    if !int16_call(level, numerics, w, x, ldx, tokens) || !w.data.takes_grouped_int16() {
+    if !int16_call(level, numerics, w, x, ldx, tokens, usize::MAX) || !w.data.takes_grouped_int16()
+    {
         return None;
     }
     Some(per_token(x, ldx, tokens, w.cols, grouped_i16::split))
 }
 
 /// Whether a call rounds its activations to 16-bit integers (for the kernels that take them):
-/// `numerics` asks for it, 1 to 16 tokens (more run the exact kernels, whose packed panels serve
-/// many tokens faster), whole 32-element blocks, an AVX2 CPU.
+/// `numerics` asks for it, 1 to `max_tokens` tokens, whole 32-element blocks, an AVX2 CPU.
 fn int16_call(
     level: Level,
     numerics: Numerics,
@@ -914,11 +938,8 @@ fn int16_call(
     x: &[f32],
     ldx: usize,
     tokens: usize,
+    max_tokens: usize,
 ) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    let max_tokens = avx2_i16::MAX_TOKENS;
-    #[cfg(not(target_arch = "x86_64"))]
-    let max_tokens = 0;
     numerics == Numerics::Int16
         && (1..=max_tokens).contains(&tokens)
         && simd::clamp(level) >= Level::Avx2

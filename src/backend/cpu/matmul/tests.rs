@@ -2268,10 +2268,10 @@ fn grouped_avx2_kernels_keep_their_bits_on_tiny_and_huge_activations() {
 }
 
 /// [`Numerics::Int16`] on grouped Q4_0/Q4_1/Q8_0 weights ([`grouped_i16`]): the AVX512-VNNI kernel
-/// equals the scalar chain bit for bit (row ranges that cut groups, bias, accumulation, 1 to 16
+/// equals the scalar chain bit for bit (row ranges that cut groups, bias, accumulation, 1 to 40
 /// tokens: passes of one token's four chains, of several tokens, chunks of 8 and rests); the
 /// entry point gives those bits at every level (below the kernel's, through the scalar chain),
-/// each token alone the same bits as in any call; and the chain is the f64 product of the
+/// each token alone the same bits as in any call, prefill-sized ones included; and the chain is the f64 product of the
 /// dequantized weights with the activations within the rounding of the activations to 16 bits.
 #[test]
 fn grouped_int16_kernel_matches_the_reference() {
@@ -2302,6 +2302,10 @@ fn grouped_int16_kernel_matches_the_reference() {
             (20, 96, 13),
             (48, 64, 16),
             (33, 4864, 1),
+            // Prefill-sized calls take the same products (a token's bits never depend on
+            // how many rows its call held).
+            (17, 576, 17),
+            (36, 96, 40),
         ] {
             let seed = (rows * 100 + cols + tokens) as u64 + 7;
             let w = regrouped_in(quant_matrix(kind, rows, cols, true, seed), Layout::Streams);
