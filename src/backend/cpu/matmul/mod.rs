@@ -709,6 +709,7 @@ pub fn matmul_with(
 
 /// What a call derives from its activation rows once and shares with every task: the rows
 /// rounded for the kernel's numerics, and the block sums that formats with a min multiply.
+#[derive(Default)]
 struct Prepared {
     /// The token rows rounded for [`Numerics::Int16`].
     xq: Option<Vec<int16::XI16>>,
@@ -1108,29 +1109,7 @@ unsafe fn rows_job(
     if let Err(e) = w.data.check_shape(w.rows, w.cols) {
         panic!("matmul: {e}");
     }
-    let job = Job {
-        k: w.cols,
-        bias: w.bias.as_deref(),
-        x: x.as_ptr(),
-        ldx,
-        tokens,
-        rows,
-        out,
-        ldo,
-        accumulate,
-        xq: prepared.xq.as_deref(),
-        x16g: prepared.x16g.as_deref(),
-        xb: prepared.xb.as_deref(),
-        xs: prepared.xs.as_deref(),
-        x8: prepared.x8.as_deref(),
-        #[cfg(target_arch = "x86_64")]
-        x8t: prepared.x8t.as_ref(),
-        sums: prepared.sums.as_deref(),
-        #[cfg(target_arch = "x86_64")]
-        xg: prepared.xg.as_ref(),
-        #[cfg(target_arch = "x86_64")]
-        xp: prepared.xp.as_ref(),
-    };
+    let job = Job::new(w, x, ldx, tokens, rows, out, ldo, accumulate, prepared);
     data_rows(level, &w.data, &job);
 }
 
@@ -1740,6 +1719,47 @@ struct Job<'a> {
     /// the panels read the rows otherwise.
     #[cfg(target_arch = "x86_64")]
     xp: Option<&'a avx2_panel::PackedTokens>,
+}
+
+impl<'a> Job<'a> {
+    /// A call's job over `rows` of `w` for `tokens` rows of `x` (`ldx` apart) into `out` (`ldo`
+    /// apart), reading what the call `prepared` from its activations.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        w: &'a PackedMatrix,
+        x: &[f32],
+        ldx: usize,
+        tokens: usize,
+        rows: Range<usize>,
+        out: *mut f32,
+        ldo: usize,
+        accumulate: bool,
+        prepared: &'a Prepared,
+    ) -> Job<'a> {
+        Job {
+            k: w.cols,
+            bias: w.bias.as_deref(),
+            x: x.as_ptr(),
+            ldx,
+            tokens,
+            rows,
+            out,
+            ldo,
+            accumulate,
+            xq: prepared.xq.as_deref(),
+            x16g: prepared.x16g.as_deref(),
+            xb: prepared.xb.as_deref(),
+            xs: prepared.xs.as_deref(),
+            x8: prepared.x8.as_deref(),
+            #[cfg(target_arch = "x86_64")]
+            x8t: prepared.x8t.as_ref(),
+            sums: prepared.sums.as_deref(),
+            #[cfg(target_arch = "x86_64")]
+            xg: prepared.xg.as_ref(),
+            #[cfg(target_arch = "x86_64")]
+            xp: prepared.xp.as_ref(),
+        }
+    }
 }
 
 impl Job<'_> {

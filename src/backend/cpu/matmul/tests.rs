@@ -2017,26 +2017,18 @@ fn bare_job<'a>(
     ldo: usize,
     accumulate: bool,
 ) -> Job<'a> {
-    Job {
-        k: w.cols,
-        bias: w.bias.as_deref(),
-        x: x.as_ptr(),
+    static NOTHING: std::sync::LazyLock<Prepared> = std::sync::LazyLock::new(Prepared::default);
+    Job::new(
+        w,
+        x,
         ldx,
         tokens,
         rows,
-        out: out.as_mut_ptr(),
+        out.as_mut_ptr(),
         ldo,
         accumulate,
-        xq: None,
-        x16g: None,
-        xb: None,
-        xs: None,
-        x8: None,
-        x8t: None,
-        sums: None,
-        xg: None,
-        xp: None,
-    }
+        &NOTHING,
+    )
 }
 
 /// Through the entry point in `numerics`, at the CPU's level and at AVX2, a call of `tokens`
