@@ -13,7 +13,7 @@
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
-use super::avx512_groups::{drive, GroupPass};
+use super::avx512_groups::{drive, each_token, GroupPass};
 use super::grouped::{group_block_bytes, quants_at, value_offset, Grouped, BLOCK, GROUP};
 use super::grouped_i16::{takes, Split, SPLIT_BLOCK};
 use super::int16;
@@ -298,9 +298,8 @@ unsafe fn chunk<const F: u8, const N: usize, const L2: bool>(
         } else {
             _mm512_setzero_ps()
         };
-        // Indexed by a constant range, so the tokens unroll and `acc` stays in registers.
-        #[allow(clippy::needless_range_loop)]
-        for t in 0..N {
+        // Unrolled by hand, so that `acc` stays in registers.
+        each_token!(N, |t| {
             let fix = match F {
                 Q4_0 => (off * *qsums[t].add(b), 0),
                 Q8_0 => (0, -128 * *hsums[t].add(b)),
@@ -317,7 +316,7 @@ unsafe fn chunk<const F: u8, const N: usize, const L2: bool>(
             if F == Q4_1 {
                 acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*sums[t].add(b)), acc[t]);
             }
-        }
+        });
     }
     acc
 }

@@ -17,6 +17,28 @@ use super::Job;
 /// pass keeps per token besides, fit the 32 vector registers.
 pub(super) const CHUNK: usize = 8;
 
+/// `$body` once for each token `$t` in `0..$n` (`$n` a pass's token count, at most [`CHUNK`]),
+/// unrolled by hand. LLVM leaves a loop over a pass's tokens rolled when its body is large (the
+/// grouped int16 kernel's, for eight tokens): each token's accumulator then lives on the stack,
+/// and every block's FMA waits on a load and a store.
+macro_rules! each_token {
+    ($n:expr, |$t:ident| $body:block) => {
+        each_token!(@ $n, $t, $body, 0 1 2 3 4 5 6 7)
+    };
+    (@ $n:expr, $t:ident, $body:block, $($i:literal)*) => {
+        $(
+            if $i < $n {
+                let $t: usize = $i;
+                $body
+            }
+        )*
+    };
+}
+pub(super) use each_token;
+
+// `each_token!` unrolls eight copies.
+const _: () = assert!(CHUNK == 8);
+
 /// One kernel's pass over a group's blocks.
 pub(super) trait GroupPass {
     /// The 16 outputs (lane `r`: the group's row `r`) of tokens `t0..t0 + N` for the group whose
