@@ -1,10 +1,11 @@
-//! The loop that the 16-row AVX-512 kernels ([`super::avx512_grouped`]'s exact ones and
-//! [`super::avx512_i8`]'s integer ones) share: groups of 16 output rows, each in passes of up to
+//! The loop that the 16-row AVX-512 kernels ([`super::avx512_grouped`]'s exact ones,
+//! [`super::avx512_i8`]'s 8-bit ones and [`super::avx512_grouped_i16`]'s 16-bit ones) share:
+//! groups of 16 output rows, each in passes of up to
 //! [`CHUNK`] tokens, the first pass asking the next group's bytes into the cache, each pass's
 //! 16 lanes stored to the job's outputs.
 //!
 //! A kernel is a [`GroupPass`], called by static dispatch: a driver taking a closure left every
-//! intrinsic of both kernels out of line, since a closure is compiled without its caller's
+//! intrinsic of the kernels out of line, since a closure is compiled without its caller's
 //! `#[target_feature]`s unless LLVM chooses to inline it (`tests/simd_inlined.rs` checks).
 
 use std::arch::x86_64::*;
