@@ -87,19 +87,26 @@ fn run(level: Level, w: &PackedMatrix, x: &[f32], tokens: usize, out: &mut [f32]
     run_with(level, Numerics::Exact, w, x, tokens, out)
 }
 
-/// `Numerics::Int16` on grouped weights at the AVX-512 level, as bench `name` (the rounding of
-/// the activations is part of each call).
-fn bench_int16(
+/// `Numerics::Int16` and `Numerics::Int24` on grouped weights at the AVX-512 level, as benches
+/// `{name}-int16/{shape}` and `{name}-int24/{shape}` (the rounding of the activations is part of
+/// each call).
+fn bench_grouped_integers(
     g: &mut BenchmarkGroup<WallTime>,
-    name: String,
+    (name, shape): (&str, &str),
     w: &PackedMatrix,
     x: &[f32],
     tokens: usize,
     out: &mut [f32],
 ) {
-    g.bench_function(BenchmarkId::new(name, Level::Avx512.name()), |b| {
-        b.iter(|| run_with(Level::Avx512, Numerics::Int16, w, black_box(x), tokens, out))
-    });
+    for numerics in [Numerics::Int16, Numerics::Int24] {
+        let id = BenchmarkId::new(
+            format!("{name}-{}/{shape}", numerics.name()),
+            Level::Avx512.name(),
+        );
+        g.bench_function(id, |b| {
+            b.iter(|| run_with(Level::Avx512, numerics, w, black_box(x), tokens, out))
+        });
+    }
 }
 
 fn run_with(
@@ -206,11 +213,12 @@ fn gemv(c: &mut Criterion) {
                         b.iter(|| run(level, &grouped, black_box(&x), 1, &mut out))
                     });
                 }
-                // `Numerics::Int16` on the same bytes, where the CPU has its grouped kernel
-                // (the rounding of the activations is part of each call).
+                // `Numerics::Int16` and `Int24` on the same bytes, where the CPU has their
+                // grouped kernel (the rounding of the activations is part of each call).
                 if kiln::backend::cpu::matmul::int16_grouped_kernels() {
-                    let name = format!("{}-grouped-int16/{rows}x{cols}", kind.name());
-                    bench_int16(&mut g, name, &grouped, &x, 1, &mut out);
+                    let name = format!("{}-grouped", kind.name());
+                    let shape = format!("{rows}x{cols}");
+                    bench_grouped_integers(&mut g, (&name, &shape), &grouped, &x, 1, &mut out);
                 }
             }
             // Regrouped for `Numerics::Int8`'s kernels (8-bit activations; the rounding of the
@@ -320,13 +328,13 @@ fn gemm(c: &mut Criterion) {
                     b.iter(|| run(level, w, black_box(&x), tokens, &mut out))
                 });
             }
-            // `Numerics::Int16` on the grouped Q4_1 and Q8_0 bytes (calls of every size),
-            // where the CPU has its grouped kernel.
+            // `Numerics::Int16` and `Int24` on the grouped Q4_1 and Q8_0 bytes (calls of every
+            // size), where the CPU has their grouped kernel.
             if matches!(*dt, "q4_1-grouped" | "q8_0-grouped")
                 && kiln::backend::cpu::matmul::int16_grouped_kernels()
             {
-                let name = format!("{dt}-int16/{rows}x{cols}x{tokens}");
-                bench_int16(&mut g, name, w, &x, tokens, &mut out);
+                let shape = format!("{rows}x{cols}x{tokens}");
+                bench_grouped_integers(&mut g, (dt, &shape), w, &x, tokens, &mut out);
             }
         }
     }

@@ -8,7 +8,7 @@
 #
 #   scripts/bench_compare.sh [--quick] [-t THREADS] [-r REPS] [--rounds N] [-p N] [-n N]
 #                            [--models LIST] [--builds native,noamx] [--cpus LIST]
-#                            [--numerics exact,int16,bf16,int8]
+#                            [--numerics exact,int24,int16,bf16,int8]
 #
 #   -t THREADS    thread counts, comma list (default 2; -t 1 or -t 1,2 for one thread)
 #   -r REPS       repetitions per tool run (default 5)
@@ -17,8 +17,9 @@
 #   --models LIST comma list of q4_1, bf16, q8_0, q4_k_m (default all)
 #   --builds LIST llama.cpp builds to run (default native,noamx; see scripts/build_llama_cpp.sh)
 #   --cpus LIST   run every tool under `taskset -c LIST` (default: no pinning)
-#   --numerics L  kiln's numerics modes to run, each a column (default exact; see kiln-bench
-#                 --numerics: int16 rounds activations to 16-bit integers, bf16
+#   --numerics L  kiln's numerics modes to run, each a column (default int24, kiln's; see kiln-bench
+#                 --numerics: int24 rounds activations to 24-bit integers, int16 to
+#                 16-bit integers, bf16
 #                 rounds prefill activations, and quantized weights, to bf16, int8 rounds
 #                 every step's activations to 8-bit integers against Q4_0/Q4_1/Q5_0/Q5_1/Q8_0
 #                 weights)
@@ -40,7 +41,7 @@ TG=128
 MODELS="q4_1,bf16,q8_0,q4_k_m"
 BUILDS="native,noamx"
 CPUS=""
-NUMERICS="exact"
+NUMERICS="int24"
 QUICK=0
 
 usage() {
@@ -71,7 +72,7 @@ for v in "${REPS}" "${ROUNDS}" "${PP}" "${TG}"; do
     [[ "${v}" =~ ^[1-9][0-9]*$ ]] || { echo "bench_compare: '${v}' is not a positive integer" >&2; exit 2; }
 done
 [[ "${THREADS}" =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || { echo "bench_compare: -t '${THREADS}' is not a comma list of thread counts" >&2; exit 2; }
-[[ "${NUMERICS}" =~ ^(exact|int16|bf16|int8)(,(exact|int16|bf16|int8))*$ ]] || { echo "bench_compare: --numerics '${NUMERICS}' is not a comma list of exact, int16, bf16, int8" >&2; exit 2; }
+[[ "${NUMERICS}" =~ ^(exact|int24|int16|bf16|int8)(,(exact|int24|int16|bf16|int8))*$ ]] || { echo "bench_compare: --numerics '${NUMERICS}' is not a comma list of exact, int24, int16, bf16, int8" >&2; exit 2; }
 IFS=, read -r -a NUMERICS_LIST <<< "${NUMERICS}"
 PIN=()
 if [[ -n "${CPUS}" ]]; then

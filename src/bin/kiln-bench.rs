@@ -145,10 +145,11 @@ struct Args {
     #[arg(long, value_enum, default_value_t = Weights::Auto)]
     weights: Weights,
     /// How the CPU multiplies activations by the weights (comma list, each a row of the table):
-    /// exact (f32 activations), int16 (16-bit integer activations), bf16 (bf16
-    /// prefill activations and weights) or int8 (8-bit integer activations in every step,
-    /// Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights).
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "exact")]
+    /// int24 (the default: 24-bit integer activations against Q4_0/Q4_1/Q8_0 weights in steps of
+    /// up to 16 rows on AVX512-VNNI CPUs, exact elsewhere), exact (f32 activations), int16
+    /// (16-bit integer activations), bf16 (bf16 prefill activations and weights) or int8 (8-bit
+    /// integer activations in every step, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "int24")]
     numerics: Vec<NumericsArg>,
     /// Instead of timing: decode N greedy tokens on each of a few built-in prompts with the
     /// exact path choosing and each other --numerics value following, and print their
@@ -393,9 +394,14 @@ fn run() -> Result<()> {
         Weights::Bf16 => WeightFormat::BF16,
     };
     if args.numerics.is_empty() {
-        bail!("--numerics needs at least one of exact, int16");
+        bail!("--numerics needs at least one of int24, exact, int16, bf16, int8");
     }
-    if args.device == Device::Cuda && args.numerics != [NumericsArg::Exact] {
+    if args.device == Device::Cuda
+        && !matches!(
+            args.numerics[..],
+            [NumericsArg::Int24] | [NumericsArg::Exact]
+        )
+    {
         bail!("--numerics applies to the CPU backend; the CUDA backend has one numerics");
     }
     let cpu_opts = |threads: usize| -> Result<CpuOptions> {

@@ -206,8 +206,13 @@ mod tests {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum NumericsArg {
     /// f32 activations: results equal the f32 product with the dequantized weights up to the
-    /// rounding of the sums (the default).
+    /// rounding of the sums.
     Exact,
+    /// The default. Activations rounded to 24-bit integers per 32 values (the size of one f32
+    /// rounding), integer dot products against Q4_0, Q4_1 and Q8_0 weights in steps of up to 16
+    /// rows on AVX512-VNNI CPUs; everything else as exact. Within the exact path's reference
+    /// bounds, not bit-equal to it.
+    Int24,
     /// Activations rounded to 16-bit integers per 32 values, integer dot products: on
     /// AVX512-VNNI CPUs against Q4_0, Q4_1 and Q8_0 weights in every step, prefill included
     /// (faster than exact where the step is not bound by memory); on other AVX2 CPUs against
@@ -229,6 +234,7 @@ impl NumericsArg {
         match self {
             NumericsArg::Exact => crate::backend::cpu::Numerics::Exact,
             NumericsArg::Int16 => crate::backend::cpu::Numerics::Int16,
+            NumericsArg::Int24 => crate::backend::cpu::Numerics::Int24,
             NumericsArg::Int8 => crate::backend::cpu::Numerics::Int8,
             NumericsArg::Bf16 => crate::backend::cpu::Numerics::Bf16,
         }

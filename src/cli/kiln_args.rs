@@ -106,13 +106,15 @@ pub struct Common {
     /// How weights are held in memory.
     #[arg(long, value_enum, default_value_t = Weights::Auto)]
     pub weights: Weights,
-    /// How the CPU multiplies activations by the weights: exact (f32 activations), int16 (decode
-    /// activations rounded to 16-bit integers against quantized weights), bf16 (prefill
-    /// activations, and quantized weights, rounded to bf16; AVX512-BF16 CPUs) or int8 (every step's
-    /// activations rounded to 8-bit integers against Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights; AVX512-VNNI
-    /// or AVX2 CPUs); the last three are faster and not bit-equal. The CUDA backend has one numerics and
-    /// ignores it.
-    #[arg(long, value_enum, default_value_t = NumericsArg::Exact)]
+    /// How the CPU multiplies activations by the weights: int24 (the default: activations
+    /// rounded to 24-bit integers against Q4_0/Q4_1/Q8_0 weights in steps of up to 16 rows on
+    /// AVX512-VNNI CPUs, as accurate as exact and faster there; exact elsewhere), exact (f32
+    /// activations), int16 (activations rounded to 16-bit integers against quantized weights),
+    /// bf16 (prefill activations, and quantized weights, rounded to bf16; AVX512-BF16 CPUs) or
+    /// int8 (every step's activations rounded to 8-bit integers against Q4_0/Q4_1/Q5_0/Q5_1/Q8_0
+    /// weights; AVX512-VNNI or AVX2 CPUs); the last three are faster and less accurate. None is
+    /// bit-equal to another. The CUDA backend has one numerics and ignores it.
+    #[arg(long, value_enum, default_value_t = NumericsArg::Int24)]
     pub numerics: NumericsArg,
     /// How the KV cache stores keys and values on the CPU: f32 (exact), bf16, f16, fp8
     /// (e4m3) or q8 (32-value groups; head size divisible by 32).

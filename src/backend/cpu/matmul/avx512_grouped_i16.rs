@@ -8,14 +8,16 @@
 //! stored element-major: eight loads and eight two-source byte permutes (`vpermt2b`, AVX512-VBMI)
 //! that gather each row's bytes into its lane), then per token 16 `vpdpbusd` against the
 //! block's broadcast activation bytes, one shift and add to join the high and low bytes' sums,
-//! one conversion, one multiply and one or two FMAs.
+//! one conversion, one multiply and one or two FMAs. 24-bit activations ([`Width::Int24`]) take
+//! eight more `vpdpbusd` (the middle bytes), and their high and low sums are joined by two
+//! conversions and an FMA.
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
 use super::avx512_groups::{drive, each_token, GroupPass};
 use super::grouped::{group_block_bytes, quants_at, value_offset, Grouped, BLOCK, GROUP};
-use super::grouped_i16::{takes, Split, SPLIT_BLOCK};
+use super::grouped_i16::{takes, Split, Width};
 use super::int16;
 use super::prefetch::{lines_at_step, with_hint};
 use super::Job;
@@ -36,23 +38,30 @@ pub(crate) fn gathers() -> bool {
     *VBMI.get_or_init(|| is_x86_feature_detected!("avx512vbmi")) && available()
 }
 
-/// `x` (whole blocks) rounded to 16-bit integers as [`super::int16::quantize_ref`] rounds it
-/// (the same scale, `vcvtps2dq`'s nearest-even rounding) and cut into the bytes of a [`Split`] in
-/// one pass: `vpmovdb` of each integer and of its top byte, each word's eight bytes put in the
-/// kernel's order (even elements, then odd) by one `vpshufb`. The block sums are the reference's
-/// (summed in element order).
+/// `x` (whole blocks) rounded to integers of `width` as [`super::grouped_i16::split_ref`]
+/// rounds it (the same scale, `vcvtps2dq`'s nearest-even rounding, the same clamp) and cut into
+/// the bytes of a [`Split`] in one pass: `vpmovdb` of each integer and of each of its higher
+/// bytes, each word's eight bytes put in the kernel's order (even elements, then odd) by one
+/// `vpshufb`. The block sums are the reference's (summed in element order).
 ///
 /// # Safety
 /// The CPU must have AVX-512 F/BW/VL; `x` is whole blocks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-pub(crate) unsafe fn split(x: &[f32]) -> Split {
+pub(crate) unsafe fn split(x: &[f32], width: Width) -> Split {
     let nb = x.len() / BLOCK;
-    let mut bytes = vec![0u8; nb * SPLIT_BLOCK];
+    let (bb, planes) = (width.block_bytes(), width.planes());
+    let mut bytes = vec![0u8; nb * bb];
     let mut d = vec![0f32; nb];
-    let mut qsums = vec![0i32; nb];
+    let mut lsums = vec![0i32; nb];
     let mut hsums = vec![0i32; nb];
     let abs = _mm512_set1_epi32(0x7fff_ffff);
     let inf = _mm512_set1_ps(f32::INFINITY);
+    let (qmax, qmin) = (
+        _mm512_set1_epi32(width.qmax()),
+        _mm512_set1_epi32(-width.qmax()),
+    );
+    let top = _mm_cvtsi32_si128(width.top_shift() as i32);
+    let below = _mm512_set1_epi32((1 << width.top_shift()) - 1);
     // Within each 8-byte word: elements 0, 2, 4, 6, then 1, 3, 5, 7 (`super::grouped_i16::split_at`).
     let order = _mm256_setr_epi8(
         0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15, 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12,
@@ -71,27 +80,34 @@ pub(crate) unsafe fn split(x: &[f32]) -> Split {
             continue;
         }
         let amax = _mm512_reduce_max_ps(_mm512_max_ps(al, ah));
-        let (db, id) = int16::scale_of(amax);
+        let (db, id) = super::block_scale(amax, width.qmax() as f32);
         d[b] = db;
         let id = _mm512_set1_ps(id);
-        let ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, id));
-        let qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));
-        qsums[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
-        let (hl, hh) = (_mm512_srai_epi32::<8>(ql), _mm512_srai_epi32::<8>(qh));
-        hsums[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(hl, hh));
-        let low = _mm256_set_m128i(_mm512_cvtepi32_epi8(qh), _mm512_cvtepi32_epi8(ql));
-        let top = _mm256_set_m128i(_mm512_cvtepi32_epi8(hh), _mm512_cvtepi32_epi8(hl));
-        let dst = bytes.as_mut_ptr().add(b * SPLIT_BLOCK) as *mut __m256i;
-        _mm256_storeu_si256(dst, _mm256_shuffle_epi8(low, order));
-        _mm256_storeu_si256(dst.add(1), _mm256_shuffle_epi8(top, order));
+        let clamp = |q: __m512i| _mm512_max_epi32(_mm512_min_epi32(q, qmax), qmin);
+        let ql = clamp(_mm512_cvtps_epi32(_mm512_mul_ps(lo, id)));
+        let qh = clamp(_mm512_cvtps_epi32(_mm512_mul_ps(hi, id)));
+        lsums[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(
+            _mm512_and_si512(ql, below),
+            _mm512_and_si512(qh, below),
+        ));
+        let (tl, th) = (_mm512_sra_epi32(ql, top), _mm512_sra_epi32(qh, top));
+        hsums[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(tl, th));
+        let dst = bytes.as_mut_ptr().add(b * bb) as *mut __m256i;
+        for plane in 0..planes {
+            let shift = _mm_cvtsi32_si128(8 * plane as i32);
+            let (pl, ph) = (_mm512_sra_epi32(ql, shift), _mm512_sra_epi32(qh, shift));
+            let v = _mm256_set_m128i(_mm512_cvtepi32_epi8(ph), _mm512_cvtepi32_epi8(pl));
+            _mm256_storeu_si256(dst.add(plane), _mm256_shuffle_epi8(v, order));
+        }
     }
     let mut sums = int16::block_sums(x);
     sums.truncate(nb);
     Split {
+        width,
         bytes,
         d,
         sums,
-        qsums,
+        lsums,
         hsums,
     }
 }
@@ -111,11 +127,18 @@ pub(crate) unsafe fn rows(w: &Grouped, x: &[Split], job: &Job) {
         x.len(),
         job.tokens
     );
-    match w.kind {
-        QuantKind::Q4_0 => rows_of::<Q4_0>(w, x, job),
-        QuantKind::Q4_1 => rows_of::<Q4_1>(w, x, job),
+    let width = x.first().map_or(Width::Int16, |s| s.width);
+    assert!(
+        x.iter().all(|s| s.width == width),
+        "activation rows of mixed widths"
+    );
+    match (w.kind, width) {
+        (QuantKind::Q4_0, Width::Int16) => rows_of::<Q4_0, false>(w, x, job),
+        (QuantKind::Q4_0, Width::Int24) => rows_of::<Q4_0, true>(w, x, job),
+        (QuantKind::Q4_1, Width::Int16) => rows_of::<Q4_1, false>(w, x, job),
+        (QuantKind::Q4_1, Width::Int24) => rows_of::<Q4_1, true>(w, x, job),
         // SAFETY: `takes` held, so for Q8_0 the CPU has VBMI.
-        _ => rows_q8(w, x, job),
+        _ => rows_q8(w, x, job, width),
     }
 }
 
@@ -124,8 +147,11 @@ pub(crate) unsafe fn rows(w: &Grouped, x: &[Split], job: &Job) {
 /// # Safety
 /// As [`rows`], and [`gathers`] must hold.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c,fma")]
-unsafe fn rows_q8(w: &Grouped, x: &[Split], job: &Job) {
-    rows_of::<Q8_0>(w, x, job)
+unsafe fn rows_q8(w: &Grouped, x: &[Split], job: &Job, width: Width) {
+    match width {
+        Width::Int16 => rows_of::<Q8_0, false>(w, x, job),
+        Width::Int24 => rows_of::<Q8_0, true>(w, x, job),
+    }
 }
 
 /// The formats as the kernel's const parameter.
@@ -143,17 +169,18 @@ const fn kind_of(f: u8) -> QuantKind {
 }
 
 #[inline(always)]
-unsafe fn rows_of<const F: u8>(w: &Grouped, x: &[Split], job: &Job) {
+unsafe fn rows_of<const F: u8, const WIDE: bool>(w: &Grouped, x: &[Split], job: &Job) {
     let nb = w.cols / BLOCK;
     let bb = group_block_bytes(kind_of(F));
     with_hint!(L2 => {
-        let kernel = Pass::<F, L2> { nb, bb, x };
+        let kernel = Pass::<F, WIDE, L2> { nb, bb, x };
         drive(&kernel, w.bytes.as_ptr(), nb * bb, job)
     })
 }
 
-/// [`chunk`] as the shared group loop's pass, prefetching into L2 (`L2`) or L1.
-struct Pass<'a, const F: u8, const L2: bool> {
+/// [`chunk`] as the shared group loop's pass, on 24-bit activations where `WIDE`, prefetching
+/// into L2 (`L2`) or L1.
+struct Pass<'a, const F: u8, const WIDE: bool, const L2: bool> {
     /// Blocks per row, and bytes per group block.
     nb: usize,
     bb: usize,
@@ -161,7 +188,7 @@ struct Pass<'a, const F: u8, const L2: bool> {
     x: &'a [Split],
 }
 
-impl<const F: u8, const L2: bool> GroupPass for Pass<'_, F, L2> {
+impl<const F: u8, const WIDE: bool, const L2: bool> GroupPass for Pass<'_, F, WIDE, L2> {
     #[inline(always)]
     unsafe fn pass<const N: usize>(
         &self,
@@ -169,22 +196,26 @@ impl<const F: u8, const L2: bool> GroupPass for Pass<'_, F, L2> {
         ahead: *const u8,
         t0: usize,
     ) -> [__m512; N] {
-        chunk::<F, N, L2>(self, base, ahead, &self.x[t0..t0 + N])
+        chunk::<F, WIDE, N, L2>(self, base, ahead, &self.x[t0..t0 + N])
     }
 }
 
-/// The block's integer sums `Σ w·q` of the 16 rows for one token: `256·Σ w·h + Σ w·l` over the
-/// eight quant vectors (vector `i`: the elements of dword `i` of the token's [`Split`] bytes
-/// `xb`), the quants as the signed side against the `l`s (`sw`) and as the unsigned side against
-/// the `h`s (`uw`: Q8_0's offset by 128, taken back in `fix_h`), starting from `fix_l`/`fix_h`.
+/// The block's sums `Σ w·q` of the 16 rows for one token, as f32: over the eight quant vectors
+/// (vector `i`: the elements of dword `i` of each plane of the token's [`Split`] bytes `xb`), the
+/// quants as the signed side against the unsigned low (and, where `WIDE`, middle) bytes (`sw`)
+/// and as the unsigned side against the signed top bytes (`uw`: Q8_0's offset by 128, taken
+/// back in `fix_h`), the low and top sums starting from `fix_l`/`fix_h`. 16 bits: `256·Σ w·h +
+/// Σ w·l`, exact in i32, converted once; 24 bits: `fma(float(Σ w·h), 65536, float(256·Σ w·m +
+/// Σ w·l))`.
 #[inline(always)]
-unsafe fn block_sum<const CHAINS: bool>(
+unsafe fn block_sum<const WIDE: bool, const CHAINS: bool>(
     (sw, uw): (&[__m512i; 8], &[__m512i; 8]),
     xb: *const u8,
     (fix_l, fix_h): (i32, i32),
-) -> __m512i {
+) -> __m512 {
     let lo = xb as *const i32;
-    let hi = xb.add(BLOCK) as *const i32;
+    let mid = xb.add(BLOCK) as *const i32;
+    let hi = xb.add(if WIDE { 2 * BLOCK } else { BLOCK }) as *const i32;
     // A macro, not a closure: a closure is compiled without the kernel's `#[target_feature]`s
     // unless LLVM chooses to inline it.
     macro_rules! word {
@@ -194,25 +225,49 @@ unsafe fn block_sum<const CHAINS: bool>(
     }
     let mut l = _mm512_set1_epi32(fix_l);
     let mut h = _mm512_set1_epi32(fix_h);
+    let mut m = _mm512_setzero_si512();
     if CHAINS {
-        // Four chains, so the dependent products do not wait in line (two chains ran the
-        // one-token Q4_1 kernel 5% slower on one core of the Intel Xeon).
-        let (mut l1, mut h1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+        // Two chains a plane, so the dependent products do not wait in line (one chain a
+        // plane ran the one-token Q4_1 kernel 5% slower on one core of the Intel Xeon).
+        let (mut l1, mut h1, mut m1) = (
+            _mm512_setzero_si512(),
+            _mm512_setzero_si512(),
+            _mm512_setzero_si512(),
+        );
         for i in (0..8).step_by(2) {
             l = _mm512_dpbusd_epi32(l, word!(lo, i), sw[i]);
             h = _mm512_dpbusd_epi32(h, uw[i], word!(hi, i));
+            if WIDE {
+                m = _mm512_dpbusd_epi32(m, word!(mid, i), sw[i]);
+            }
             l1 = _mm512_dpbusd_epi32(l1, word!(lo, i + 1), sw[i + 1]);
             h1 = _mm512_dpbusd_epi32(h1, uw[i + 1], word!(hi, i + 1));
+            if WIDE {
+                m1 = _mm512_dpbusd_epi32(m1, word!(mid, i + 1), sw[i + 1]);
+            }
         }
         l = _mm512_add_epi32(l, l1);
         h = _mm512_add_epi32(h, h1);
+        m = _mm512_add_epi32(m, m1);
     } else {
         for i in 0..8 {
             l = _mm512_dpbusd_epi32(l, word!(lo, i), sw[i]);
             h = _mm512_dpbusd_epi32(h, uw[i], word!(hi, i));
+            if WIDE {
+                m = _mm512_dpbusd_epi32(m, word!(mid, i), sw[i]);
+            }
         }
     }
-    _mm512_add_epi32(_mm512_slli_epi32::<8>(h), l)
+    if WIDE {
+        let low = _mm512_add_epi32(_mm512_slli_epi32::<8>(m), l);
+        _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(h),
+            _mm512_set1_ps(65536.0),
+            _mm512_cvtepi32_ps(low),
+        )
+    } else {
+        _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32::<8>(h), l))
+    }
 }
 
 /// The `vpermt2b` indices that gather Q8_0 quants into vector `2w + parity`'s lanes: lane `r`'s
@@ -234,8 +289,8 @@ static Q8_GATHER: [[u8; 64]; 2] = [q8_gather(0), q8_gather(1)];
 
 /// One group's 16 outputs for `N` tokens.
 #[inline(always)]
-unsafe fn chunk<const F: u8, const N: usize, const L2: bool>(
-    p: &Pass<'_, F, L2>,
+unsafe fn chunk<const F: u8, const WIDE: bool, const N: usize, const L2: bool>(
+    p: &Pass<'_, F, WIDE, L2>,
     base: *const u8,
     ahead: *const u8,
     x: &[Split],
@@ -249,7 +304,7 @@ unsafe fn chunk<const F: u8, const N: usize, const L2: bool>(
     let xb: [*const u8; N] = std::array::from_fn(|t| x[t].bytes.as_ptr());
     let ds: [*const f32; N] = std::array::from_fn(|t| x[t].d.as_ptr());
     let sums: [*const f32; N] = std::array::from_fn(|t| x[t].sums.as_ptr());
-    let qsums: [*const i32; N] = std::array::from_fn(|t| x[t].qsums.as_ptr());
+    let lsums: [*const i32; N] = std::array::from_fn(|t| x[t].lsums.as_ptr());
     let hsums: [*const i32; N] = std::array::from_fn(|t| x[t].hsums.as_ptr());
     let mut acc = [_mm512_setzero_ps(); N];
     let nibble = _mm512_set1_epi8(0x0f);
@@ -301,23 +356,23 @@ unsafe fn chunk<const F: u8, const N: usize, const L2: bool>(
         // Unrolled by hand, so that `acc` stays in registers.
         each_token!(N, |t| {
             let fix = match F {
-                Q4_0 => (off * *qsums[t].add(b), 0),
+                Q4_0 => (off * *lsums[t].add(b), off * *hsums[t].add(b)),
                 Q8_0 => (0, -128 * *hsums[t].add(b)),
                 _ => (0, 0),
             };
-            let xt = xb[t].add(b * SPLIT_BLOCK);
-            // Four chains a token for one token, and for the 4-bit formats at every count;
-            // Q8_0, whose signed and offset quants take sixteen registers, keeps two chains a
-            // token for several tokens (four spilled: one core of the Intel Xeon family 6
-            // model 207, 16 tokens 87.6 against 82.9 G multiply-adds/s, where Q4_1 went from
-            // 84.6 to 100.8 with four).
+            let xt = xb[t].add(b * if WIDE { 3 * BLOCK } else { 2 * BLOCK });
+            // Two chains a plane for one token, and for the 4-bit formats at every count;
+            // Q8_0, whose signed and offset quants take sixteen registers, keeps one chain a
+            // plane for several tokens (two spilled at 16 bits: one core of the Intel Xeon
+            // family 6 model 207, 16 tokens 87.6 against 82.9 G multiply-adds/s, where Q4_1
+            // went from 84.6 to 100.8 with two).
             let s = if N == 1 || F != Q8_0 {
-                block_sum::<true>((&sw, &uw), xt, fix)
+                block_sum::<WIDE, true>((&sw, &uw), xt, fix)
             } else {
-                block_sum::<false>((&sw, &uw), xt, fix)
+                block_sum::<WIDE, false>((&sw, &uw), xt, fix)
             };
             let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*ds[t].add(b)));
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[t]);
+            acc[t] = _mm512_fmadd_ps(s, scale, acc[t]);
             if F == Q4_1 {
                 acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*sums[t].add(b)), acc[t]);
             }

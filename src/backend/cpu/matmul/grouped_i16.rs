@@ -28,6 +28,18 @@
 //! it. The integer sum is the same whatever the order of its products, so [`rows_ref`], that
 //! chain in scalar Rust, is what the kernel is tested against bit for bit, and what runs where
 //! the kernel cannot (a level forced below AVX-512): an int16 result never depends on the level.
+//!
+//! **24 bits.** [`Numerics::Int24`](super::Numerics::Int24) rounds each activation to a 24-bit
+//! integer instead (`d = max|x| / 8388607`: at most 2⁻²⁴ of the block's largest magnitude per
+//! element, the size of one f32 rounding of it) and cuts it into three bytes, `q = 65536·h +
+//! 256·m + l` (`h` signed, `m` and `l` unsigned): per block and token eight more `vpdpbusd` (the
+//! quants against the `m`s). `Σ w·q` no longer fits 32 bits, so the block's sum is joined in f32:
+//! `S = fma(float(Σ w·h), 65536, float(256·Σ w·m + Σ w·l))`, both integer sums exact. Its error
+//! against the f32 products of the exact path is of the size of their own rounding, so it keeps
+//! to the reference bounds the exact path is tested against; it is faster than the exact kernels
+//! at every call size on the CPUs measured (README). Where this kernel does not run (no
+//! AVX512-VNNI, a level forced lower, other formats) int24 runs the exact kernels, not the
+//! scalar chain, which would be far slower.
 
 use half::f16;
 
@@ -36,8 +48,43 @@ use super::int16::XI16;
 use super::Job;
 use crate::model::quant::QuantKind;
 
-/// Bytes of one block's activations in a [`Split`]: the 32 low bytes, then the 32 high ones.
-pub(crate) const SPLIT_BLOCK: usize = 2 * BLOCK;
+/// How many bits a [`Split`]'s integers have.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Width {
+    /// [`Numerics::Int16`](super::Numerics::Int16): two bytes, `q = 256·h + l`.
+    Int16,
+    /// [`Numerics::Int24`](super::Numerics::Int24): three bytes, `q = 65536·h + 256·m + l`.
+    Int24,
+}
+
+impl Width {
+    /// Byte planes of a block: the unsigned low bytes (`l`, then for 24 bits `m`), then the
+    /// signed top bytes `h`.
+    pub(crate) const fn planes(self) -> usize {
+        match self {
+            Width::Int16 => 2,
+            Width::Int24 => 3,
+        }
+    }
+
+    /// Bytes of one block's activations in a [`Split`]: [`Self::planes`] runs of 32.
+    pub(crate) const fn block_bytes(self) -> usize {
+        self.planes() * BLOCK
+    }
+
+    /// The largest magnitude an activation is rounded to.
+    pub(crate) const fn qmax(self) -> i32 {
+        match self {
+            Width::Int16 => 32767,
+            Width::Int24 => 8_388_607,
+        }
+    }
+
+    /// The shift that gives the top (signed) byte of an integer.
+    pub(crate) const fn top_shift(self) -> u32 {
+        8 * (self.planes() as u32 - 1)
+    }
+}
 
 /// Whether grouped weights take the int16 products: Q4_0 and Q4_1 in the streams layout, and
 /// Q8_0 where the CPU runs the kernel's gathers (AVX512-VBMI; elsewhere Q8_0 runs exact, where
@@ -67,59 +114,109 @@ pub(crate) const fn split_at(e: usize) -> usize {
     4 * (2 * w + k % 2) + k / 2
 }
 
-/// One token row's 16-bit activations as the grouped int16 kernel reads them.
+/// One token row's 16- or 24-bit activations as the grouped integer kernel reads them.
 pub(crate) struct Split {
-    /// Per block, [`SPLIT_BLOCK`] bytes: `q & 255` of each element at [`split_at`], then
-    /// `q >> 8` (a signed byte) at `32 + split_at`.
+    /// How many bits the integers have.
+    pub width: Width,
+    /// Per block, [`Width::block_bytes`] bytes, a plane of 32 each: `q & 255` of each element
+    /// at [`split_at`], for 24 bits `(q >> 8) & 255` at `32 + split_at`, then the top byte
+    /// `q >> top_shift` (signed) in the last plane.
     pub bytes: Vec<u8>,
     /// The scale `d` of each block (NaN where the block held a NaN or infinity), as rounded.
     pub d: Vec<f32>,
     /// `Σ x` of each block, unrounded, as rounded ([`XI16::sums`]).
     pub sums: Vec<f32>,
-    /// `Σ q` of each block: Q4_0's `−8` taken back in integers.
-    pub qsums: Vec<i32>,
-    /// `Σ (q >> 8)` of each block: the kernel's Q8_0 quants against the high bytes are offset by
-    /// 128 (the unsigned side of `vpdpbusd`), taken back in integers.
+    /// `Σ (q mod 2^top_shift)` of each block, the unsigned part below the top byte: Q4_0's `−8`
+    /// is taken back in integers against it and against [`Self::hsums`].
+    pub lsums: Vec<i32>,
+    /// `Σ (q >> top_shift)` of each block: the kernel's Q8_0 quants against the top bytes are
+    /// offset by 128 (the unsigned side of `vpdpbusd`), taken back in integers.
     pub hsums: Vec<i32>,
 }
 
 impl Split {
-    /// `x`'s integers cut into bytes and laid out for the kernel.
+    /// `x`'s 16-bit integers cut into bytes and laid out for the kernel.
     pub(crate) fn new(x: &XI16) -> Split {
         let nb = x.q.len() / BLOCK;
-        let mut bytes = vec![0u8; nb * SPLIT_BLOCK];
-        let mut qsums = Vec::with_capacity(nb);
+        let q: Vec<i32> = x.q.iter().map(|&v| v as i32).collect();
+        Split::of_ints(Width::Int16, &q, &x.d[..nb], &x.sums[..nb])
+    }
+
+    /// Integers `q` of `width` (whole blocks; scales `d` and sums `sums` a block each) cut into
+    /// bytes and laid out for the kernel.
+    pub(crate) fn of_ints(width: Width, q: &[i32], d: &[f32], sums: &[f32]) -> Split {
+        let nb = q.len() / BLOCK;
+        let (bb, top) = (width.block_bytes(), width.top_shift());
+        let mut bytes = vec![0u8; nb * bb];
+        let mut lsums = Vec::with_capacity(nb);
         let mut hsums = Vec::with_capacity(nb);
-        for (b, q) in x.q.chunks_exact(BLOCK).enumerate() {
-            let dst = &mut bytes[b * SPLIT_BLOCK..(b + 1) * SPLIT_BLOCK];
+        for (b, q) in q.chunks_exact(BLOCK).enumerate() {
+            let dst = &mut bytes[b * bb..(b + 1) * bb];
             for (e, &v) in q.iter().enumerate() {
-                let [lo, hi] = v.to_le_bytes();
-                dst[split_at(e)] = lo;
-                dst[BLOCK + split_at(e)] = hi;
+                for p in 0..width.planes() {
+                    dst[p * BLOCK + split_at(e)] = (v >> (8 * p)) as u8;
+                }
             }
-            qsums.push(q.iter().map(|&v| v as i32).sum());
-            hsums.push(q.iter().map(|&v| (v >> 8) as i32).sum());
+            lsums.push(q.iter().map(|&v| v & ((1 << top) - 1)).sum());
+            hsums.push(q.iter().map(|&v| v >> top).sum());
         }
         Split {
+            width,
             bytes,
-            d: x.d[..nb].to_vec(),
-            sums: x.sums[..nb].to_vec(),
-            qsums,
+            d: d.to_vec(),
+            sums: sums.to_vec(),
+            lsums,
             hsums,
         }
     }
 
-    /// Element `e`'s integer of block `b`, rebuilt from its two bytes.
+    /// Element `e`'s integer of block `b`, rebuilt from its bytes.
     fn q(&self, b: usize, e: usize) -> i32 {
-        let blk = &self.bytes[b * SPLIT_BLOCK..];
-        256 * (blk[BLOCK + split_at(e)] as i8 as i32) + blk[split_at(e)] as i32
+        let planes = self.width.planes();
+        let blk = &self.bytes[b * self.width.block_bytes()..];
+        let top = blk[(planes - 1) * BLOCK + split_at(e)] as i8 as i32;
+        (0..planes - 1).fold(top << self.width.top_shift(), |q, p| {
+            q + ((blk[p * BLOCK + split_at(e)] as i32) << (8 * p))
+        })
     }
 }
 
-/// `x` (whole blocks) rounded as [`super::int16::quantize`] rounds it and laid out for the
-/// kernel: by AVX-512 in one pass where the kernel runs, else through [`Split::new`] (the same
-/// bytes either way).
-pub(crate) fn split(x: &[f32]) -> Split {
+/// `x` (whole blocks) rounded to integers of `width` per 32-element block in scalar Rust, the
+/// reference of every rounding to a [`Split`]: `d = max|x| / qmax` ([`super::block_scale`]),
+/// `q = x·(1/d)` rounded to the nearest integer (ties to even) and kept within `±qmax` (at 24
+/// bits the product can round one past it), a NaN scale and zero integers for a block holding a
+/// NaN or infinity, and the unrounded block sums ([`super::int16::block_sums`]). At 16 bits
+/// this is [`super::int16::quantize_ref`]'s rounding.
+pub(crate) fn split_ref(x: &[f32], width: Width) -> Split {
+    assert!(
+        x.len().is_multiple_of(BLOCK),
+        "activation row of {} is not whole blocks",
+        x.len()
+    );
+    let nb = x.len() / BLOCK;
+    let qmax = width.qmax();
+    let mut q = vec![0i32; x.len()];
+    let mut d = vec![0f32; nb];
+    for (b, c) in x.chunks_exact(BLOCK).enumerate() {
+        if c.iter().any(|v| !v.is_finite()) {
+            d[b] = f32::NAN;
+            continue;
+        }
+        let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let (db, id) = super::block_scale(amax, qmax as f32);
+        d[b] = db;
+        for (q, &v) in q[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(c) {
+            *q = ((v * id).round_ties_even() as i32).clamp(-qmax, qmax);
+        }
+    }
+    let sums = super::int16::block_sums(x);
+    Split::of_ints(width, &q, &d, &sums[..nb])
+}
+
+/// `x` (whole blocks) rounded to integers of `width` and laid out for the kernel: by AVX-512
+/// in one pass where the kernel runs, else as [`split_ref`] rounds it (16 bits through
+/// [`super::int16::quantize`]); the same bytes either way.
+pub(crate) fn split(x: &[f32], width: Width) -> Split {
     assert!(
         x.len().is_multiple_of(BLOCK),
         "activation row of {} is not whole blocks",
@@ -128,9 +225,22 @@ pub(crate) fn split(x: &[f32]) -> Split {
     #[cfg(target_arch = "x86_64")]
     if super::avx512_grouped_i16::available() {
         // SAFETY: the CPU has AVX-512 F/BW/VL; `x` is whole blocks (asserted).
-        return unsafe { super::avx512_grouped_i16::split(x) };
+        return unsafe { super::avx512_grouped_i16::split(x, width) };
     }
-    Split::new(&super::int16::quantize(x))
+    match width {
+        Width::Int16 => Split::new(&super::int16::quantize(x)),
+        Width::Int24 => split_ref(x, width),
+    }
+}
+
+/// [`split`] at 16 bits, for [`super::per_token`].
+pub(crate) fn split16(x: &[f32]) -> Split {
+    split(x, Width::Int16)
+}
+
+/// [`split`] at 24 bits, for [`super::per_token`].
+pub(crate) fn split24(x: &[f32]) -> Split {
+    split(x, Width::Int24)
 }
 
 /// The f16 at `p[2i..2i+2]`.
@@ -148,7 +258,10 @@ fn dot_ref(w: &Grouped, n: usize, x: &Split) -> f32 {
     let mut acc = 0f32;
     for b in 0..nb {
         let blk = &w.bytes[(g * nb + b) * bb..(g * nb + b + 1) * bb];
-        let mut sum: i32 = off * x.qsums[b];
+        // `Σ (w + off)·q` in two integer parts: against the bits below the top byte, and
+        // against the top byte; exact (at most 2²⁸ and 2²⁰ in magnitude).
+        let top = x.width.top_shift();
+        let (mut low, mut high) = (0i32, 0i32);
         for e in 0..BLOCK {
             let quant = if w.kind == QuantKind::Q8_0 {
                 // Element-major: element `e`'s 16 rows at `16e`, signed.
@@ -158,9 +271,17 @@ fn dot_ref(w: &Grouped, n: usize, x: &Split) -> f32 {
                 let word = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
                 (word >> (4 * (e % 8)) & 0x0f) as i32
             };
-            sum += quant * x.q(b, e);
+            let q = x.q(b, e);
+            low += (quant + off) * (q & ((1 << top) - 1));
+            high += (quant + off) * (q >> top);
         }
-        acc = (sum as f32).mul_add(f16_at(blk, r) * x.d[b], acc);
+        let sum = match x.width {
+            // Exact in i32 (at most 136·32768·32 in magnitude).
+            Width::Int16 => ((high << top) + low) as f32,
+            // The top part's 2¹⁶ would overflow i32: joined in f32, one rounding.
+            Width::Int24 => (high as f32).mul_add(65536.0, low as f32),
+        };
+        acc = sum.mul_add(f16_at(blk, r) * x.d[b], acc);
         if w.kind == QuantKind::Q4_1 {
             acc = f16_at(&blk[2 * GROUP..], r).mul_add(x.sums[b], acc);
         }
@@ -202,9 +323,9 @@ mod tests {
             .collect();
         let xq = super::super::int16::quantize_ref(&x);
         let s = Split::new(&xq);
-        let fast = split(&x);
+        let fast = split(&x, Width::Int16);
         assert_eq!(fast.bytes, s.bytes);
-        assert_eq!(fast.qsums, s.qsums);
+        assert_eq!(fast.lsums, s.lsums);
         assert_eq!(fast.hsums, s.hsums);
         for b in 0..2 {
             for e in 0..BLOCK {
@@ -218,13 +339,66 @@ mod tests {
                 .iter()
                 .map(|&v| v as i32)
                 .sum();
-            assert_eq!(s.qsums[b], want);
+            assert_eq!(256 * s.hsums[b] + s.lsums[b], want);
         }
         assert!(xq.q.iter().any(|&v| v == 32767 || v == -32767));
     }
 
+    /// Every 24-bit integer comes back from its three bytes, the extremes included, and the
+    /// block sums split `Σ q` into the part below the top byte and the top byte's.
+    #[test]
+    fn split24_rebuilds_every_integer() {
+        let mut q: Vec<i32> = (0..96)
+            .map(|i: i32| (i * 7_654_321 % 16_777_213) - 8_388_606)
+            .collect();
+        q[..4].copy_from_slice(&[8_388_607, -8_388_607, 0, -1]);
+        let s = Split::of_ints(Width::Int24, &q, &[1.0; 3], &[0.0; 3]);
+        for b in 0..3 {
+            for e in 0..BLOCK {
+                assert_eq!(s.q(b, e), q[b * BLOCK + e], "block {b} element {e}");
+            }
+            let want: i64 = q[b * BLOCK..(b + 1) * BLOCK]
+                .iter()
+                .map(|&v| v as i64)
+                .sum();
+            assert_eq!(65536 * s.hsums[b] as i64 + s.lsums[b] as i64, want);
+        }
+    }
+
+    /// The 16-bit reference rounding is [`super::super::int16::quantize_ref`]'s, and the 24-bit
+    /// one keeps a block's largest magnitude at `±qmax` and every element within `d/2` (plus
+    /// the product's own f32 rounding) of `x/d`.
+    #[test]
+    fn split_ref_rounds_as_int16_and_to_24_bits() {
+        let x: Vec<f32> = (0..32 * 5)
+            .map(|i| ((i * 7919 % 1013) as f32 - 506.5) * 0.0137)
+            .collect();
+        let s16 = split_ref(&x, Width::Int16);
+        let r16 = Split::new(&super::super::int16::quantize_ref(&x));
+        assert_eq!(s16.bytes, r16.bytes);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&s16.d), bits(&r16.d));
+        let s24 = split_ref(&x, Width::Int24);
+        for (b, c) in x.chunks_exact(BLOCK).enumerate() {
+            let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let mut top = 0;
+            for (e, &v) in c.iter().enumerate() {
+                let q = s24.q(b, e);
+                top = top.max(q.abs());
+                let err = (q as f64 - v as f64 / s24.d[b] as f64).abs();
+                assert!(err <= 0.5 + 1.0, "block {b} element {e}: {q} for {v}");
+            }
+            // amax·(1/d) is within three f32 roundings of qmax.
+            assert!(
+                (8_388_605..=8_388_607).contains(&top),
+                "block {b} (max {amax}): {top}"
+            );
+        }
+    }
+
     /// The one-pass split (AVX-512 where the CPU has the kernel) against the rounding's reference,
-    /// bit for bit, on blocks of every kind: ordinary, all zeros, huge, tiny, and non-finite.
+    /// bit for bit, at both widths, on blocks of every kind: ordinary, all zeros, huge, tiny, and
+    /// non-finite.
     #[test]
     fn split_equals_the_reference_rounding() {
         let mut x: Vec<f32> = (0..32 * 9)
@@ -237,13 +411,15 @@ mod tests {
         x[170] = f32::INFINITY;
         x[200] = f32::NEG_INFINITY;
         x[250] = 0.5;
-        let want = Split::new(&super::super::int16::quantize_ref(&x));
-        let got = split(&x);
-        assert_eq!(got.bytes, want.bytes);
-        assert_eq!(got.qsums, want.qsums);
-        assert_eq!(got.hsums, want.hsums);
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&got.d), bits(&want.d));
-        assert_eq!(bits(&got.sums), bits(&want.sums));
+        for width in [Width::Int16, Width::Int24] {
+            let want = split_ref(&x, width);
+            let got = split(&x, width);
+            assert_eq!(got.bytes, want.bytes, "{width:?}");
+            assert_eq!(got.lsums, want.lsums, "{width:?}");
+            assert_eq!(got.hsums, want.hsums, "{width:?}");
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got.d), bits(&want.d), "{width:?}");
+            assert_eq!(bits(&got.sums), bits(&want.sums), "{width:?}");
+        }
     }
 }

@@ -79,7 +79,9 @@
 //! integers and take each block's integer sums from `vpdpbusd` ([`grouped_i16`],
 //! [`avx512_grouped_i16`]): no quant is converted to f32, and one core of the 2-vCPU Intel Xeon
 //! (family 6 model 167) ran a Q4_1 1536 × 576 one-token product at 39–43 GiB/s against the exact
-//! grouped kernel's 19 (`cargo bench --bench kernels -- 'gemv/Q4_1-grouped'`).
+//! grouped kernel's 19 (`cargo bench --bench kernels -- 'gemv/Q4_1-grouped'`). [`Numerics::Int24`]
+//! (the default) runs the same kernel on 24-bit integers (three bytes an activation) in calls
+//! of up to 16 tokens: as accurate as the exact kernels, faster than them there.
 //!
 //! [`Numerics::Int8`] engines hold their Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices regrouped sixteen
 //! rows to a group ([`WeightData::Interleaved`], [`int8`]) and run every call on them through one
@@ -159,13 +161,13 @@ mod x86;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Numerics {
     /// f32 activations (never rounded): every product equals the f32 product of the
-    /// dequantized weights with the activations, up to the rounding of the sums. The default:
-    /// it is what the tests hold kiln to against transformers and nanochat. On AMX CPUs the
+    /// dequantized weights with the activations, up to the rounding of the sums. The tests hold
+    /// it, and [`Numerics::Int24`] (the default), to the same bounds against transformers and
+    /// nanochat. On AMX CPUs the
     /// products with bf16 weights in calls of more than 16 tokens run on AMX-BF16 tiles, each
     /// activation cut into three bf16 parts that sum to it exactly ([`amx`]): the terms stay
     /// exact, but the tiles read bf16 subnormals as zero, so activations below 2⁻¹¹⁰ in
     /// magnitude lose their low bits there (below 2⁻¹²⁶, all of them).
-    #[default]
     Exact,
     /// Activations rounded to 16-bit integers per 32-element block (`x ≈ d·q`,
     /// `d = max|x| / 32767`: at most a relative 1.5·10⁻⁵ of the block's largest value per
@@ -182,6 +184,17 @@ pub enum Numerics {
     /// else (f32/bf16 weights, other formats, CPUs without AVX2) runs as [`Numerics::Exact`].
     /// What it costs in agreement with the exact path is measured in the README.
     Int16,
+    /// Activations rounded to 24-bit integers per 32-element block (`d = max|x| / 8388607`: at
+    /// most 2⁻²⁴ of the block's largest value per element, the size of one f32 rounding of it)
+    /// against grouped Q4_0, Q4_1 and (with AVX512-VBMI) Q8_0 weights, their products exact in
+    /// integer lanes (`vpdpbusd` on each activation's three bytes, [`grouped_i16`]) in calls of
+    /// every size. Its results differ from [`Numerics::Exact`]'s by about as much as the exact
+    /// path's own rounding, so it is held to the same reference bounds. Needs AVX512-VNNI at the
+    /// AVX-512 level; everything else (other formats and weights, other CPUs, a lower level)
+    /// runs as [`Numerics::Exact`]. The default: on the CPUs with its kernel it decodes faster
+    /// than exact at the exact path's accuracy (README), and elsewhere it is exact.
+    #[default]
+    Int24,
     /// Activations rounded to bf16 (nearest even) against bf16 weights in calls of more than 16
     /// tokens (prefill chunks, large batched steps), multiplied in pairs by `vdpbf16ps` into
     /// f32 sums: twice the multiply-adds per instruction of the f32 kernels, at the cost of
@@ -205,8 +218,9 @@ pub enum Numerics {
 }
 
 impl Numerics {
-    pub const ALL: [Numerics; 4] = [
+    pub const ALL: [Numerics; 5] = [
         Numerics::Exact,
+        Numerics::Int24,
         Numerics::Int16,
         Numerics::Bf16,
         Numerics::Int8,
@@ -217,6 +231,7 @@ impl Numerics {
         match self {
             Numerics::Exact => "exact",
             Numerics::Int16 => "int16",
+            Numerics::Int24 => "int24",
             Numerics::Bf16 => "bf16",
             Numerics::Int8 => "int8",
         }
@@ -255,10 +270,10 @@ pub fn int8_kernels() -> bool {
     false
 }
 
-/// Whether this CPU runs [`Numerics::Int16`]'s products on grouped Q4_0, Q4_1 and Q8_0 weights
-/// ([`grouped_i16`]: AVX512-VNNI at the kernels' SIMD level): an int16 engine then groups its
-/// weights as exact engines do, where it otherwise keeps the blocks as stored for the integer
-/// kernels on those.
+/// Whether this CPU runs [`Numerics::Int16`]'s (and [`Numerics::Int24`]'s) products on grouped
+/// Q4_0, Q4_1 and Q8_0 weights ([`grouped_i16`]: AVX512-VNNI at the kernels' SIMD level): an
+/// int16 engine then groups its weights as exact engines do, where it otherwise keeps the
+/// blocks as stored for the integer kernels on those (int24 engines always group them).
 pub fn int16_grouped_kernels() -> bool {
     #[cfg(target_arch = "x86_64")]
     return avx512_grouped_i16::available();
@@ -903,18 +918,30 @@ fn rounded_activations(
     let max_tokens = avx2_i16::MAX_TOKENS;
     #[cfg(not(target_arch = "x86_64"))]
     let max_tokens = 0;
-    if !int16_call(level, numerics, w, x, ldx, tokens, max_tokens) || !w.data.takes_int16() {
+    if numerics != Numerics::Int16
+        || !integer_call(level, w, x, ldx, tokens, max_tokens)
+        || !w.data.takes_int16()
+    {
         return None;
     }
     Some(per_token(x, ldx, tokens, w.cols, int16::quantize))
 }
 
-/// The token rows rounded to 16-bit integers and cut into bytes for the int16 products of
-/// grouped Q4_0/Q4_1/Q8_0 weights ([`grouped_i16`]), under the conditions of
-/// [`rounded_activations`] but for any number of tokens: prefill and large batched steps take
-/// the same products as decode, so a token's result never depends on how many rows its call
-/// held, and the integer products outrun the exact panels at every size (one core of a Zen 4,
-/// Q4_1 1536 × 576 × 512 tokens: 78 G multiply-adds/s against the f32 panels' 51).
+/// The token rows rounded to 16-bit ([`Numerics::Int16`]) or 24-bit ([`Numerics::Int24`])
+/// integers and cut into bytes for the integer products of grouped Q4_0/Q4_1/Q8_0 weights
+/// ([`grouped_i16`]), under the conditions of [`rounded_activations`] but for any number of
+/// tokens: prefill and large batched steps take the same products as decode, so a token's result
+/// never depends on how many rows its call held, and the integer products outrun the exact
+/// panels at every size (one core of a Zen 4, Q4_1 1536 × 576 × 512 tokens: 78 G multiply-adds/s
+/// at 16 bits against the f32 panels' 51). 24 bits only where the AVX512-VNNI kernel runs
+/// (below it, int24 runs the exact kernels), and in calls of up to [`grouped::MAX_TOKENS`]
+/// tokens: its eight more products a block cost half again the 16-bit kernel's time, and at
+/// many tokens the f32 panels are faster (one core of the Intel Xeon family 6 model 207,
+/// 1536 × 576: Q4_1 at 512 tokens 59 G multiply-adds/s against the panels' 72, Q8_0 51
+/// against 71; at 16 tokens 64 against the exact grouped kernel's 58, and 56 against 59; at
+/// one token 31 against 18 GiB/s, and 36 against 26). So, as in exact numerics, where the
+/// grouped kernels serve calls of up to 16 tokens and the panels larger ones, a token's bits
+/// can differ between a call of up to 16 tokens and a larger one.
 fn grouped_int16_activations(
     level: Level,
     numerics: Numerics,
@@ -923,26 +950,42 @@ fn grouped_int16_activations(
     ldx: usize,
     tokens: usize,
 ) -> Option<Vec<grouped_i16::Split>> {
-    if !int16_call(level, numerics, w, x, ldx, tokens, usize::MAX) || !w.data.takes_grouped_int16()
-    {
+    let (split, max_tokens) = match numerics {
+        Numerics::Int16 => (grouped_i16::split16 as fn(&[f32]) -> _, usize::MAX),
+        Numerics::Int24 if grouped_int24_kernel(level) => {
+            (grouped_i16::split24 as fn(&[f32]) -> _, grouped::MAX_TOKENS)
+        }
+        _ => return None,
+    };
+    if !integer_call(level, w, x, ldx, tokens, max_tokens) || !w.data.takes_grouped_int16() {
         return None;
     }
-    Some(per_token(x, ldx, tokens, w.cols, grouped_i16::split))
+    Some(per_token(x, ldx, tokens, w.cols, split))
 }
 
-/// Whether a call rounds its activations to 16-bit integers (for the kernels that take them):
-/// `numerics` asks for it, 1 to `max_tokens` tokens, whole 32-element blocks, an AVX2 CPU.
-fn int16_call(
+/// Whether a call at `level` runs [`Numerics::Int24`]'s kernel: AVX512-VNNI at the AVX-512
+/// level.
+fn grouped_int24_kernel(level: Level) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return simd::clamp(level) >= Level::Avx512 && avx512_grouped_i16::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = level;
+        false
+    }
+}
+
+/// Whether a call can round its activations to integers (for the kernels that take them):
+/// 1 to `max_tokens` tokens, whole 32-element blocks, an AVX2 CPU.
+fn integer_call(
     level: Level,
-    numerics: Numerics,
     w: &PackedMatrix,
     x: &[f32],
     ldx: usize,
     tokens: usize,
     max_tokens: usize,
 ) -> bool {
-    numerics == Numerics::Int16
-        && (1..=max_tokens).contains(&tokens)
+    (1..=max_tokens).contains(&tokens)
         && simd::clamp(level) >= Level::Avx2
         && w.cols.is_multiple_of(int16::BLOCK)
         && x.len() >= (tokens - 1) * ldx + w.cols

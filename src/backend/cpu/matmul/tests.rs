@@ -2036,13 +2036,24 @@ fn bare_job<'a>(
 /// `reference`'s bits, and each token alone the same bits as in the call; `what` names the case.
 fn assert_entry_point_bits(
     numerics: Numerics,
+    call: (&PackedMatrix, &[f32], usize, usize),
+    want: (&[f32], &[f32], bool),
+    what: &str,
+) {
+    assert_entry_point_bits_at(&[simd::level(), Level::Avx2], numerics, call, want, what)
+}
+
+/// [`assert_entry_point_bits`] at the given levels only.
+fn assert_entry_point_bits_at(
+    levels: &[Level],
+    numerics: Numerics,
     (w, x, ldx, tokens): (&PackedMatrix, &[f32], usize, usize),
     (out0, reference, acc): (&[f32], &[f32], bool),
     what: &str,
 ) {
     let (rows, cols) = (w.rows, w.cols);
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    for level in [simd::level(), Level::Avx2] {
+    for &level in levels {
         let mut all = out0.to_vec();
         matmul_with(level, numerics, w, x, ldx, tokens, &mut all, rows, acc);
         assert_eq!(
@@ -2259,12 +2270,14 @@ fn grouped_avx2_kernels_keep_their_bits_on_tiny_and_huge_activations() {
     }
 }
 
-/// [`Numerics::Int16`] on grouped Q4_0/Q4_1/Q8_0 weights ([`grouped_i16`]): the AVX512-VNNI kernel
-/// equals the scalar chain bit for bit (row ranges that cut groups, bias, accumulation, 1 to 40
-/// tokens: passes of one token's four chains, of several tokens, chunks of 8 and rests); the
-/// entry point gives those bits at every level (below the kernel's, through the scalar chain),
-/// each token alone the same bits as in any call, prefill-sized ones included; and the chain is the f64 product of the
-/// dequantized weights with the activations within the rounding of the activations to 16 bits.
+/// [`Numerics::Int16`] and [`Numerics::Int24`] on grouped Q4_0/Q4_1/Q8_0 weights
+/// ([`grouped_i16`]): the AVX512-VNNI kernel equals the scalar chain bit for bit (row ranges
+/// that cut groups, bias, accumulation, 1 to 40 tokens: passes of one token's chains, of several
+/// tokens, chunks of 8 and rests); the entry point gives those bits (int16 at every level, below
+/// the kernel's through the scalar chain, in calls of every size; int24 at the kernel's, in
+/// calls of up to 16 tokens), each token alone the same bits as in the call; and the chain is the f64 product of the
+/// dequantized weights with the activations within the rounding of the activations to 16 or 24
+/// bits and of the f32 sums.
 #[test]
 fn grouped_int16_kernel_matches_the_reference() {
     if simd::level() < Level::Avx2 {
@@ -2311,77 +2324,102 @@ fn grouped_int16_kernel_matches_the_reference() {
             if cols >= 64 {
                 x[40] = 1e4;
             }
-            let split: Vec<grouped_i16::Split> = (0..tokens)
-                .map(|t| grouped_i16::Split::new(&int16::quantize_ref(&x[t * ldx..t * ldx + cols])))
-                .collect();
-            let out0 = rand_vec(tokens * rows, seed + 3);
-            for acc in [false, true] {
-                let mut reference = out0.clone();
-                let mut vector = out0.clone();
-                for rg in [
-                    0..rows.min(5),
-                    rows.min(5)..rows.min(11),
-                    rows.min(11)..rows.min(21),
-                    rows.min(21)..rows,
-                ] {
-                    for (out, kernel) in [(&mut reference, false), (&mut vector, true)] {
-                        if kernel && !vnni {
-                            continue;
-                        }
-                        let job = Job {
-                            x16g: Some(&split),
-                            ..bare_job(&w, &x, ldx, tokens, rg.clone(), out, rows, acc)
-                        };
-                        unsafe {
-                            if kernel {
-                                avx512_grouped_i16::rows(m, &split, &job)
-                            } else {
-                                grouped_i16::rows_ref(m, &split, &job)
+            for (width, numerics) in [
+                (grouped_i16::Width::Int16, Numerics::Int16),
+                (grouped_i16::Width::Int24, Numerics::Int24),
+            ] {
+                let split: Vec<grouped_i16::Split> = (0..tokens)
+                    .map(|t| grouped_i16::split_ref(&x[t * ldx..t * ldx + cols], width))
+                    .collect();
+                let out0 = rand_vec(tokens * rows, seed + 3);
+                for acc in [false, true] {
+                    let mut reference = out0.clone();
+                    let mut vector = out0.clone();
+                    for rg in [
+                        0..rows.min(5),
+                        rows.min(5)..rows.min(11),
+                        rows.min(11)..rows.min(21),
+                        rows.min(21)..rows,
+                    ] {
+                        for (out, kernel) in [(&mut reference, false), (&mut vector, true)] {
+                            if kernel && !vnni {
+                                continue;
+                            }
+                            let job = Job {
+                                x16g: Some(&split),
+                                ..bare_job(&w, &x, ldx, tokens, rg.clone(), out, rows, acc)
+                            };
+                            unsafe {
+                                if kernel {
+                                    avx512_grouped_i16::rows(m, &split, &job)
+                                } else {
+                                    grouped_i16::rows_ref(m, &split, &job)
+                                }
                             }
                         }
                     }
-                }
-                if vnni {
-                    assert_eq!(
-                        bits(&vector),
-                        bits(&reference),
-                        "{kind:?} {rows}x{cols} x{tokens} acc {acc}"
-                    );
-                }
-                // Within the activations' rounding of the f64 product: each product off by at
-                // most |w|·d/2, d the block's scale.
-                let wf = weights_f64(&w);
-                for t in 0..tokens {
-                    for n in 0..rows {
-                        let mut want = if acc { out0[t * rows + n] as f64 } else { 0.0 };
-                        want += w.bias.as_ref().map_or(0.0, |b| b[n] as f64);
-                        let (mut mag, mut bound) = (want.abs(), 0f64);
-                        for k in 0..cols {
-                            let xv = x[t * ldx + k] as f64;
-                            want += wf[n * cols + k] * xv;
-                            mag += (wf[n * cols + k] * xv).abs();
-                            let b = k / 32 * 32;
-                            let amax = x[t * ldx + b..t * ldx + b + 32]
-                                .iter()
-                                .fold(0f32, |a, v| a.max(v.abs()));
-                            bound += wf[n * cols + k].abs() * amax as f64 / 32767.0 / 2.0;
-                        }
-                        let got = reference[t * rows + n] as f64;
-                        assert!(
-                            (got - want).abs() <= bound * 1.01 + 1e-5 * mag,
-                            "{kind:?} {rows}x{cols} out[{t},{n}] = {got}, want {want} \
+                    if vnni {
+                        assert_eq!(
+                            bits(&vector),
+                            bits(&reference),
+                            "{kind:?} {width:?} {rows}x{cols} x{tokens} acc {acc}"
+                        );
+                    }
+                    // Within the activations' rounding of the f64 product: each product off by at
+                    // most |w|·d/2, d the block's scale.
+                    let wf = weights_f64(&w);
+                    for t in 0..tokens {
+                        for n in 0..rows {
+                            let mut want = if acc { out0[t * rows + n] as f64 } else { 0.0 };
+                            want += w.bias.as_ref().map_or(0.0, |b| b[n] as f64);
+                            let (mut mag, mut bound) = (want.abs(), 0f64);
+                            for k in 0..cols {
+                                let xv = x[t * ldx + k] as f64;
+                                want += wf[n * cols + k] * xv;
+                                mag += (wf[n * cols + k] * xv).abs();
+                                let b = k / 32 * 32;
+                                let amax = x[t * ldx + b..t * ldx + b + 32]
+                                    .iter()
+                                    .fold(0f32, |a, v| a.max(v.abs()));
+                                bound += wf[n * cols + k].abs() * amax as f64
+                                    / width.qmax() as f64
+                                    / 2.0;
+                            }
+                            let got = reference[t * rows + n] as f64;
+                            // The f32 sums' rounding: at 24 bits the activations' is smaller.
+                            let sums = if width == grouped_i16::Width::Int24 {
+                                1e-6
+                            } else {
+                                1e-5
+                            };
+                            assert!(
+                            (got - want).abs() <= bound * 1.01 + sums * mag,
+                            "{kind:?} {width:?} {rows}x{cols} out[{t},{n}] = {got}, want {want} \
                              (bound {bound}, mag {mag})"
+                        );
+                        }
+                    }
+                    // The entry point, at the CPU's level and below the kernel's (int16), and each
+                    // token alone. Int24 runs the exact kernels below its kernel's level.
+                    let what = format!("{kind:?} {width:?} {rows}x{cols} x{tokens}");
+                    if numerics == Numerics::Int16 {
+                        assert_entry_point_bits(
+                            numerics,
+                            (&w, &x, ldx, tokens),
+                            (&out0, &reference, acc),
+                            &what,
+                        );
+                    } else if vnni && tokens <= grouped::MAX_TOKENS {
+                        // (Larger int24 calls run the exact panels.)
+                        assert_entry_point_bits_at(
+                            &[simd::level()],
+                            numerics,
+                            (&w, &x, ldx, tokens),
+                            (&out0, &reference, acc),
+                            &what,
                         );
                     }
                 }
-                // The entry point, at the CPU's level and below the kernel's, and each token
-                // alone.
-                assert_entry_point_bits(
-                    Numerics::Int16,
-                    (&w, &x, ldx, tokens),
-                    (&out0, &reference, acc),
-                    &format!("{kind:?} {rows}x{cols} x{tokens}"),
-                );
             }
         }
     }
