@@ -209,8 +209,8 @@ pub enum NumericsArg {
     /// rounding of the sums.
     Exact,
     /// The default. Activations rounded to 24-bit integers per 32 values (the size of one f32
-    /// rounding), integer dot products against Q4_0 and Q4_1 weights in steps of up to 16 rows
-    /// on AVX512-VNNI CPUs; everything else as exact. Within the exact path's reference
+    /// rounding), integer dot products against Q4_0, Q4_1 and Q8_0 weights in steps of up to 16
+    /// rows on AVX512-VNNI CPUs; everything else as exact. Within the exact path's reference
     /// bounds, not bit-equal to it.
     Int24,
     /// Activations rounded to 16-bit integers per 32 values, integer dot products: on

@@ -52,7 +52,7 @@ pub struct CpuOptions {
     pub threads: usize,
     pub weights: WeightFormat,
     /// How activations meet the weights where rounding them is faster: at the exact path's
-    /// accuracy, calls of up to 16 tokens on grouped Q4_0/Q4_1 weights on AVX512-VNNI CPUs
+    /// accuracy, calls of up to 16 tokens on grouped Q4_0/Q4_1/Q8_0 weights on AVX512-VNNI CPUs
     /// ([`Numerics::Int24`], the default; exact elsewhere); less accurately, decode GEMVs on
     /// quantized weights ([`Numerics::Int16`]), prefill on bf16 weights ([`Numerics::Bf16`]),
     /// every call on Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights ([`Numerics::Int8`]); or never

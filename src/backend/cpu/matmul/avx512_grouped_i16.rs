@@ -8,9 +8,9 @@
 //! stored element-major: eight loads and eight two-source byte permutes (`vpermt2b`, AVX512-VBMI)
 //! that gather each row's bytes into its lane), then per token 16 `vpdpbusd` against the
 //! block's broadcast activation bytes, one shift and add to join the high and low bytes' sums,
-//! one conversion, one multiply and one or two FMAs. 24-bit activations ([`Width::Int24`], on
-//! Q4_0 and Q4_1) take eight more `vpdpbusd` (the middle bytes), and their high and low sums are
-//! joined by two conversions and an FMA.
+//! one conversion, one multiply and one or two FMAs. 24-bit activations ([`Width::Int24`]) take
+//! eight more `vpdpbusd` (the middle bytes), and their high and low sums are joined by two
+//! conversions and an FMA.
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
@@ -120,18 +120,14 @@ pub(crate) unsafe fn split(x: &[f32], width: Width) -> Split {
 /// reads up to `w.rows`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
 pub(crate) unsafe fn rows(w: &Grouped, x: &[Split], job: &Job) {
-    let width = x.first().map_or(Width::Int16, |s| s.width);
-    assert!(
-        takes(w, width),
-        "{} has no grouped {width:?} products",
-        w.kind.name()
-    );
+    assert!(takes(w), "{} has no grouped int16 products", w.kind.name());
     assert!(
         x.len() >= job.tokens,
         "{} activation rows for {} tokens",
         x.len(),
         job.tokens
     );
+    let width = x.first().map_or(Width::Int16, |s| s.width);
     assert!(
         x.iter().all(|s| s.width == width),
         "activation rows of mixed widths"
@@ -141,8 +137,8 @@ pub(crate) unsafe fn rows(w: &Grouped, x: &[Split], job: &Job) {
         (QuantKind::Q4_0, Width::Int24) => rows_of::<Q4_0, true>(w, x, job),
         (QuantKind::Q4_1, Width::Int16) => rows_of::<Q4_1, false>(w, x, job),
         (QuantKind::Q4_1, Width::Int24) => rows_of::<Q4_1, true>(w, x, job),
-        // SAFETY: `takes` held, so this is Q8_0 at 16 bits and the CPU has VBMI.
-        _ => rows_q8(w, x, job),
+        // SAFETY: `takes` held, so for Q8_0 the CPU has VBMI.
+        _ => rows_q8(w, x, job, width),
     }
 }
 
@@ -151,8 +147,11 @@ pub(crate) unsafe fn rows(w: &Grouped, x: &[Split], job: &Job) {
 /// # Safety
 /// As [`rows`], and [`gathers`] must hold.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c,fma")]
-unsafe fn rows_q8(w: &Grouped, x: &[Split], job: &Job) {
-    rows_of::<Q8_0, false>(w, x, job)
+unsafe fn rows_q8(w: &Grouped, x: &[Split], job: &Job, width: Width) {
+    match width {
+        Width::Int16 => rows_of::<Q8_0, false>(w, x, job),
+        Width::Int24 => rows_of::<Q8_0, true>(w, x, job),
+    }
 }
 
 /// The formats as the kernel's const parameter.

@@ -36,10 +36,10 @@
 //! quants against the `m`s). `Σ w·q` no longer fits 32 bits, so the block's sum is joined in f32:
 //! `S = fma(float(Σ w·h), 65536, float(256·Σ w·m + Σ w·l))`, both integer sums exact. Its error
 //! against the f32 products of the exact path is of the size of their own rounding, so it keeps
-//! to the reference bounds the exact path is tested against. It runs on Q4_0 and Q4_1 in calls
-//! of up to 16 tokens, where it is faster than the exact kernels (README); where this kernel
-//! does not run (no AVX512-VNNI, a level forced lower, larger calls, other formats, Q8_0: see
-//! [`takes`]) int24 runs the exact kernels, not the scalar chain, which would be far slower.
+//! to the reference bounds the exact path is tested against. It runs in calls of up to 16
+//! tokens, where it is faster than the exact kernels (README); where this kernel does not run
+//! (no AVX512-VNNI, a level forced lower, larger calls, other formats) int24 runs the exact
+//! kernels, not the scalar chain, which would be far slower.
 
 use half::f16;
 
@@ -86,18 +86,14 @@ impl Width {
     }
 }
 
-/// Whether grouped weights take the integer products at `width`: Q4_0 and Q4_1 in the
-/// streams layout, and at 16 bits Q8_0 where the CPU runs the kernel's gathers (AVX512-VBMI;
-/// elsewhere Q8_0 runs exact, where the scalar chain would be far slower). At 24 bits Q8_0 runs
-/// exact: on the Intel Xeon family 6 model 207 its decode measured no faster in 24-bit products
-/// (tg128 at two threads, alternating: 259/213/260 and 269/254/260 tok/s against exact's
-/// 244/189/267 and 274/250/274) though its one-token kernel is (36 against 26 GiB/s in L2),
-/// and on a Zen 4 its 16-bit products decoded from DRAM more slowly than exact.
-pub(crate) fn takes(w: &Grouped, width: Width) -> bool {
+/// Whether grouped weights take the int16 products: Q4_0 and Q4_1 in the streams layout, and
+/// Q8_0 where the CPU runs the kernel's gathers (AVX512-VBMI; elsewhere Q8_0 runs exact, where
+/// the scalar chain would be far slower).
+pub(crate) fn takes(w: &Grouped) -> bool {
     w.layout == Layout::Streams
         && match w.kind {
             QuantKind::Q4_0 | QuantKind::Q4_1 => true,
-            QuantKind::Q8_0 => width == Width::Int16 && q8_kernel(),
+            QuantKind::Q8_0 => q8_kernel(),
             _ => false,
         }
 }
@@ -299,12 +295,7 @@ fn dot_ref(w: &Grouped, n: usize, x: &Split) -> f32 {
 /// # Safety
 /// `job`'s output must be valid for writes at `t·ldo + n` for every token and row of the job.
 pub(crate) unsafe fn rows_ref(w: &Grouped, x: &[Split], job: &Job) {
-    let width = x.first().map_or(Width::Int16, |s| s.width);
-    assert!(
-        takes(w, width),
-        "{} has no grouped {width:?} products",
-        w.kind.name()
-    );
+    assert!(takes(w), "{} has no grouped int16 products", w.kind.name());
     for (t, xt) in x.iter().enumerate().take(job.tokens) {
         for n in job.rows.clone() {
             job.put(t, n, dot_ref(w, n, xt));

@@ -80,9 +80,8 @@
 //! [`avx512_grouped_i16`]): no quant is converted to f32, and one core of the 2-vCPU Intel Xeon
 //! (family 6 model 167) ran a Q4_1 1536 × 576 one-token product at 39–43 GiB/s against the exact
 //! grouped kernel's 19 (`cargo bench --bench kernels -- 'gemv/Q4_1-grouped'`). [`Numerics::Int24`]
-//! (the default) runs the same kernel on 24-bit integers (three bytes an activation) on Q4_0
-//! and Q4_1 in calls of up to 16 tokens: as accurate as the exact kernels, faster than them
-//! there.
+//! (the default) runs the same kernel on 24-bit integers (three bytes an activation) in calls
+//! of up to 16 tokens: as accurate as the exact kernels, faster than them there.
 //!
 //! [`Numerics::Int8`] engines hold their Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices regrouped sixteen
 //! rows to a group ([`WeightData::Interleaved`], [`int8`]) and run every call on them through one
@@ -187,14 +186,13 @@ pub enum Numerics {
     Int16,
     /// Activations rounded to 24-bit integers per 32-element block (`d = max|x| / 8388607`: at
     /// most 2⁻²⁴ of the block's largest value per element, the size of one f32 rounding of it)
-    /// against grouped Q4_0 and Q4_1 weights, their products exact in integer lanes
-    /// (`vpdpbusd` on each activation's three bytes, [`grouped_i16`]) in calls of up to 16
-    /// tokens. Its results differ from [`Numerics::Exact`]'s by about as much as the exact
-    /// path's own rounding, so it is held to the same reference bounds. Needs AVX512-VNNI at the
-    /// AVX-512 level; everything else (other formats and weights, Q8_0 included, larger calls,
-    /// other CPUs, a lower level) runs as [`Numerics::Exact`]. The default: on the CPUs with its
-    /// kernel it decodes those formats faster than exact at the exact path's accuracy (README),
-    /// and elsewhere it is exact.
+    /// against grouped Q4_0, Q4_1 and (with AVX512-VBMI) Q8_0 weights, their products exact in
+    /// integer lanes (`vpdpbusd` on each activation's three bytes, [`grouped_i16`]) in calls of
+    /// up to 16 tokens. Its results differ from [`Numerics::Exact`]'s by about as much as the
+    /// exact path's own rounding, so it is held to the same reference bounds. Needs AVX512-VNNI
+    /// at the AVX-512 level; everything else (other formats and weights, larger calls, other
+    /// CPUs, a lower level) runs as [`Numerics::Exact`]. The default: on the CPUs with its kernel it decodes faster
+    /// than exact at the exact path's accuracy (README), and elsewhere it is exact.
     #[default]
     Int24,
     /// Activations rounded to bf16 (nearest even) against bf16 weights in calls of more than 16
@@ -480,12 +478,12 @@ impl WeightData {
         }
     }
 
-    /// Whether a part is [`WeightData::Grouped`] in a format with grouped integer products at
-    /// `width` ([`grouped_i16`]).
-    fn takes_grouped_integers(&self, width: grouped_i16::Width) -> bool {
+    /// Whether a part is [`WeightData::Grouped`] in a format with grouped int16 products
+    /// ([`grouped_i16`]).
+    fn takes_grouped_int16(&self) -> bool {
         match self {
-            WeightData::Grouped(g) => grouped_i16::takes(g, width),
-            WeightData::Parts(parts) => parts.iter().any(|p| p.data.takes_grouped_integers(width)),
+            WeightData::Grouped(g) => grouped_i16::takes(g),
+            WeightData::Parts(parts) => parts.iter().any(|p| p.data.takes_grouped_int16()),
             _ => false,
         }
     }
@@ -501,14 +499,11 @@ impl WeightData {
 
     /// Whether a part is [`WeightData::Grouped`] in a format whose exact kernel multiplies block
     /// sums of the activations (a min: Q4_1, Q5_1, Q4_K), not counting the parts that take
-    /// integer products where the call rounded its activations to `integers` (whose
-    /// activations carry their own sums).
-    fn takes_grouped_sums(&self, integers: Option<grouped_i16::Width>) -> bool {
+    /// int16 products where `int16` (whose activations carry their own sums).
+    fn takes_grouped_sums(&self, int16: bool) -> bool {
         match self {
-            WeightData::Grouped(g) => {
-                g.takes_sums() && !integers.is_some_and(|width| grouped_i16::takes(g, width))
-            }
-            WeightData::Parts(parts) => parts.iter().any(|p| p.data.takes_grouped_sums(integers)),
+            WeightData::Grouped(g) => g.takes_sums() && !(int16 && grouped_i16::takes(g)),
+            WeightData::Parts(parts) => parts.iter().any(|p| p.data.takes_grouped_sums(int16)),
             _ => false,
         }
     }
@@ -767,14 +762,7 @@ impl Prepared {
         let x16g = grouped_int16_activations(level, numerics, w, x, ldx, tokens);
         Prepared {
             xq: rounded_activations(level, numerics, w, x, ldx, tokens),
-            sums: grouped_block_sums(
-                level,
-                w,
-                x,
-                ldx,
-                tokens,
-                x16g.as_ref().and_then(|x| x.first()).map(|x| x.width),
-            ),
+            sums: grouped_block_sums(level, w, x, ldx, tokens, x16g.is_some()),
             x16g,
             xb: bf16_activations(level, numerics, w, x, ldx, tokens),
             xs: split_activations(level, numerics, w, x, ldx, tokens),
@@ -797,20 +785,19 @@ impl Prepared {
 /// (Q4_1, Q5_1, Q4_K) will run their AVX-512 kernels on this call. Once per call, not once per
 /// task: each task needs every token's sums, and at 16 tokens and eight tasks the per-task sums
 /// took ~5% of a SmolLM2 Q4_1 decode step on 2 threads (Intel Xeon, `perf`). Not for the
-/// parts whose integer products the call runs (at the width `integers` it rounded to), whose
-/// activations carry their sums.
+/// parts whose int16 products the call runs (`int16`), whose activations carry their sums.
 fn grouped_block_sums(
     level: Level,
     w: &PackedMatrix,
     x: &[f32],
     ldx: usize,
     tokens: usize,
-    integers: Option<grouped_i16::Width>,
+    int16: bool,
 ) -> Option<Vec<f32>> {
     if tokens == 0
         || tokens > grouped::MAX_TOKENS
         || simd::clamp(level) < Level::Avx2
-        || !w.data.takes_grouped_sums(integers)
+        || !w.data.takes_grouped_sums(int16)
         || !w.cols.is_multiple_of(grouped::BLOCK)
         || x.len() < (tokens - 1) * ldx + w.cols
     {
@@ -941,8 +928,8 @@ fn rounded_activations(
 }
 
 /// The token rows rounded to 16-bit ([`Numerics::Int16`]) or 24-bit ([`Numerics::Int24`])
-/// integers and cut into bytes for the integer products of grouped Q4_0/Q4_1 (and at 16 bits
-/// Q8_0) weights ([`grouped_i16`]), under the conditions of [`rounded_activations`] but for any number of
+/// integers and cut into bytes for the integer products of grouped Q4_0/Q4_1/Q8_0 weights
+/// ([`grouped_i16`]), under the conditions of [`rounded_activations`] but for any number of
 /// tokens: prefill and large batched steps take the same products as decode, so a token's result
 /// never depends on how many rows its call held, and the integer products outrun the exact
 /// panels at every size (one core of a Zen 4, Q4_1 1536 × 576 × 512 tokens: 78 G multiply-adds/s
@@ -963,21 +950,14 @@ fn grouped_int16_activations(
     ldx: usize,
     tokens: usize,
 ) -> Option<Vec<grouped_i16::Split>> {
-    let (split, width, max_tokens) = match numerics {
-        Numerics::Int16 => (
-            grouped_i16::split16 as fn(&[f32]) -> _,
-            grouped_i16::Width::Int16,
-            usize::MAX,
-        ),
-        Numerics::Int24 if grouped_int24_kernel(level) => (
-            grouped_i16::split24 as fn(&[f32]) -> _,
-            grouped_i16::Width::Int24,
-            grouped::MAX_TOKENS,
-        ),
+    let (split, max_tokens) = match numerics {
+        Numerics::Int16 => (grouped_i16::split16 as fn(&[f32]) -> _, usize::MAX),
+        Numerics::Int24 if grouped_int24_kernel(level) => {
+            (grouped_i16::split24 as fn(&[f32]) -> _, grouped::MAX_TOKENS)
+        }
         _ => return None,
     };
-    if !integer_call(level, w, x, ldx, tokens, max_tokens) || !w.data.takes_grouped_integers(width)
-    {
+    if !integer_call(level, w, x, ldx, tokens, max_tokens) || !w.data.takes_grouped_int16() {
         return None;
     }
     Some(per_token(x, ldx, tokens, w.cols, split))
@@ -1256,10 +1236,7 @@ unsafe fn grouped_rows(level: Level, m: &Grouped, job: &Job) {
     let level = simd::clamp(level);
     // Int16 products where the call rounded its activations for them: the AVX512-VNNI kernel,
     // or below its level the scalar chain it equals bit for bit.
-    if let Some(x) = job
-        .x16g
-        .filter(|x| x.first().is_some_and(|x| grouped_i16::takes(m, x.width)))
-    {
+    if let Some(x) = job.x16g.filter(|_| grouped_i16::takes(m)) {
         #[cfg(target_arch = "x86_64")]
         if level >= Level::Avx512 && avx512_grouped_i16::available() {
             avx512_grouped_i16::rows(m, x, job);
