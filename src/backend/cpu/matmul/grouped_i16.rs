@@ -198,15 +198,13 @@ pub(crate) fn split_ref(x: &[f32], width: Width) -> Split {
     let mut q = vec![0i32; x.len()];
     let mut d = vec![0f32; nb];
     for (b, c) in x.chunks_exact(BLOCK).enumerate() {
-        if c.iter().any(|v| !v.is_finite()) {
+        let Some((db, rounded)) = super::round_block_ref(c, qmax as f32) else {
             d[b] = f32::NAN;
             continue;
-        }
-        let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let (db, id) = super::block_scale(amax, qmax as f32);
+        };
         d[b] = db;
-        for (q, &v) in q[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(c) {
-            *q = ((v * id).round_ties_even() as i32).clamp(-qmax, qmax);
+        for (q, v) in q[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(rounded) {
+            *q = (v as i32).clamp(-qmax, qmax);
         }
     }
     let sums = super::int16::block_sums(x);

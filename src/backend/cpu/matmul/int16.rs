@@ -53,15 +53,13 @@ pub(crate) fn quantize_ref(x: &[f32]) -> XI16 {
         sums: block_sums(x),
     };
     for (b, c) in x.chunks_exact(BLOCK).enumerate() {
-        if c.iter().any(|v| !v.is_finite()) {
+        let Some((d, rounded)) = super::round_block_ref(c, QMAX) else {
             out.d[b] = f32::NAN;
             continue;
-        }
-        let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let (d, id) = scale_of(amax);
+        };
         out.d[b] = d;
-        for (q, &v) in out.q[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(c) {
-            *q = (v * id).round_ties_even() as i16;
+        for (q, v) in out.q[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(rounded) {
+            *q = v as i16;
         }
     }
     out

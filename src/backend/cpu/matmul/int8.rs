@@ -118,18 +118,16 @@ pub(crate) fn quantize_ref(x: &[f32]) -> XI8 {
     );
     let mut out = XI8::zeros(x.len());
     for (b, c) in x.chunks_exact(BLOCK).enumerate() {
-        if c.iter().any(|v| !v.is_finite()) {
+        let Some((d, rounded)) = super::round_block_ref(c, QMAX) else {
             out.d[b] = f32::NAN;
             out.sums[b] = f32::NAN;
             continue;
-        }
-        let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let (d, id) = scale_of(amax);
+        };
         out.d[b] = d;
         let mut s = 0;
-        for (q, &v) in out.q[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(c) {
-            // `as` saturates; `|v·id| ≤ 127` up to rounding, so nothing is clipped.
-            *q = (v * id).round_ties_even() as i8;
+        for (q, v) in out.q[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(rounded) {
+            // `as` saturates; the values are within ±127 up to rounding, so nothing is clipped.
+            *q = v as i8;
             s += *q as i32;
         }
         out.qsums[b] = s;

@@ -864,6 +864,24 @@ pub(crate) fn block_scale(amax: f32, qmax: f32) -> (f32, f32) {
     (d, if id.is_finite() { id } else { 0.0 })
 }
 
+/// One block `c` of activations rounded to integers up to `qmax` as the integer numerics'
+/// references round it ([`int8`], [`int16`], [`grouped_i16`]): `None` where the block holds a
+/// NaN or infinity (its scale is then NaN and its integers 0), else its scale `d`
+/// ([`block_scale`] of its largest magnitude) and each element's `x·(1/d)` rounded to the nearest
+/// integer, ties to even, still as f32 (within `±qmax` up to that product's rounding: each
+/// caller casts or clamps).
+pub(crate) fn round_block_ref(
+    c: &[f32],
+    qmax: f32,
+) -> Option<(f32, impl Iterator<Item = f32> + '_)> {
+    if c.iter().any(|v| !v.is_finite()) {
+        return None;
+    }
+    let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let (d, id) = block_scale(amax, qmax);
+    Some((d, c.iter().map(move |&v| (v * id).round_ties_even())))
+}
+
 /// `f` of each of `tokens` rows of `cols` values, `ldx` apart in `x`: the activations a call
 /// prepares once for every task. Prefill-sized calls round their rows on every thread of the
 /// pool, in order: on one thread, while the others waited, a 512-token call's rounding took
