@@ -305,6 +305,8 @@ unsafe fn chunk<const F: u8, const WIDE: bool, const N: usize, const L2: bool>(
     let ds: [*const f32; N] = std::array::from_fn(|t| x[t].d.as_ptr());
     let sums: [*const f32; N] = std::array::from_fn(|t| x[t].sums.as_ptr());
     let lsums: [*const i32; N] = std::array::from_fn(|t| x[t].lsums.as_ptr());
+    // A block's bytes in each token's `Split` (a constant of `WIDE`).
+    let split_bytes = if WIDE { Width::Int24 } else { Width::Int16 }.block_bytes();
     let hsums: [*const i32; N] = std::array::from_fn(|t| x[t].hsums.as_ptr());
     let mut acc = [_mm512_setzero_ps(); N];
     let nibble = _mm512_set1_epi8(0x0f);
@@ -360,7 +362,7 @@ unsafe fn chunk<const F: u8, const WIDE: bool, const N: usize, const L2: bool>(
                 Q8_0 => (0, -128 * *hsums[t].add(b)),
                 _ => (0, 0),
             };
-            let xt = xb[t].add(b * if WIDE { 3 * BLOCK } else { 2 * BLOCK });
+            let xt = xb[t].add(b * split_bytes);
             // Two chains a plane for one token, and for the 4-bit formats at every count;
             // Q8_0, whose signed and offset quants take sixteen registers, keeps one chain a
             // plane for several tokens (two spilled at 16 bits: one core of the Intel Xeon

@@ -231,16 +231,6 @@ pub(crate) fn split(x: &[f32], width: Width) -> Split {
     }
 }
 
-/// [`split`] at 16 bits, for [`super::per_token`].
-pub(crate) fn split16(x: &[f32]) -> Split {
-    split(x, Width::Int16)
-}
-
-/// [`split`] at 24 bits, for [`super::per_token`].
-pub(crate) fn split24(x: &[f32]) -> Split {
-    split(x, Width::Int24)
-}
-
 /// The f16 at `p[2i..2i+2]`.
 fn f16_at(p: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([p[2 * i], p[2 * i + 1]]).to_f32()

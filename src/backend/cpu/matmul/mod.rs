@@ -191,8 +191,9 @@ pub enum Numerics {
     /// up to 16 tokens. Its results differ from [`Numerics::Exact`]'s by about as much as the
     /// exact path's own rounding, so it is held to the same reference bounds. Needs AVX512-VNNI
     /// at the AVX-512 level; everything else (other formats and weights, larger calls, other
-    /// CPUs, a lower level) runs as [`Numerics::Exact`]. The default: on the CPUs with its kernel it decodes faster
-    /// than exact at the exact path's accuracy (README), and elsewhere it is exact.
+    /// CPUs, a lower level) runs as [`Numerics::Exact`]. The default: on the CPUs with its
+    /// kernel it decodes faster than exact at the exact path's accuracy (README), and elsewhere
+    /// it is exact.
     #[default]
     Int24,
     /// Activations rounded to bf16 (nearest even) against bf16 weights in calls of more than 16
@@ -728,7 +729,8 @@ pub fn matmul_with(
 struct Prepared {
     /// The token rows rounded for [`Numerics::Int16`].
     xq: Option<Vec<int16::XI16>>,
-    /// The same, cut into bytes for grouped weights' int16 products ([`grouped_i16`]).
+    /// The token rows rounded to 16 ([`Numerics::Int16`]) or 24 ([`Numerics::Int24`]) bits and
+    /// cut into bytes for grouped weights' integer products ([`grouped_i16`]).
     x16g: Option<Vec<grouped_i16::Split>>,
     /// The token rows rounded to bf16 pairs for [`Numerics::Bf16`].
     xb: Option<Vec<u32>>,
@@ -759,7 +761,7 @@ impl Prepared {
         tokens: usize,
     ) -> Prepared {
         let x8 = int8_activations(w, x, ldx, tokens);
-        let x16g = grouped_int16_activations(level, numerics, w, x, ldx, tokens);
+        let x16g = grouped_integer_activations(level, numerics, w, x, ldx, tokens);
         Prepared {
             xq: rounded_activations(level, numerics, w, x, ldx, tokens),
             sums: grouped_block_sums(level, w, x, ldx, tokens, x16g.is_some()),
@@ -891,7 +893,7 @@ fn per_token<T: Send>(
     ldx: usize,
     tokens: usize,
     cols: usize,
-    f: fn(&[f32]) -> T,
+    f: impl Fn(&[f32]) -> T + Sync,
 ) -> Vec<T> {
     let row = |t: usize| f(&x[t * ldx..t * ldx + cols]);
     if tokens.saturating_mul(cols) < PARALLEL_ROUNDING {
@@ -960,7 +962,7 @@ fn rounded_activations(
 /// one token 31 against 18 GiB/s, and 36 against 26). So, as in exact numerics, where the
 /// grouped kernels serve calls of up to 16 tokens and the panels larger ones, a token's bits
 /// can differ between a call of up to 16 tokens and a larger one.
-fn grouped_int16_activations(
+fn grouped_integer_activations(
     level: Level,
     numerics: Numerics,
     w: &PackedMatrix,
@@ -968,17 +970,19 @@ fn grouped_int16_activations(
     ldx: usize,
     tokens: usize,
 ) -> Option<Vec<grouped_i16::Split>> {
-    let (split, max_tokens) = match numerics {
-        Numerics::Int16 => (grouped_i16::split16 as fn(&[f32]) -> _, usize::MAX),
+    let (width, max_tokens) = match numerics {
+        Numerics::Int16 => (grouped_i16::Width::Int16, usize::MAX),
         Numerics::Int24 if grouped_int24_kernel(level) => {
-            (grouped_i16::split24 as fn(&[f32]) -> _, grouped::MAX_TOKENS)
+            (grouped_i16::Width::Int24, grouped::MAX_TOKENS)
         }
         _ => return None,
     };
     if !integer_call(level, w, x, ldx, tokens, max_tokens) || !w.data.takes_grouped_int16() {
         return None;
     }
-    Some(per_token(x, ldx, tokens, w.cols, split))
+    Some(per_token(x, ldx, tokens, w.cols, |x| {
+        grouped_i16::split(x, width)
+    }))
 }
 
 /// Whether a call at `level` runs [`Numerics::Int24`]'s kernel: AVX512-VNNI at the AVX-512
@@ -1758,7 +1762,8 @@ struct Job<'a> {
     accumulate: bool,
     /// The token rows rounded for [`Numerics::Int16`] (one to sixteen tokens), if rounded.
     xq: Option<&'a [int16::XI16]>,
-    /// The same cut into bytes for grouped weights' int16 products, if cut.
+    /// The token rows cut into bytes for grouped weights' 16- or 24-bit integer products, if
+    /// cut.
     x16g: Option<&'a [grouped_i16::Split]>,
     /// The token rows rounded to bf16 pairs for [`Numerics::Bf16`], if rounded.
     xb: Option<&'a [u32]>,

@@ -2031,6 +2031,16 @@ fn bare_job<'a>(
     )
 }
 
+/// `0..rows` cut at 5, 11 and 21: groups and half groups entered and left in the middle.
+fn row_cuts(rows: usize) -> [Range<usize>; 4] {
+    [
+        0..rows.min(5),
+        rows.min(5)..rows.min(11),
+        rows.min(11)..rows.min(21),
+        rows.min(21)..rows,
+    ]
+}
+
 /// Through the entry point in `numerics`, at the CPU's level and at AVX2, a call of `tokens`
 /// rows of `x` over `w` (outputs starting as `out0`, accumulated into where `acc`) gives
 /// `reference`'s bits, and each token alone the same bits as in the call; `what` names the case.
@@ -2121,14 +2131,7 @@ fn grouped_kernels_match_the_reference() {
                 let mut reference = out0.clone();
                 let mut vector = out0.clone();
                 let mut vector2 = out0.clone();
-                // Rows cut at 5, 11 and 21: groups and half groups entered and left in the
-                // middle.
-                for rg in [
-                    0..rows.min(5),
-                    rows.min(5)..rows.min(11),
-                    rows.min(11)..rows.min(21),
-                    rows.min(21)..rows,
-                ] {
+                for rg in row_cuts(rows) {
                     for (out, kernel) in [
                         (&mut reference, Level::Scalar),
                         (&mut vector, Level::Avx512),
@@ -2335,12 +2338,7 @@ fn grouped_int16_kernel_matches_the_reference() {
                 for acc in [false, true] {
                     let mut reference = out0.clone();
                     let mut vector = out0.clone();
-                    for rg in [
-                        0..rows.min(5),
-                        rows.min(5)..rows.min(11),
-                        rows.min(11)..rows.min(21),
-                        rows.min(21)..rows,
-                    ] {
+                    for rg in row_cuts(rows) {
                         for (out, kernel) in [(&mut reference, false), (&mut vector, true)] {
                             if kernel && !vnni {
                                 continue;
