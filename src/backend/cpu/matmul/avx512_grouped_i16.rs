@@ -18,7 +18,6 @@ use std::sync::OnceLock;
 use super::avx512_groups::{drive, each_token, GroupPass};
 use super::grouped::{group_block_bytes, quants_at, value_offset, Grouped, BLOCK, GROUP};
 use super::grouped_i16::{takes, Split, Width};
-use super::int16;
 use super::prefetch::{lines_at_step, with_hint};
 use super::Job;
 use crate::backend::cpu::simd::{self, Level};
@@ -67,7 +66,13 @@ pub(crate) unsafe fn split(x: &[f32], width: Width) -> Split {
         0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15, 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12,
         14, 9, 11, 13, 15,
     );
+    let mut sums = vec![0f32; nb];
     for b in 0..nb {
+        // In the reference's element order ([`super::int16::block_sums`]): a scalar chain that
+        // runs beside the block's vector work. Summed in a pass of its own, as before, the split
+        // of a 576-wide row took 0.83 µs instead of 0.73 (one core of the Intel Xeon family 6
+        // model 207, best of 2,000 calls).
+        sums[b] = x[b * BLOCK..(b + 1) * BLOCK].iter().sum();
         let p = x.as_ptr().add(b * BLOCK);
         let (lo, hi) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
         let al = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(lo), abs));
@@ -100,8 +105,6 @@ pub(crate) unsafe fn split(x: &[f32], width: Width) -> Split {
             _mm256_storeu_si256(dst.add(plane), _mm256_shuffle_epi8(v, order));
         }
     }
-    let mut sums = int16::block_sums(x);
-    sums.truncate(nb);
     Split {
         width,
         bytes,
