@@ -41,18 +41,29 @@ pub(crate) fn gathers() -> bool {
 /// rounds it (the same scale, `vcvtps2dq`'s nearest-even rounding, the same clamp) and cut into
 /// the bytes of a [`Split`] in one pass: `vpmovdb` of each integer and of each of its higher
 /// bytes, each word's eight bytes put in the kernel's order (even elements, then odd) by one
-/// `vpshufb`. The block sums are the reference's (summed in element order).
+/// `vpshufb`. The block sums are the reference's (summed in element order). Written into
+/// `out`'s buffers (a spent split's, or empty ones), every value set afresh.
 ///
 /// # Safety
 /// The CPU must have AVX-512 F/BW/VL; `x` is whole blocks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-pub(crate) unsafe fn split(x: &[f32], width: Width) -> Split {
+pub(crate) unsafe fn split_into(x: &[f32], width: Width, out: &mut Split) {
     let nb = x.len() / BLOCK;
     let (bb, planes) = (width.block_bytes(), width.planes());
-    let mut bytes = vec![0u8; nb * bb];
-    let mut d = vec![0f32; nb];
-    let mut lsums = vec![0i32; nb];
-    let mut hsums = vec![0i32; nb];
+    out.width = width;
+    let Split {
+        bytes,
+        d,
+        sums,
+        lsums,
+        hsums,
+        ..
+    } = out;
+    zeroed(bytes, nb * bb);
+    zeroed(d, nb);
+    zeroed(sums, nb);
+    zeroed(lsums, nb);
+    zeroed(hsums, nb);
     let abs = _mm512_set1_epi32(0x7fff_ffff);
     let inf = _mm512_set1_ps(f32::INFINITY);
     let (qmax, qmin) = (
@@ -66,7 +77,6 @@ pub(crate) unsafe fn split(x: &[f32], width: Width) -> Split {
         0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15, 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12,
         14, 9, 11, 13, 15,
     );
-    let mut sums = vec![0f32; nb];
     for b in 0..nb {
         // In the reference's element order ([`super::int16::block_sums`]): a scalar chain that
         // runs beside the block's vector work. Summed in a pass of its own, as before, the split
@@ -105,14 +115,13 @@ pub(crate) unsafe fn split(x: &[f32], width: Width) -> Split {
             _mm256_storeu_si256(dst.add(plane), _mm256_shuffle_epi8(v, order));
         }
     }
-    Split {
-        width,
-        bytes,
-        d,
-        sums,
-        lsums,
-        hsums,
-    }
+}
+
+/// `v` as `n` zeros, in its own buffer: every value of a split starts at the zero that a block
+/// holding a NaN or infinity keeps.
+fn zeroed<T: Default + Clone>(v: &mut Vec<T>, n: usize) {
+    v.clear();
+    v.resize(n, T::default());
 }
 
 /// Every output of `job` over grouped `w` ([`takes`]) with activations `x` (one per token).

@@ -606,7 +606,7 @@ unsafe impl Sync for OutPtr {}
 /// of grouped or interleaved weights; with more than one token, one packed panel's outputs)
 /// and split the units as evenly as they can: rayon halves the list of tasks between threads,
 /// and equal-sized tasks with a short last one gave one of two threads 320 of 576 rows.
-fn task_rows(level: Level, w: &PackedMatrix, tokens: usize) -> Vec<std::ops::Range<usize>> {
+fn task_rows(level: Level, w: &PackedMatrix, tokens: usize) -> TaskRows {
     let threads = rayon::current_num_threads().max(1);
     // Multi-token calls go one packed panel's outputs at a time (the quantized prefill tiles
     // too): 32 on AVX-512, 16 on AVX2.
@@ -624,13 +624,38 @@ fn task_rows(level: Level, w: &PackedMatrix, tokens: usize) -> Vec<std::ops::Ran
     let tasks = (threads * per_thread)
         .min(w.rows.div_ceil(min_rows))
         .clamp(1, units.max(1));
-    (0..tasks)
-        .map(|i| {
-            let at = |i: usize| (i * units / tasks * unit).min(w.rows);
-            at(i)..at(i + 1)
-        })
-        .filter(|r| !r.is_empty())
-        .collect()
+    TaskRows {
+        tasks,
+        units,
+        unit,
+        rows: w.rows,
+    }
+}
+
+/// A call's tasks ([`task_rows`]), each task's rows computed when it starts rather than listed
+/// in a vector that every call allocated (a one-token call's allocations show in a decode
+/// step: see [`grouped_i16::recycle`]).
+#[derive(Clone, Copy, Debug)]
+struct TaskRows {
+    tasks: usize,
+    units: usize,
+    unit: usize,
+    rows: usize,
+}
+
+impl TaskRows {
+    /// Task `i`'s rows: units `⌊i·units/tasks⌋..⌊(i+1)·units/tasks⌋`, all non-empty when the
+    /// matrix has rows (`tasks ≤ units`).
+    fn rows(&self, i: usize) -> std::ops::Range<usize> {
+        let at = |i: usize| (i * self.units / self.tasks * self.unit).min(self.rows);
+        at(i)..at(i + 1)
+    }
+
+    /// Every task's rows, in order.
+    #[cfg(test)]
+    fn iter(&self) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+        (0..self.tasks).map(|i| self.rows(i))
+    }
 }
 
 /// `out[t·ldo + n] (+)= bias[n] + Σ_k W[n,k]·x[t·ldx + k]` for every token `t` and output `n`,
@@ -711,7 +736,11 @@ pub fn matmul_with(
     let tasks = task_rows(level, w, tokens);
     // Computed once per call, shared by every task.
     let prepared = Prepared::new(level, numerics, w, x, ldx, tokens);
-    tasks.into_par_iter().for_each(|rows| {
+    (0..tasks.tasks).into_par_iter().for_each(|i| {
+        let rows = tasks.rows(i);
+        if rows.is_empty() {
+            return;
+        }
         let p = ptr;
         // SAFETY: tasks own disjoint column ranges `rows` of every output row, and `out` outlives
         // the parallel loop; the asserts above bound every index written.
@@ -749,6 +778,15 @@ struct Prepared {
     /// The activations' full tiles as the AVX2 panels read them.
     #[cfg(target_arch = "x86_64")]
     xp: Option<avx2_panel::PackedTokens>,
+}
+
+impl Drop for Prepared {
+    /// Gives the call's splits back for the next call to fill.
+    fn drop(&mut self) {
+        if let Some(splits) = self.x16g.take() {
+            grouped_i16::recycle(splits);
+        }
+    }
 }
 
 impl Prepared {

@@ -304,7 +304,7 @@ fn tasks_split_rows_evenly_on_kernel_units() {
                         (1, _) => 16,
                         (t, _) => tile_rows(simd::clamp(level), t),
                     };
-                    let tasks = task_rows(level, w, tokens);
+                    let tasks: Vec<_> = task_rows(level, w, tokens).iter().collect();
                     let what = format!("{name} {rows} rows, {tokens} tokens: {tasks:?}");
                     // Two tasks a thread in one-token calls, four in others.
                     let most = if tokens == 1 { 4 } else { 8 };
