@@ -78,11 +78,11 @@ pub(crate) unsafe fn split_into(x: &[f32], width: Width, out: &mut Split) {
         14, 9, 11, 13, 15,
     );
     for b in 0..nb {
-        // In the reference's element order ([`super::int16::block_sums`]): a scalar chain that
-        // runs beside the block's vector work. Summed in a pass of its own, as before, the split
-        // of a 576-wide row took 0.83 µs instead of 0.73 (one core of the Intel Xeon family 6
-        // model 207, best of 2,000 calls).
-        sums[b] = x[b * BLOCK..(b + 1) * BLOCK].iter().sum();
+        // The reference's sum ([`super::block_sum`]): a scalar chain that runs beside the
+        // block's vector work. Summed in a pass of its own, as before, the split of a 576-wide
+        // row took 0.83 µs instead of 0.73 (one core of the Intel Xeon family 6 model 207, best
+        // of 2,000 calls).
+        sums[b] = super::block_sum(&x[b * BLOCK..(b + 1) * BLOCK]);
         let p = x.as_ptr().add(b * BLOCK);
         let (lo, hi) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
         let al = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(lo), abs));

@@ -840,7 +840,7 @@ pub(crate) fn block_sums(x: &[f32]) -> Vec<f32> {
 
 /// [`block_sums`], one block at a time.
 fn block_sums_iter(x: &[f32]) -> impl Iterator<Item = f32> + '_ {
-    x.chunks_exact(BLOCK).map(|c| c.iter().sum())
+    x.chunks_exact(BLOCK).map(super::block_sum)
 }
 
 /// [`block_sums`] of each token row in turn, in one buffer (token `t`'s at `t·cols/32`).

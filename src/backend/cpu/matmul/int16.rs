@@ -67,7 +67,7 @@ pub(crate) fn quantize_ref(x: &[f32]) -> XI16 {
 
 /// `Σ x` of each 32-element block, summed in order, padded with zeros ([`PAD`]).
 pub(crate) fn block_sums(x: &[f32]) -> Vec<f32> {
-    let mut s: Vec<f32> = x.chunks_exact(BLOCK).map(|c| c.iter().sum()).collect();
+    let mut s: Vec<f32> = x.chunks_exact(BLOCK).map(super::block_sum).collect();
     s.resize(s.len().next_multiple_of(PAD), 0.0);
     s
 }

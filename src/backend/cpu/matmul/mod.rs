@@ -904,6 +904,14 @@ pub(crate) fn block_scale(amax: f32, qmax: f32) -> (f32, f32) {
     (d, if id.is_finite() { id } else { 0.0 })
 }
 
+/// `Σ c` of one block of activations, summed in element order: the block sum of every kernel
+/// and reference that takes one (a format's min, an integer numerics' offset), so that all of
+/// them give the same bits.
+#[inline(always)]
+pub(crate) fn block_sum(c: &[f32]) -> f32 {
+    c.iter().sum()
+}
+
 /// One block `c` of activations rounded to integers up to `qmax` as the integer numerics'
 /// references round it ([`int8`], [`int16`], [`grouped_i16`]): `None` where the block holds a
 /// NaN or infinity (its scale is then NaN and its integers 0), else its scale `d`

@@ -295,7 +295,7 @@ pub(super) unsafe fn block_sums<Q: Legacy>(x: *const f32, nb: usize) -> Vec<f32>
 /// Sums of each `chunk` consecutive values of the `len` activations at `x`.
 pub(super) unsafe fn chunk_sums(x: *const f32, len: usize, chunk: usize) -> Vec<f32> {
     let x = std::slice::from_raw_parts(x, len);
-    x.chunks_exact(chunk).map(|c| c.iter().sum()).collect()
+    x.chunks_exact(chunk).map(super::block_sum).collect()
 }
 
 /// An ISA's f32 vector, as the generic block GEMV uses it.
