@@ -100,6 +100,7 @@ use std::ops::Range;
 use half::bf16;
 use rayon::prelude::*;
 
+use super::keep_awake;
 pub use super::pages::{Pages, WeightArena};
 use super::simd::{self, Level};
 use crate::model::quant::{self, BlockFormat, QuantKind};
@@ -734,6 +735,37 @@ pub fn matmul_with(
     );
     let ptr = OutPtr(out.as_mut_ptr());
     let tasks = task_rows(level, w, tokens);
+    // A one-token call inside a forward step goes to the step's team, a part a thread
+    // ([`keep_awake::parts`]); each part prepares its own activations (the same bits), so no
+    // thread waits while one rounds them. SmolLM2 decode, 2 threads of the 2-vCPU Xeon (family 6
+    // model 207), one process alternating rayon loops and parts, 30 rounds, median per-round
+    // ratio: Q4_1 int24 1.037–1.039 with the activations prepared once before the parts, 1.059
+    // with each part preparing its own; Q8_0 1.038, Qwen2.5-Coder-0.5B Q4_K_M 1.031.
+    let members = if tokens == 1 {
+        keep_awake::members()
+    } else {
+        0
+    };
+    if members >= 2 && members <= tasks.units {
+        let parts = TaskRows {
+            tasks: members,
+            ..tasks
+        };
+        keep_awake::parts(&|i| {
+            let rows = parts.rows(i);
+            let prepared = Prepared::new(level, numerics, w, x, ldx, tokens);
+            let p = ptr;
+            // SAFETY: parts own disjoint column ranges `rows` of every output row (non-empty:
+            // no more parts than units), and `out` outlives the call; the asserts above bound
+            // every index written.
+            unsafe {
+                rows_job(
+                    level, w, x, ldx, tokens, rows, p.0, ldo, accumulate, &prepared,
+                )
+            };
+        });
+        return;
+    }
     // Computed once per call, shared by every task.
     let prepared = Prepared::new(level, numerics, w, x, ldx, tokens);
     (0..tasks.tasks).into_par_iter().for_each(|i| {
@@ -752,8 +784,9 @@ pub fn matmul_with(
     });
 }
 
-/// What a call derives from its activation rows once and shares with every task: the rows
-/// rounded for the kernel's numerics, and the block sums that formats with a min multiply.
+/// What a call derives from its activation rows once and shares with every task (in a step's
+/// team, once per part: see [`matmul_with`]): the rows rounded for the kernel's numerics, and
+/// the block sums that formats with a min multiply.
 #[derive(Default)]
 struct Prepared {
     /// The token rows rounded for [`Numerics::Int16`].

@@ -273,6 +273,69 @@ fn parallel_split_matches_reference() {
     }
 }
 
+/// One-token calls inside a forward step, split into one part a thread of the step's team (each
+/// part rounding its own activations), give the bits of the same calls in rayon loops: dense and
+/// grouped weights, exact and rounded numerics, 2 threads.
+#[test]
+fn one_token_calls_in_a_step_give_the_bits_of_rayon_loops() {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .expect("a 2-thread pool");
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    let mut cases = Vec::new();
+    for (rows, cols) in [(16, 64), (100, 96), (576, 576), (960, 576), (3072, 64)] {
+        let seed = (rows + cols) as u64;
+        cases.push((
+            "f32",
+            PackedMatrix {
+                rows,
+                cols,
+                data: WeightData::F32(rand_vec(rows * cols, seed).into()),
+                bias: None,
+            },
+        ));
+        for kind in [QuantKind::Q4_1, QuantKind::Q8_0, QuantKind::Q4_K] {
+            if kind == QuantKind::Q4_K && cols % 256 != 0 {
+                continue;
+            }
+            let q = quant_matrix(kind, rows, cols, true, seed + 1);
+            cases.push((
+                "grouped",
+                PackedMatrix {
+                    data: q.data.grouped(rows, cols),
+                    ..q
+                },
+            ));
+        }
+    }
+    let mut in_parts = 0;
+    for (name, w) in &cases {
+        let x = rand_vec(w.cols, w.rows as u64 + 5);
+        let out0 = rand_vec(w.rows, 9);
+        for numerics in [Numerics::Exact, Numerics::Int24, Numerics::Int16] {
+            for acc in [false, true] {
+                let what = format!("{name} {}x{} {numerics:?} acc {acc}", w.rows, w.cols);
+                let mut looped = out0.clone();
+                pool.install(|| matmul(numerics, w, &x, w.cols, 1, &mut looped, w.rows, acc));
+                let mut parted = out0.clone();
+                pool.install(|| {
+                    crate::backend::cpu::keep_awake::during(2, || {
+                        if crate::backend::cpu::keep_awake::keepers_present(2) {
+                            in_parts += 1;
+                        }
+                        matmul(numerics, w, &x, w.cols, 1, &mut parted, w.rows, acc)
+                    })
+                });
+                assert_eq!(bits(&parted), bits(&looped), "{what}");
+            }
+        }
+    }
+    if in_parts == 0 {
+        println!("SKIPPED (team parts): the keepers never arrived; every call ran in rayon loops");
+    }
+}
+
 /// The parallel split: tasks cover every row once, in order, start on the kernels' unit (4 rows
 /// for one-token dense GEMVs, 16 for grouped weights and few-token calls, the panel above 16
 /// tokens), number at most four per thread, and differ by at most one unit, so that the two
