@@ -23,6 +23,7 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
+use super::keep_awake;
 use super::simd::{self, Level};
 use super::Numerics;
 use crate::backend::TokenRow;
@@ -110,7 +111,8 @@ pub fn attention(
         return;
     }
     // Decode rows with too few KV heads to share that the split did not take (short
-    // contexts): the calling thread alone, a task per KV head ([`split::few_pairs`]).
+    // contexts): a task per KV head, on the step's team or else the calling thread alone
+    // ([`split::few_pairs`]).
     let alone = split::few_pairs(s, rows, tiles.len(), threads);
     let decodes = kv.layout().dtype != KvDtype::F32;
     let per_task = if alone || decodes || tiles.len() * s.kv_heads >= 2 * threads {
@@ -148,7 +150,13 @@ pub fn attention(
         });
     };
     let tasks = 0..tiles.len() * s.kv_heads * chunks;
-    if alone {
+    // Such rows go to the step's team when it has one: its parts are cheap enough to share a
+    // few KV heads (part `p` takes tasks `p`, `p + members`, …).
+    let members = if alone { keep_awake::members() } else { 0 };
+    if members >= 2 {
+        let n = tasks.end;
+        keep_awake::parts(&|p| (p..n).step_by(members).for_each(&task_of));
+    } else if alone {
         tasks.for_each(task_of);
     } else {
         tasks.into_par_iter().for_each(task_of);
@@ -1261,9 +1269,9 @@ mod tests {
         }
     }
 
-    /// Decode rows on two threads, whichever way they go (alone over short contexts, split over
-    /// long ones, tasks of a group when there are enough rows to share), give bit for bit what
-    /// one head at a time gives.
+    /// Decode rows on two threads, whichever way they go (alone over short contexts, or in a
+    /// step on its team's parts; split over long ones; tasks of a group when there are enough
+    /// rows to share), give bit for bit what one head at a time gives.
     #[test]
     fn decode_rows_on_two_threads_round_like_one_head_at_a_time() {
         let (heads, kv_heads, d) = (9, 3, 64);
@@ -1321,6 +1329,18 @@ mod tests {
                         &mut kv,
                         &format!("{dtype:?} rows {rows:?}"),
                     )
+                });
+                pool.install(|| {
+                    keep_awake::during(2, || {
+                        let team = keep_awake::keepers_present(2);
+                        assert_rounds_like_one_head_at_a_time(
+                            &shape,
+                            &rows,
+                            (&q, &k, &v),
+                            &mut kv,
+                            &format!("{dtype:?} rows {rows:?} in a step (team: {team})"),
+                        )
+                    })
                 });
             }
         }

@@ -62,12 +62,17 @@ pub(super) fn applies(
 
 /// Whether the call's rows are decode rows (every row its own tile) with fewer (row, KV head)
 /// pairs than twice the threads (2 or more): too few tasks of a KV head each to share among the
-/// threads. Those the split does not take, over short contexts, are best attended by the
-/// calling thread alone, a task per KV head: splitting a group's query heads between threads
+/// threads. Those the split does not take, over short contexts, are best attended a task per KV
+/// head, by the calling thread alone or, in a step, spread over its team's parts
+/// ([`crate::backend::cpu::keep_awake::parts`]): splitting a group's query heads between threads
 /// had both cores fetch the same keys and values, which cost more than the work it shared
 /// (SmolLM2 decode, 2 threads of the 2-vCPU Intel Xeon, 30 layers' caches cold, µs a layer,
 /// query heads in parallel / KV heads alone: 5.2 / 1.4 at 8 positions, 6.9 / 3.3 at 32, 8.1 /
-/// 5.7 at 48; `kiln-bench -p 0 -n 48 --profile`, attention 0.30–0.33 → 0.21–0.22 ms a step).
+/// 5.7 at 48; `kiln-bench -p 0 -n 48 --profile`, attention 0.30–0.33 → 0.21–0.22 ms a step),
+/// and KV heads in a rayon loop cost more than alone (0.32–0.38 against 0.27 ms a step at
+/// 128 steps, family 6 model 207), while the team's parts gained 1–1.5% of the decode (one
+/// process alternating, SmolLM2 Q4_1 and Q8_0, Qwen2.5-Coder-0.5B Q4_K_M). Over long contexts
+/// the split's own loops stayed in rayon: its parts measured no faster at 512 steps.
 pub(super) fn few_pairs(
     s: &AttentionShape,
     rows: &[TokenRow],
