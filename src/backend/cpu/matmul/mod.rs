@@ -735,6 +735,19 @@ pub fn matmul_with(
     );
     let ptr = OutPtr(out.as_mut_ptr());
     let tasks = task_rows(level, w, tokens);
+    let run = |rows: Range<usize>, prepared: &Prepared| {
+        if rows.is_empty() {
+            return;
+        }
+        let p = ptr;
+        // SAFETY: tasks and parts own disjoint column ranges `rows` of every output row, and
+        // `out` outlives the call; the asserts above bound every index written.
+        unsafe {
+            rows_job(
+                level, w, x, ldx, tokens, rows, p.0, ldo, accumulate, prepared,
+            )
+        };
+    };
     // A one-token call inside a forward step goes to the step's team, a part a thread
     // ([`keep_awake::parts`]); each part prepares its own activations (the same bits), so no
     // thread waits while one rounds them. SmolLM2 decode, 2 threads of the 2-vCPU Xeon (family 6
@@ -752,36 +765,18 @@ pub fn matmul_with(
             ..tasks
         };
         keep_awake::parts(&|i| {
-            let rows = parts.rows(i);
-            let prepared = Prepared::new(level, numerics, w, x, ldx, tokens);
-            let p = ptr;
-            // SAFETY: parts own disjoint column ranges `rows` of every output row (non-empty:
-            // no more parts than units), and `out` outlives the call; the asserts above bound
-            // every index written.
-            unsafe {
-                rows_job(
-                    level, w, x, ldx, tokens, rows, p.0, ldo, accumulate, &prepared,
-                )
-            };
+            run(
+                parts.rows(i),
+                &Prepared::new(level, numerics, w, x, ldx, tokens),
+            )
         });
         return;
     }
     // Computed once per call, shared by every task.
     let prepared = Prepared::new(level, numerics, w, x, ldx, tokens);
-    (0..tasks.tasks).into_par_iter().for_each(|i| {
-        let rows = tasks.rows(i);
-        if rows.is_empty() {
-            return;
-        }
-        let p = ptr;
-        // SAFETY: tasks own disjoint column ranges `rows` of every output row, and `out` outlives
-        // the parallel loop; the asserts above bound every index written.
-        unsafe {
-            rows_job(
-                level, w, x, ldx, tokens, rows, p.0, ldo, accumulate, &prepared,
-            )
-        };
-    });
+    (0..tasks.tasks)
+        .into_par_iter()
+        .for_each(|i| run(tasks.rows(i), &prepared));
 }
 
 /// What a call derives from its activation rows once and shares with every task (in a step's
