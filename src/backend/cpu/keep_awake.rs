@@ -66,7 +66,8 @@ pub fn during<R>(threads: usize, step: impl FnOnce() -> R) -> R {
         // More threads than CPUs: keepers for rayon's jobs only, queued as jobs that any worker
         // takes, the step's own thread included (where one leaves at once). A keeper on every
         // other worker, as the broadcast puts them, spun against the working threads: 4 threads
-        // on the 2-vCPU Xeon, SmolLM2 Q4_1 decode 307–320 tok/s against 367–371 this way.
+        // on the 2-vCPU Xeon, SmolLM2 Q4_1 decode ran 307–338 tok/s with the parts and 307–320
+        // without them, against 363–374 this way (367–377 before the team).
         for member in 1..threads {
             let keepers = Arc::clone(&team);
             rayon::spawn(move || {
@@ -89,9 +90,9 @@ thread_local! {
 
 /// How many parts [`parts`] would run on this thread now: the step's threads when this is a
 /// step's own thread, the step has no more threads than the process has CPUs, and every keeper
-/// is polling; else 0 (use the rayon pool). With more threads than CPUs, fixed parts wait for
-/// threads that share a core, where rayon's stealing moves the work: 4 threads on the 2-vCPU
-/// Xeon, SmolLM2 Q4_1 decode ran 307–338 tok/s in parts against 368 in rayon loops.
+/// is polling; else 0 (use the rayon pool). With more threads than CPUs a fixed part may wait
+/// for a thread that shares a core, where rayon's stealing moves the work; and the keepers the
+/// parts need, one broadcast to every worker, cost that case most of all (see [`during`]).
 pub fn members() -> usize {
     let team = TEAM.get();
     if team.is_null() {
