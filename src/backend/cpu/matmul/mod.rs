@@ -748,13 +748,13 @@ pub fn matmul_with(
             )
         };
     };
-    // A one-token call inside a forward step goes to the step's team, a part a thread
-    // ([`keep_awake::parts`]); each part prepares its own activations (the same bits), so no
-    // thread waits while one rounds them. SmolLM2 decode, 2 threads of the 2-vCPU Xeon (family 6
+    // A call of up to [`TEAM_TOKENS`] tokens inside a forward step goes to the step's team, a
+    // part a thread ([`keep_awake::parts`]); each part prepares its own activations (the same
+    // bits), so no thread waits while one rounds them. SmolLM2 decode, 2 threads of the 2-vCPU Xeon (family 6
     // model 207), one process alternating rayon loops and parts, 30 rounds, median per-round
     // ratio: Q4_1 int24 1.037–1.039 with the activations prepared once before the parts, 1.059
     // with each part preparing its own; Q8_0 1.038, Qwen2.5-Coder-0.5B Q4_K_M 1.031.
-    let members = if tokens == 1 {
+    let members = if tokens <= TEAM_TOKENS {
         keep_awake::members()
     } else {
         0
@@ -778,6 +778,13 @@ pub fn matmul_with(
         .into_par_iter()
         .for_each(|i| run(tasks.rows(i), &prepared));
 }
+
+/// The most tokens a call may have to go to the step's team rather than a rayon loop. SmolLM2
+/// Q4_1 decode of several sequences, 64 steps, 2 threads of the 2-vCPU Xeon (family 6 model
+/// 207), one process alternating calls of up to 1 and up to 16 tokens on the team, median
+/// per-round ratio: 2 sequences 1.059, 4 1.039, 8 0.997, 16 0.999 (the larger calls' rayon
+/// tasks balance better than fixed parts, and their overhead is a smaller share).
+const TEAM_TOKENS: usize = 4;
 
 /// What a call derives from its activation rows once and shares with every task (in a step's
 /// team, once per part: see [`matmul_with`]): the rows rounded for the kernel's numerics, and

@@ -273,11 +273,11 @@ fn parallel_split_matches_reference() {
     }
 }
 
-/// One-token calls inside a forward step, split into one part a thread of the step's team (each
-/// part rounding its own activations), give the bits of the same calls in rayon loops: dense and
-/// grouped weights, exact and rounded numerics, 2 threads.
+/// Calls of one to [`TEAM_TOKENS`] tokens inside a forward step, split into one part a thread
+/// of the step's team (each part rounding its own activations), give the bits of the same calls
+/// in rayon loops: dense and grouped weights, exact and rounded numerics, 2 threads.
 #[test]
-fn one_token_calls_in_a_step_give_the_bits_of_rayon_loops() {
+fn few_token_calls_in_a_step_give_the_bits_of_rayon_loops() {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(2)
         .build()
@@ -311,23 +311,29 @@ fn one_token_calls_in_a_step_give_the_bits_of_rayon_loops() {
     }
     let mut in_parts = 0;
     for (name, w) in &cases {
-        let x = rand_vec(w.cols, w.rows as u64 + 5);
-        let out0 = rand_vec(w.rows, 9);
-        for numerics in [Numerics::Exact, Numerics::Int24, Numerics::Int16] {
-            for acc in [false, true] {
-                let what = format!("{name} {}x{} {numerics:?} acc {acc}", w.rows, w.cols);
-                let mut looped = out0.clone();
-                pool.install(|| matmul(numerics, w, &x, w.cols, 1, &mut looped, w.rows, acc));
-                let mut parted = out0.clone();
-                pool.install(|| {
-                    crate::backend::cpu::keep_awake::during(2, || {
-                        if crate::backend::cpu::keep_awake::keepers_present(2) {
-                            in_parts += 1;
-                        }
-                        matmul(numerics, w, &x, w.cols, 1, &mut parted, w.rows, acc)
-                    })
-                });
-                assert_eq!(bits(&parted), bits(&looped), "{what}");
+        for tokens in [1, 2, TEAM_TOKENS] {
+            let ldx = w.cols + 3;
+            let x = rand_vec((tokens - 1) * ldx + w.cols, w.rows as u64 + 5);
+            let out0 = rand_vec(tokens * w.rows, 9);
+            for numerics in [Numerics::Exact, Numerics::Int24, Numerics::Int16] {
+                for acc in [false, true] {
+                    let what = format!(
+                        "{name} {}x{} x{tokens} {numerics:?} acc {acc}",
+                        w.rows, w.cols
+                    );
+                    let mut looped = out0.clone();
+                    pool.install(|| matmul(numerics, w, &x, ldx, tokens, &mut looped, w.rows, acc));
+                    let mut parted = out0.clone();
+                    pool.install(|| {
+                        crate::backend::cpu::keep_awake::during(2, || {
+                            if crate::backend::cpu::keep_awake::keepers_present(2) {
+                                in_parts += 1;
+                            }
+                            matmul(numerics, w, &x, ldx, tokens, &mut parted, w.rows, acc)
+                        })
+                    });
+                    assert_eq!(bits(&parted), bits(&looped), "{what}");
+                }
             }
         }
     }
