@@ -1,6 +1,7 @@
 //! Keeps the CPU pool's workers awake through one forward step, so that its parallel loops do
-//! not each wait for a sleeping thread to wake, and lets the step's thread share one-token work
-//! with them at less cost than a rayon loop ([`parts`]).
+//! not each wait for a sleeping thread to wake, and lets the step's thread share small calls
+//! (matmuls of a few tokens, short-context decode attention) with them at less cost than a
+//! rayon loop ([`parts`]).
 //!
 //! A decode step is a few hundred short parallel loops (a SmolLM2 matmul is 5–300 µs) with
 //! serial work between them (norms, activations, rope). rayon's idle workers look for work with
@@ -281,7 +282,8 @@ impl Slot {
     }
 
     /// Waits until the keeper has finished its part of job `seq`: spinning, then (a keeper
-    /// descheduled mid-part, say with more threads than cores) yielding the CPU between polls.
+    /// descheduled mid-part, say on a machine shared with other work) yielding the CPU between
+    /// polls.
     fn wait_finished(&self, seq: u64) {
         let mut spins = 0u32;
         while self.finished.load(Ordering::Acquire) < seq {
