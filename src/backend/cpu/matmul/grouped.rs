@@ -33,7 +33,7 @@
 //! token count: per block, four partial sums `p_i = Σ_{8i ≤ e < 8i+8} q_e·x_e` (each in element
 //! order, one FMA per element: four chains of 8, so one token's FMAs do not wait on each other's
 //! latency), `acc ← fma(d, (p_0 + p_1) + (p_2 + p_3), acc)`, then for formats with a min
-//! `acc ← fma(m, Σx_block, acc)` (the block sums summed in element order). Q4_K's sub-blocks
+//! `acc ← fma(m, Σx_block, acc)` (the block sums as [`super::block_sum`] folds them). Q4_K's sub-blocks
 //! go as blocks with `d·sc_j` for `d` and `−dmin·m_j` for `m`; Q6_K's pairs of 16-element
 //! sub-blocks as blocks whose two halves `p_0 + p_1` and `p_2 + p_3` each take their own
 //! `d·sc_j` (no min). In [`Layout::Halves`] the partial sums are `p_i = Σ_{e ≡ i mod 4} q_e·x_e`
@@ -831,8 +831,8 @@ impl Grouped {
     }
 }
 
-/// The sums of each block of `x` (whole blocks), each in element order: what formats with a
-/// min multiply by `m`.
+/// The sums of each block of `x` (whole blocks), each as [`super::block_sum`] folds it: what
+/// formats with a min multiply by `m`.
 #[cfg(test)]
 pub(crate) fn block_sums(x: &[f32]) -> Vec<f32> {
     block_sums_iter(x).collect()

@@ -239,8 +239,13 @@ pub(crate) fn split(x: &[f32], width: Width) -> Split {
         let mut out = SPENT
             .with_borrow_mut(Vec::pop)
             .unwrap_or_else(|| Split::empty(width));
-        // SAFETY: the CPU has AVX-512 F/BW/VL; `x` is whole blocks (asserted).
-        unsafe { super::avx512_grouped_i16::split_into(x, width, &mut out) };
+        if super::avx512_split::available() {
+            // SAFETY: the CPU has AVX-512 F/BW/VL and VBMI; `x` is whole blocks (asserted).
+            unsafe { super::avx512_split::split_into(x, width, &mut out) };
+        } else {
+            // SAFETY: the CPU has AVX-512 F/BW/VL; `x` is whole blocks (asserted).
+            unsafe { super::avx512_grouped_i16::split_into(x, width, &mut out) };
+        }
         return out;
     }
     match width {
@@ -432,30 +437,84 @@ mod tests {
         }
     }
 
-    /// The one-pass split (AVX-512 where the CPU has the kernel) against the rounding's reference,
-    /// bit for bit, at both widths, on blocks of every kind: ordinary, all zeros, huge, tiny, and
-    /// non-finite.
+    /// Every split the CPU runs against the rounding's reference, bit for bit, at both widths,
+    /// on blocks of every kind (ordinary, all zeros, huge, tiny, subnormal, non-finite), and on
+    /// rows of 1–48 blocks, so that the sixteen-block split's groups end early, exactly, and
+    /// past a bad block anywhere in a group.
     #[test]
     fn split_equals_the_reference_rounding() {
-        let mut x: Vec<f32> = (0..32 * 9)
-            .map(|i| ((i * 7919 % 1013) as f32 - 506.5) * 0.0137)
-            .collect();
-        x[32..64].fill(0.0);
-        x[64..96].iter_mut().for_each(|v| *v *= 1e30);
-        x[96..128].iter_mut().for_each(|v| *v *= 1e-40);
-        x[130] = f32::NAN;
-        x[170] = f32::INFINITY;
-        x[200] = f32::NEG_INFINITY;
-        x[250] = 0.5;
-        for width in [Width::Int16, Width::Int24] {
-            let want = split_ref(&x, width);
-            let got = split(&x, width);
-            assert_eq!(got.bytes, want.bytes, "{width:?}");
-            assert_eq!(got.lsums, want.lsums, "{width:?}");
-            assert_eq!(got.hsums, want.hsums, "{width:?}");
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&got.d), bits(&want.d), "{width:?}");
-            assert_eq!(bits(&got.sums), bits(&want.sums), "{width:?}");
+        for nb in [1, 2, 9, 15, 16, 17, 18, 31, 32, 33, 48] {
+            let mut x: Vec<f32> = (0..32 * nb)
+                .map(|i| ((i * 7919 % 1013) as f32 - 506.5) * 0.0137 * (1.0 + (i / 32) as f32))
+                .collect();
+            let block = |b: usize| (b % nb) * 32..(b % nb + 1) * 32;
+            if nb > 4 {
+                x[block(1)].fill(0.0);
+                x[block(2)].iter_mut().for_each(|v| *v *= 1e30);
+                x[block(3)].iter_mut().for_each(|v| *v *= 1e-40);
+                x[block(4)].iter_mut().for_each(|v| *v *= 1e-44);
+            }
+            x[block(5).start + 2] = f32::NAN;
+            x[block(nb / 2 + 1).start + 10] = f32::INFINITY;
+            x[block(nb.saturating_sub(1)).start + 31] = f32::NEG_INFINITY;
+            if nb > 6 {
+                x[block(6).start + 26] = 0.5;
+            }
+            for width in [Width::Int16, Width::Int24] {
+                let want = split_ref(&x, width);
+                let mut splits = vec![("split", split(&x, width))];
+                #[cfg(target_arch = "x86_64")]
+                {
+                    let mut each = |name, f: unsafe fn(&[f32], Width, &mut Split)| {
+                        let mut out = Split::empty(width);
+                        // Spent buffers of another size and contents, as reused ones are.
+                        out.bytes = vec![7; 5];
+                        out.sums = vec![1.0; 70];
+                        // SAFETY: called where `available` says the CPU has the kernel.
+                        unsafe { f(&x, width, &mut out) };
+                        splits.push((name, out));
+                    };
+                    if super::super::avx512_grouped_i16::available() {
+                        each("blockwise", super::super::avx512_grouped_i16::split_into);
+                    }
+                    if super::super::avx512_split::available() {
+                        each("sixteen", super::super::avx512_split::split_into);
+                    }
+                }
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                for (name, got) in &splits {
+                    let at = format!("{name}, {nb} blocks, {width:?}");
+                    assert_eq!(got.bytes, want.bytes, "{at}");
+                    assert_eq!(got.lsums, want.lsums, "{at}");
+                    assert_eq!(got.hsums, want.hsums, "{at}");
+                    assert_eq!(bits(&got.d), bits(&want.d), "{at}");
+                    assert_eq!(bits(&got.sums), bits(&want.sums), "{at}");
+                }
+            }
         }
+    }
+
+    /// The block sum folds halves (the order the sixteen-block split reduces in): for 32
+    /// elements, `((((c₀+c₁₆)+(c₈+c₂₄))+…`, written out here for blocks whose sums in element
+    /// order differ from it, and lengths that are not powers of two in element order.
+    #[test]
+    fn block_sum_folds_halves() {
+        let c: Vec<f32> = (0..32)
+            .map(|i| 1.0 + (i as f32) * 1e-7 * 3.0f32.powi(i % 5))
+            .collect();
+        let mut t: Vec<f32> = (0..16).map(|i| c[i] + c[i + 16]).collect();
+        for half in [8, 4, 2, 1] {
+            t = (0..half).map(|i| t[i] + t[i + half]).collect();
+        }
+        let sequential: f32 = c.iter().sum();
+        assert_eq!(super::super::block_sum(&c).to_bits(), t[0].to_bits());
+        assert_ne!(
+            t[0].to_bits(),
+            sequential.to_bits(),
+            "a block that tells the orders apart"
+        );
+        assert_eq!(super::super::block_sum(&c[..2]), c[0] + c[1]);
+        let odd: f32 = c[..24].iter().sum();
+        assert_eq!(super::super::block_sum(&c[..24]).to_bits(), odd.to_bits());
     }
 }

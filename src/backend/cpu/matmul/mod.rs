@@ -139,6 +139,8 @@ mod avx512_i16;
 mod avx512_i8;
 #[cfg(target_arch = "x86_64")]
 mod avx512_panel;
+#[cfg(target_arch = "x86_64")]
+mod avx512_split;
 mod grouped;
 mod grouped_i16;
 mod int16;
@@ -856,8 +858,8 @@ impl Prepared {
     }
 }
 
-/// `Σ x` of every 32-element block of every token row (token `t`'s at `t·cols/32`), summed in
-/// element order as the kernels' reference does, when grouped weights of a format with a min
+/// `Σ x` of every 32-element block of every token row (token `t`'s at `t·cols/32`), summed as
+/// the kernels' reference sums it ([`block_sum`]), when grouped weights of a format with a min
 /// (Q4_1, Q5_1, Q4_K) will run their AVX-512 kernels on this call. Once per call, not once per
 /// task: each task needs every token's sums, and at 16 tokens and eight tasks the per-task sums
 /// took ~5% of a SmolLM2 Q4_1 decode step on 2 threads (Intel Xeon, `perf`). Not for the
@@ -940,12 +942,28 @@ pub(crate) fn block_scale(amax: f32, qmax: f32) -> (f32, f32) {
     (d, if id.is_finite() { id } else { 0.0 })
 }
 
-/// `Σ c` of one block of activations, summed in element order: the block sum of every kernel
-/// and reference that takes one (a format's min, an integer numerics' offset), so that all of
-/// them give the same bits.
+/// `Σ c` of one block of activations: the block sum of every kernel and reference that takes
+/// one (a format's min, an integer numerics' offset), so that all of them give the same bits.
+/// A block of 2–32 elements, a power of two, is summed by folding halves: `c[i] + c[i + n/2]`
+/// for each `i < n/2`, then the same of those, down to one; other lengths in element order.
+/// The folds are what sixteen blocks' vectors reduce together at the cost of a few shuffles a
+/// block ([`avx512_split`]); a sum in element order had to be a scalar chain beside them.
 #[inline(always)]
 pub(crate) fn block_sum(c: &[f32]) -> f32 {
-    c.iter().sum()
+    let n = c.len();
+    if !(2..=32).contains(&n) || !n.is_power_of_two() {
+        return c.iter().sum();
+    }
+    let mut a = [0f32; 32];
+    a[..n].copy_from_slice(c);
+    let mut half = n / 2;
+    while half > 0 {
+        for i in 0..half {
+            a[i] += a[i + half];
+        }
+        half /= 2;
+    }
+    a[0]
 }
 
 /// One block `c` of activations rounded to integers up to `qmax` as the integer numerics'
