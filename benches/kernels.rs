@@ -219,12 +219,18 @@ fn gemv(c: &mut Criterion) {
                         b.iter(|| run(level, &grouped, black_box(&x), 1, &mut out))
                     });
                 }
-                // `Numerics::Int16` and `Int24` on the same bytes, where the CPU has their
-                // grouped kernel (the rounding of the activations is part of each call).
+                // `Numerics::Int16` and `Int24` on the blocks as an engine of those numerics
+                // groups them (Q5_0 in its own layout), where the CPU has their grouped kernel
+                // (the rounding of the activations is part of each call).
                 if kiln::backend::cpu::matmul::int16_grouped_kernels() {
+                    let m = quant_matrix(rows, cols, kind);
+                    let integer = PackedMatrix {
+                        data: m.data.grouped_for(rows, cols, Numerics::Int24),
+                        ..m
+                    };
                     let name = format!("{}-grouped", kind.name());
                     let shape = format!("{rows}x{cols}");
-                    bench_grouped_integers(&mut g, (&name, &shape), &grouped, &x, 1, &mut out);
+                    bench_grouped_integers(&mut g, (&name, &shape), &integer, &x, 1, &mut out);
                 }
             }
             // Regrouped for `Numerics::Int8`'s kernels (8-bit activations; the rounding of the

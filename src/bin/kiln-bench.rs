@@ -145,8 +145,8 @@ struct Args {
     #[arg(long, value_enum, default_value_t = Weights::Auto)]
     weights: Weights,
     /// How the CPU multiplies activations by the weights (comma list, each a row of the table):
-    /// int24 (the default: 24-bit integer activations against Q4_0/Q4_1/Q8_0 weights in steps of
-    /// up to 16 rows on AVX512-VNNI CPUs, exact elsewhere), exact (f32 activations), int16
+    /// int24 (the default: 24-bit integer activations against Q4_0/Q4_1/Q5_0/Q8_0 weights in steps
+    /// of up to 16 rows on AVX512-VNNI CPUs, exact elsewhere), exact (f32 activations), int16
     /// (16-bit integer activations), bf16 (bf16 prefill activations and weights) or int8 (8-bit
     /// integer activations in every step, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "int24")]

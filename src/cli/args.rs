@@ -209,12 +209,12 @@ pub enum NumericsArg {
     /// rounding of the sums.
     Exact,
     /// The default. Activations rounded to 24-bit integers per 32 values (the size of one f32
-    /// rounding), integer dot products against Q4_0, Q4_1 and Q8_0 weights in steps of up to 16
-    /// rows on AVX512-VNNI CPUs; everything else as exact. Within the exact path's reference
+    /// rounding), integer dot products against Q4_0, Q4_1, Q5_0 and Q8_0 weights in steps of up
+    /// to 16 rows on AVX512-VNNI CPUs; everything else as exact. Within the exact path's reference
     /// bounds, not bit-equal to it.
     Int24,
     /// Activations rounded to 16-bit integers per 32 values, integer dot products: on
-    /// AVX512-VNNI CPUs against Q4_0, Q4_1 and Q8_0 weights in every step, prefill included
+    /// AVX512-VNNI CPUs against Q4_0, Q4_1, Q5_0 and Q8_0 weights in every step, prefill included
     /// (faster than exact where the step is not bound by memory); on other AVX2 CPUs against
     /// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K in steps of up to 16 rows (slower than exact
     /// there). Not bit-equal to exact.

@@ -107,7 +107,7 @@ pub struct Common {
     #[arg(long, value_enum, default_value_t = Weights::Auto)]
     pub weights: Weights,
     /// How the CPU multiplies activations by the weights: int24 (the default: activations
-    /// rounded to 24-bit integers against Q4_0/Q4_1/Q8_0 weights in steps of up to 16 rows on
+    /// rounded to 24-bit integers against Q4_0/Q4_1/Q5_0/Q8_0 weights in steps of up to 16 rows on
     /// AVX512-VNNI CPUs, as accurate as exact and faster there; exact elsewhere), exact (f32
     /// activations), int16 (activations rounded to 16-bit integers against quantized weights),
     /// bf16 (prefill activations, and quantized weights, rounded to bf16; AVX512-BF16 CPUs) or

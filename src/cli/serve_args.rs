@@ -70,12 +70,12 @@ pub struct ServeArgs {
     #[arg(short = 't', long, default_value_t = 0)]
     pub threads: usize,
     /// How steps multiply activations by quantized weights: int24 (the default: rounded to
-    /// 24-bit integers against Q4_0/Q4_1/Q8_0 weights in steps of up to 16 rows on CPUs with
+    /// 24-bit integers against Q4_0/Q4_1/Q5_0/Q8_0 weights in steps of up to 16 rows on CPUs with
     /// AVX512-VNNI, as accurate as exact and faster there; exact elsewhere), exact (f32
-    /// activations), int16 (rounded to 16-bit integers; on CPUs with AVX512-VNNI, Q4_0/Q4_1/Q8_0
-    /// weights in every step, prompt chunks included, faster than exact; on other AVX2 CPUs
-    /// steps of up to 16 rows only, slower than exact), bf16 or int8 (see `kiln --help`). None
-    /// is bit-equal to another.
+    /// activations), int16 (rounded to 16-bit integers; on CPUs with AVX512-VNNI,
+    /// Q4_0/Q4_1/Q5_0/Q8_0 weights in every step, prompt chunks included, faster than exact; on
+    /// other AVX2 CPUs steps of up to 16 rows only, slower than exact), bf16 or int8 (see `kiln
+    /// --help`). None is bit-equal to another.
     #[arg(long, value_enum, default_value_t = NumericsArg::Int24)]
     pub numerics: NumericsArg,
     /// Speculative decoding for every request (each of n choices speculates on its own).

@@ -52,8 +52,8 @@ pub struct CpuOptions {
     pub threads: usize,
     pub weights: WeightFormat,
     /// How activations meet the weights where rounding them is faster: at the exact path's
-    /// accuracy, calls of up to 16 tokens on grouped Q4_0/Q4_1/Q8_0 weights on AVX512-VNNI CPUs
-    /// ([`Numerics::Int24`], the default; exact elsewhere); less accurately, decode GEMVs on
+    /// accuracy, calls of up to 16 tokens on grouped Q4_0/Q4_1/Q5_0/Q8_0 weights on AVX512-VNNI
+    /// CPUs ([`Numerics::Int24`], the default; exact elsewhere); less accurately, decode GEMVs on
     /// quantized weights ([`Numerics::Int16`]), prefill on bf16 weights ([`Numerics::Bf16`]),
     /// every call on Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights ([`Numerics::Int8`]); or never
     /// ([`Numerics::Exact`]).
@@ -140,7 +140,7 @@ impl CpuBackend {
         // as stored until 2026-12-03: Qwen2.5-Coder-0.5B Q4_K_M's down projection then took 6.9
         // ms a decode step against 4.4 in exact engines, on a Zen 3 at two threads.)
         // `Numerics::Int16` keeps the blocks as stored, which its kernels read, except on
-        // AVX512-VNNI CPUs: there its Q4_0/Q4_1/Q8_0 products run on grouped weights
+        // AVX512-VNNI CPUs: there its Q4_0/Q4_1/Q5_0/Q8_0 products run on grouped weights
         // (`matmul::grouped_i16`) and its other formats run the exact grouped kernels, which
         // outran its kernels on the blocks as stored.
         // Every matrix on huge pages, the small ones sharing them (see `pages`).
@@ -150,6 +150,7 @@ impl CpuBackend {
             interleave,
             group: (opts.numerics != Numerics::Int16 || matmul::int16_grouped_kernels())
                 && simd::level() >= simd::Level::Avx2,
+            integer: matmul::integer_layouts(opts.numerics),
             arena: WeightArena::new(),
         };
         let mut matrices: Vec<PackedMatrix> = Vec::new();
@@ -353,6 +354,8 @@ struct Packer {
     /// Regroup the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K blocks that `interleave` leaves for the
     /// exact AVX-512 and AVX2 kernels.
     group: bool,
+    /// Group them for the integer kernels of int16 and int24 ([`matmul::integer_layouts`]).
+    integer: bool,
     arena: WeightArena,
 }
 
@@ -486,7 +489,8 @@ fn pack_data(
             if packer.interleave && matmul::interleavable(kind) {
                 WeightData::Interleaved(Interleaved::new(kind, n, cols, blocks, arena))
             } else {
-                WeightData::Grouped(Grouped::new(kind, n, cols, blocks, arena))
+                let integer = packer.integer;
+                WeightData::Grouped(Grouped::new(kind, (n, cols), blocks, integer, arena))
             }
         } else {
             WeightData::Quant {

@@ -45,7 +45,7 @@ use super::grouped::format::{kind_of, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0};
 use super::grouped::{
     elems, fields, group_block_bytes, job_sums, part_lines, quants_at, value_offset, Grouped,
     Layout, BLOCK, GROUP, K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES,
-    K6_PAIR_BYTES, K6_QUANTS, K6_SCALES, K6_SUB, MAX_TOKENS,
+    K6_PAIR_BYTES, K6_QUANTS, K6_SCALES, K6_SUB, MAX_TOKENS, PLANE_AT,
 };
 use super::prefetch::{lines_at_step, with_hint};
 use super::Job;
@@ -630,9 +630,17 @@ unsafe fn store_rows(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 pub(crate) unsafe fn dequantize(w: &Grouped, rows: std::ops::Range<usize>, out: &mut [f32]) {
     assert!(
-        w.layout == Layout::Streams,
-        "the AVX-512 grouped kernels read only the streams layout"
+        w.layout != Layout::Halves,
+        "the AVX-512 grouped kernels do not read the halves layout"
     );
+    if w.layout == Layout::Planes {
+        assert!(
+            w.kind == QuantKind::Q5_0,
+            "{} in the planes layout",
+            w.kind.name()
+        );
+        return dequantize_with::<PlanesQ5>(w, rows, out);
+    }
     match w.kind {
         QuantKind::Q4_0 => dequantize_with::<Legacy<Q4_0>>(w, rows, out),
         QuantKind::Q4_1 => dequantize_with::<Legacy<Q4_1>>(w, rows, out),
@@ -676,6 +684,44 @@ impl<const F: u8> Pieces for Legacy<F> {
             offset: min.then_some(m),
         };
         values::<F, _>(blk.add(quants_at(kind)), &mut sink);
+    }
+}
+
+/// Q5_0 in [`Layout::Planes`]: each element's nibbles (a Q4_0 stream's) with 16 added where the
+/// plane's bit is set, then `(q − 16)·d` (one multiply, as ggml).
+struct PlanesQ5;
+
+impl Pieces for PlanesQ5 {
+    const PIECES: usize = 1;
+    #[inline(always)]
+    unsafe fn piece(blk: *const u8, _: usize, v: &mut [__m512; BLOCK]) {
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
+        let q = blk.add(quants_at(QuantKind::Q5_0)) as *const __m512i;
+        let plane = blk.add(PLANE_AT) as *const u64;
+        // Row `r`'s bit `4r + j` of a plane qword, as bit `4(r mod 8) + j` of the qword's low
+        // (rows 0–7) or high (rows 8–15) half.
+        let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        let at = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+        let (one, sixteen, nibble) = (
+            _mm512_set1_epi32(1),
+            _mm512_set1_epi32(16),
+            _mm512_set1_epi32(0x0f),
+        );
+        for (e, out) in v.iter_mut().enumerate() {
+            let (w, k) = (e / 8, e % 8);
+            let words = _mm512_loadu_si512(q.add(w));
+            let low = _mm512_and_si512(
+                _mm512_srlv_epi32(words, _mm512_set1_epi32(4 * k as i32)),
+                nibble,
+            );
+            let bits = std::ptr::read_unaligned(plane.add(2 * w + k % 2));
+            let lanes = _mm512_permutexvar_epi32(halves, _mm512_set1_epi64(bits as i64));
+            let shift = _mm512_add_epi32(at, _mm512_set1_epi32((k / 2) as i32));
+            let fifth = _mm512_and_si512(_mm512_srlv_epi32(lanes, shift), one);
+            let quant = _mm512_add_epi32(low, _mm512_slli_epi32::<4>(fifth));
+            let value = _mm512_cvtepi32_ps(_mm512_sub_epi32(quant, sixteen));
+            *out = _mm512_mul_ps(value, d);
+        }
     }
 }
 

@@ -1,10 +1,11 @@
 //! The AVX512-VNNI kernel of [`super::grouped_i16`]: 16-bit activations against grouped Q4_0,
-//! Q4_1 and Q8_0 weights, the 16 output rows in the 16 lanes of every vector, each (row, token)
-//! the chain of [`super::grouped_i16::rows_ref`] bit for bit.
+//! Q4_1, Q5_0 and Q8_0 weights, the 16 output rows in the 16 lanes of every vector, each (row,
+//! token) the chain of [`super::grouped_i16::rows_ref`] bit for bit.
 //!
 //! Per group and block: the quants in eight vectors of byte lanes, four elements of each row in
 //! its lane in the order of the activations' [`Split`] bytes (4-bit: four 64-byte loads, each
-//! unpacked by a mask (the even elements) and a 16-bit shift and a mask (the odd ones); Q8_0,
+//! unpacked by a mask (the even elements) and a 16-bit shift and a mask (the odd ones); Q5_0 as
+//! 4-bit, then per vector a mask load from its plane and a masked add of 16; Q8_0,
 //! stored element-major: eight loads and eight two-source byte permutes (`vpermt2b`, AVX512-VBMI)
 //! that gather each row's bytes into its lane), then per token 16 `vpdpbusd` against the
 //! block's broadcast activation bytes, one shift and add to join the high and low bytes' sums,
@@ -16,7 +17,7 @@ use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
 use super::avx512_groups::{drive, each_token, GroupPass};
-use super::grouped::{group_block_bytes, quants_at, value_offset, Grouped, BLOCK, GROUP};
+use super::grouped::{group_block_bytes, quants_at, value_offset, Grouped, BLOCK, GROUP, PLANE_AT};
 use super::grouped_i16::{takes, Split, Width};
 use super::prefetch::{lines_at_step, with_hint};
 use super::Job;
@@ -150,6 +151,8 @@ pub(crate) unsafe fn rows(w: &Grouped, x: &[Split], job: &Job) {
         (QuantKind::Q4_0, Width::Int24) => rows_of::<Q4_0, true>(w, x, job),
         (QuantKind::Q4_1, Width::Int16) => rows_of::<Q4_1, false>(w, x, job),
         (QuantKind::Q4_1, Width::Int24) => rows_of::<Q4_1, true>(w, x, job),
+        (QuantKind::Q5_0, Width::Int16) => rows_of::<Q5_0, false>(w, x, job),
+        (QuantKind::Q5_0, Width::Int24) => rows_of::<Q5_0, true>(w, x, job),
         // SAFETY: `takes` held, so for Q8_0 the CPU has VBMI.
         _ => rows_q8(w, x, job, width),
     }
@@ -171,12 +174,15 @@ unsafe fn rows_q8(w: &Grouped, x: &[Split], job: &Job, width: Width) {
 const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
 const Q8_0: u8 = 2;
+/// In [`Layout::Planes`](super::grouped::Layout::Planes).
+const Q5_0: u8 = 3;
 
 /// The format a const parameter stands for.
 const fn kind_of(f: u8) -> QuantKind {
     match f {
         Q4_0 => QuantKind::Q4_0,
         Q4_1 => QuantKind::Q4_1,
+        Q5_0 => QuantKind::Q5_0,
         _ => QuantKind::Q8_0,
     }
 }
@@ -323,6 +329,7 @@ unsafe fn chunk<const F: u8, const WIDE: bool, const N: usize, const L2: bool>(
     let hsums: [*const i32; N] = std::array::from_fn(|t| x[t].hsums.as_ptr());
     let mut acc = [_mm512_setzero_ps(); N];
     let nibble = _mm512_set1_epi8(0x0f);
+    let sixteen = _mm512_set1_epi8(16);
     let flip = _mm512_set1_epi8(-128);
     let even = _mm512_loadu_si512(Q8_GATHER[0].as_ptr() as *const __m512i);
     let odd = _mm512_loadu_si512(Q8_GATHER[1].as_ptr() as *const __m512i);
@@ -361,6 +368,15 @@ unsafe fn chunk<const F: u8, const WIDE: bool, const N: usize, const L2: bool>(
                 ask(2 * w);
                 ask(2 * w + 1);
             }
+            if F == Q5_0 {
+                // The plane's qword `v` has a bit for each byte lane of vector `v`: 16 added
+                // where it is set.
+                let plane = blk.add(PLANE_AT) as *const u64;
+                for (v, s) in sw.iter_mut().enumerate() {
+                    let fifth: __mmask64 = std::ptr::read_unaligned(plane.add(v));
+                    *s = _mm512_mask_add_epi8(*s, fifth, *s, sixteen);
+                }
+            }
             uw = sw;
         }
         let mw = if F == Q4_1 {
@@ -371,7 +387,7 @@ unsafe fn chunk<const F: u8, const WIDE: bool, const N: usize, const L2: bool>(
         // Unrolled by hand, so that `acc` stays in registers.
         each_token!(N, |t| {
             let fix = match F {
-                Q4_0 => (off * *lsums[t].add(b), off * *hsums[t].add(b)),
+                Q4_0 | Q5_0 => (off * *lsums[t].add(b), off * *hsums[t].add(b)),
                 Q8_0 => (0, -128 * *hsums[t].add(b)),
                 _ => (0, 0),
             };

@@ -435,17 +435,56 @@ pub enum Layout {
     /// lane `r`'s low 16 bits, row `r + 8` in its high 16. 24 bytes a row and block against
     /// ggml's 22.
     Halves,
+    /// Q5_0 for the integer kernels ([`super::grouped_i16`], AVX512-VNNI), whose byte lanes take
+    /// a 4-bit quant with one mask: the nibbles lie as a Q4_0 block's streams (four 64-byte
+    /// vectors after the 16 `d`s), then one 64-byte plane holds the fifth bits, qword `v = 2w +
+    /// p` of it bit `4r + j` for row `r`'s element `8w + 2j + p`: the 64 bits of the byte lanes
+    /// into which the kernel unpacks nibble vector `v`, so one mask load and one masked add put
+    /// every fifth bit in place. The same 22 bytes a row and block as ggml's. Chosen only where
+    /// those kernels take the weights ([`Layout::native`]); the exact kernels read it only
+    /// through tile dequantization (prefill-sized int24 calls).
+    Planes,
 }
 
 impl Layout {
-    /// The layout that the kernels of `level` read fastest for `kind`.
-    pub fn native(kind: QuantKind, level: super::Level) -> Layout {
-        if halves_kind(kind) && level == super::Level::Avx2 {
+    /// The layout that the kernels of `level` read fastest for `kind`; `integer` where the
+    /// weights serve [`super::grouped_i16`]'s kernels (an int16 or int24 engine on a CPU that
+    /// has them: Q5_0 in [`Layout::Planes`]).
+    pub fn native(kind: QuantKind, level: super::Level, integer: bool) -> Layout {
+        if planes_kind(kind) && integer && level >= super::Level::Avx512 {
+            Layout::Planes
+        } else if halves_kind(kind) && level == super::Level::Avx2 {
             Layout::Halves
         } else {
             Layout::Streams
         }
     }
+}
+
+/// Whether `kind` can be grouped in [`Layout::Planes`].
+pub(crate) const fn planes_kind(kind: QuantKind) -> bool {
+    matches!(kind, QuantKind::Q5_0)
+}
+
+/// Where a [`Layout::Planes`] block's plane of fifth bits starts: after the `d`s and four
+/// vectors of nibbles.
+pub(crate) const PLANE_AT: usize = 2 * GROUP + 4 * 4 * GROUP;
+
+/// Row `r`'s element `e` in a [`Layout::Planes`] block: the byte offset and shift of its
+/// nibble (a Q4_0 stream's), and the bit of the plane that holds its fifth bit.
+const fn planes_field_at(r: usize, e: usize) -> (usize, usize, usize) {
+    let (w, k) = (e / 8, e % 8);
+    let nibble_at = 2 * GROUP + w * 4 * GROUP + 4 * r;
+    let plane_bit = 64 * (2 * w + k % 2) + 4 * r + k / 2;
+    (nibble_at, 4 * k, plane_bit)
+}
+
+/// Row `r`'s element `e` of a [`Layout::Planes`] block: its unsigned 5-bit quant.
+pub(crate) fn planes_quant(blk: &[u8], r: usize, e: usize) -> u32 {
+    let (at, shift, bit) = planes_field_at(r, e);
+    let nibble = word_at(blk, at) >> shift & 0x0f;
+    let fifth = u32::from(blk[PLANE_AT + bit / 8] >> (bit % 8) & 1);
+    nibble | fifth << 4
 }
 
 /// Whether `kind` can be grouped in [`Layout::Halves`].
@@ -582,6 +621,9 @@ fn k6_quant(blk: &[u8], r: usize, e: usize) -> u32 {
 
 /// Lane `r`'s field `e` of a group block in `layout` (not Q8_0 or the K formats).
 fn field(kind: QuantKind, layout: Layout, blk: &[u8], r: usize, e: usize) -> u32 {
+    if layout == Layout::Planes {
+        return planes_quant(blk, r, e);
+    }
     if halves_bytes(kind, layout) {
         let (at, shift) = halves_field_at(r, e);
         return word_at(blk, at) >> shift & 0x1f;
@@ -602,19 +644,20 @@ fn f16_at(p: &[u8], i: usize) -> f32 {
 impl Grouped {
     /// Regroups `rows` rows of `cols` columns of ggml blocks (`kind` must be [`groupable`]; the
     /// shape checked by the caller), into `arena`, in the layout that this CPU's kernels read
-    /// fastest ([`Layout::native`]).
+    /// fastest ([`Layout::native`]; `integer` where the weights serve the integer kernels).
     pub fn new(
         kind: QuantKind,
-        rows: usize,
-        cols: usize,
+        (rows, cols): (usize, usize),
         blocks: &[u8],
+        integer: bool,
         arena: &mut WeightArena,
     ) -> Grouped {
-        let layout = Layout::native(kind, super::simd::level());
+        let layout = Layout::native(kind, super::simd::level(), integer);
         Grouped::with_layout(kind, layout, rows, cols, blocks, arena)
     }
 
-    /// [`Grouped::new`] in `layout` ([`Layout::Halves`] only for [`halves_kind`]s).
+    /// [`Grouped::new`] in `layout` ([`Layout::Halves`] only for [`halves_kind`]s,
+    /// [`Layout::Planes`] only for [`planes_kind`]s).
     pub fn with_layout(
         kind: QuantKind,
         layout: Layout,
@@ -625,8 +668,12 @@ impl Grouped {
     ) -> Grouped {
         assert!(groupable(kind), "{} cannot be grouped", kind.name());
         assert!(
-            layout == Layout::Streams || halves_kind(kind),
-            "{} in the halves layout",
+            match layout {
+                Layout::Streams => true,
+                Layout::Halves => halves_kind(kind),
+                Layout::Planes => planes_kind(kind),
+            },
+            "{} in the {layout:?} layout",
             kind.name()
         );
         let nb = cols / elems(kind);
@@ -681,6 +728,15 @@ impl Grouped {
                     if kind == QuantKind::Q8_0 {
                         for e in 0..BLOCK {
                             dst[q8_at(r, e)] = src[ggml_quants_at(kind) + e];
+                        }
+                        continue;
+                    }
+                    if layout == Layout::Planes {
+                        for e in 0..BLOCK {
+                            let (at, shift, bit) = planes_field_at(r, e);
+                            let q = ggml_quant(kind, src, e);
+                            dst[at + shift / 8] |= ((q & 0x0f) << (shift % 8)) as u8;
+                            dst[PLANE_AT + bit / 8] |= ((q >> 4) << (bit % 8)) as u8;
                         }
                         continue;
                     }

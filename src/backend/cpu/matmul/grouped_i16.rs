@@ -1,5 +1,6 @@
-//! [`Numerics::Int16`](super::Numerics::Int16) on grouped Q4_0, Q4_1 and Q8_0 weights
-//! ([`super::grouped`]'s streams layout, the exact kernels' bytes): the activations rounded to
+//! [`Numerics::Int16`](super::Numerics::Int16) on grouped Q4_0, Q4_1, Q5_0 and Q8_0 weights
+//! ([`super::grouped`]'s streams layout, the exact kernels' bytes; Q5_0 in
+//! [`Layout::Planes`], its nibbles as Q4_0's and its fifth bits apart): the activations rounded to
 //! 16-bit integers as [`super::int16`] rounds them, and each block's integer sums taken by
 //! AVX512-VNNI's 8-bit `vpdpbusd` ([`super::avx512_grouped_i16`]), the 16 output rows in the 16
 //! lanes of every vector.
@@ -14,13 +15,14 @@
 //! q & 255` an unsigned one. Per block and token, 16 `vpdpbusd` (eight with the broadcast `l`s as
 //! the unsigned side and the quants as the signed one, eight with the quants unsigned against the
 //! broadcast `h`s) give `Σ w·l` and `Σ w·h`, and `256·Σ w·h + Σ w·l = Σ w·q` exactly (at most
-//! 128·32768·32 in magnitude, far inside 32 bits). Q4_0's `−8` is taken back in integers
-//! (`−8·Σq`), and so is the 128 that Q8_0's signed quants carry as the unsigned side against the
-//! high bytes (`−128·Σh`). The 4-bit words are read as stored: byte `j` of lane `r` of word `w`
-//! holds row `r`'s elements `8w + 2j` (low nibble) and `8w + 2j + 1` (high), so a mask gives the
-//! even elements and a shift and a mask the odd ones, and the activations' bytes are laid out in
-//! that order once per call ([`Split`]); Q8_0's element-major bytes are gathered into that order
-//! by byte permutes.
+//! 128·32768·32 in magnitude, far inside 32 bits). Q4_0's `−8` and Q5_0's `−16` are taken back
+//! in integers (`−8·Σq`, `−16·Σq`), and so is the 128 that Q8_0's signed quants carry as the
+//! unsigned side against the high bytes (`−128·Σh`). The 4-bit words are read as stored: byte
+//! `j` of lane `r` of word `w` holds row `r`'s elements `8w + 2j` (low nibble) and `8w + 2j + 1`
+//! (high), so a mask gives the even elements and a shift and a mask the odd ones, and the
+//! activations' bytes are laid out in that order once per call ([`Split`]); Q5_0's fifth bits
+//! are one masked add of 16 per vector of such bytes, its plane's 64 bits the mask; Q8_0's
+//! element-major bytes are gathered into that order by byte permutes.
 //!
 //! **Bits.** Each (row, token) output is one chain over the blocks in order: the block's exact
 //! integer sum `S`, then `acc ← fma(float(S), d_w·d_x, acc)` and, for Q4_1,
@@ -45,7 +47,9 @@ use std::cell::RefCell;
 
 use half::f16;
 
-use super::grouped::{group_block_bytes, quants_at, value_offset, Grouped, Layout, BLOCK, GROUP};
+use super::grouped::{
+    group_block_bytes, planes_quant, quants_at, value_offset, Grouped, Layout, BLOCK, GROUP,
+};
 use super::int16::XI16;
 use super::Job;
 use crate::model::quant::QuantKind;
@@ -88,16 +92,17 @@ impl Width {
     }
 }
 
-/// Whether grouped weights take the int16 products: Q4_0 and Q4_1 in the streams layout, and
-/// Q8_0 where the CPU runs the kernel's gathers (AVX512-VBMI; elsewhere Q8_0 runs exact, where
-/// the scalar chain would be far slower).
+/// Whether grouped weights take the int16 products: Q4_0 and Q4_1 in the streams layout, Q5_0
+/// in [`Layout::Planes`] (which engines build only for these products), and Q8_0 where the CPU
+/// runs the kernel's gathers (AVX512-VBMI; elsewhere Q8_0 runs exact, where the scalar chain
+/// would be far slower).
 pub(crate) fn takes(w: &Grouped) -> bool {
-    w.layout == Layout::Streams
-        && match w.kind {
-            QuantKind::Q4_0 | QuantKind::Q4_1 => true,
-            QuantKind::Q8_0 => q8_kernel(),
-            _ => false,
-        }
+    match (w.layout, w.kind) {
+        (Layout::Streams, QuantKind::Q4_0 | QuantKind::Q4_1) => true,
+        (Layout::Streams, QuantKind::Q8_0) => q8_kernel(),
+        (Layout::Planes, QuantKind::Q5_0) => true,
+        _ => false,
+    }
 }
 
 /// Whether this CPU runs the kernel on Q8_0.
@@ -307,6 +312,8 @@ fn dot_ref(w: &Grouped, n: usize, x: &Split) -> f32 {
             let quant = if w.kind == QuantKind::Q8_0 {
                 // Element-major: element `e`'s 16 rows at `16e`, signed.
                 blk[qa + GROUP * e + r] as i8 as i32
+            } else if w.layout == Layout::Planes {
+                planes_quant(blk, r, e) as i32
             } else {
                 let at = qa + (e / 8) * 4 * GROUP + 4 * r;
                 let word = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);

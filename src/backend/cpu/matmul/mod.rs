@@ -275,14 +275,21 @@ pub fn int8_kernels() -> bool {
 }
 
 /// Whether this CPU runs [`Numerics::Int16`]'s (and [`Numerics::Int24`]'s) products on grouped
-/// Q4_0, Q4_1 and Q8_0 weights ([`grouped_i16`]: AVX512-VNNI at the kernels' SIMD level): an
-/// int16 engine then groups its weights as exact engines do, where it otherwise keeps the
-/// blocks as stored for the integer kernels on those (int24 engines always group them).
+/// Q4_0, Q4_1, Q5_0 and Q8_0 weights ([`grouped_i16`]: AVX512-VNNI at the kernels' SIMD level):
+/// an int16 engine then groups its weights as exact engines do (Q5_0 in its own layout), where
+/// it otherwise keeps the blocks as stored for the integer kernels on those (int24 engines
+/// always group them).
 pub fn int16_grouped_kernels() -> bool {
     #[cfg(target_arch = "x86_64")]
     return avx512_grouped_i16::available();
     #[cfg(not(target_arch = "x86_64"))]
     false
+}
+
+/// Whether an engine of `numerics` groups its weights for the integer kernels
+/// ([`Grouped::new`]'s `integer`): int16 and int24 where this CPU has them.
+pub fn integer_layouts(numerics: Numerics) -> bool {
+    matches!(numerics, Numerics::Int16 | Numerics::Int24) && int16_grouped_kernels()
 }
 
 /// Which prefetch policy the streaming kernels follow in this process, as `KILN_PREFETCH`
@@ -534,16 +541,30 @@ impl WeightData {
     /// These weights regrouped for [`grouped`]'s exact kernels: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
     /// Q4_K and Q6_K blocks (parts of other formats, and other data, unchanged).
     pub fn grouped(self, rows: usize, cols: usize) -> WeightData {
+        self.grouped_for(rows, cols, Numerics::Exact)
+    }
+
+    /// [`WeightData::grouped`] as an engine of `numerics` groups them: for the integer kernels
+    /// of [`Numerics::Int16`] and [`Numerics::Int24`] where this CPU has them
+    /// ([`int16_grouped_kernels`]; Q5_0 then in [`grouped::Layout::Planes`]).
+    pub fn grouped_for(self, rows: usize, cols: usize, numerics: Numerics) -> WeightData {
+        let integer = integer_layouts(numerics);
         match self {
-            WeightData::Quant { kind, blocks } if groupable(kind) => WeightData::Grouped(
-                Grouped::new(kind, rows, cols, &blocks, &mut WeightArena::new()),
-            ),
+            WeightData::Quant { kind, blocks } if groupable(kind) => {
+                WeightData::Grouped(Grouped::new(
+                    kind,
+                    (rows, cols),
+                    &blocks,
+                    integer,
+                    &mut WeightArena::new(),
+                ))
+            }
             WeightData::Parts(parts) => WeightData::Parts(
                 parts
                     .into_iter()
                     .map(|p| MatrixPart {
                         rows: p.rows,
-                        data: p.data.grouped(p.rows, cols),
+                        data: p.data.grouped_for(p.rows, cols, numerics),
                     })
                     .collect(),
             ),
@@ -1048,7 +1069,7 @@ fn rounded_activations(
 }
 
 /// The token rows rounded to 16-bit ([`Numerics::Int16`]) or 24-bit ([`Numerics::Int24`])
-/// integers and cut into bytes for the integer products of grouped Q4_0/Q4_1/Q8_0 weights
+/// integers and cut into bytes for the integer products of grouped Q4_0/Q4_1/Q5_0/Q8_0 weights
 /// ([`grouped_i16`]), under the conditions of [`rounded_activations`] but for any number of
 /// tokens: prefill and large batched steps take the same products as decode, so a token's result
 /// never depends on how many rows its call held, and the integer products outrun the exact
@@ -1370,9 +1391,20 @@ unsafe fn grouped_rows(level: Level, m: &Grouped, job: &Job) {
     #[cfg(target_arch = "x86_64")]
     if level >= Level::Avx2 {
         // Only the AVX2 kernels read the halves layout (which an AVX-512 CPU runs too, where
-        // a test or `KILN_SIMD` built the weights for a lower level than it runs).
-        let avx512 = level >= Level::Avx512 && m.layout == grouped::Layout::Streams;
-        if job.tokens <= grouped::MAX_TOKENS {
+        // a test or `KILN_SIMD` built the weights for a lower level than it runs). The planes
+        // layout is for the integer kernels (above); other calls on it (prefill-sized int24
+        // calls) dequantize tiles at AVX-512, or below it row by row.
+        let planes = m.layout == grouped::Layout::Planes;
+        let avx512 = level >= Level::Avx512 && m.layout != grouped::Layout::Halves;
+        if planes && !avx512 {
+            return tiled_rows(
+                level,
+                job,
+                |rows, tile| rows_one_by_one(m, rows, tile),
+                |_| &[],
+            );
+        }
+        if job.tokens <= grouped::MAX_TOKENS && !planes {
             if avx512 {
                 avx512_grouped::rows(m, job);
             } else {
@@ -1403,13 +1435,16 @@ unsafe fn grouped_rows(level: Level, m: &Grouped, job: &Job) {
     tiled_rows(
         level,
         job,
-        |rows, tile| {
-            for (i, n) in rows.enumerate() {
-                m.row_f32(n, &mut tile[i * m.cols..(i + 1) * m.cols]);
-            }
-        },
+        |rows, tile| rows_one_by_one(m, rows, tile),
         |_| &[],
     );
+}
+
+/// Rows `rows` of grouped `m` dequantized one by one into `tile` (row-major), as ggml does.
+fn rows_one_by_one(m: &Grouped, rows: std::ops::Range<usize>, tile: &mut [f32]) {
+    for (i, n) in rows.enumerate() {
+        m.row_f32(n, &mut tile[i * m.cols..(i + 1) * m.cols]);
+    }
 }
 
 /// Unquantized weights as the f32/bf16 kernels read them.

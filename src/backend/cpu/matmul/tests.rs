@@ -1985,7 +1985,8 @@ fn whole_blocks(kind: QuantKind, cols: usize) -> usize {
 /// groupable part.
 #[test]
 fn grouping_keeps_every_row() {
-    for (kind, layout) in grouped_layouts() {
+    let planes = (QuantKind::Q5_0, Layout::Planes);
+    for (kind, layout) in grouped_layouts().into_iter().chain([planes]) {
         for rows in [1, 15, 16, 17, 40] {
             let cols = whole_blocks(kind, 96);
             let w = quant_matrix(kind, rows, cols, false, rows as u64);
@@ -2014,7 +2015,11 @@ fn grouping_keeps_every_row() {
                 "{kind:?} {layout:?} {rows} rows"
             );
             for level in [Level::Avx512, Level::Avx2] {
-                if level == Level::Avx512 && layout == Layout::Halves {
+                // Each level's tile dequantization reads its own layouts (the planes layout's
+                // calls below AVX-512 dequantize row by row, as `data_f64` does above).
+                if (level == Level::Avx512 && layout == Layout::Halves)
+                    || (level == Level::Avx2 && layout == Layout::Planes)
+                {
                     continue;
                 }
                 if simd::level() < level {
@@ -2342,7 +2347,7 @@ fn grouped_avx2_kernels_keep_their_bits_on_tiny_and_huge_activations() {
     }
 }
 
-/// [`Numerics::Int16`] and [`Numerics::Int24`] on grouped Q4_0/Q4_1/Q8_0 weights
+/// [`Numerics::Int16`] and [`Numerics::Int24`] on grouped Q4_0/Q4_1/Q5_0/Q8_0 weights
 /// ([`grouped_i16`]): the AVX512-VNNI kernel equals the scalar chain bit for bit (row ranges
 /// that cut groups, bias, accumulation, 1 to 40 tokens: passes of one token's chains, of several
 /// tokens, chunks of 8 and rests); the entry point gives those bits (int16 at every level, below
@@ -2364,10 +2369,15 @@ fn grouped_int16_kernel_matches_the_reference() {
     if !avx512_grouped_i16::gathers() {
         println!("SKIPPED (grouped int16 Q8_0): this CPU has no AVX512-VBMI, Q8_0 runs exact");
     }
-    let kinds = [QuantKind::Q4_0, QuantKind::Q4_1, QuantKind::Q8_0];
-    for kind in kinds
+    let kinds = [
+        (QuantKind::Q4_0, Layout::Streams),
+        (QuantKind::Q4_1, Layout::Streams),
+        (QuantKind::Q8_0, Layout::Streams),
+        (QuantKind::Q5_0, Layout::Planes),
+    ];
+    for (kind, layout) in kinds
         .into_iter()
-        .filter(|&k| k != QuantKind::Q8_0 || avx512_grouped_i16::gathers())
+        .filter(|&(k, _)| k != QuantKind::Q8_0 || avx512_grouped_i16::gathers())
     {
         for (rows, cols, tokens) in [
             (1, 32, 1),
@@ -2385,7 +2395,7 @@ fn grouped_int16_kernel_matches_the_reference() {
             (36, 96, 40),
         ] {
             let seed = (rows * 100 + cols + tokens) as u64 + 7;
-            let w = regrouped_in(quant_matrix(kind, rows, cols, true, seed), Layout::Streams);
+            let w = regrouped_in(quant_matrix(kind, rows, cols, true, seed), layout);
             let WeightData::Grouped(m) = &w.data else {
                 unreachable!()
             };
@@ -2485,6 +2495,26 @@ fn grouped_int16_kernel_matches_the_reference() {
                             (&out0, &reference, acc),
                             &what,
                         );
+                    }
+                    if layout == Layout::Planes
+                        && numerics == Numerics::Int24
+                        && tokens > grouped::MAX_TOKENS
+                    {
+                        // Larger int24 calls run the exact panels on dequantized tiles: the
+                        // planes layout's tiles are the streams layout's values, so the bits
+                        // are those of exact products of the streams layout.
+                        let streams = regrouped_in(
+                            quant_matrix(kind, rows, cols, true, seed),
+                            Layout::Streams,
+                        );
+                        for level in [simd::level(), Level::Avx2] {
+                            let mut want = out0.clone();
+                            let (n, e) = (Numerics::Exact, &streams);
+                            matmul_with(level, n, e, &x, ldx, tokens, &mut want, rows, acc);
+                            let mut got = out0.clone();
+                            matmul_with(level, numerics, &w, &x, ldx, tokens, &mut got, rows, acc);
+                            assert_eq!(bits(&got), bits(&want), "{what}: {} exact", level.name());
+                        }
                     }
                 }
             }
