@@ -41,10 +41,11 @@ pub(crate) fn gathers() -> bool {
 /// `x` (whole blocks) rounded to integers of `width` as [`super::grouped_i16::split_ref`]
 /// rounds it (the same scale, `vcvtps2dq`'s nearest-even rounding, the same clamp) and cut into
 /// the bytes of a [`Split`] one block at a time, on CPUs without AVX512-VBMI (elsewhere
-/// [`super::avx512_split`] does it for sixteen blocks at once, in well under half the time): `vpmovdb` of each integer and of each of its higher
-/// bytes, each word's eight bytes put in the kernel's order (even elements, then odd) by one
-/// `vpshufb`. The block sums are the reference's ([`super::block_sum`]). Written into
-/// `out`'s buffers (a spent split's, or empty ones), every value set afresh.
+/// [`super::avx512_split`] does it for sixteen blocks at once, in well under half the time):
+/// `vpmovdb` of each integer and of each of its higher bytes, each word's eight bytes put in the
+/// kernel's order (even elements, then odd) by one `vpshufb`. The block sums are the
+/// reference's ([`super::block_sum`]). Written into `out`'s buffers (a spent split's, or empty
+/// ones), every value set afresh.
 ///
 /// # Safety
 /// The CPU must have AVX-512 F/BW/VL; `x` is whole blocks.

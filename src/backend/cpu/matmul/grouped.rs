@@ -33,9 +33,9 @@
 //! token count: per block, four partial sums `p_i = Σ_{8i ≤ e < 8i+8} q_e·x_e` (each in element
 //! order, one FMA per element: four chains of 8, so one token's FMAs do not wait on each other's
 //! latency), `acc ← fma(d, (p_0 + p_1) + (p_2 + p_3), acc)`, then for formats with a min
-//! `acc ← fma(m, Σx_block, acc)` (the block sums as [`super::block_sum`] folds them). Q4_K's sub-blocks
-//! go as blocks with `d·sc_j` for `d` and `−dmin·m_j` for `m`; Q6_K's pairs of 16-element
-//! sub-blocks as blocks whose two halves `p_0 + p_1` and `p_2 + p_3` each take their own
+//! `acc ← fma(m, Σx_block, acc)` (the block sums as [`super::block_sum`] folds them). Q4_K's
+//! sub-blocks go as blocks with `d·sc_j` for `d` and `−dmin·m_j` for `m`; Q6_K's pairs of
+//! 16-element sub-blocks as blocks whose two halves `p_0 + p_1` and `p_2 + p_3` each take their own
 //! `d·sc_j` (no min). In [`Layout::Halves`] the partial sums are `p_i = Σ_{e ≡ i mod 4} q_e·x_e`
 //! instead (each in element order: consecutive elements go to different chains in the order the
 //! fields lie) over the unsigned quants, Q4_0's `−8` and Q5_0's `−16` taken as a min
