@@ -53,7 +53,7 @@ pub(crate) fn gathers() -> bool {
 pub(crate) unsafe fn split_into(x: &[f32], width: Width, out: &mut Split) {
     let nb = x.len() / BLOCK;
     let (bb, planes) = (width.block_bytes(), width.planes());
-    out.width = width;
+    out.reset(width, nb);
     let Split {
         bytes,
         d,
@@ -62,11 +62,6 @@ pub(crate) unsafe fn split_into(x: &[f32], width: Width, out: &mut Split) {
         hsums,
         ..
     } = out;
-    zeroed(bytes, nb * bb);
-    zeroed(d, nb);
-    zeroed(sums, nb);
-    zeroed(lsums, nb);
-    zeroed(hsums, nb);
     let abs = _mm512_set1_epi32(0x7fff_ffff);
     let inf = _mm512_set1_ps(f32::INFINITY);
     let (qmax, qmin) = (
@@ -118,13 +113,6 @@ pub(crate) unsafe fn split_into(x: &[f32], width: Width, out: &mut Split) {
             _mm256_storeu_si256(dst.add(plane), _mm256_shuffle_epi8(v, order));
         }
     }
-}
-
-/// `v` as `n` zeros, in its own buffer: every value of a split starts at the zero that a block
-/// holding a NaN or infinity keeps.
-fn zeroed<T: Default + Clone>(v: &mut Vec<T>, n: usize) {
-    v.clear();
-    v.resize(n, T::default());
 }
 
 /// Every output of `job` over grouped `w` ([`takes`]) with activations `x` (one per token).

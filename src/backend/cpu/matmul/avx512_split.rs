@@ -177,7 +177,7 @@ impl Join for MaxU32 {
 pub(crate) unsafe fn split_into(x: &[f32], width: Width, out: &mut Split) {
     let nb = x.len() / BLOCK;
     let (bb, planes) = (width.block_bytes(), width.planes());
-    out.width = width;
+    out.reset(width, nb);
     let Split {
         bytes,
         d,
@@ -186,16 +186,6 @@ pub(crate) unsafe fn split_into(x: &[f32], width: Width, out: &mut Split) {
         hsums,
         ..
     } = out;
-    bytes.clear();
-    bytes.resize(nb * bb, 0);
-    d.clear();
-    d.resize(nb, 0.0);
-    sums.clear();
-    sums.resize(nb, 0.0);
-    lsums.clear();
-    lsums.resize(nb, 0);
-    hsums.clear();
-    hsums.resize(nb, 0);
     let abs = _mm512_set1_epi32(0x7fff_ffff);
     let qmax = width.qmax();
     let (hi_q, lo_q) = (_mm512_set1_epi32(qmax), _mm512_set1_epi32(-qmax));

@@ -154,6 +154,22 @@ impl Split {
         }
     }
 
+    /// This split (a spent one, or [`Split::empty`]) made `nb` blocks of `width`, every value
+    /// zero (what a block holding a NaN or infinity keeps), in its own buffers: for the AVX-512
+    /// splits to fill.
+    pub(crate) fn reset(&mut self, width: Width, nb: usize) {
+        fn zeroed<T: Default + Clone>(v: &mut Vec<T>, n: usize) {
+            v.clear();
+            v.resize(n, T::default());
+        }
+        self.width = width;
+        zeroed(&mut self.bytes, nb * width.block_bytes());
+        zeroed(&mut self.d, nb);
+        zeroed(&mut self.sums, nb);
+        zeroed(&mut self.lsums, nb);
+        zeroed(&mut self.hsums, nb);
+    }
+
     /// `x`'s 16-bit integers cut into bytes and laid out for the kernel.
     pub(crate) fn new(x: &XI16) -> Split {
         let nb = x.q.len() / BLOCK;

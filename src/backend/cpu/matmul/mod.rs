@@ -1388,22 +1388,14 @@ unsafe fn grouped_rows(level: Level, m: &Grouped, job: &Job) {
         grouped_i16::rows_ref(m, x, job);
         return;
     }
+    // The planes layout is for the integer kernels (above); other calls on it (prefill-sized
+    // int24 calls) dequantize tiles at AVX-512, or below it row by row as below AVX2.
+    let planes = m.layout == grouped::Layout::Planes;
     #[cfg(target_arch = "x86_64")]
-    if level >= Level::Avx2 {
+    if level >= Level::Avx2 && (!planes || level >= Level::Avx512) {
         // Only the AVX2 kernels read the halves layout (which an AVX-512 CPU runs too, where
-        // a test or `KILN_SIMD` built the weights for a lower level than it runs). The planes
-        // layout is for the integer kernels (above); other calls on it (prefill-sized int24
-        // calls) dequantize tiles at AVX-512, or below it row by row.
-        let planes = m.layout == grouped::Layout::Planes;
+        // a test or `KILN_SIMD` built the weights for a lower level than it runs).
         let avx512 = level >= Level::Avx512 && m.layout != grouped::Layout::Halves;
-        if planes && !avx512 {
-            return tiled_rows(
-                level,
-                job,
-                |rows, tile| rows_one_by_one(m, rows, tile),
-                |_| &[],
-            );
-        }
         if job.tokens <= grouped::MAX_TOKENS && !planes {
             if avx512 {
                 avx512_grouped::rows(m, job);
@@ -1432,19 +1424,18 @@ unsafe fn grouped_rows(level: Level, m: &Grouped, job: &Job) {
         }
         return;
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = planes;
     tiled_rows(
         level,
         job,
-        |rows, tile| rows_one_by_one(m, rows, tile),
+        |rows, tile| {
+            for (i, n) in rows.enumerate() {
+                m.row_f32(n, &mut tile[i * m.cols..(i + 1) * m.cols]);
+            }
+        },
         |_| &[],
     );
-}
-
-/// Rows `rows` of grouped `m` dequantized one by one into `tile` (row-major), as ggml does.
-fn rows_one_by_one(m: &Grouped, rows: std::ops::Range<usize>, tile: &mut [f32]) {
-    for (i, n) in rows.enumerate() {
-        m.row_f32(n, &mut tile[i * m.cols..(i + 1) * m.cols]);
-    }
 }
 
 /// Unquantized weights as the f32/bf16 kernels read them.
