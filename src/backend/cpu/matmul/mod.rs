@@ -682,6 +682,68 @@ impl TaskRows {
     }
 }
 
+/// Weight bytes that the step's thread takes beyond an even share of a call on the step's team
+/// ([`TeamRows`]), because the keepers start later: a keeper sees the call's post and claims its
+/// part ~0.25–0.4 µs after the step's thread starts its own, and the step's thread learns that a
+/// keeper has finished ~0.3–0.5 µs after it has (cross-core handoffs of the 2-vCPU Xeon, family
+/// 6 model 207; a ping-pong of two lines there takes 0.2–0.35 µs), so with even parts the step's
+/// thread waited ~1 µs at the end of every call. 12 KiB is about half that time at one core's
+/// share of the memory's bandwidth. SmolLM2 Q4_1 decode, 2 threads of that Xeon, one process
+/// alternating, 128 steps a round, median per-round ratio against even parts: 1.012 (80 rounds,
+/// quartiles 1.000–1.029) and 1.008 (40 rounds); 6 KiB 0.997, 18 KiB 1.004;
+/// Qwen2.5-Coder-0.5B Q4_K_M (calls of 100 µs a part and more) 0.996, within its spread. With
+/// the keepers' early claim ([`keep_awake`]'s `Slot::own_ahead`), both against neither: Q4_1
+/// 1.024 (60 rounds, quartiles 1.006–1.038), Q8_0 1.010 (40), BF16 0.997 and Qwen 0.993
+/// (within their spreads of ±4%).
+const CALLER_LEAD_BYTES: usize = 12 << 10;
+
+/// The parts of a call on the step's team: the call's units ([`TaskRows`]) split evenly, except
+/// that part 0 (the step's own thread) takes [`CALLER_LEAD_BYTES`] more, in whole units, where
+/// the call has more than eight times that many units.
+#[derive(Clone, Copy, Debug)]
+struct TeamRows {
+    units: usize,
+    unit: usize,
+    rows: usize,
+    members: usize,
+    /// Units of part 0: an even share plus the lead.
+    first: usize,
+}
+
+impl TeamRows {
+    /// `members` parts (2 or more, at most `tasks.units`) of a call whose matrix holds `bytes`.
+    fn new(tasks: TaskRows, members: usize, bytes: usize) -> TeamRows {
+        let TaskRows {
+            units, unit, rows, ..
+        } = tasks;
+        let unit_bytes = (bytes / units.max(1)).max(1);
+        let lead = (CALLER_LEAD_BYTES + unit_bytes / 2) / unit_bytes;
+        let lead = if units > 8 * lead { lead } else { 0 };
+        TeamRows {
+            units,
+            unit,
+            rows,
+            members,
+            first: (units / members + lead).min(units),
+        }
+    }
+
+    /// Part `i`'s rows: part 0 units `0..first`, the others the rest split as evenly as units
+    /// allow.
+    fn rows(&self, i: usize) -> std::ops::Range<usize> {
+        let rest = self.units - self.first;
+        let at = |i: usize| {
+            let units = if i == 0 {
+                0
+            } else {
+                self.first + (i - 1) * rest / (self.members - 1)
+            };
+            (units * self.unit).min(self.rows)
+        };
+        at(i)..at(i + 1)
+    }
+}
+
 /// `out[t·ldo + n] (+)= bias[n] + Σ_k W[n,k]·x[t·ldx + k]` for every token `t` and output `n`,
 /// split over the current rayon pool by output rows, with the given [`Numerics`].
 ///
@@ -772,7 +834,7 @@ pub fn matmul_with(
         };
     };
     // A call of up to [`TEAM_TOKENS`] tokens inside a forward step goes to the step's team, a
-    // part a thread ([`keep_awake::parts`]); each part prepares its own activations (the same
+    // part a thread ([`keep_awake::parts`], rows by [`TeamRows`]); each part prepares its own activations (the same
     // bits), so no thread waits while one rounds them. SmolLM2 decode, 2 threads of the 2-vCPU
     // Xeon (family 6 model 207), one process alternating rayon loops and parts, 30 rounds,
     // median per-round ratio: Q4_1 int24 1.037–1.039 with the activations prepared once before
@@ -784,10 +846,7 @@ pub fn matmul_with(
         0
     };
     if members >= 2 && members <= tasks.units {
-        let parts = TaskRows {
-            tasks: members,
-            ..tasks
-        };
+        let parts = TeamRows::new(tasks, members, w.bytes());
         keep_awake::parts(&|i| {
             run(
                 parts.rows(i),

@@ -397,6 +397,50 @@ fn tasks_split_rows_evenly_on_kernel_units() {
     });
 }
 
+/// A team call's parts cover every row once, in order, on unit boundaries; part 0 takes the
+/// caller's lead (in whole units, where the call is large enough for it), the others even shares.
+#[test]
+fn team_parts_give_the_caller_its_lead() {
+    for (units, unit_bytes, members) in [
+        (36, 5760, 2),
+        (192, 5760, 2),
+        (36, 15360, 2),
+        (3072, 9216, 2),
+        (56, 43776, 2),
+        (8, 5760, 2),
+        (3, 100, 3),
+        (100, 1000, 4),
+        (2, 1 << 20, 2),
+    ] {
+        let rows = units * 16 - 5;
+        let tasks = TaskRows {
+            tasks: 4,
+            units,
+            unit: 16,
+            rows,
+        };
+        let parts = TeamRows::new(tasks, members, units * unit_bytes);
+        let all: Vec<_> = (0..members).map(|i| parts.rows(i)).collect();
+        let what = format!("{units} units of {unit_bytes} bytes, {members} parts: {all:?}");
+        assert_eq!(all[0].start, 0, "{what}");
+        assert_eq!(all[members - 1].end, rows, "{what}");
+        for pair in all.windows(2) {
+            assert_eq!(pair[0].end, pair[1].start, "{what}");
+        }
+        assert!(all.iter().all(|r| r.start % 16 == 0), "{what}");
+        let lead = (CALLER_LEAD_BYTES + unit_bytes / 2) / unit_bytes;
+        let lead = if units > 8 * lead { lead } else { 0 };
+        assert_eq!(all[0].len(), (units / members + lead) * 16, "{what}");
+        let others: Vec<usize> = all[1..].iter().map(|r| r.len().div_ceil(16)).collect();
+        let (lo, hi) = (others.iter().min().unwrap(), others.iter().max().unwrap());
+        assert!(hi - lo <= 1, "{what}");
+        if (units, unit_bytes) == (36, 5760) {
+            // Two groups of 16 rows: 11.5 KB, the nearest to the lead.
+            assert_eq!(all[0], 0..320, "{what}");
+        }
+    }
+}
+
 /// Rows, columns and token counts to test `kind` with: rows and tokens around the kernels' 4-row
 /// and 4/2-token tiles, columns of one and several blocks (fewer cases for the 256-element
 /// formats, whose blocks are 8 times longer).
