@@ -17,9 +17,12 @@ use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
 use super::avx512_groups::{drive, each_token, GroupPass};
-use super::grouped::{group_block_bytes, quants_at, value_offset, Grouped, BLOCK, GROUP, PLANE_AT};
+use super::grouped::{
+    elems, group_block_bytes, quants_at, value_offset, Grouped, BLOCK, GROUP, K4_DMIN, K4_MINS,
+    K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES, PLANE_AT,
+};
 use super::grouped_i16::{takes, Split, Width};
-use super::prefetch::{lines_at_step, with_hint};
+use super::prefetch::{line_to, lines_at_step, with_hint};
 use super::Job;
 use crate::backend::cpu::simd::{self, Level};
 use crate::model::quant::QuantKind;
@@ -142,6 +145,8 @@ pub(crate) unsafe fn rows(w: &Grouped, x: &[Split], job: &Job) {
         (QuantKind::Q4_1, Width::Int24) => rows_of::<Q4_1, true>(w, x, job),
         (QuantKind::Q5_0, Width::Int16) => rows_of::<Q5_0, false>(w, x, job),
         (QuantKind::Q5_0, Width::Int24) => rows_of::<Q5_0, true>(w, x, job),
+        (QuantKind::Q4_K, Width::Int16) => rows_of::<Q4_K, false>(w, x, job),
+        (QuantKind::Q4_K, Width::Int24) => rows_of::<Q4_K, true>(w, x, job),
         // SAFETY: `takes` held, so for Q8_0 the CPU has VBMI.
         _ => rows_q8(w, x, job, width),
     }
@@ -165,6 +170,8 @@ const Q4_1: u8 = 1;
 const Q8_0: u8 = 2;
 /// In [`Layout::Planes`](super::grouped::Layout::Planes).
 const Q5_0: u8 = 3;
+/// Its 256-element super-blocks, each sub-block of 32 as a Q4_1 block.
+const Q4_K: u8 = 4;
 
 /// The format a const parameter stands for.
 const fn kind_of(f: u8) -> QuantKind {
@@ -172,13 +179,14 @@ const fn kind_of(f: u8) -> QuantKind {
         Q4_0 => QuantKind::Q4_0,
         Q4_1 => QuantKind::Q4_1,
         Q5_0 => QuantKind::Q5_0,
+        Q4_K => QuantKind::Q4_K,
         _ => QuantKind::Q8_0,
     }
 }
 
 #[inline(always)]
 unsafe fn rows_of<const F: u8, const WIDE: bool>(w: &Grouped, x: &[Split], job: &Job) {
-    let nb = w.cols / BLOCK;
+    let nb = w.cols / elems(kind_of(F));
     let bb = group_block_bytes(kind_of(F));
     with_hint!(L2 => {
         let kernel = Pass::<F, WIDE, L2> { nb, bb, x };
@@ -206,6 +214,74 @@ impl<const F: u8, const WIDE: bool, const L2: bool> GroupPass for Pass<'_, F, WI
     ) -> [__m512; N] {
         chunk::<F, WIDE, N, L2>(self, base, ahead, &self.x[t0..t0 + N])
     }
+}
+
+/// The 16 bytes at `p` as f32 (a Q4_K sub-block's 16 rows' scales or mins). A function, not a
+/// closure: a closure is compiled without the kernel's `#[target_feature]`s unless LLVM
+/// chooses to inline it.
+#[inline(always)]
+unsafe fn bytes_f32(p: *const u8) -> __m512 {
+    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i)))
+}
+
+/// [`chunk`] for Q4_K: per super-block its 16 rows' `d` and `dmin`, then per sub-block `j` (the
+/// activations' block `8b + j`) the quants as a Q4_1 block's, the integer sum `S` as theirs, and
+/// `acc ← fma(S, (d·sc_j)·d_x, acc)`, `acc ← fma(−dmin·m_j, Σx_j, acc)` (`d·sc_j` and `dmin·m_j`
+/// exact in f32, as the exact kernels take them).
+#[inline(always)]
+unsafe fn k4_chunk<const WIDE: bool, const N: usize, const L2: bool>(
+    nb: usize,
+    base: *const u8,
+    ahead: *const u8,
+    x: &[Split],
+) -> [__m512; N] {
+    let xb: [*const u8; N] = std::array::from_fn(|t| x[t].bytes.as_ptr());
+    let ds: [*const f32; N] = std::array::from_fn(|t| x[t].d.as_ptr());
+    let sums: [*const f32; N] = std::array::from_fn(|t| x[t].sums.as_ptr());
+    let split_bytes = if WIDE { Width::Int24 } else { Width::Int16 }.block_bytes();
+    let mut acc = [_mm512_setzero_ps(); N];
+    let nibble = _mm512_set1_epi8(0x0f);
+    let bb = group_block_bytes(QuantKind::Q4_K);
+    for b in 0..nb {
+        let blk = base.add(b * bb);
+        let next = ahead.wrapping_add(b * bb);
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
+        let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(K4_DMIN) as *const __m256i));
+        for j in 0..K4_SUB {
+            let (d1, m1) = (
+                _mm512_mul_ps(d, bytes_f32(blk.add(K4_SCALES + GROUP * j))),
+                _mm512_mul_ps(dmin, bytes_f32(blk.add(K4_MINS + GROUP * j))),
+            );
+            let neg_m1 = _mm512_castsi512_ps(_mm512_xor_si512(
+                _mm512_castps_si512(m1),
+                _mm512_set1_epi32(i32::MIN),
+            ));
+            if j * 64 < K4_QUANTS {
+                // Its scales, mins and the super-block's `d`s, a line a sub-block.
+                line_to::<L2>(next.wrapping_add(64 * j));
+            }
+            let q = blk.add(K4_QUANTS + j * K4_SUB_BYTES) as *const __m512i;
+            let mut sw = [_mm512_setzero_si512(); 8];
+            for w in 0..4 {
+                let c = _mm512_loadu_si512(q.add(w));
+                sw[2 * w] = _mm512_and_si512(c, nibble);
+                sw[2 * w + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(c), nibble);
+                // The next group's same sub-block, a line per vector (branch-free: spread
+                // over the 64 steps of a super-block by `lines_at_step`, whose ranges are not
+                // constants in this loop, the branches cost about as much as the products).
+                line_to::<L2>(next.wrapping_add(K4_QUANTS + j * K4_SUB_BYTES + 64 * w));
+            }
+            let sub = b * K4_SUB + j;
+            each_token!(N, |t| {
+                let xt = xb[t].add(sub * split_bytes);
+                let s = block_sum::<WIDE, true>((&sw, &sw), xt, (0, 0));
+                let scale = _mm512_mul_ps(d1, _mm512_set1_ps(*ds[t].add(sub)));
+                acc[t] = _mm512_fmadd_ps(s, scale, acc[t]);
+                acc[t] = _mm512_fmadd_ps(neg_m1, _mm512_set1_ps(*sums[t].add(sub)), acc[t]);
+            });
+        }
+    }
+    acc
 }
 
 /// The block's sums `Σ w·q` of the 16 rows for one token, as f32: over the eight quant vectors
@@ -308,6 +384,9 @@ unsafe fn chunk<const F: u8, const WIDE: bool, const N: usize, const L2: bool>(
         "{} activation rows for a chunk of {N}",
         x.len()
     );
+    if F == Q4_K {
+        return k4_chunk::<WIDE, N, L2>(p.nb, base, ahead, x);
+    }
     let kind = kind_of(F);
     let xb: [*const u8; N] = std::array::from_fn(|t| x[t].bytes.as_ptr());
     let ds: [*const f32; N] = std::array::from_fn(|t| x[t].d.as_ptr());

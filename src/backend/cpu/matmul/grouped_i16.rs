@@ -1,5 +1,5 @@
-//! [`Numerics::Int16`](super::Numerics::Int16) on grouped Q4_0, Q4_1, Q5_0 and Q8_0 weights
-//! ([`super::grouped`]'s streams layout, the exact kernels' bytes; Q5_0 in
+//! [`Numerics::Int16`](super::Numerics::Int16) on grouped Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K
+//! weights ([`super::grouped`]'s streams layout, the exact kernels' bytes; Q5_0 in
 //! [`Layout::Planes`], its nibbles as Q4_0's and its fifth bits apart): the activations rounded to
 //! 16-bit integers as [`super::int16`] rounds them, and each block's integer sums taken by
 //! AVX512-VNNI's 8-bit `vpdpbusd` ([`super::avx512_grouped_i16`]), the 16 output rows in the 16
@@ -27,7 +27,11 @@
 //! **Bits.** Each (row, token) output is one chain over the blocks in order: the block's exact
 //! integer sum `S`, then `acc ← fma(float(S), d_w·d_x, acc)` and, for Q4_1,
 //! `acc ← fma(m_w, Σx_block, acc)` with the unrounded block sum as the other int16 kernels take
-//! it. The integer sum is the same whatever the order of its products, so [`rows_ref`], that
+//! it. Q4_K's 32-element sub-blocks are taken as Q4_1 blocks of the activations' blocks
+//! (sub-block `j` of super-block `b` is block `8b + j`): `acc ← fma(float(S), (d·sc_j)·d_x, acc)`,
+//! then `acc ← fma(−dmin·m_j, Σx_block, acc)`, with `d·sc_j` and `dmin·m_j` the products of the
+//! f16 scales and 6-bit factors in f32 (exact), as the exact kernels take them. The integer sum
+//! is the same whatever the order of its products, so [`rows_ref`], that
 //! chain in scalar Rust, is what the kernel is tested against bit for bit, and what runs where
 //! the kernel cannot (a level forced below AVX-512): an int16 result never depends on the level.
 //!
@@ -48,7 +52,8 @@ use std::cell::RefCell;
 use half::f16;
 
 use super::grouped::{
-    group_block_bytes, planes_quant, quants_at, value_offset, Grouped, Layout, BLOCK, GROUP,
+    elems, group_block_bytes, planes_quant, quants_at, value_offset, Grouped, Layout, BLOCK, GROUP,
+    K4_DMIN, K4_MINS, K4_QUANTS, K4_SCALES, K4_SUB, K4_SUB_BYTES,
 };
 use super::int16::XI16;
 use super::Job;
@@ -92,13 +97,21 @@ impl Width {
     }
 }
 
-/// Whether grouped weights take the int16 products: Q4_0 and Q4_1 in the streams layout, Q5_0
-/// in [`Layout::Planes`] (which engines build only for these products), and Q8_0 where the CPU
-/// runs the kernel's gathers (AVX512-VBMI; elsewhere Q8_0 runs exact, where the scalar chain
+/// Whether grouped weights take the int16 products: Q4_0, Q4_1 and Q4_K in the streams layout,
+/// Q5_0 in [`Layout::Planes`] (which engines build only for these products), and Q8_0 where the
+/// CPU runs the kernel's gathers (AVX512-VBMI; elsewhere Q8_0 runs exact, where the scalar chain
 /// would be far slower).
+///
+/// Q4_K: Qwen2.5-Coder-0.5B Q4_K_M decode (its down projection Q4_K in half the layers, Q6_K in
+/// the others), 2 threads of the 2-vCPU Xeon (family 6 model 207), int24, one process
+/// alternating the exact and the integer kernel on those matrices, 16 rounds of 64 steps: the
+/// down projections 3.44 → 3.26 ms a step, the decode's median per-round ratio 1.016 (quartiles
+/// 0.999–1.029; 0.994 in a second run of 24 rounds, its down projections 3.50 → 3.43 ms). One
+/// core, `gemv/Q4_K-grouped(-int24|-int16)?/896x4864/avx512` (`benches/kernels.rs`): exact
+/// 15.3, int24 23.8, int16 26.2 GiB/s.
 pub(crate) fn takes(w: &Grouped) -> bool {
     match (w.layout, w.kind) {
-        (Layout::Streams, QuantKind::Q4_0 | QuantKind::Q4_1) => true,
+        (Layout::Streams, QuantKind::Q4_0 | QuantKind::Q4_1 | QuantKind::Q4_K) => true,
         (Layout::Streams, QuantKind::Q8_0) => q8_kernel(),
         (Layout::Planes, QuantKind::Q5_0) => true,
         _ => false,
@@ -310,8 +323,61 @@ fn f16_at(p: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([p[2 * i], p[2 * i + 1]]).to_f32()
 }
 
+/// Row `r`'s element `e` of the 4-bit streams at `blk[qa..]` (a Q4_0/Q4_1 block's, a Q4_K
+/// sub-block's): its nibble in the row's word `e / 8`.
+fn nibble_at(blk: &[u8], qa: usize, r: usize, e: usize) -> i32 {
+    let at = qa + (e / 8) * 4 * GROUP + 4 * r;
+    let word = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
+    (word >> (4 * (e % 8)) & 0x0f) as i32
+}
+
+/// `Σ (q + off)·x` of one block of 32 quants `quant(e)` against block `b` of the activations,
+/// as f32: exact integer sums against the bits below the top byte and against the top byte (at
+/// most 2²⁸ and 2²⁰ in magnitude), joined as the kernel joins them.
+fn block_dot(quant: impl Fn(usize) -> i32, off: i32, x: &Split, b: usize) -> f32 {
+    let top = x.width.top_shift();
+    let (mut low, mut high) = (0i32, 0i32);
+    for e in 0..BLOCK {
+        let q = x.q(b, e);
+        low += (quant(e) + off) * (q & ((1 << top) - 1));
+        high += (quant(e) + off) * (q >> top);
+    }
+    match x.width {
+        // Exact in i32 (at most 136·32768·32 in magnitude).
+        Width::Int16 => ((high << top) + low) as f32,
+        // The top part's 2¹⁶ would overflow i32: joined in f32, one rounding.
+        Width::Int24 => (high as f32).mul_add(65536.0, low as f32),
+    }
+}
+
+/// [`dot_ref`] for Q4_K: per sub-block `j` of super-block `b` (activation block `8b + j`) its
+/// [`block_dot`] `S`, then `acc ← fma(S, (d·sc_j)·d_x, acc)` and `acc ← fma(−dmin·m_j, Σx, acc)`.
+fn dot_ref_k4(w: &Grouped, n: usize, x: &Split) -> f32 {
+    let nb = w.cols / elems(QuantKind::Q4_K);
+    let bb = group_block_bytes(QuantKind::Q4_K);
+    let (g, r) = (n / GROUP, n % GROUP);
+    let mut acc = 0f32;
+    for b in 0..nb {
+        let blk = &w.bytes[(g * nb + b) * bb..(g * nb + b + 1) * bb];
+        let (d, dmin) = (f16_at(blk, r), f16_at(&blk[K4_DMIN..], r));
+        for j in 0..K4_SUB {
+            let quant = |e: usize| nibble_at(blk, K4_QUANTS + j * K4_SUB_BYTES, r, e);
+            let sub = b * K4_SUB + j;
+            let s = block_dot(quant, 0, x, sub);
+            let d1 = d * blk[K4_SCALES + GROUP * j + r] as f32;
+            let m1 = dmin * blk[K4_MINS + GROUP * j + r] as f32;
+            acc = s.mul_add(d1 * x.d[sub], acc);
+            acc = (-m1).mul_add(x.sums[sub], acc);
+        }
+    }
+    acc
+}
+
 /// Output `n` of one token: the chain of the module doc in scalar Rust.
 fn dot_ref(w: &Grouped, n: usize, x: &Split) -> f32 {
+    if w.kind == QuantKind::Q4_K {
+        return dot_ref_k4(w, n, x);
+    }
     let nb = w.cols / BLOCK;
     let bb = group_block_bytes(w.kind);
     let qa = quants_at(w.kind);
@@ -320,31 +386,17 @@ fn dot_ref(w: &Grouped, n: usize, x: &Split) -> f32 {
     let mut acc = 0f32;
     for b in 0..nb {
         let blk = &w.bytes[(g * nb + b) * bb..(g * nb + b + 1) * bb];
-        // `Σ (w + off)·q` in two integer parts: against the bits below the top byte, and
-        // against the top byte; exact (at most 2²⁸ and 2²⁰ in magnitude).
-        let top = x.width.top_shift();
-        let (mut low, mut high) = (0i32, 0i32);
-        for e in 0..BLOCK {
-            let quant = if w.kind == QuantKind::Q8_0 {
+        let quant = |e: usize| {
+            if w.kind == QuantKind::Q8_0 {
                 // Element-major: element `e`'s 16 rows at `16e`, signed.
                 blk[qa + GROUP * e + r] as i8 as i32
             } else if w.layout == Layout::Planes {
                 planes_quant(blk, r, e) as i32
             } else {
-                let at = qa + (e / 8) * 4 * GROUP + 4 * r;
-                let word = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
-                (word >> (4 * (e % 8)) & 0x0f) as i32
-            };
-            let q = x.q(b, e);
-            low += (quant + off) * (q & ((1 << top) - 1));
-            high += (quant + off) * (q >> top);
-        }
-        let sum = match x.width {
-            // Exact in i32 (at most 136·32768·32 in magnitude).
-            Width::Int16 => ((high << top) + low) as f32,
-            // The top part's 2¹⁶ would overflow i32: joined in f32, one rounding.
-            Width::Int24 => (high as f32).mul_add(65536.0, low as f32),
+                nibble_at(blk, qa, r, e)
+            }
         };
+        let sum = block_dot(quant, off, x, b);
         acc = sum.mul_add(f16_at(blk, r) * x.d[b], acc);
         if w.kind == QuantKind::Q4_1 {
             acc = f16_at(&blk[2 * GROUP..], r).mul_add(x.sums[b], acc);

@@ -2391,7 +2391,7 @@ fn grouped_avx2_kernels_keep_their_bits_on_tiny_and_huge_activations() {
     }
 }
 
-/// [`Numerics::Int16`] and [`Numerics::Int24`] on grouped Q4_0/Q4_1/Q5_0/Q8_0 weights
+/// [`Numerics::Int16`] and [`Numerics::Int24`] on grouped Q4_0/Q4_1/Q5_0/Q8_0/Q4_K weights
 /// ([`grouped_i16`]): the AVX512-VNNI kernel equals the scalar chain bit for bit (row ranges
 /// that cut groups, bias, accumulation, 1 to 40 tokens: passes of one token's chains, of several
 /// tokens, chunks of 8 and rests); the entry point gives those bits (int16 at every level, below
@@ -2418,6 +2418,7 @@ fn grouped_int16_kernel_matches_the_reference() {
         (QuantKind::Q4_1, Layout::Streams),
         (QuantKind::Q8_0, Layout::Streams),
         (QuantKind::Q5_0, Layout::Planes),
+        (QuantKind::Q4_K, Layout::Streams),
     ];
     for (kind, layout) in kinds
         .into_iter()
@@ -2438,6 +2439,7 @@ fn grouped_int16_kernel_matches_the_reference() {
             (17, 576, 17),
             (36, 96, 40),
         ] {
+            let cols = whole_blocks(kind, cols);
             let seed = (rows * 100 + cols + tokens) as u64 + 7;
             let w = regrouped_in(quant_matrix(kind, rows, cols, true, seed), layout);
             let WeightData::Grouped(m) = &w.data else {
