@@ -306,9 +306,9 @@ impl Slot {
     /// instruction): asks for this slot's line in a state it may write, so that the claim of
     /// the next part is a compare-and-swap in the keeper's own cache rather than a request to
     /// the step's thread, which read the line when it last waited. A hint: no effect on what
-    /// any thread sees. The keeper's claim came ~0.37 µs after a post, and ~0.25 µs so
-    /// (SmolLM2 Q4_1 decode, 2 threads of the 2-vCPU Xeon, family 6 model 207); the decode,
-    /// one process alternating, 60 rounds of 128 steps, median per-round ratio 1.006
+    /// any thread sees. A keeper's claim came ~0.37 µs after the post without it and ~0.25 µs
+    /// with it (SmolLM2 Q4_1 decode, 2 threads of the 2-vCPU Xeon, family 6 model 207); the
+    /// decode, one process alternating, 60 rounds of 128 steps, median per-round ratio 1.006
     /// (quartiles 1.000–1.017; 1.009 over 20 rounds), Qwen2.5-Coder-0.5B Q4_K_M 1.003 (within
     /// its spread).
     #[inline(always)]

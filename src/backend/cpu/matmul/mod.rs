@@ -834,12 +834,12 @@ pub fn matmul_with(
         };
     };
     // A call of up to [`TEAM_TOKENS`] tokens inside a forward step goes to the step's team, a
-    // part a thread ([`keep_awake::parts`], rows by [`TeamRows`]); each part prepares its own activations (the same
-    // bits), so no thread waits while one rounds them. SmolLM2 decode, 2 threads of the 2-vCPU
-    // Xeon (family 6 model 207), one process alternating rayon loops and parts, 30 rounds,
-    // median per-round ratio: Q4_1 int24 1.037–1.039 with the activations prepared once before
-    // the parts, 1.059 with each part preparing its own; Q8_0 1.038, Qwen2.5-Coder-0.5B Q4_K_M
-    // 1.031.
+    // part a thread ([`keep_awake::parts`], rows by [`TeamRows`]); each part prepares its own
+    // activations (the same bits), so no thread waits while one rounds them. SmolLM2 decode, 2
+    // threads of the 2-vCPU Xeon (family 6 model 207), one process alternating rayon loops and
+    // parts, 30 rounds, median per-round ratio: Q4_1 int24 1.037–1.039 with the activations
+    // prepared once before the parts, 1.059 with each part preparing its own; Q8_0 1.038,
+    // Qwen2.5-Coder-0.5B Q4_K_M 1.031.
     let members = if tokens <= TEAM_TOKENS {
         keep_awake::members()
     } else {
