@@ -694,12 +694,27 @@ impl TaskRows {
 /// Qwen2.5-Coder-0.5B Q4_K_M (calls of 100 µs a part and more) 0.996, within its spread. With
 /// the keepers' early claim ([`keep_awake`]'s `Slot::own_ahead`), both against neither: Q4_1
 /// 1.024 (60 rounds, quartiles 1.006–1.038), Q8_0 1.010 (40), BF16 0.997 and Qwen 0.993
-/// (within their spreads of ±4%).
+/// (within their spreads of ±4%). Measured on Intel only: other vendors' cross-core handoffs
+/// may cost less, where a lead would leave the keepers idle, so elsewhere parts stay even
+/// ([`caller_lead_bytes`]).
 const CALLER_LEAD_BYTES: usize = 12 << 10;
 
+/// The lead this process gives the step's thread: [`CALLER_LEAD_BYTES`] on Intel CPUs, none
+/// elsewhere (asked once).
+fn caller_lead_bytes() -> usize {
+    static LEAD: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *LEAD.get_or_init(|| {
+        if prefetch::intel() {
+            CALLER_LEAD_BYTES
+        } else {
+            0
+        }
+    })
+}
+
 /// The parts of a call on the step's team: the call's units ([`TaskRows`]) split evenly, except
-/// that part 0 (the step's own thread) takes [`CALLER_LEAD_BYTES`] more, in whole units, where
-/// the call has more than eight times that many units.
+/// that part 0 (the step's own thread) takes a lead of some bytes more ([`caller_lead_bytes`]),
+/// in whole units, where the call has more than eight times that many units.
 #[derive(Clone, Copy, Debug)]
 struct TeamRows {
     units: usize,
@@ -711,13 +726,14 @@ struct TeamRows {
 }
 
 impl TeamRows {
-    /// `members` parts (2 or more, at most `tasks.units`) of a call whose matrix holds `bytes`.
-    fn new(tasks: TaskRows, members: usize, bytes: usize) -> TeamRows {
+    /// `members` parts (2 or more, at most `tasks.units`) of a call whose matrix holds `bytes`,
+    /// part 0 with a lead of `lead_bytes`.
+    fn new(tasks: TaskRows, members: usize, bytes: usize, lead_bytes: usize) -> TeamRows {
         let TaskRows {
             units, unit, rows, ..
         } = tasks;
         let unit_bytes = (bytes / units.max(1)).max(1);
-        let lead = (CALLER_LEAD_BYTES + unit_bytes / 2) / unit_bytes;
+        let lead = (lead_bytes + unit_bytes / 2) / unit_bytes;
         let lead = if units > 8 * lead { lead } else { 0 };
         TeamRows {
             units,
@@ -846,7 +862,7 @@ pub fn matmul_with(
         0
     };
     if members >= 2 && members <= tasks.units {
-        let parts = TeamRows::new(tasks, members, w.bytes());
+        let parts = TeamRows::new(tasks, members, w.bytes(), caller_lead_bytes());
         keep_awake::parts(&|i| {
             run(
                 parts.rows(i),

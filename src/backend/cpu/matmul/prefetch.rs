@@ -82,9 +82,10 @@ pub(crate) fn policy() -> Policy {
     })
 }
 
-/// Whether the CPU's vendor string is Intel's.
+/// Whether the CPU's vendor string is Intel's (a `cpuid`, which exits to a hypervisor: callers
+/// ask once).
 #[cfg(target_arch = "x86_64")]
-fn intel() -> bool {
+pub(crate) fn intel() -> bool {
     // CPUID leaf 0 (the vendor string) exists on every x86_64 CPU.
     let r = std::arch::x86_64::__cpuid(0);
     let mut vendor = [0u8; 12];
@@ -95,7 +96,7 @@ fn intel() -> bool {
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn intel() -> bool {
+pub(crate) fn intel() -> bool {
     false
 }
 

@@ -398,7 +398,8 @@ fn tasks_split_rows_evenly_on_kernel_units() {
 }
 
 /// A team call's parts cover every row once, in order, on unit boundaries; part 0 takes the
-/// caller's lead (in whole units, where the call is large enough for it), the others even shares.
+/// caller's lead (in whole units, where the call is large enough for it), the others even
+/// shares; without a lead every part takes an even share.
 #[test]
 fn team_parts_give_the_caller_its_lead() {
     for (units, unit_bytes, members) in [
@@ -419,7 +420,16 @@ fn team_parts_give_the_caller_its_lead() {
             unit: 16,
             rows,
         };
-        let parts = TeamRows::new(tasks, members, units * unit_bytes);
+        let parts = TeamRows::new(tasks, members, units * unit_bytes, CALLER_LEAD_BYTES);
+        let even = TeamRows::new(tasks, members, units * unit_bytes, 0);
+        for i in 0..members {
+            let r = even.rows(i);
+            let n = r.len().div_ceil(16);
+            assert!(
+                n == units / members || n == units.div_ceil(members),
+                "no lead: part {i} {r:?} of {units} units"
+            );
+        }
         let all: Vec<_> = (0..members).map(|i| parts.rows(i)).collect();
         let what = format!("{units} units of {unit_bytes} bytes, {members} parts: {all:?}");
         assert_eq!(all[0].start, 0, "{what}");
