@@ -1,6 +1,7 @@
 //! The AVX512-VNNI kernel of [`super::grouped_i16`]: 16-bit activations against grouped Q4_0,
-//! Q4_1, Q5_0 and Q8_0 weights, the 16 output rows in the 16 lanes of every vector, each (row,
-//! token) the chain of [`super::grouped_i16::rows_ref`] bit for bit.
+//! Q4_1, Q5_0, Q8_0 and Q4_K weights (Q4_K's 32-element sub-blocks as Q4_1 blocks,
+//! [`k4_chunk`]), the 16 output rows in the 16 lanes of every vector, each (row, token) the
+//! chain of [`super::grouped_i16::rows_ref`] bit for bit.
 //!
 //! Per group and block: the quants in eight vectors of byte lanes, four elements of each row in
 //! its lane in the order of the activations' [`Split`] bytes (4-bit: four 64-byte loads, each
