@@ -700,16 +700,13 @@ impl TaskRows {
 const CALLER_LEAD_BYTES: usize = 12 << 10;
 
 /// The lead this process gives the step's thread: [`CALLER_LEAD_BYTES`] on Intel CPUs, none
-/// elsewhere (asked once).
+/// elsewhere.
 fn caller_lead_bytes() -> usize {
-    static LEAD: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *LEAD.get_or_init(|| {
-        if prefetch::intel() {
-            CALLER_LEAD_BYTES
-        } else {
-            0
-        }
-    })
+    if prefetch::intel() {
+        CALLER_LEAD_BYTES
+    } else {
+        0
+    }
 }
 
 /// The parts of a call on the step's team: the call's units ([`TaskRows`]) split evenly, except

@@ -82,17 +82,19 @@ pub(crate) fn policy() -> Policy {
     })
 }
 
-/// Whether the CPU's vendor string is Intel's (a `cpuid`, which exits to a hypervisor: callers
-/// ask once).
+/// Whether the CPU's vendor string is Intel's, asked once (a `cpuid` exits to a hypervisor).
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn intel() -> bool {
-    // CPUID leaf 0 (the vendor string) exists on every x86_64 CPU.
-    let r = std::arch::x86_64::__cpuid(0);
-    let mut vendor = [0u8; 12];
-    vendor[0..4].copy_from_slice(&r.ebx.to_le_bytes());
-    vendor[4..8].copy_from_slice(&r.edx.to_le_bytes());
-    vendor[8..12].copy_from_slice(&r.ecx.to_le_bytes());
-    &vendor == b"GenuineIntel"
+    static INTEL: OnceLock<bool> = OnceLock::new();
+    *INTEL.get_or_init(|| {
+        // CPUID leaf 0 (the vendor string) exists on every x86_64 CPU.
+        let r = std::arch::x86_64::__cpuid(0);
+        let mut vendor = [0u8; 12];
+        vendor[0..4].copy_from_slice(&r.ebx.to_le_bytes());
+        vendor[4..8].copy_from_slice(&r.edx.to_le_bytes());
+        vendor[8..12].copy_from_slice(&r.ecx.to_le_bytes());
+        &vendor == b"GenuineIntel"
+    })
 }
 
 #[cfg(not(target_arch = "x86_64"))]
