@@ -342,6 +342,16 @@ fn few_token_calls_in_a_step_give_the_bits_of_rayon_loops() {
     }
 }
 
+/// `ranges` cover rows `0..rows` once, in order, each starting on a multiple of `unit`.
+fn assert_cover(ranges: &[std::ops::Range<usize>], rows: usize, unit: usize, what: &str) {
+    assert_eq!(ranges[0].start, 0, "{what}");
+    assert_eq!(ranges[ranges.len() - 1].end, rows, "{what}");
+    for pair in ranges.windows(2) {
+        assert_eq!(pair[0].end, pair[1].start, "{what}");
+    }
+    assert!(ranges.iter().all(|r| r.start % unit == 0), "{what}");
+}
+
 /// The parallel split: tasks cover every row once, in order, start on the kernels' unit (4 rows
 /// for one-token dense GEMVs, 16 for grouped weights and few-token calls, the panel above 16
 /// tokens), number at most four per thread, and differ by at most one unit, so that the two
@@ -381,12 +391,7 @@ fn tasks_split_rows_evenly_on_kernel_units() {
                     if rows >= 3072 {
                         assert_eq!(tasks.len(), most, "{what}");
                     }
-                    assert_eq!(tasks[0].start, 0, "{what}");
-                    assert_eq!(tasks[tasks.len() - 1].end, rows, "{what}");
-                    for pair in tasks.windows(2) {
-                        assert_eq!(pair[0].end, pair[1].start, "{what}");
-                    }
-                    assert!(tasks.iter().all(|r| r.start % unit == 0), "{what}");
+                    assert_cover(&tasks, rows, unit, &what);
                     // Counted in units (the last one may be part of a unit).
                     let units = tasks.iter().map(|r| r.len().div_ceil(unit));
                     let (lo, hi) = (units.clone().min(), units.max());
@@ -432,12 +437,7 @@ fn team_parts_give_the_caller_its_lead() {
         }
         let all: Vec<_> = (0..members).map(|i| parts.rows(i)).collect();
         let what = format!("{units} units of {unit_bytes} bytes, {members} parts: {all:?}");
-        assert_eq!(all[0].start, 0, "{what}");
-        assert_eq!(all[members - 1].end, rows, "{what}");
-        for pair in all.windows(2) {
-            assert_eq!(pair[0].end, pair[1].start, "{what}");
-        }
-        assert!(all.iter().all(|r| r.start % 16 == 0), "{what}");
+        assert_cover(&all, rows, 16, &what);
         let lead = (CALLER_LEAD_BYTES + unit_bytes / 2) / unit_bytes;
         let lead = if units > 8 * lead { lead } else { 0 };
         assert_eq!(all[0].len(), (units / members + lead) * 16, "{what}");
