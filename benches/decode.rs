@@ -186,6 +186,7 @@ fn attend(
         (v, kd, 0),
         kv,
         (out, hd, 0),
+        None,
     );
     out[0]
 }

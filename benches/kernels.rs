@@ -428,6 +428,7 @@ fn attention(c: &mut Criterion) {
                 (v, kv_heads * d, 0),
                 kv,
                 (out, heads * d, 0),
+                None,
             )
         };
     for (name, first, tokens) in [("prefill", 0, n), ("decode", n, 1)] {

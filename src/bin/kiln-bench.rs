@@ -869,7 +869,14 @@ fn print_profile(what: &str, plan: &ExecutionPlan, dims: &Dims, ws: &Workspace, 
     note!("|---|---:|---:|---:|---:|---:|---:|");
     let mut rows: Vec<_> = groups.into_iter().collect();
     rows.sort_by(|a, b| b.1 .1.cmp(&a.1 .1).then(a.0.cmp(&b.0)));
+    let mut skipped = false;
     for (name, (count, t, bytes, flops)) in rows {
+        if t.is_zero() {
+            // Never run as an instruction (its work done inside another's).
+            skipped = true;
+            note!("| {name} | {count} | 0.000 | 0.0% | {bytes} | – | – |");
+            continue;
+        }
         let secs = (t.as_secs_f64() / steps).max(1e-12);
         note!(
             "| {name} | {count} | {:.3} | {:.1}% | {bytes} | {:.1} | {:.1} |",
@@ -877,6 +884,12 @@ fn print_profile(what: &str, plan: &ExecutionPlan, dims: &Dims, ws: &Workspace, 
             100.0 * t.as_secs_f64() / total.as_secs_f64().max(1e-12),
             bytes as f64 / secs / 1e9,
             flops as f64 / secs / 1e9
+        );
+    }
+    if skipped {
+        note!(
+            "kiln-bench: ops without a time ran inside others (in one-token steps, each \
+             attention rotates its queries and keys itself: the rope ops before it are skipped)"
         );
     }
 }

@@ -14,7 +14,7 @@ pub mod storage;
 
 use crate::graph::KvSpec;
 pub use layout::{KvLayout, LayoutError, DEFAULT_BLOCK_SIZE};
-pub use pool::{BlockPool, KvBudget, PoolError};
+pub use pool::{BlockPool, HeadRows, KvBudget, PoolError};
 pub use prefix::PrefixCache;
 pub use storage::KvDtype;
 
@@ -368,6 +368,19 @@ impl KvCache {
             "write to a shared block"
         );
         self.pool.write(layer, block as u32, off, k, v);
+    }
+
+    /// Where one position's keys and values of one layer lie in an f32 cache, for writing them
+    /// head by head from several threads at once ([`HeadRows::write`]); `None` for other
+    /// storage types. The position must have been [`KvCache::prepare`]d.
+    pub fn head_rows(&mut self, layer: usize, slot: usize, pos: usize) -> Option<HeadRows> {
+        let (block, offset) = self.layout().locate(&self.tables[slot].blocks, pos);
+        debug_assert_eq!(
+            self.pool.refcount(block as u32),
+            1,
+            "write to a shared block"
+        );
+        self.pool.head_rows(layer, block as u32, offset)
     }
 
     /// One position's keys and values of one layer (`kv_heads × head_dim` f32s each), decoded

@@ -74,6 +74,48 @@ pub struct BlockPool {
     host_data: bool,
 }
 
+/// One position's rows of one layer of an f32 pool, written head by head
+/// ([`BlockPool::head_rows`]). Holds raw pointers into the pool's arrays (taken through
+/// `Vec::as_mut_ptr`, which creates no reference to them), so that threads can write their own
+/// heads while others read other heads' blocks through the cache.
+pub struct HeadRows {
+    k: *mut f32,
+    v: *mut f32,
+    layout: KvLayout,
+    layer: usize,
+    block: usize,
+    offset: usize,
+}
+
+// SAFETY: `HeadRows::write`'s contract keeps the threads' writes to disjoint rows.
+unsafe impl Send for HeadRows {}
+unsafe impl Sync for HeadRows {}
+
+impl HeadRows {
+    /// Writes head `head`'s key and value (`head_dim` f32s each).
+    ///
+    /// # Safety
+    /// The pool outlives this and does not grow meanwhile; each head is written by one thread,
+    /// and no other thread reads that head's block of this layer meanwhile.
+    pub unsafe fn write(&self, head: usize, k: &[f32], v: &[f32]) {
+        let d = self.layout.head_dim;
+        assert!(
+            head < self.layout.kv_heads && k.len() == d && v.len() == d,
+            "KV head {head} of {} written with rows of {} and {} (head_dim {d})",
+            self.layout.kv_heads,
+            k.len(),
+            v.len()
+        );
+        let at = self.layout.row(self.layer, self.block, head, self.offset);
+        // SAFETY: `head_rows` checked that every head's row lies in both arrays; the caller
+        // guarantees that no one else touches this row meanwhile.
+        unsafe {
+            std::ptr::copy_nonoverlapping(k.as_ptr(), self.k.add(at), d);
+            std::ptr::copy_nonoverlapping(v.as_ptr(), self.v.add(at), d);
+        }
+    }
+}
+
 impl BlockPool {
     /// A pool of blocks for `layout` (whose `num_blocks` is replaced by what `budget` allows).
     pub fn new(mut layout: KvLayout, budget: KvBudget) -> Result<BlockPool, PoolError> {
@@ -275,6 +317,28 @@ impl BlockPool {
                 );
             }
         }
+    }
+
+    /// [`super::KvCache::head_rows`] for `offset` of `block`.
+    pub fn head_rows(&mut self, layer: usize, block: u32, offset: usize) -> Option<HeadRows> {
+        let l = self.layout;
+        if l.dtype != KvDtype::F32 || !self.host_data {
+            return None;
+        }
+        // Every head's row lies in the arrays (the last one ends furthest in).
+        let last = l.row(layer, block as usize, l.kv_heads.checked_sub(1)?, offset);
+        assert!(
+            last + l.head_dim <= self.k.len() && last + l.head_dim <= self.v.len(),
+            "KV row of layer {layer}, block {block} outside the pool"
+        );
+        Some(HeadRows {
+            k: self.k.as_mut_ptr(),
+            v: self.v.as_mut_ptr(),
+            layout: l,
+            layer,
+            block: block as usize,
+            offset,
+        })
     }
 
     /// One head's keys and values of one block (`block_size × head_dim` f32s each), read in

@@ -24,10 +24,12 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 
 use super::keep_awake;
+use super::rope;
 use super::simd::{self, Level};
 use super::Numerics;
 use crate::backend::TokenRow;
-use crate::kv::{KvCache, KvDtype};
+use crate::kv::{HeadRows, KvCache, KvDtype};
+use crate::model::RopeStyle;
 
 pub struct AttentionShape {
     pub layer: usize,
@@ -45,12 +47,27 @@ pub(super) struct OutPtr(pub(super) *mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
+/// The rotary embedding that [`attention`] applies to its queries and keys itself, for a
+/// caller that leaves them as the projection wrote them.
+#[derive(Clone, Copy)]
+pub struct Rotation<'a> {
+    /// Per row of the call, `head_dim / 2` (cos, sin) pairs ([`rope::push_angles`]).
+    pub angles: &'a [(f32, f32)],
+    pub style: RopeStyle,
+}
+
 /// Appends `k`/`v` of every token to the cache, then attends. Keys and values are read through
 /// the slot's page table in the cache's one layout ([`crate::kv::layout`]); with f32 storage the
 /// arithmetic is exactly that of a contiguous cache.
 ///
 /// `q`, `k`, `v`, `out` are row views: `(data, stride, col)` with row `t` at
-/// `data[t·stride + col ..]`. Calls that run [`Numerics::Bf16`]'s kernels
+/// `data[t·stride + col ..]`. With `rotate`, `q` and `k` are not yet rotated and every head
+/// of them is rotated here as [`rope::apply`] rotates it. A decode row whose KV heads the
+/// threads share ([`split::few_pairs`]) has each task rotate its own query heads and KV head
+/// and write that head's key and value to the cache itself: the step's thread rotating and
+/// writing every head, between the calls, had the other thread idle meanwhile and then read
+/// lines just written on the other core. Elsewhere they are rotated up front, into buffers of
+/// the call's. Calls that run [`Numerics::Bf16`]'s kernels
 /// ([`super::matmul::bf16_applies`]) attend in bf16 products ([`super::attention_bf16`]) where
 /// the head size allows; every other call as described here.
 #[allow(clippy::too_many_arguments)]
@@ -63,13 +80,38 @@ pub fn attention(
     v: (&[f32], usize, usize),
     kv: &mut KvCache,
     out: (&mut [f32], usize, usize),
+    rotate: Option<Rotation<'_>>,
 ) {
     let d = s.head_dim;
     let kv_dim = s.kv_heads * d;
-    for (t, r) in rows.iter().enumerate() {
-        let kr = &k.0[t * k.1 + k.2..t * k.1 + k.2 + kv_dim];
-        let vr = &v.0[t * v.1 + v.2..t * v.1 + v.2 + kv_dim];
-        kv.write(s.layer, r.slot, r.pos, kr, vr);
+    let half = d / 2;
+    if let Some(r) = rotate {
+        assert!(
+            r.angles.len() >= rows.len() * half,
+            "attention: rotary angles for {} rows, {} rows",
+            r.angles.len() / half.max(1),
+            rows.len()
+        );
+    }
+    // Tasks rotate and write their own heads ([`rotates_in_tasks`]), or everything is rotated
+    // here first.
+    let writer: Option<HeadRows> = match rotate {
+        Some(_) if rotates_in_tasks(numerics, s, rows, kv) => {
+            kv.head_rows(s.layer, rows[0].slot, rows[0].pos)
+        }
+        _ => None,
+    };
+    if let (Some(r), None) = (rotate, &writer) {
+        let (qr, kr) = rotated(s, rows, q, k, r);
+        let (qv, kv_) = ((&qr[..], s.heads * d, 0), (&kr[..], kv_dim, 0));
+        return attention(numerics, s, rows, qv, kv_, v, kv, out, None);
+    }
+    if writer.is_none() {
+        for (t, r) in rows.iter().enumerate() {
+            let kr = &k.0[t * k.1 + k.2..t * k.1 + k.2 + kv_dim];
+            let vr = &v.0[t * v.1 + v.2..t * v.1 + v.2 + kv_dim];
+            kv.write(s.layer, r.slot, r.pos, kr, vr);
+        }
     }
     let kv = &*kv;
     let group = s.heads / s.kv_heads;
@@ -127,27 +169,51 @@ pub fn attention(
         let g = task % (s.kv_heads * chunks) / chunks;
         let h0 = g * group + task % chunks * per_task;
         let p = ptr;
-        let job = Task {
-            s,
-            rows: &rows[tile.clone()],
-            kv_head: g,
-            heads: h0..h0 + per_task,
-            q: &q.0[tile.start * q.1 + q.2..],
-            q_stride: q.1,
-            // SAFETY (of the writes through it): each task writes its own heads of its own
-            // rows; bounds asserted above.
-            out: unsafe { p.0.add(tile.start * out_stride + out_col) },
-            out_stride,
+        let heads = h0..h0 + per_task;
+        let run = |q: &[f32], q_stride: usize| {
+            let job = Task {
+                s,
+                rows: &rows[tile.clone()],
+                kv_head: g,
+                heads: heads.clone(),
+                q,
+                q_stride,
+                // SAFETY (of the writes through it): each task writes its own heads of its own
+                // rows; bounds asserted above.
+                out: unsafe { p.0.add(tile.start * out_stride + out_col) },
+                out_stride,
+            };
+            SCRATCH.with_borrow_mut(|scratch| match simd::clamp(level) {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the clamped level says the CPU has AVX2 and FMA.
+                Level::Avx2 => unsafe { attend_avx2(kv, &job, scratch) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the clamped level says the CPU has AVX-512 F/BW/VL.
+                Level::Avx512 | Level::Avx512Bf16 => unsafe { attend_avx512(kv, &job, scratch) },
+                other => unsafe { attend(&AtLevel(other), kv, &job, scratch) },
+            });
         };
-        SCRATCH.with_borrow_mut(|scratch| match simd::clamp(level) {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the clamped level says the CPU has AVX2 and FMA.
-            Level::Avx2 => unsafe { attend_avx2(kv, &job, scratch) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the clamped level says the CPU has AVX-512 F/BW/VL.
-            Level::Avx512 | Level::Avx512Bf16 => unsafe { attend_avx512(kv, &job, scratch) },
-            other => unsafe { attend(&AtLevel(other), kv, &job, scratch) },
-        });
+        match (rotate, &writer) {
+            (Some(r), Some(w)) => ROTATED.with_borrow_mut(|buf| {
+                // One row (`rotates_in_tasks`): this task's query heads and KV head, rotated;
+                // its key and value written before it reads them.
+                buf.resize(s.heads * d + d, 0.0);
+                let (qbuf, kbuf) = buf.split_at_mut(s.heads * d);
+                let cs = &r.angles[..half];
+                for h in heads.clone() {
+                    let dst = &mut qbuf[h * d..(h + 1) * d];
+                    dst.copy_from_slice(&q.0[q.2 + h * d..q.2 + (h + 1) * d]);
+                    rope::apply(dst, d, r.style, cs);
+                }
+                kbuf.copy_from_slice(&k.0[k.2 + g * d..k.2 + (g + 1) * d]);
+                rope::apply(kbuf, d, r.style, cs);
+                // SAFETY: this task is the only one of KV head `g` (a task per KV head), and
+                // the pool does not change during the call.
+                unsafe { w.write(g, kbuf, &v.0[v.2 + g * d..v.2 + (g + 1) * d]) };
+                run(qbuf, s.heads * d)
+            }),
+            _ => run(&q.0[tile.start * q.1 + q.2..], q.1),
+        }
     };
     let tasks = 0..tiles.len() * s.kv_heads * chunks;
     // Such rows go to the step's team when it has one: its parts are cheap enough to share a
@@ -161,6 +227,66 @@ pub fn attention(
     } else {
         tasks.into_par_iter().for_each(task_of);
     }
+}
+
+thread_local! {
+    /// A task's rotated query heads (at their places in a row of every head) and its rotated
+    /// key ([`attention`] with a [`Rotation`] its tasks apply).
+    static ROTATED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Whether [`attention`] has its tasks rotate their own heads and write their own KV heads:
+/// one decode row over an f32 cache that the call attends a task per KV head with whole
+/// groups of query heads ([`split::few_pairs`], over contexts too short for [`split`]), in the
+/// exact f32 products (not [`super::attention_bf16`]).
+fn rotates_in_tasks(
+    numerics: Numerics,
+    s: &AttentionShape,
+    rows: &[TokenRow],
+    kv: &KvCache,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if super::matmul::bf16_applies(numerics, rows.len())
+        && super::attention_bf16::supports(s.head_dim)
+    {
+        return false;
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = numerics;
+    let threads = rayon::current_num_threads().max(1);
+    rows.len() == 1
+        && kv.layout().dtype == KvDtype::F32
+        && s.head_dim.is_multiple_of(2)
+        && split::few_pairs(s, rows, 1, threads)
+        && !split::applies(kv, s, rows, 1, threads)
+}
+
+/// `q` and `k` of every row, every head rotated by `r` ([`rope::apply`]), as rows of
+/// `heads × head_dim` and `kv_heads × head_dim`.
+fn rotated(
+    s: &AttentionShape,
+    rows: &[TokenRow],
+    q: (&[f32], usize, usize),
+    k: (&[f32], usize, usize),
+    r: Rotation<'_>,
+) -> (Vec<f32>, Vec<f32>) {
+    let d = s.head_dim;
+    let half = d / 2;
+    let each = |x: (&[f32], usize, usize), width: usize| {
+        let mut out = Vec::with_capacity(rows.len() * width);
+        for t in 0..rows.len() {
+            let at = t * x.1 + x.2;
+            out.extend_from_slice(&x.0[at..at + width]);
+            rope::apply(
+                &mut out[t * width..],
+                d,
+                r.style,
+                &r.angles[t * half..(t + 1) * half],
+            );
+        }
+        out
+    };
+    (each(q, s.heads * d), each(k, s.kv_heads * d))
 }
 
 /// The call's rows cut into runs of consecutive rows of one slot, at most `max` each: the
@@ -1188,6 +1314,7 @@ mod tests {
             (v, kd, 0),
             kv,
             (&mut out, hd, 0),
+            None,
         );
         let want = one_head_at_a_time(kv, shape, rows, q);
         let same = out
@@ -1346,6 +1473,131 @@ mod tests {
         }
     }
 
+    /// Queries and keys rotated inside the call ([`Rotation`]: by each task for its own heads,
+    /// with its own KV head's row written by it, where a decode row's KV heads are shared; else
+    /// up front) give bit for bit the outputs and cache rows of rotating them first: f32 and
+    /// f16 storage, each rope style, on two threads alone and in a step, over contexts short
+    /// and long enough to split, and a call of several rows.
+    #[test]
+    fn rotating_inside_matches_rotating_first() {
+        let (heads, kv_heads, d) = (9, 3, 64);
+        let (hd, kd) = (heads * d, kv_heads * d);
+        let lens = [8usize, 40, 200];
+        let spec = KvSpec {
+            layers: 1,
+            kv_heads,
+            head_dim: d,
+            state_dim: 0,
+        };
+        let shape = AttentionShape {
+            layer: 0,
+            heads,
+            kv_heads,
+            head_dim: d,
+            scale: 0.125,
+            window: None,
+        };
+        let inv_freq: Vec<f32> = (0..d / 2)
+            .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / d as f32))
+            .collect();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("a 2-thread pool");
+        let cache = |dtype: KvDtype| {
+            let mut kv = KvCache::new_of(spec, dtype, lens.len(), 256).unwrap();
+            for (slot, &len) in lens.iter().enumerate() {
+                kv.prepare(slot, len).unwrap();
+                let k = wave(len * kd, 2 + slot);
+                let v = wave(len * kd, 5 + slot);
+                for p in 0..len - 1 {
+                    let r = p * kd..(p + 1) * kd;
+                    kv.write(0, slot, p, &k[r.clone()], &v[r]);
+                }
+            }
+            kv
+        };
+        let one = |slot: usize| TokenRow {
+            slot,
+            pos: lens[slot] - 1,
+        };
+        let calls: Vec<Vec<TokenRow>> = vec![
+            vec![one(0)],
+            vec![one(1)],
+            vec![one(2)],
+            (0..lens.len()).map(one).collect(),
+        ];
+        let styles = [
+            RopeStyle::HalfSplit,
+            RopeStyle::Interleaved,
+            RopeStyle::HalfSplitNegated,
+        ];
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            for style in styles {
+                for rows in &calls {
+                    let q = wave(rows.len() * hd, 1);
+                    let k = wave(rows.len() * kd, 7);
+                    let v = wave(rows.len() * kd, 9);
+                    let mut angles = Vec::new();
+                    for r in rows {
+                        rope::push_angles(&inv_freq, r.pos, &mut angles);
+                    }
+                    let (mut qr, mut kr) = (q.clone(), k.clone());
+                    for (t, cs) in angles.chunks_exact(d / 2).enumerate() {
+                        rope::apply(&mut qr[t * hd..(t + 1) * hd], d, style, cs);
+                        rope::apply(&mut kr[t * kd..(t + 1) * kd], d, style, cs);
+                    }
+                    for in_step in [false, true] {
+                        let run = |q: &[f32], k: &[f32], rotate: Option<Rotation<'_>>| {
+                            let mut kv = cache(dtype);
+                            let mut out = vec![f32::NAN; rows.len() * hd];
+                            let call = |kv: &mut KvCache, out: &mut Vec<f32>| {
+                                attention(
+                                    Numerics::Exact,
+                                    &shape,
+                                    rows,
+                                    (q, hd, 0),
+                                    (k, kd, 0),
+                                    (&v, kd, 0),
+                                    kv,
+                                    (out, hd, 0),
+                                    rotate,
+                                )
+                            };
+                            pool.install(|| {
+                                if in_step {
+                                    keep_awake::during(2, || call(&mut kv, &mut out))
+                                } else {
+                                    call(&mut kv, &mut out)
+                                }
+                            });
+                            let mut written = Vec::new();
+                            for r in rows {
+                                let (mut kw, mut vw) = (vec![0.0; kd], vec![0.0; kd]);
+                                kv.read(0, r.slot, r.pos, &mut kw, &mut vw);
+                                written.extend(kw.into_iter().chain(vw));
+                            }
+                            (out, written)
+                        };
+                        let inside = run(
+                            &q,
+                            &k,
+                            Some(Rotation {
+                                angles: &angles,
+                                style,
+                            }),
+                        );
+                        let first = run(&qr, &kr, None);
+                        let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        let what = format!("{dtype:?} {style:?} rows {rows:?} in step {in_step}");
+                        assert_eq!(bits(&inside.0), bits(&first.0), "outputs, {what}");
+                        assert_eq!(bits(&inside.1), bits(&first.1), "cache rows, {what}");
+                    }
+                }
+            }
+        }
+    }
+
     /// One query attending over keys it matches exactly picks out those values.
     #[test]
     fn causal_gqa_attention_matches_a_direct_computation() {
@@ -1385,6 +1637,7 @@ mod tests {
             (&v, kv_heads * d, 0),
             &mut kv,
             (&mut out, heads * d, 0),
+            None,
         );
         for ti in 0..t {
             for h in 0..heads {

@@ -541,6 +541,7 @@ mod tests {
                 (&v, kd, 0),
                 kv,
                 (&mut out, hd, 0),
+                None,
             );
             out
         }

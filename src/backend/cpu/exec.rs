@@ -89,6 +89,113 @@ fn for_rows(
     }
 }
 
+/// How an instruction takes part in rotating queries and keys inside attention: in a step of
+/// one token, the two `Rope` instructions just before an `Attention` that alone reads their
+/// outputs are skipped, and the attention rotates its inputs itself
+/// ([`attention::Rotation`]), each of its tasks its own heads, beside writing its own KV head
+/// to the cache. Steps of more tokens run every instruction as planned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Deferral {
+    /// Runs as planned.
+    Planned,
+    /// A `Rope` that the attention after it applies in one-token steps.
+    Deferred,
+    /// An `Attention` that applies the ropes of instructions `q` and `k` in one-token steps.
+    Rotates { q: usize, k: usize },
+}
+
+/// Whether slots `a` and `b` share any column of one buffer.
+fn overlap(a: Slot, b: Slot) -> bool {
+    a.buffer == b.buffer && a.col < b.col + b.cols && b.col < a.col + a.cols
+}
+
+/// Each instruction's [`Deferral`] in `plan`.
+pub(super) fn deferrals(plan: &ExecutionPlan) -> Vec<Deferral> {
+    let mut out = vec![Deferral::Planned; plan.instrs.len()];
+    for (idx, ins) in plan.instrs.iter().enumerate() {
+        if let Some((q, k)) = deferred_ropes(plan, idx, ins) {
+            out[q] = Deferral::Deferred;
+            out[k] = Deferral::Deferred;
+            out[idx] = Deferral::Rotates { q, k };
+        }
+    }
+    out
+}
+
+/// The instructions of the q and k ropes that attention instruction `idx` can apply itself:
+/// the two instructions just before it, ropes of its heads' width and count (the same
+/// frequencies for both) whose outputs are its q and k inputs, whose inputs lie outside its
+/// output buffer and theirs, and whose outputs no later instruction reads before one
+/// overwrites them whole.
+fn deferred_ropes(
+    plan: &ExecutionPlan,
+    idx: usize,
+    ins: &crate::plan::Instr,
+) -> Option<(usize, usize)> {
+    let Op::Attention {
+        heads,
+        kv_heads,
+        head_dim,
+        ..
+    } = ins.op
+    else {
+        return None;
+    };
+    let (q_in, k_in) = (ins.inputs.first()?.slot()?, ins.inputs.get(1)?.slot()?);
+    let out = *ins.outputs.first()?;
+    let before = [idx.checked_sub(1)?, idx.checked_sub(2)?];
+    let find = |slot: Slot, want_heads: usize| {
+        before.into_iter().find(|&j| {
+            let r = &plan.instrs[j];
+            matches!(r.op, Op::Rope { heads: h, head_dim: d, .. } if h == want_heads && d == head_dim)
+                && r.outputs.first() == Some(&slot)
+        })
+    };
+    let (q, k) = (find(q_in, heads)?, find(k_in, kv_heads)?);
+    if q == k {
+        return None;
+    }
+    let local = |j: usize| match plan.instrs[j].op {
+        Op::Rope { local, .. } => local,
+        _ => false,
+    };
+    if local(q) != local(k) {
+        return None;
+    }
+    let sources = [
+        plan.instrs[q].inputs.first()?.slot()?,
+        plan.instrs[k].inputs.first()?.slot()?,
+    ];
+    let rotated = [q_in, k_in];
+    if sources
+        .iter()
+        .any(|&src| src.buffer == out.buffer || rotated.iter().any(|&r| overlap(r, src)))
+    {
+        return None;
+    }
+    // No later reader of either rotated slot while it still holds the rotation.
+    for r in rotated {
+        for later in &plan.instrs[idx + 1..] {
+            if later
+                .inputs
+                .iter()
+                .filter_map(Operand::slot)
+                .any(|s| overlap(s, r))
+            {
+                return None;
+            }
+            if later
+                .outputs
+                .iter()
+                .any(|o| o.buffer == r.buffer && o.col <= r.col && r.col + r.cols <= o.col + o.cols)
+            {
+                break;
+            }
+        }
+    }
+    Some((q, k))
+}
+
 /// `mats[i]` is the index into `be.matrices` of the matrix instruction `i` reads; `logit_rows`,
 /// when given, replaces the last row of each sequence as the rows the `LastRow` op keeps.
 #[allow(clippy::too_many_arguments)]
@@ -96,6 +203,7 @@ pub(super) fn run(
     be: &CpuBackend,
     plan: &ExecutionPlan,
     mats: &[Option<usize>],
+    deferred: &[Deferral],
     ws: &mut Workspace,
     kv: &mut KvCache,
     tokens: &[u32],
@@ -124,6 +232,7 @@ pub(super) fn run(
         }
     }
     let half = plan.graph.rope.head_dim / 2;
+    let one_token = n_tok == 1;
     ws.angles.clear();
     ws.angles_local.clear();
     for r in rows {
@@ -135,6 +244,10 @@ pub(super) fn run(
         p.resize(plan.instrs.len(), std::time::Duration::ZERO);
     }
     for (idx, ins) in plan.instrs.iter().enumerate() {
+        if one_token && deferred[idx] == Deferral::Deferred {
+            // The attention after it rotates its input.
+            continue;
+        }
         let started = ws.profile.is_some().then(std::time::Instant::now);
         let out_slot = ins.outputs[0];
         let ob = out_slot.buffer;
@@ -383,11 +496,24 @@ pub(super) fn run(
                     scale,
                     window,
                 } => {
-                    let (q, k, v) = (
+                    let (mut q, mut k, v) = (
                         view(&ins.inputs[0]),
                         view(&ins.inputs[1]),
                         view(&ins.inputs[2]),
                     );
+                    // The ropes skipped above: their inputs, rotated here.
+                    let rotate = match deferred[idx] {
+                        Deferral::Rotates { q: iq, k: ik } if one_token => {
+                            q = view(&plan.instrs[iq].inputs[0]);
+                            k = view(&plan.instrs[ik].inputs[0]);
+                            let local = matches!(plan.instrs[iq].op, Op::Rope { local: true, .. });
+                            Some(attention::Rotation {
+                                angles: if local { &ws.angles_local } else { &ws.angles },
+                                style: plan.graph.rope.style,
+                            })
+                        }
+                        _ => None,
+                    };
                     let shape = AttentionShape {
                         layer: *layer,
                         heads: *heads,
@@ -405,6 +531,7 @@ pub(super) fn run(
                         (v.data, v.stride, v.col),
                         kv,
                         (&mut out, stride, out_slot.col),
+                        rotate,
                     );
                 }
                 Op::Add | Op::Mul => {

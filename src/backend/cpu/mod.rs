@@ -79,6 +79,8 @@ pub struct CpuBackend {
     matrices: Vec<PackedMatrix>,
     /// Per plan (indexed like [`PlanKind`]) and instruction: the matrix it reads, if any.
     plan_matrices: [Vec<Option<usize>>; 3],
+    /// Per plan and instruction: its part in rotating inside attention ([`exec::deferrals`]).
+    plan_deferrals: [Vec<exec::Deferral>; 3],
     vectors: HashMap<String, Vec<f32>>,
     inv_freq: Vec<f32>,
     /// The frequencies of `Rope { local: true }` (the graph's `rope_local`); empty when unused.
@@ -207,6 +209,7 @@ impl CpuBackend {
             }
         }
         release_load_garbage();
+        let plan_deferrals = [&prefill, &decode, &all_logits].map(exec::deferrals);
         Ok(CpuBackend {
             config: config.clone(),
             pool,
@@ -217,6 +220,7 @@ impl CpuBackend {
             all_logits,
             matrices,
             plan_matrices,
+            plan_deferrals,
             vectors,
             inv_freq,
             inv_freq_local,
@@ -335,7 +339,18 @@ impl CpuBackend {
         let mats = &self.plan_matrices[kind as usize];
         let n = self.pool.install(|| {
             keep_awake::during(self.threads, || {
-                exec::run(self, plan, mats, ws, kv, tokens, rows, logit_rows, logits)
+                exec::run(
+                    self,
+                    plan,
+                    mats,
+                    &self.plan_deferrals[kind as usize],
+                    ws,
+                    kv,
+                    tokens,
+                    rows,
+                    logit_rows,
+                    logits,
+                )
             })
         });
         for (&slot, &end) in &next {

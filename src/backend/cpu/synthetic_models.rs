@@ -4,6 +4,7 @@
 
 use std::path::Path;
 
+use super::exec::Deferral;
 use super::{CpuBackend, CpuOptions, WeightFormat, Workspace};
 use crate::backend::TokenRow;
 use crate::model::synthetic::{build, load, shape_config};
@@ -12,16 +13,25 @@ use crate::plan::PlanKind;
 
 /// Prefill of `ids` then 4 greedy decode steps; every logit row.
 fn run(model: &Model, ids: &[u32]) -> Vec<Vec<f32>> {
-    let backend = CpuBackend::new(
+    steps(&backend(model, 1), ids)
+}
+
+/// The model's backend on `threads` threads, its weights as stored.
+fn backend(model: &Model, threads: usize) -> CpuBackend {
+    CpuBackend::new(
         &model.config,
         &model.weights,
         CpuOptions {
-            threads: 1,
+            threads,
             weights: WeightFormat::AsStored,
             ..Default::default()
         },
     )
-    .unwrap();
+    .unwrap()
+}
+
+/// [`run`] on `backend`.
+fn steps(backend: &CpuBackend, ids: &[u32]) -> Vec<Vec<f32>> {
     let mut kv = backend.new_cache(1, ids.len() + 8).unwrap();
     let mut ws = Workspace::new();
     let mut logits = Vec::new();
@@ -91,4 +101,29 @@ fn a_deep_stack_stays_finite() {
         let max = row.iter().fold(0f32, |m, x| m.max(x.abs()));
         assert!(max.is_finite() && max < 100.0, "max |logit| {max}");
     }
+}
+
+/// One-token decode steps skip the ropes before each attention and have the attention rotate
+/// its queries and keys, each task its own heads on a 2-thread team ([`super::exec::deferrals`]),
+/// and give the logits of running the planned ropes bit for bit.
+#[test]
+fn one_token_steps_rotate_inside_attention_as_the_ropes_would() {
+    let model = tiny(5);
+    let ids = model.tokenizer.encode("rotate inside").unwrap();
+    let inside = backend(&model, 2);
+    let mut planned = backend(&model, 2);
+    for plan in &mut planned.plan_deferrals {
+        plan.fill(Deferral::Planned);
+    }
+    let rotating = inside.plan_deferrals[PlanKind::Decode as usize]
+        .iter()
+        .filter(|d| matches!(d, Deferral::Rotates { .. }))
+        .count();
+    assert_eq!(rotating, model.config.num_layers, "one per layer");
+    let bits = |rows: Vec<Vec<f32>>| -> Vec<Vec<u32>> {
+        rows.iter()
+            .map(|r| r.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    };
+    assert_eq!(bits(steps(&inside, &ids)), bits(steps(&planned, &ids)));
 }
