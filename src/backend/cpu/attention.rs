@@ -102,9 +102,15 @@ pub fn attention(
         _ => None,
     };
     if let (Some(r), None) = (rotate, &writer) {
-        let (qr, kr) = rotated(s, rows, q, k, r);
+        // Buffers kept from call to call (a long context's decode steps come here every
+        // layer), taken out while the call runs.
+        let (mut qr, mut kr) = UP_FRONT.take();
+        rotate_rows(s, rows, q, s.heads, r, &mut qr);
+        rotate_rows(s, rows, k, s.kv_heads, r, &mut kr);
         let (qv, kv_) = ((&qr[..], s.heads * d, 0), (&kr[..], kv_dim, 0));
-        return attention(numerics, s, rows, qv, kv_, v, kv, out, None);
+        attention(numerics, s, rows, qv, kv_, v, kv, out, None);
+        UP_FRONT.set((qr, kr));
+        return;
     }
     if writer.is_none() {
         for (t, r) in rows.iter().enumerate() {
@@ -233,6 +239,9 @@ thread_local! {
     /// A task's rotated query heads (at their places in a row of every head) and its rotated
     /// key ([`attention`] with a [`Rotation`] its tasks apply).
     static ROTATED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The queries and keys of a call that [`attention`] rotates up front.
+    static UP_FRONT: std::cell::Cell<(Vec<f32>, Vec<f32>)> =
+        const { std::cell::Cell::new((Vec::new(), Vec::new())) };
 }
 
 /// Whether [`attention`] has its tasks rotate their own heads and write their own KV heads:
@@ -261,32 +270,25 @@ fn rotates_in_tasks(
         && !split::applies(kv, s, rows, 1, threads)
 }
 
-/// `q` and `k` of every row, every head rotated by `r` ([`rope::apply`]), as rows of
-/// `heads × head_dim` and `kv_heads × head_dim`.
-fn rotated(
+/// `heads` heads of every row of `x`, each rotated by `r` ([`rope::apply`]), into `out` as
+/// rows of `heads × head_dim`.
+fn rotate_rows(
     s: &AttentionShape,
     rows: &[TokenRow],
-    q: (&[f32], usize, usize),
-    k: (&[f32], usize, usize),
+    x: (&[f32], usize, usize),
+    heads: usize,
     r: Rotation<'_>,
-) -> (Vec<f32>, Vec<f32>) {
-    let d = s.head_dim;
+    out: &mut Vec<f32>,
+) {
+    let (d, width) = (s.head_dim, heads * s.head_dim);
     let half = d / 2;
-    let each = |x: (&[f32], usize, usize), width: usize| {
-        let mut out = Vec::with_capacity(rows.len() * width);
-        for t in 0..rows.len() {
-            let at = t * x.1 + x.2;
-            out.extend_from_slice(&x.0[at..at + width]);
-            rope::apply(
-                &mut out[t * width..],
-                d,
-                r.style,
-                &r.angles[t * half..(t + 1) * half],
-            );
-        }
-        out
-    };
-    (each(q, s.heads * d), each(k, s.kv_heads * d))
+    out.clear();
+    for t in 0..rows.len() {
+        let at = t * x.1 + x.2;
+        out.extend_from_slice(&x.0[at..at + width]);
+        let cs = &r.angles[t * half..(t + 1) * half];
+        rope::apply(&mut out[t * width..], d, r.style, cs);
+    }
 }
 
 /// The call's rows cut into runs of consecutive rows of one slot, at most `max` each: the

@@ -123,10 +123,10 @@ pub(super) fn deferrals(plan: &ExecutionPlan) -> Vec<Deferral> {
 }
 
 /// The instructions of the q and k ropes that attention instruction `idx` can apply itself:
-/// the two instructions just before it, ropes of its heads' width and count (the same
-/// frequencies for both) whose outputs are its q and k inputs, whose inputs lie outside its
-/// output buffer and theirs, and whose outputs no later instruction reads before one
-/// overwrites them whole.
+/// the two instructions just before it, ropes of its heads' width (the graph's rope's) and
+/// count (the same frequencies for both) whose outputs are its q and k inputs, whose inputs lie
+/// outside its output buffer and theirs, and whose outputs no later instruction reads before
+/// one overwrites them whole.
 fn deferred_ropes(
     plan: &ExecutionPlan,
     idx: usize,
@@ -151,6 +151,10 @@ fn deferred_ropes(
                 && r.outputs.first() == Some(&slot)
         })
     };
+    // The step's angles are the graph's rope's, `head_dim / 2` a row.
+    if head_dim != plan.graph.rope.head_dim {
+        return None;
+    }
     let (q, k) = (find(q_in, heads)?, find(k_in, kv_heads)?);
     if q == k {
         return None;
