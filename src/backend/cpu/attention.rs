@@ -66,8 +66,8 @@ pub struct Rotation<'a> {
 /// threads share ([`split::few_pairs`]) has each task rotate its own query heads and KV head
 /// and write that head's key and value to the cache itself: the step's thread rotating and
 /// writing every head, between the calls, had the other thread idle meanwhile and then read
-/// lines just written on the other core. Elsewhere they are rotated up front, into buffers of
-/// the call's. Calls that run [`Numerics::Bf16`]'s kernels
+/// lines just written on the other core. Elsewhere they are rotated up front, into buffers
+/// the calling thread keeps. Calls that run [`Numerics::Bf16`]'s kernels
 /// ([`super::matmul::bf16_applies`]) attend in bf16 products ([`super::attention_bf16`]) where
 /// the head size allows; every other call as described here.
 #[allow(clippy::too_many_arguments)]
