@@ -132,15 +132,13 @@ pub fn attention(
         );
     }
     #[cfg(target_arch = "x86_64")]
-    if super::matmul::bf16_applies(numerics, rows.len()) && super::attention_bf16::supports(d) {
+    if in_bf16(numerics, rows, d) {
         let out = (out_data.as_mut_ptr(), out_stride, out_col);
-        // SAFETY: `bf16_applies` says the CPU has AVX512-BF16 at the kernels' level; the head
-        // size is supported; bounds asserted above.
+        // SAFETY: `in_bf16` (through `bf16_applies`) says the CPU has AVX512-BF16 at the
+        // kernels' level and the head size is supported; bounds asserted above.
         unsafe { super::attention_bf16::attention(s, rows, q, kv, out) };
         return;
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = numerics;
     // Tasks take up to TILE_TOKENS consecutive rows of one slot (a prefill chunk's tokens share
     // every key and value they read). A few decode rows over long contexts are split by
     // positions and output lanes instead ([`split`]); over short contexts the calling thread
@@ -254,20 +252,29 @@ fn rotates_in_tasks(
     rows: &[TokenRow],
     kv: &KvCache,
 ) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if super::matmul::bf16_applies(numerics, rows.len())
-        && super::attention_bf16::supports(s.head_dim)
-    {
-        return false;
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = numerics;
     let threads = rayon::current_num_threads().max(1);
-    rows.len() == 1
+    !in_bf16(numerics, rows, s.head_dim)
+        && rows.len() == 1
         && kv.layout().dtype == KvDtype::F32
         && s.head_dim.is_multiple_of(2)
         && split::few_pairs(s, rows, 1, threads)
         && !split::applies(kv, s, rows, 1, threads)
+}
+
+/// Whether [`attention`] attends these rows in bf16 products ([`super::attention_bf16`]):
+/// calls that run [`Numerics::Bf16`]'s kernels ([`super::matmul::bf16_applies`]), with a head
+/// size those products support.
+fn in_bf16(numerics: Numerics, rows: &[TokenRow], head_dim: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::matmul::bf16_applies(numerics, rows.len())
+            && super::attention_bf16::supports(head_dim)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (numerics, rows, head_dim);
+        false
+    }
 }
 
 /// `heads` heads of every row of `x`, each rotated by `r` ([`rope::apply`]), into `out` as
@@ -1398,55 +1405,69 @@ mod tests {
         }
     }
 
+    /// SmolLM2's attention heads (9 query, 3 KV, 64 wide), layer 0 of one.
+    fn smollm2_shape() -> AttentionShape {
+        AttentionShape {
+            layer: 0,
+            heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            scale: 0.125,
+            window: None,
+        }
+    }
+
+    /// A one-layer cache of `dtype` for `shape`'s KV heads, slot `i` holding keys and values at
+    /// every position below `lens[i] − 1` (the last is written by the call under test).
+    fn decode_cache(shape: &AttentionShape, dtype: KvDtype, lens: &[usize]) -> KvCache {
+        let kd = shape.kv_heads * shape.head_dim;
+        let spec = KvSpec {
+            layers: 1,
+            kv_heads: shape.kv_heads,
+            head_dim: shape.head_dim,
+            state_dim: 0,
+        };
+        let mut kv = KvCache::new_of(spec, dtype, lens.len(), 256).unwrap();
+        for (slot, &len) in lens.iter().enumerate() {
+            kv.prepare(slot, len).unwrap();
+            let k = wave(len * kd, 2 + slot);
+            let v = wave(len * kd, 5 + slot);
+            for p in 0..len - 1 {
+                let r = p * kd..(p + 1) * kd;
+                kv.write(0, slot, p, &k[r.clone()], &v[r]);
+            }
+        }
+        kv
+    }
+
+    /// One decode row per slot of [`decode_cache`] (at its last position), each a call of its
+    /// own, then all of them in one call.
+    fn decode_calls(lens: &[usize]) -> Vec<Vec<TokenRow>> {
+        let one = |slot: usize| TokenRow {
+            slot,
+            pos: lens[slot] - 1,
+        };
+        (0..lens.len())
+            .map(|slot| vec![one(slot)])
+            .chain(std::iter::once((0..lens.len()).map(one).collect()))
+            .collect()
+    }
+
     /// Decode rows on two threads, whichever way they go (alone over short contexts, or in a
     /// step on its team's parts; split over long ones; tasks of a group when there are enough
     /// rows to share), give bit for bit what one head at a time gives.
     #[test]
     fn decode_rows_on_two_threads_round_like_one_head_at_a_time() {
-        let (heads, kv_heads, d) = (9, 3, 64);
+        let shape = smollm2_shape();
+        let (heads, kv_heads, d) = (shape.heads, shape.kv_heads, shape.head_dim);
         let lens = [8usize, 40, 100, 200];
-        let spec = KvSpec {
-            layers: 1,
-            kv_heads,
-            head_dim: d,
-            state_dim: 0,
-        };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(2)
             .build()
             .expect("a 2-thread pool");
         for dtype in [KvDtype::F32, KvDtype::F16] {
-            let mut kv = KvCache::new_of(spec, dtype, lens.len(), 256).unwrap();
-            for (slot, &len) in lens.iter().enumerate() {
-                kv.prepare(slot, len).unwrap();
-                let k = wave(len * kv_heads * d, 2 + slot);
-                let v = wave(len * kv_heads * d, 5 + slot);
-                // The last position is written by the call.
-                for p in 0..len - 1 {
-                    let r = p * kv_heads * d..(p + 1) * kv_heads * d;
-                    kv.write(0, slot, p, &k[r.clone()], &v[r]);
-                }
-            }
-            let shape = AttentionShape {
-                layer: 0,
-                heads,
-                kv_heads,
-                head_dim: d,
-                scale: 0.125,
-                window: None,
-            };
-            let one = |slot: usize| TokenRow {
-                slot,
-                pos: lens[slot] - 1,
-            };
-            let calls: Vec<Vec<TokenRow>> = vec![
-                vec![one(0)],
-                vec![one(1)],
-                vec![one(2)],
-                vec![one(3)],
-                (0..lens.len()).map(one).collect(),
-            ];
-            for rows in calls {
+            let mut kv = decode_cache(&shape, dtype, &lens);
+            for rows in decode_calls(&lens) {
                 let q = wave(rows.len() * heads * d, 1);
                 let k = wave(rows.len() * kv_heads * d, 7);
                 let v = wave(rows.len() * kv_heads * d, 9);
@@ -1482,23 +1503,10 @@ mod tests {
     /// and long enough to split, and a call of several rows.
     #[test]
     fn rotating_inside_matches_rotating_first() {
-        let (heads, kv_heads, d) = (9, 3, 64);
-        let (hd, kd) = (heads * d, kv_heads * d);
+        let shape = smollm2_shape();
+        let d = shape.head_dim;
+        let (hd, kd) = (shape.heads * d, shape.kv_heads * d);
         let lens = [8usize, 40, 200];
-        let spec = KvSpec {
-            layers: 1,
-            kv_heads,
-            head_dim: d,
-            state_dim: 0,
-        };
-        let shape = AttentionShape {
-            layer: 0,
-            heads,
-            kv_heads,
-            head_dim: d,
-            scale: 0.125,
-            window: None,
-        };
         let inv_freq: Vec<f32> = (0..d / 2)
             .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / d as f32))
             .collect();
@@ -1506,29 +1514,7 @@ mod tests {
             .num_threads(2)
             .build()
             .expect("a 2-thread pool");
-        let cache = |dtype: KvDtype| {
-            let mut kv = KvCache::new_of(spec, dtype, lens.len(), 256).unwrap();
-            for (slot, &len) in lens.iter().enumerate() {
-                kv.prepare(slot, len).unwrap();
-                let k = wave(len * kd, 2 + slot);
-                let v = wave(len * kd, 5 + slot);
-                for p in 0..len - 1 {
-                    let r = p * kd..(p + 1) * kd;
-                    kv.write(0, slot, p, &k[r.clone()], &v[r]);
-                }
-            }
-            kv
-        };
-        let one = |slot: usize| TokenRow {
-            slot,
-            pos: lens[slot] - 1,
-        };
-        let calls: Vec<Vec<TokenRow>> = vec![
-            vec![one(0)],
-            vec![one(1)],
-            vec![one(2)],
-            (0..lens.len()).map(one).collect(),
-        ];
+        let calls = decode_calls(&lens);
         let styles = [
             RopeStyle::HalfSplit,
             RopeStyle::Interleaved,
@@ -1551,7 +1537,7 @@ mod tests {
                     }
                     for in_step in [false, true] {
                         let run = |q: &[f32], k: &[f32], rotate: Option<Rotation<'_>>| {
-                            let mut kv = cache(dtype);
+                            let mut kv = decode_cache(&shape, dtype, &lens);
                             let mut out = vec![f32::NAN; rows.len() * hd];
                             let call = |kv: &mut KvCache, out: &mut Vec<f32>| {
                                 attention(
