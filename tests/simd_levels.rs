@@ -289,24 +289,26 @@ fn every_simd_level_runs_whole_models() {
     } else {
         println!("demo model absent (scripts/fetch_demo_model.sh): fixtures only");
     }
-    // Prefetches are hints: the other prefetch policy (`KILN_PREFETCH`, l2 by default on Intel
-    // CPUs, l1 elsewhere) at the best level must give the same logits, bit for bit.
+    // Prefetches are hints: every other prefetch policy (`KILN_PREFETCH`: by default l2 on Intel
+    // CPUs, rows on AMD Zen 5, l1 elsewhere) at the best level must give the same logits, bit
+    // for bit.
     let best = simd::detected();
     let policy = kiln::backend::cpu::matmul::prefetch_policy();
-    let other = if policy == "l2" { "l1" } else { "l2" };
     if best >= Level::Avx2 {
-        let out = dir.join(format!("{}-prefetch-{other}.logits", best.name()));
-        run_child(&exe, best, &out, &[("KILN_PREFETCH", other)]);
-        if let Some((_, same_level)) = demo.iter().find(|(l, _)| *l == best) {
-            assert!(
-                read_rows(&out) == read_rows(same_level),
-                "demo model at {}: prefetch {other} changed the logits against {policy}",
-                best.name()
-            );
-            println!(
-                "demo model at {}: prefetch policies {policy} (this CPU's) and {other}: the same logits bit for bit",
-                best.name()
-            );
+        for other in ["l1", "l2", "rows"].into_iter().filter(|&p| p != policy) {
+            let out = dir.join(format!("{}-prefetch-{other}.logits", best.name()));
+            run_child(&exe, best, &out, &[("KILN_PREFETCH", other)]);
+            if let Some((_, same_level)) = demo.iter().find(|(l, _)| *l == best) {
+                assert!(
+                    read_rows(&out) == read_rows(same_level),
+                    "demo model at {}: prefetch {other} changed the logits against {policy}",
+                    best.name()
+                );
+                println!(
+                    "demo model at {}: prefetch policies {policy} (this CPU's) and {other}: the same logits bit for bit",
+                    best.name()
+                );
+            }
         }
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -294,7 +294,8 @@ pub fn integer_layouts(numerics: Numerics) -> bool {
 
 /// Which prefetch policy the streaming kernels follow in this process, as `KILN_PREFETCH`
 /// spells it: `l2` (Intel CPUs: next weights into L2, the one-row GEMV's stream prefetched
-/// ahead) or `l1` (others). See `prefetch.rs` for what each was measured to do.
+/// ahead), `rows` (AMD Zen 5: only the one-row GEMV's stream, into L2) or `l1` (others). See
+/// `prefetch.rs` for what each was measured to do.
 pub fn prefetch_policy() -> &'static str {
     prefetch::policy().name()
 }
