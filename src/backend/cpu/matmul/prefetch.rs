@@ -23,7 +23,10 @@
 //!   rounds; 2 KiB ahead gained less, 4–32 KiB the same within the spread), while the grouped
 //!   kernels' prefetches into L2 made Q8_0 5% slower (0.95, 40 rounds) and moved Q4_1 and
 //!   Qwen2.5-Coder-0.5B Q4_K_M by less than their spread. So Zen 5 takes `rows`: each the
-//!   better half.
+//!   better half. (The AVX2 one-row GEMV, `KILN_SIMD=avx2`, which with a row prefetch asks
+//!   8 KiB ahead into L2 rather than 2 KiB into L1, decoded BF16 the same either way:
+//!   `kiln-bench -t 2 -p 0 -n 128 -r 3`, alternating three times, 136.8–145.6 tok/s under `l1`
+//!   against 134.4–152.8 under `rows`.)
 //! - **Others** (measured on an AMD Zen 4, 2026-12-03): one row read as one stream without
 //!   software prefetch was fastest for bf16 weights (a C model of the GEMV: 27–31 GB/s against
 //!   21–26 with prefetches 512–2048 B ahead into L1; the row prefetch into L2 that Zen 5 takes
