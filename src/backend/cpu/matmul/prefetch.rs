@@ -255,6 +255,5 @@ mod tests {
         assert_eq!(Policy::L1.row_ahead, 0);
         assert_eq!(Policy::L2.row_ahead, ROW_AHEAD_L2);
         assert_eq!(Policy::ROWS.row_ahead, ROW_AHEAD_L2);
-        assert!(!Policy::ROWS.to_l2);
     }
 }
