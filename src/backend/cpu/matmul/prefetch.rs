@@ -106,19 +106,27 @@ pub(crate) fn policy() -> Policy {
     })
 }
 
-/// Whether the CPU's vendor string is Intel's, asked once (a `cpuid` exits to a hypervisor).
+/// The CPU's vendor string and, where it has leaf 1, CPUID leaf 1's EAX (family, model and
+/// stepping), asked once (a `cpuid` exits to a hypervisor).
 #[cfg(target_arch = "x86_64")]
-pub(crate) fn intel() -> bool {
-    static INTEL: OnceLock<bool> = OnceLock::new();
-    *INTEL.get_or_init(|| {
-        // CPUID leaf 0 (the vendor string) exists on every x86_64 CPU.
-        let r = std::arch::x86_64::__cpuid(0);
+fn identity() -> ([u8; 12], Option<u32>) {
+    static IDENTITY: OnceLock<([u8; 12], Option<u32>)> = OnceLock::new();
+    *IDENTITY.get_or_init(|| {
+        use std::arch::x86_64::__cpuid;
+        // CPUID leaf 0 (the vendor string and the highest leaf) exists on every x86_64 CPU.
+        let r = __cpuid(0);
         let mut vendor = [0u8; 12];
         vendor[0..4].copy_from_slice(&r.ebx.to_le_bytes());
         vendor[4..8].copy_from_slice(&r.edx.to_le_bytes());
         vendor[8..12].copy_from_slice(&r.ecx.to_le_bytes());
-        &vendor == b"GenuineIntel"
+        (vendor, (r.eax >= 1).then(|| __cpuid(1).eax))
     })
+}
+
+/// Whether the CPU's vendor string is Intel's.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn intel() -> bool {
+    &identity().0 == b"GenuineIntel"
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -130,22 +138,13 @@ pub(crate) fn intel() -> bool {
 const ZEN5_FAMILY: u32 = 0x1A;
 
 /// The CPU's family number (base plus extended, as AMD numbers them) when its vendor string is
-/// AMD's, else 0; asked once.
+/// AMD's, else 0.
 #[cfg(target_arch = "x86_64")]
 fn amd_family() -> u32 {
-    static FAMILY: OnceLock<u32> = OnceLock::new();
-    *FAMILY.get_or_init(|| {
-        use std::arch::x86_64::__cpuid;
-        let r = __cpuid(0);
-        let mut vendor = [0u8; 12];
-        vendor[0..4].copy_from_slice(&r.ebx.to_le_bytes());
-        vendor[4..8].copy_from_slice(&r.edx.to_le_bytes());
-        vendor[8..12].copy_from_slice(&r.ecx.to_le_bytes());
-        if &vendor != b"AuthenticAMD" || r.eax < 1 {
-            return 0;
-        }
-        family(__cpuid(1).eax)
-    })
+    match identity() {
+        (vendor, Some(eax)) if &vendor == b"AuthenticAMD" => family(eax),
+        _ => 0,
+    }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -155,6 +154,7 @@ fn amd_family() -> u32 {
 
 /// The family number in CPUID leaf 1's EAX: the base family, plus the extended family where
 /// the base is 0xF.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn family(eax: u32) -> u32 {
     let base = (eax >> 8) & 0xF;
     if base == 0xF {
@@ -243,7 +243,7 @@ mod tests {
     }
 
     #[test]
-    fn the_variable_names_either_policy() {
+    fn the_variable_names_every_policy() {
         assert_eq!(Policy::parse("l1"), Some(Policy::L1));
         assert_eq!(Policy::parse(" L2 "), Some(Policy::L2));
         assert_eq!(Policy::parse("l3"), None);
