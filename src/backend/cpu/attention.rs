@@ -1406,7 +1406,7 @@ mod tests {
     }
 
     /// SmolLM2's attention heads (9 query, 3 KV, 64 wide), layer 0 of one.
-    fn smollm2_shape() -> AttentionShape {
+    pub(super) fn smollm2_shape() -> AttentionShape {
         AttentionShape {
             layer: 0,
             heads: 9,

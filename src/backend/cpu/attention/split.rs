@@ -434,7 +434,7 @@ unsafe fn values<O: Ops>(o: &O, head: &Head, cols: Range<usize>, bufs: &mut Bufs
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{one_head_at_a_time, wave};
+    use super::super::tests::{one_head_at_a_time, smollm2_shape, wave};
     use super::*;
     use crate::graph::KvSpec;
 
@@ -527,14 +527,7 @@ mod tests {
             state_dim: 0,
         };
         let kv = KvCache::new(spec, 4, 1024).unwrap();
-        let shape = AttentionShape {
-            layer: 0,
-            heads: 9,
-            kv_heads: 3,
-            head_dim: 64,
-            scale: 0.125,
-            window: None,
-        };
+        let shape = smollm2_shape();
         let row = |slot, pos| TokenRow { slot, pos };
         assert!(applies(&kv, &shape, &[row(0, 500)], 1, 2));
         assert!(!applies(&kv, &shape, &[row(0, 500)], 1, 1), "one thread");
