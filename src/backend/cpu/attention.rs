@@ -21,7 +21,7 @@ mod split;
 
 use std::cell::RefCell;
 
-use rayon::prelude::*;
+use crate::backend::cpu::par;
 
 use super::keep_awake;
 use super::rope;
@@ -149,7 +149,7 @@ pub fn attention(
     // query head (SmolLM2 with a bf16 cache, one sequence of 1,024 tokens, 2 threads on an
     // Intel Xeon: 80 → 103–110 tok/s).
     let tiles = token_tiles(rows, TILE_TOKENS);
-    let threads = rayon::current_num_threads().max(1);
+    let threads = par::threads();
     let ptr = OutPtr(out_data.as_mut_ptr());
     if split::applies(kv, s, rows, tiles.len(), threads) {
         // SAFETY: bounds asserted above.
@@ -229,7 +229,7 @@ pub fn attention(
     } else if alone {
         tasks.for_each(task_of);
     } else {
-        tasks.into_par_iter().for_each(task_of);
+        par::for_each(tasks, task_of);
     }
 }
 
@@ -252,7 +252,7 @@ fn rotates_in_tasks(
     rows: &[TokenRow],
     kv: &KvCache,
 ) -> bool {
-    let threads = rayon::current_num_threads().max(1);
+    let threads = par::threads();
     !in_bf16(numerics, rows, s.head_dim)
         && rows.len() == 1
         && kv.layout().dtype == KvDtype::F32

@@ -29,7 +29,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-use rayon::prelude::*;
+use crate::backend::cpu::par;
 
 use super::attention::{token_tiles, AttentionShape, OutPtr};
 use super::simd::x86::{bf16_pairs, exp_512, tail_mask16, transpose16};
@@ -105,42 +105,37 @@ pub(super) unsafe fn attention(
         x.2 = x.2.max(n);
         row_seq.push(i);
     }
-    let packed: Vec<Packed> = (0..seqs.len() * s.kv_heads)
-        .into_par_iter()
-        .map(|i| {
-            let (slot, lo, n) = seqs[i / s.kv_heads];
-            // SAFETY: as this function's.
-            unsafe { pack(kv, s, slot, i % s.kv_heads, lo, n) }
-        })
-        .collect();
+    let packed: Vec<Packed> = par::map_collect(0..seqs.len() * s.kv_heads, |i| {
+        let (slot, lo, n) = seqs[i / s.kv_heads];
+        // SAFETY: as this function's.
+        unsafe { pack(kv, s, slot, i % s.kv_heads, lo, n) }
+    });
     // Tasks: up to TILE_TOKENS consecutive rows of one sequence, times KV heads.
     let tiles = token_tiles(rows, TILE_TOKENS);
     let (out_data, out_stride, out_col) = out;
     let ptr = OutPtr(out_data);
-    (0..tiles.len() * s.kv_heads)
-        .into_par_iter()
-        .for_each(|task| {
-            let tile = tiles[task / s.kv_heads].clone();
-            let g = task % s.kv_heads;
-            let seq = row_seq[tile.start];
-            let p = ptr;
-            let job = Job {
-                s,
-                rows: &rows[tile.clone()],
-                heads: g * group..(g + 1) * group,
-                q: &q.0[tile.start * q.1 + q.2..],
-                q_stride: q.1,
-                packed: &packed[seq * s.kv_heads + g],
-                // SAFETY (of the writes through it): each task writes its own heads of its
-                // own rows; bounds checked by the caller.
-                out: unsafe { p.0.add(tile.start * out_stride + out_col) },
-                out_stride,
-            };
-            SCRATCH.with_borrow_mut(|scratch| {
-                // SAFETY: as this function's.
-                unsafe { attend(&job, scratch, d) }
-            });
+    par::for_each(0..tiles.len() * s.kv_heads, |task| {
+        let tile = tiles[task / s.kv_heads].clone();
+        let g = task % s.kv_heads;
+        let seq = row_seq[tile.start];
+        let p = ptr;
+        let job = Job {
+            s,
+            rows: &rows[tile.clone()],
+            heads: g * group..(g + 1) * group,
+            q: &q.0[tile.start * q.1 + q.2..],
+            q_stride: q.1,
+            packed: &packed[seq * s.kv_heads + g],
+            // SAFETY (of the writes through it): each task writes its own heads of its
+            // own rows; bounds checked by the caller.
+            out: unsafe { p.0.add(tile.start * out_stride + out_col) },
+            out_stride,
+        };
+        SCRATCH.with_borrow_mut(|scratch| {
+            // SAFETY: as this function's.
+            unsafe { attend(&job, scratch, d) }
         });
+    });
 }
 
 /// Rounds and lays out positions `lo..n` (widened to multiples of [`KEYS`]) of KV head `g` of

@@ -1,7 +1,7 @@
 //! The plan interpreter: one match arm per op, reading and writing column slots of the
 //! workspace's buffers.
 
-use rayon::prelude::*;
+use crate::backend::cpu::par;
 
 use super::attention::{self, AttentionShape};
 use super::matmul::{self, PackedMatrix};
@@ -82,10 +82,9 @@ fn for_rows(
             f(t, row_mut(data, stride, s, t));
         }
     } else {
-        data[..rows * stride]
-            .par_chunks_mut(stride)
-            .enumerate()
-            .for_each(|(t, row)| f(t, &mut row[s.col..s.col + s.cols]));
+        par::for_each_chunk_mut(&mut data[..rows * stride], stride, |t, row| {
+            f(t, &mut row[s.col..s.col + s.cols])
+        });
     }
 }
 

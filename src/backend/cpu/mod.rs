@@ -1,4 +1,5 @@
-//! The CPU backend: executes execution plans with SIMD kernels on its own rayon pool.
+//! The CPU backend: executes execution plans with SIMD kernels on its own rayon pool (a backend
+//! of one thread runs them on the calling thread: [`par`]).
 //!
 //! Weights are packed once at construction (linears that a pass merged become one matrix; bf16 and
 //! quantized blocks stay as stored) and shared by every plan and every session; all per-step memory
@@ -13,6 +14,7 @@ pub mod keep_awake;
 pub mod matmul;
 pub mod norm;
 mod pages;
+mod par;
 mod rope;
 pub mod simd;
 pub mod stream;
@@ -337,22 +339,19 @@ impl CpuBackend {
         }
         let plan = self.plan(kind);
         let mats = &self.plan_matrices[kind as usize];
-        let n = self.pool.install(|| {
-            keep_awake::during(self.threads, || {
-                exec::run(
-                    self,
-                    plan,
-                    mats,
-                    &self.plan_deferrals[kind as usize],
-                    ws,
-                    kv,
-                    tokens,
-                    rows,
-                    logit_rows,
-                    logits,
-                )
-            })
-        });
+        let deferrals = &self.plan_deferrals[kind as usize];
+        let step = || {
+            exec::run(
+                self, plan, mats, deferrals, ws, kv, tokens, rows, logit_rows, logits,
+            )
+        };
+        // One thread: the step runs here, its loops in order ([`par`]), with no hand-over to
+        // the pool and back.
+        let n = if self.threads == 1 {
+            par::serially(step)
+        } else {
+            self.pool.install(|| keep_awake::during(self.threads, step))
+        };
         for (&slot, &end) in &next {
             let len = kv.len(slot);
             kv.advance(slot, end - len);

@@ -26,7 +26,7 @@ use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use rayon::prelude::*;
+use crate::backend::cpu::par;
 
 use super::{
     keys_at_once, prefetch_blocks, score_keys, AtLevel, AttentionShape, Half, Ops, OutPtr,
@@ -188,12 +188,12 @@ pub(super) unsafe fn attention(
         q: &q.0[i * q.1 + q.2..],
         scores: sp.0.wrapping_add(layout[i].start),
     };
-    score_tasks.par_iter().for_each(|(i, g, range)| {
+    par::for_each(score_tasks.as_slice(), |(i, g, range)| {
         let h = head(*i, *g, sp);
         let left = &left[i * s.kv_heads + g];
         BUFS.with_borrow_mut(|bufs| dispatch_scores(level, &h, range.clone(), left, bufs));
     });
-    (0..pairs * runs).into_par_iter().for_each(|t| {
+    par::for_each(0..pairs * runs, |t| {
         let (i, g, run) = (t / (s.kv_heads * runs), t / runs % s.kv_heads, t % runs);
         let cols = (run * per_run * unit).min(d)..((run + 1) * per_run * unit).min(d);
         if cols.is_empty() {

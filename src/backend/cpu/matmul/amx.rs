@@ -131,7 +131,7 @@ pub(super) const EXACT_PARTS: usize = 3;
 /// # Safety
 /// The CPU supports AVX-512 F/BW; `x` holds the rows.
 pub(super) unsafe fn split_rows(x: &[f32], ldx: usize, tokens: usize, k: usize) -> Vec<u32> {
-    use rayon::prelude::*;
+    use crate::backend::cpu::par;
     assert!(k.is_multiple_of(32) && (tokens == 0 || x.len() >= (tokens - 1) * ldx + k));
     let kp = k / 2;
     let step_words = EXACT_PARTS * STEP_TOKENS * kp;
@@ -139,15 +139,13 @@ pub(super) unsafe fn split_rows(x: &[f32], ldx: usize, tokens: usize, k: usize) 
     if step_words == 0 {
         return out;
     }
-    out.par_chunks_mut(step_words)
-        .enumerate()
-        .for_each(|(s, step)| {
-            let t0 = s * STEP_TOKENS;
-            for r in 0..(tokens - t0).min(STEP_TOKENS) {
-                // SAFETY: as this function's; row `t0 + r` is in `x` (checked above).
-                unsafe { split_row(&x[(t0 + r) * ldx..][..k], step, r * kp, STEP_TOKENS * kp) };
-            }
-        });
+    par::for_each_chunk_mut(&mut out, step_words, |s, step| {
+        let t0 = s * STEP_TOKENS;
+        for r in 0..(tokens - t0).min(STEP_TOKENS) {
+            // SAFETY: as this function's; row `t0 + r` is in `x` (checked above).
+            unsafe { split_row(&x[(t0 + r) * ldx..][..k], step, r * kp, STEP_TOKENS * kp) };
+        }
+    });
     out
 }
 

@@ -34,7 +34,7 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-use rayon::prelude::*;
+use crate::backend::cpu::par;
 
 use super::x86::tok_ptrs;
 use super::Job;
@@ -101,9 +101,9 @@ impl PackedTokens {
         if tiles <= PACK_TILES_PER_TASK {
             pack_tiles(0, &mut data);
         } else {
-            data.par_chunks_mut(PACK_TILES_PER_TASK * tile_len)
-                .enumerate()
-                .for_each(|(c, out)| pack_tiles(c * PACK_TILES_PER_TASK, out));
+            par::for_each_chunk_mut(&mut data, PACK_TILES_PER_TASK * tile_len, |c, out| {
+                pack_tiles(c * PACK_TILES_PER_TASK, out)
+            });
         }
         PackedTokens { data, k, tiles }
     }

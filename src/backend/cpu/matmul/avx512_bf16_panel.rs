@@ -50,7 +50,7 @@ fn pairs(k: usize) -> usize {
 /// # Safety
 /// The CPU supports AVX512-BF16 (and F/BW/VL); `x` holds the rows.
 pub(super) unsafe fn round_rows(x: &[f32], ldx: usize, tokens: usize, k: usize) -> Vec<u32> {
-    use rayon::prelude::*;
+    use crate::backend::cpu::par;
     if amx::takes(k) {
         // The AMX tiles' layout instead: row by row.
         return amx::round_rows(x, ldx, tokens, k);
@@ -64,7 +64,7 @@ pub(super) unsafe fn round_rows(x: &[f32], ldx: usize, tokens: usize, k: usize) 
         parts.push((t0, w, part));
         rest = tail;
     }
-    parts.into_par_iter().for_each(|(t0, w, part)| {
+    par::for_each(parts, |(t0, w, part)| {
         // SAFETY: as this function's; the tile's rows are in `x`.
         unsafe { round_tile(&x[t0 * ldx..], ldx, k, w, part) };
     });

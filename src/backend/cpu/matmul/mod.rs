@@ -97,8 +97,8 @@
 use std::cell::RefCell;
 use std::ops::Range;
 
+use crate::backend::cpu::par;
 use half::bf16;
-use rayon::prelude::*;
 
 use super::keep_awake;
 pub use super::pages::{Pages, WeightArena};
@@ -632,7 +632,7 @@ unsafe impl Sync for OutPtr {}
 /// and split the units as evenly as they can: rayon halves the list of tasks between threads,
 /// and equal-sized tasks with a short last one gave one of two threads 320 of 576 rows.
 fn task_rows(level: Level, w: &PackedMatrix, tokens: usize) -> TaskRows {
-    let threads = rayon::current_num_threads().max(1);
+    let threads = par::threads();
     // Multi-token calls go one packed panel's outputs at a time (the quantized prefill tiles
     // too): 32 on AVX-512, 16 on AVX2.
     let panel = tile_rows(simd::clamp(level), tokens);
@@ -871,9 +871,7 @@ pub fn matmul_with(
     }
     // Computed once per call, shared by every task.
     let prepared = Prepared::new(level, numerics, w, x, ldx, tokens);
-    (0..tasks.tasks)
-        .into_par_iter()
-        .for_each(|i| run(tasks.rows(i), &prepared));
+    par::for_each(0..tasks.tasks, |i| run(tasks.rows(i), &prepared));
 }
 
 /// The most tokens a call may have to go to the step's team rather than a rayon loop. SmolLM2
@@ -1093,7 +1091,7 @@ fn per_token<T: Send>(
     if tokens.saturating_mul(cols) < PARALLEL_ROUNDING {
         (0..tokens).map(row).collect()
     } else {
-        (0..tokens).into_par_iter().map(row).collect()
+        par::map_collect(0..tokens, row)
     }
 }
 
