@@ -606,7 +606,8 @@ fn hand_over_logits(
     let need = n * cols;
     if col == 0 && stride == cols && buffer.len() == need && logits.capacity() >= need {
         std::mem::swap(buffer, logits);
-        // Within capacity: no allocation; the head overwrites every element before any read.
+        // Within capacity: no allocation. Its contents do not matter: a step writes every
+        // buffer before it reads it, as it did with the last step's values left there.
         buffer.resize(need, 0.0);
         return;
     }

@@ -1,5 +1,5 @@
 //! The CPU backend: executes execution plans with SIMD kernels on its own rayon pool (a backend
-//! of one thread runs them on the calling thread: [`par`]).
+//! of one thread runs them on the calling thread: the `par` module).
 //!
 //! Weights are packed once at construction (linears that a pass merged become one matrix; bf16 and
 //! quantized blocks stay as stored) and shared by every plan and every session; all per-step memory
@@ -50,7 +50,9 @@ pub enum WeightFormat {
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuOptions {
-    /// Worker threads; 0 uses every core.
+    /// Threads a step uses; 0 uses every core. With 1, each step runs on the thread that
+    /// calls it (no worker: see the `par` module), so steps called from several threads at
+    /// once run side by side, each on its caller's thread; with more, on the backend's pool.
     pub threads: usize,
     pub weights: WeightFormat,
     /// How activations meet the weights where rounding them is faster: at the exact path's
