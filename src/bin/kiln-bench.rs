@@ -801,8 +801,10 @@ fn profile_decode(b: &CpuBackend, batch: usize, n: usize, seed: u64) -> Result<(
     let mut ws = Workspace::new();
     let mut logits = Vec::new();
     ws.enable_profile();
+    let mut wall = Duration::ZERO;
     for pos in 0..=n {
         let rows: Vec<TokenRow> = (0..batch).map(|slot| TokenRow { slot, pos }).collect();
+        let t0 = Instant::now();
         b.forward(
             PlanKind::Decode,
             &mut ws,
@@ -811,10 +813,11 @@ fn profile_decode(b: &CpuBackend, batch: usize, n: usize, seed: u64) -> Result<(
             &rows,
             &mut logits,
         )?;
+        wall += t0.elapsed();
     }
     let dims = Dims::decode(batch, n.div_ceil(2) + 1);
     let what = format!("decode profile over {} steps of {batch} sequences", n + 1);
-    print_profile(&what, b.plan(PlanKind::Decode), &dims, &ws, n + 1);
+    print_profile(&what, b.plan(PlanKind::Decode), &dims, &ws, (n + 1, wall));
     Ok(())
 }
 
@@ -824,8 +827,11 @@ fn profile_decode(b: &CpuBackend, batch: usize, n: usize, seed: u64) -> Result<(
 fn profile_prefill(b: &CpuBackend, n: usize, runs: usize, seed: u64) -> Result<()> {
     let mut p = Prefill::new(b, n, seed)?;
     p.ws.enable_profile();
+    let mut wall = Duration::ZERO;
     for _ in 0..runs {
+        let t0 = Instant::now();
         p.run(b)?;
+        wall += t0.elapsed();
     }
     let what = format!("prefill profile over {runs} runs of {n} tokens");
     print_profile(
@@ -833,7 +839,7 @@ fn profile_prefill(b: &CpuBackend, n: usize, runs: usize, seed: u64) -> Result<(
         b.plan(PlanKind::Prefill),
         &Dims::prefill(n),
         &p.ws,
-        runs,
+        (runs, wall),
     );
     Ok(())
 }
@@ -841,7 +847,13 @@ fn profile_prefill(b: &CpuBackend, n: usize, runs: usize, seed: u64) -> Result<(
 /// The per-op table of a profiled workspace after `steps` forward calls of `plan`: instructions
 /// grouped by what they are, not by layer (`layers.7.attn.q+k+v` → `attn.q+k+v`), with the
 /// plan's cost model's bytes and flops at `dims` over the measured time.
-fn print_profile(what: &str, plan: &ExecutionPlan, dims: &Dims, ws: &Workspace, steps: usize) {
+fn print_profile(
+    what: &str,
+    plan: &ExecutionPlan,
+    dims: &Dims,
+    ws: &Workspace,
+    (steps, wall): (usize, Duration),
+) {
     use std::collections::BTreeMap;
     let times = ws.profile().unwrap_or(&[]);
     let mut groups: BTreeMap<String, (usize, Duration, u64, u64)> = BTreeMap::new();
@@ -862,8 +874,12 @@ fn print_profile(what: &str, plan: &ExecutionPlan, dims: &Dims, ws: &Workspace, 
     let total: Duration = times.iter().sum();
     let steps = steps.max(1) as f64;
     note!(
-        "kiln-bench: {what}, {:.3} ms/step in instructions",
-        total.as_secs_f64() * 1e3 / steps
+        "kiln-bench: {what}, {:.3} ms/step in instructions of {:.3} ms/step in all ({:.1} µs a \
+         step outside them: its setup, the gaps between instructions and, with more than one \
+         thread, its hand-over to the thread pool and back)",
+        total.as_secs_f64() * 1e3 / steps,
+        wall.as_secs_f64() * 1e3 / steps,
+        wall.saturating_sub(total).as_secs_f64() * 1e6 / steps
     );
     note!("| op | count | ms/step | share | bytes/step | GB/s | GFLOP/s |");
     note!("|---|---:|---:|---:|---:|---:|---:|");
