@@ -21,9 +21,8 @@ mod split;
 
 use std::cell::RefCell;
 
-use crate::backend::cpu::par;
-
 use super::keep_awake;
+use super::par;
 use super::rope;
 use super::simd::{self, Level};
 use super::Numerics;

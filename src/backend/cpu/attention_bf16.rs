@@ -29,9 +29,8 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-use crate::backend::cpu::par;
-
 use super::attention::{token_tiles, AttentionShape, OutPtr};
+use super::par;
 use super::simd::x86::{bf16_pairs, exp_512, tail_mask16, transpose16};
 use crate::backend::TokenRow;
 use crate::kv::{KvCache, KvDtype};

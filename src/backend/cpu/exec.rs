@@ -1,11 +1,9 @@
 //! The plan interpreter: one match arm per op, reading and writing column slots of the
 //! workspace's buffers.
 
-use crate::backend::cpu::par;
-
 use super::attention::{self, AttentionShape};
 use super::matmul::{self, PackedMatrix};
-use super::{elementwise, norm, rope, CpuBackend};
+use super::{elementwise, norm, par, rope, CpuBackend};
 use crate::backend::TokenRow;
 use crate::graph::{Epilogue, Op, Rows};
 use crate::kv::KvCache;

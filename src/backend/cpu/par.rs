@@ -47,7 +47,7 @@ pub fn serially<R>(step: impl FnOnce() -> R) -> R {
 }
 
 /// Whether this thread runs a step of a one-thread backend ([`serially`]).
-pub fn serial() -> bool {
+fn serial() -> bool {
     SERIAL.get()
 }
 

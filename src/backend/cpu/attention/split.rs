@@ -26,11 +26,10 @@ use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::backend::cpu::par;
-
 use super::{
     keys_at_once, prefetch_blocks, score_keys, AtLevel, AttentionShape, Half, Ops, OutPtr,
 };
+use crate::backend::cpu::par;
 use crate::backend::cpu::simd::{self, Level};
 use crate::backend::TokenRow;
 use crate::kv::{KvCache, KvDtype};

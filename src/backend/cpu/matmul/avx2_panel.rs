@@ -34,10 +34,9 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-use crate::backend::cpu::par;
-
 use super::x86::tok_ptrs;
 use super::Job;
+use crate::backend::cpu::par;
 use crate::backend::cpu::simd::x86::Load;
 
 /// Outputs per panel: two 8-lane vectors.

@@ -97,11 +97,11 @@
 use std::cell::RefCell;
 use std::ops::Range;
 
-use crate::backend::cpu::par;
 use half::bf16;
 
 use super::keep_awake;
 pub use super::pages::{Pages, WeightArena};
+use super::par;
 use super::simd::{self, Level};
 use crate::model::quant::{self, BlockFormat, QuantKind};
 use crate::with_format;

@@ -68,7 +68,7 @@ impl Policy {
         row_ahead: ROW_AHEAD_L2,
     };
     /// Every policy, as `KILN_PREFETCH` names them.
-    pub(crate) const ALL: [Policy; 3] = [Policy::L1, Policy::L2, Policy::ROWS];
+    const ALL: [Policy; 3] = [Policy::L1, Policy::L2, Policy::ROWS];
 
     /// The policy `KILN_PREFETCH` names (`l1`, `l2` or `rows`, any case), if it names one.
     fn parse(s: &str) -> Option<Policy> {
